@@ -1,0 +1,1 @@
+"""Attention and KV-cache kernels: torch references (CPU) and, later, Triton kernels (GPU)."""

@@ -1,0 +1,71 @@
+"""Engine configuration: one frozen dataclass built by the CLI, the Python API and the server."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every setting of one engine. Fields left as ``None`` are decided at start-up.
+
+    Names follow vLLM's engine arguments so that habits carry over.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    seed: int = 0
+    # Scheduling.
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int = 2048
+    # KV cache.
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None
+    # Multimodal.
+    limit_mm_per_prompt: int = 4
+    encoder_cache_size: int | None = None
+    max_image_pixels: int = 50_000_000
+
+    def __post_init__(self) -> None:
+        def positive(name: str, value: int | None) -> None:
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value}.")
+
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "kv_cache_memory", "encoder_cache_size", "max_image_pixels"):
+            positive(name, getattr(self, name))
+        if self.limit_mm_per_prompt < 0:
+            raise ValueError(
+                f"limit_mm_per_prompt must be >= 0, got {self.limit_mm_per_prompt}.")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}.")
+        if self.device not in ("cpu",):
+            raise ValueError(f"device must be 'cpu', got {self.device!r}.")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The weights' and activations' dtype (``auto`` is bfloat16 where the CPU has it)."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+    def replace(self, **changes: object) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def cpu_supports_bf16() -> bool:
+    """True when the CPU has native bfloat16 matmul (AVX512-BF16 or AMX)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -1,0 +1,1 @@
+"""Request state, cache bookkeeping and scheduling: ids, counts and hashes, never tensors."""

@@ -1,0 +1,53 @@
+"""Incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output ids into text without re-decoding all of it each step.
+
+    Text is released only once it no longer ends in an incomplete UTF-8 sequence, and held
+    back by up to ``len(longest stop string) - 1`` characters so that a stop string is never
+    streamed partially before it is recognised.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""  # everything decoded so far
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.stopped = False
+        self._emitted = 0
+
+    def add(self, token_id: int) -> None:
+        """Append one token; sets ``stopped`` when a stop string appears (text cut before it)."""
+        self.token_ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self._prefix_offset:self._read_offset],
+                        skip_special_tokens=True)
+        full = decode(self.token_ids[self._prefix_offset:], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            start = len(self.text)
+            self.text += full[len(prefix):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.token_ids)
+            self._check_stop(start)
+
+    def _check_stop(self, new_from: int) -> None:
+        for s in self.stop:
+            idx = self.text.find(s, max(0, new_from - len(s) + 1))
+            if idx != -1:
+                self.text = self.text[:idx]
+                self.stopped = True
+                return
+
+    def take_new_text(self, final: bool) -> str:
+        """Text not yet handed out; keeps a possible partial stop string unless ``final``."""
+        end = len(self.text) if final or self.stopped else max(
+            self._emitted, len(self.text) - self.holdback)
+        new = self.text[self._emitted:end]
+        self._emitted = end
+        return new

@@ -1,0 +1,110 @@
+"""Per-request KV block tables on top of the block pool, with prefix caching."""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+from mmserve.engine.block_pool import BlockPool, KVBlock
+from mmserve.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], extra: tuple) -> bytes:
+    """A full block's content hash: chained to its parent, so equal hashes mean equal prefixes."""
+    return hashlib.sha256(pickle.dumps((parent, tuple(token_ids), extra))).digest()
+
+
+class KVCacheManager:
+    """Maps requests to KV blocks. Bookkeeping only; the runner owns the cache tensors."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._num_published: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def _block_hashes(self, req: Request, num_full_blocks: int) -> list[bytes]:
+        """Extend ``req.block_hashes`` to its first ``num_full_blocks`` blocks.
+
+        A block's hash covers its token ids and, for every image overlapping it, the image's
+        content hash and the block's offset into the image: placeholder ids are the same for
+        every image, so the tokens alone would make two different pictures collide.
+        """
+        bs = self.block_size
+        hashes = req.block_hashes
+        while len(hashes) < num_full_blocks:
+            start = len(hashes) * bs
+            end = start + bs
+            extra = tuple((img.hash, start - img.offset) for img in req.images
+                          if img.offset < end and img.end > start)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, req.all_token_ids[start:end], extra))
+        return hashes[:num_full_blocks]
+
+    def get_computed_blocks(self, req: Request) -> list[KVBlock]:
+        """The longest run of cached blocks that prefixes ``req``.
+
+        The last token is always left to compute, even on a full hit: the engine needs the
+        logits at that position to sample the first output token.
+        """
+        if not self.enable_caching:
+            return []
+        hits = []
+        for block_hash in self._block_hashes(req, (req.num_tokens - 1) // self.block_size):
+            block = self.pool.get_cached(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None
+    ) -> list[KVBlock] | None:
+        """Make room for ``num_new_tokens`` after the request's computed ones.
+
+        ``computed_blocks`` are prefix-cache hits for a request being admitted. Returns the
+        request's whole block list, or None (and changes nothing) when the pool is too small.
+        """
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        total = num_computed + num_new_tokens
+        num_needed = cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)
+        # Hits sitting in the free queue stop being free once we take them.
+        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if max(num_needed, 0) + num_free_hits > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(computed_blocks)
+        blocks = self.req_blocks.setdefault(req.request_id, blocks)
+        blocks.extend(computed_blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.allocate(num_needed))
+        if self.enable_caching:
+            # Publish blocks that these tokens fill. Safe before the forward pass: each layer
+            # writes every scheduled token's K/V before any sequence attends.
+            num_full = total // self.block_size
+            first = self._num_published.get(req.request_id, 0)
+            if num_full > first:
+                hashes = self._block_hashes(req, num_full)
+                for i in range(first, num_full):
+                    self.pool.cache_block(blocks[i], hashes[i])
+                self._num_published[req.request_id] = num_full
+        return blocks
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks, tail first, so shared prefixes stay cached longest."""
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self._num_published.pop(req.request_id, None)
+        self.pool.free(list(reversed(blocks)))
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.request_id, [])]

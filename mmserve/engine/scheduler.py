@@ -1,0 +1,284 @@
+"""The scheduler: one token budget per step, shared by decodes, prefill chunks and images.
+
+There is no prefill or decode phase. Every request has ``num_computed_tokens`` catching up with
+``num_tokens``; each step gives running requests their share first, then admits waiting ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from mmserve.engine.encoder_cache import EncoderBudget, EncoderCacheManager
+from mmserve.engine.kv_cache_manager import KVCacheManager
+from mmserve.engine.request import ImageInput, Request, RequestStatus
+from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ImageSlice:
+    """Copy ``embeddings[image_hash][src_start : src_start + length]`` to ``dst_start``."""
+
+    image_hash: str
+    src_start: int
+    dst_start: int  # position within this request's scheduled tokens
+    length: int
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]
+    start_pos: int  # num_computed_tokens before this step
+    block_ids: list[int]
+    image_slices: list[ImageSlice]
+    sample: bool  # the chunk reaches the last known token: sample the next one
+    sampling_params: SamplingParams
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner needs for one step, as plain ids, counts and hashes."""
+
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    encoder_inputs: dict[str, ImageInput] = field(default_factory=dict)  # encode these now
+    freed_encoder_hashes: list[str] = field(default_factory=list)  # drop these tensors first
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        encoder_budget: EncoderBudget,
+    ) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.kv_cache = kv_cache
+        self.encoder_cache = EncoderCacheManager(encoder_budget.cache_tokens)
+        self.encoder_compute_budget = encoder_budget.compute_tokens
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.prefix_cache_hit_tokens = 0
+        self.prefix_cache_queried_tokens = 0
+
+    # ----------------------------------------------------------------- queue
+    def add_request(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Finish a live request (stop string, abort) and release everything it holds."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._free(req, status)
+
+    def _free(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv_cache.free(req)
+        self.encoder_cache.release_all(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache.free(req)
+        self.encoder_cache.release_all(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.warning(
+            "Request %s was preempted (recomputed later) because the KV cache is full; "
+            "give the KV cache more memory or lower max_num_seqs. Preemptions so far: %d.",
+            req.request_id, self.num_preemptions)
+
+    # ----------------------------------------------------------------- images
+    def _schedule_images(
+        self, req: Request, num_computed: int, num_new: int, compute_budget: int
+    ) -> tuple[list[int], int, int, list[int]]:
+        """Decide the images the tokens ``[num_computed, num_computed + num_new)`` need.
+
+        Cached images are referenced at once. An image that is neither cached nor affordable
+        (compute budget or cache space) cuts the chunk short just before it. Returns the images
+        to encode, the possibly shrunk token count (never negative), the remaining compute
+        budget and the images newly referenced here (to roll back if the request is not
+        scheduled after all).
+        """
+        to_encode: list[int] = []
+        referenced: list[int] = []
+        pending_hashes: set[str] = set()
+        reserved = 0
+        end = num_computed + num_new
+        for i, image in enumerate(req.images):
+            if image.offset >= end:
+                break
+            if image.end <= num_computed:
+                continue
+            if image.hash in pending_hashes:
+                continue
+            if self.encoder_cache.holds_reference(req, i):
+                continue
+            if self.encoder_cache.has(req, i):
+                referenced.append(i)
+                continue
+            if self.encoder_cache.can_allocate(image.length + reserved, compute_budget):
+                to_encode.append(i)
+                pending_hashes.add(image.hash)
+                reserved += image.length
+                compute_budget -= image.length
+                continue
+            # Stop before this image. If the computed tokens already reach into it (a prefix
+            # hit that ends mid-image), nothing can be scheduled this step: zero, not negative.
+            num_new = max(0, image.offset - num_computed)
+            break
+        return to_encode, num_new, compute_budget, referenced
+
+    def _image_slices(self, req: Request, num_computed: int, num_new: int) -> list[ImageSlice]:
+        end = num_computed + num_new
+        slices = []
+        for image in req.images:
+            lo, hi = max(image.offset, num_computed), min(image.end, end)
+            if lo < hi:
+                slices.append(ImageSlice(image.hash, lo - image.offset, lo - num_computed, hi - lo))
+        return slices
+
+    # ----------------------------------------------------------------- step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        token_budget = self.max_num_batched_tokens
+        compute_budget = self.encoder_compute_budget
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+
+        def commit(req: Request, num_new: int, to_encode: list[int]) -> None:
+            for i in to_encode:
+                self.encoder_cache.allocate(req, i)
+                out.encoder_inputs[req.images[i].hash] = req.images[i]
+            scheduled.append((req, num_new))
+
+        # Running requests first, in admission order; the newest is preempted first.
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, token_budget)
+            to_encode, num_new, new_compute_budget, _ = self._schedule_images(
+                req, req.num_computed_tokens, num_new, compute_budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while self.kv_cache.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            commit(req, num_new, to_encode)
+            compute_budget = new_compute_budget
+            token_budget -= num_new
+            i += 1
+
+        # Then waiting requests, first come first served; none after a preemption this step.
+        while (self.waiting and token_budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            req = self.waiting[0]
+            hits = self.kv_cache.get_computed_blocks(req)
+            num_computed = len(hits) * self.kv_cache.block_size
+            num_new = min(req.num_tokens - num_computed, token_budget)
+            to_encode, num_new, new_compute_budget, referenced = self._schedule_images(
+                req, num_computed, num_new, compute_budget)
+            if num_new == 0 or self.kv_cache.allocate_slots(req, num_new, hits) is None:
+                for idx in referenced:
+                    self.encoder_cache.release(req, idx)
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_computed
+            self.prefix_cache_queried_tokens += req.num_tokens
+            self.prefix_cache_hit_tokens += num_computed
+            commit(req, num_new, to_encode)
+            compute_budget = new_compute_budget
+            token_budget -= num_new
+
+        for req, num_new in scheduled:
+            start = req.num_computed_tokens
+            assert num_new > 0, f"scheduled {num_new} tokens for {req}"
+            out.requests.append(ScheduledRequest(
+                request_id=req.request_id,
+                token_ids=req.all_token_ids[start:start + num_new],
+                start_pos=start,
+                block_ids=self.kv_cache.block_ids(req),
+                image_slices=self._image_slices(req, start, num_new),
+                sample=start + num_new == req.num_tokens,
+                sampling_params=req.sampling_params,
+            ))
+            # Tokens count as computed once scheduled: the step runs synchronously.
+            req.num_computed_tokens += num_new
+            self._release_passed_images(req)
+        out.freed_encoder_hashes = self.encoder_cache.take_freed()
+        out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        return out
+
+    def _release_passed_images(self, req: Request) -> None:
+        """Drop references to images whose every placeholder is now computed."""
+        still_needed = {img.hash for img in req.images if img.end > req.num_computed_tokens}
+        for i, image in enumerate(req.images):
+            if image.hash not in still_needed:
+                self.encoder_cache.release(req, i)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append sampled tokens and apply stop conditions. Returns requests that got a token."""
+        changed = []
+        for sched in out.requests:
+            token = sampled.get(sched.request_id)
+            req = self.requests.get(sched.request_id)
+            if token is None or req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.append_token(token)
+            changed.append(req)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.running.remove(req)
+                self._free(req, status)
+        return changed
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if not params.ignore_eos and token == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,1 @@
+"""Front doors: the Python API and the command line."""

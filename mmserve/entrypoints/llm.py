@@ -1,0 +1,100 @@
+"""The Python API: ``LLM(model).generate(...)``, ``.chat(...)`` and ``.caption(...)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from mmserve.config import EngineConfig
+from mmserve.engine.llm_engine import LLMEngine
+from mmserve.outputs import RequestOutput
+from mmserve.processing.images import ImageLike
+from mmserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine in this process, for offline batch generation.
+
+    Engine arguments use vLLM's names: ``max_model_len``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
+    ``limit_mm_per_prompt``, ``encoder_cache_size`` (embedding tokens), ``kv_cache_memory``
+    (bytes), ``dtype``, ``seed``.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        if model is None:
+            raise ValueError("pass the path of a local Hugging Face checkpoint directory")
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+
+    def generate(
+        self,
+        prompts: dict[str, Any] | str | Sequence[dict[str, Any] | str],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order.
+
+        A prompt is ``{"prompt": str, "images": [...]}`` (text in the model's own format, one
+        image token per image) or ``{"messages": [...], "images": [...]}`` in OpenAI chat form.
+        """
+        if isinstance(prompts, (dict, str)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # Validate everything first, so a bad prompt does not leave half a batch queued.
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        images: list[ImageLike] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"messages": conv, "images": images or []} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def caption(
+        self,
+        images: Sequence[ImageLike],
+        prompt: str = "Describe this image.",
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[str]:
+        """Caption any number of images as one batch, with a progress bar."""
+        params = sampling_params or SamplingParams(max_tokens=64, temperature=0.0)
+        prompts = [{"messages": [{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": prompt}]}], "images": [image]}
+            for image in images]
+        return [out.text for out in self.generate(prompts, params, use_tqdm=use_tqdm)]
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(done) < len(ids) and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[rid] for rid in ids]

@@ -1,0 +1,24 @@
+"""What the engine hands back to its front doors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step.
+
+    ``text`` and ``token_ids`` are everything generated so far; ``new_text`` and
+    ``new_token_ids`` only what this step added (for streaming).
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0

@@ -1,0 +1,1 @@
+"""Turning user input (prompts, chat messages, images) into token ids and encoder inputs."""

@@ -1,0 +1,1 @@
+"""Helpers for building tiny offline checkpoints used by tests and benchmarks."""

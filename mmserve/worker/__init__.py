@@ -1,0 +1,1 @@
+"""Runners: turn a SchedulerOutput into tensors, run the model, sample."""

@@ -1,0 +1,206 @@
+"""Device-agnostic model runner: encoder runs, input preparation, forward, sampling.
+
+Device classes only decide where tensors live and how memory is measured; everything that
+turns a SchedulerOutput into a forward pass is here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from mmserve.kernels.paged_attention import AttentionMetadata, PrefillSeq
+from mmserve.models.forward_context import forward_context
+from torch import nn
+
+from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from mmserve.worker.sampler import sample
+
+
+@dataclass
+class StepTimes:
+    """Seconds spent in each part of the runner's steps, accumulated."""
+
+    encoder: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+
+
+class ModelRunner:
+    device = torch.device("cpu")
+
+    def __init__(
+        self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.dtype = dtype
+        self.kv_caches: list[torch.Tensor] = []
+        for attn in model.attention_layers():
+            cache = torch.zeros(2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
+                                dtype=dtype, device=self.device)
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+        # Image embeddings by content hash; the scheduler's encoder-cache manager says when to
+        # add and drop them.
+        self.encoder_outputs: dict[str, torch.Tensor] = {}
+        self.generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.times = StepTimes()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> dict[str, int]:
+        """Run one step; returns the sampled token of every request whose chunk completed."""
+        import time
+
+        for h in so.freed_encoder_hashes:
+            self.encoder_outputs.pop(h, None)
+        for rid in so.finished_request_ids:
+            self.generators.pop(rid, None)
+        t0 = time.perf_counter()
+        self._run_encoder(so)
+        t1 = time.perf_counter()
+        if not so.requests:
+            return {}
+        input_ids, positions, meta, sample_rows = self._prepare_inputs(so.requests)
+        embeds = self._embed(input_ids, so.requests)
+        t2 = time.perf_counter()
+        with forward_context(meta):
+            hidden = self.model(positions, embeds)
+        sampled_reqs = [r for r in so.requests if r.sample]
+        if not sampled_reqs:
+            self.times.encoder += t1 - t0
+            self.times.prepare += t2 - t1
+            self.times.forward += time.perf_counter() - t2
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])
+        t3 = time.perf_counter()
+        tokens = sample(logits, [r.sampling_params for r in sampled_reqs],
+                        [self._generator(r) for r in sampled_reqs])
+        t4 = time.perf_counter()
+        self.times.encoder += t1 - t0
+        self.times.prepare += t2 - t1
+        self.times.forward += t3 - t2
+        self.times.sample += t4 - t3
+        return {r.request_id: t for r, t in zip(sampled_reqs, tokens, strict=True)}
+
+    def _generator(self, req: ScheduledRequest) -> torch.Generator:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return self.default_generator
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+            self.generators[req.request_id] = gen
+        return gen
+
+    def _run_encoder(self, so: SchedulerOutput) -> None:
+        """Encode this step's new images, batching those of equal shape."""
+        by_shape: dict[tuple[int, ...], list[tuple[str, torch.Tensor]]] = {}
+        for h, image in so.encoder_inputs.items():
+            if h in self.encoder_outputs:
+                continue
+            pv = image.pixel_values
+            by_shape.setdefault(tuple(pv.shape[1:]), []).append((h, pv))
+        for items in by_shape.values():
+            pixels = torch.cat([pv for _, pv in items]).to(self.device, self.dtype)
+            embeds = self.model.encode_images(pixels)  # [num_images, tokens, hidden]
+            for (h, _), e in zip(items, embeds, strict=True):
+                self.encoder_outputs[h] = e
+
+    def _embed(self, input_ids: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """Token embeddings with image embeddings scattered over their placeholders."""
+        rows, sources = [], []
+        start = 0
+        for r in reqs:
+            for s in r.image_slices:
+                rows.append(torch.arange(start + s.dst_start, start + s.dst_start + s.length))
+                sources.append(self.encoder_outputs[s.image_hash][s.src_start:s.src_start
+                                                                  + s.length])
+            start += len(r.token_ids)
+        if not rows:
+            return self.model.embed_tokens(input_ids)
+        row_index = torch.cat(rows).to(self.device)
+        # Placeholder ids may lie outside the text vocabulary: embed a harmless id there.
+        input_ids = input_ids.index_fill(0, row_index, 0)
+        embeds = self.model.embed_tokens(input_ids)
+        embeds[row_index] = torch.cat(sources).to(embeds.dtype)
+        return embeds
+
+    def _prepare_inputs(
+        self, reqs: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        prefills: list[PrefillSeq] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        for r in reqs:
+            n = len(r.token_ids)
+            row = len(ids)
+            ids.extend(r.token_ids)
+            table = r.block_ids
+            for pos in range(r.start_pos, r.start_pos + n):
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            if r.sample:
+                sample_rows.append(row + n - 1)
+            context_len = r.start_pos + n
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(context_len)
+                continue
+            if r.start_pos == 0:
+                prefills.append(PrefillSeq(row, n, n, None, None))
+                continue
+            context_slots = _context_slots(table, context_len, bs)
+            q_pos = torch.arange(r.start_pos, context_len).unsqueeze(1)
+            mask = torch.arange(context_len).unsqueeze(0) <= q_pos  # [n, context_len]
+            prefills.append(PrefillSeq(row, n, context_len, context_slots.to(self.device),
+                                       mask.to(self.device)))
+
+        if decode_rows:
+            max_ctx = max(decode_lens)
+            max_blocks = -(-max_ctx // bs)
+            tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
+                                   for t in decode_tables])
+            decode_slots = (tables.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)[:, :max_ctx]
+            decode_mask = (torch.arange(max_ctx).unsqueeze(0)
+                           < torch.tensor(decode_lens).unsqueeze(1))
+            decode_mask = decode_mask[:, None, None, :]
+        else:
+            decode_slots = torch.zeros(0, 1, dtype=torch.long)
+            decode_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            prefills=prefills,
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=dev),
+            decode_slots=decode_slots.to(dev),
+            decode_mask=decode_mask.to(dev),
+        )
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                torch.tensor(sample_rows, dtype=torch.long, device=dev))
+
+
+def _context_slots(table: list[int], context_len: int, block_size: int) -> torch.Tensor:
+    num_blocks = -(-context_len // block_size)
+    blocks = torch.tensor(table[:num_blocks])
+    return (blocks.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten()[:context_len]
+
+
+class CPUModelRunner(ModelRunner):
+    """Torch reference attention on the CPU."""
+
+    device = torch.device("cpu")

@@ -1,0 +1,97 @@
+"""Building blocks shared by the decoders: RMSNorm, rotary embedding, paged attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from mmserve.kernels.paged_attention import paged_attention
+from mmserve.models.forward_context import get_attention_metadata
+from torch import nn
+
+
+def get_activation(name: str):
+    acts = {
+        "silu": F.silu,
+        "gelu": F.gelu,
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+        "relu": F.relu,
+    }
+    if name not in acts:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(acts)}")
+    return acts[name]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in float32 and scale in the input dtype, as the reference models do.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_theta_of(config) -> float:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported yet; supported: 'default'")
+    theta = (params or {}).get("rope_theta") or getattr(config, "rope_theta", None)
+    return float(theta if theta is not None else 10000.0)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default rotary position embedding over the rotate-half layout."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta = head_dim, max_positions, theta
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        if not self.cos.is_meta:
+            self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.cos = emb.cos().to(self.cos.device)
+        self.sin = emb.sin().to(self.sin.device)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedAttention(nn.Module):
+    """Attention over the paged KV cache; the runner binds ``kv_cache`` before serving."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound to this attention layer")
+        return paged_attention(q, k, v, self.kv_cache, get_attention_metadata(), self.scale)

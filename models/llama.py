@@ -1,0 +1,104 @@
+"""Llama-family decoders (Llama, Mistral, Qwen2) over the paged KV cache.
+
+Parameter names follow the Hugging Face checkpoints so weights load by name.
+"""
+
+from __future__ import annotations
+
+import torch
+from mmserve.models.layers import (
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    get_activation,
+    rope_theta_of,
+)
+from torch import nn
+
+SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        # Qwen2 always has q/k/v biases; Llama and Mistral only when the config says so.
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).reshape(n, -1))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = get_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config, rotary)
+        self.mlp = DecoderMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """The decoder stack without its LM head: ``[num_tokens, hidden]`` in and out."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.model_type not in SUPPORTED_TEXT_MODELS:
+            raise ValueError(f"unsupported language model {config.model_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_TEXT_MODELS)}")
+        window = getattr(config, "sliding_window", None)
+        if window is not None and getattr(config, "use_sliding_window", True):
+            raise ValueError(
+                f"sliding-window attention (sliding_window={window}) is not supported yet; "
+                "use a checkpoint without it.")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                 rope_theta_of(config))
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.layers]

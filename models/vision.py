@@ -1,0 +1,131 @@
+"""CLIP and SigLIP vision towers (bidirectional ViTs) with Hugging Face parameter names."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from mmserve.models.layers import get_activation
+from torch import nn
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // self.num_heads
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        shape = (b, n, self.num_heads, self.head_dim)
+        q = self.q_proj(x).view(shape).transpose(1, 2)  # [b, heads, n, head_dim]
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
+        return self.out_proj(o.transpose(1, 2).reshape(b, n, d))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = get_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionEncoderLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self_attn = VisionAttention(config)
+        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = VisionMLP(config)
+        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, config, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(VisionEncoderLayer(config) for _ in range(num_layers))
+
+
+class CLIPVisionEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.class_embedding = nn.Parameter(torch.zeros(d))
+        self.patch_embedding = nn.Conv2d(config.num_channels, d, config.patch_size,
+                                         stride=config.patch_size, bias=False)
+        num_positions = (config.image_size // config.patch_size) ** 2 + 1
+        self.position_embedding = nn.Embedding(num_positions, d)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        patches = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [b, n, d]
+        cls = self.class_embedding.expand(patches.shape[0], 1, -1)
+        return torch.cat([cls, patches], dim=1) + self.position_embedding.weight
+
+
+class SiglipVisionEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        d = config.hidden_size
+        self.patch_embedding = nn.Conv2d(config.num_channels, d, config.patch_size,
+                                         stride=config.patch_size)
+        num_positions = (config.image_size // config.patch_size) ** 2
+        self.position_embedding = nn.Embedding(num_positions, d)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        patches = self.patch_embedding(pixel_values).flatten(2).transpose(1, 2)  # [b, n, d]
+        return patches + self.position_embedding.weight
+
+
+class VisionTransformer(nn.Module):
+    """Runs the tower only as deep as the selected feature layer(s) need.
+
+    ``feature_layers`` index Hugging Face's ``hidden_states`` tuple: 0 is the embedding output
+    and ``num_hidden_layers`` the last layer's output. Layers past the deepest selected one are
+    never built, and their checkpoint weights are skipped.
+    """
+
+    def __init__(self, config, feature_layers: list[int]) -> None:
+        super().__init__()
+        if config.model_type not in ("clip_vision_model", "siglip_vision_model"):
+            raise ValueError(f"unsupported vision tower {config.model_type!r}; "
+                             "supported: clip_vision_model, siglip_vision_model")
+        self.model_type = config.model_type
+        self.num_hidden_layers = config.num_hidden_layers
+        self.feature_layers = [i % (config.num_hidden_layers + 1) for i in feature_layers]
+        depth = max(self.feature_layers)
+        if self.model_type == "clip_vision_model":
+            self.embeddings = CLIPVisionEmbeddings(config)
+            self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        else:
+            self.embeddings = SiglipVisionEmbeddings(config)
+        self.encoder = VisionEncoder(config, depth)
+        # SigLIP's last hidden state is reported after its post-layernorm.
+        self.norm_last = (self.model_type == "siglip_vision_model"
+                          and depth == config.num_hidden_layers)
+        if self.norm_last:
+            self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
+        x = self.embeddings(pixel_values)
+        if self.model_type == "clip_vision_model":
+            x = self.pre_layrnorm(x)
+        hidden_states = [x]
+        for layer in self.encoder.layers:
+            x = layer(x)
+            hidden_states.append(x)
+        if self.norm_last:
+            hidden_states[-1] = self.post_layernorm(hidden_states[-1])
+        return [hidden_states[i] for i in self.feature_layers]
