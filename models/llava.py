@@ -72,10 +72,8 @@ class LlavaForConditionalGeneration(nn.Module):
         m = re.match(r"model\.vision_tower\.encoder\.layers\.(\d+)\.", name)
         if m:
             return int(m.group(1)) >= len(tower.encoder.layers)
-        if name.startswith("model.vision_tower.post_layernorm."):
-            return not tower.norm_last
-        if name.startswith("model.vision_tower.head."):
-            return True  # SigLIP's pooling head: LLaVA uses patch features, not the pooled one
+        if name.startswith(("model.vision_tower.post_layernorm.", "model.vision_tower.head.")):
+            return True  # only feed the pooled output, which LLaVA does not use
         if self.tie_word_embeddings and name == "lm_head.weight":
             return True
         return name.endswith("position_ids")

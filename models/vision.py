@@ -111,12 +111,8 @@ class VisionTransformer(nn.Module):
             self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         else:
             self.embeddings = SiglipVisionEmbeddings(config)
+        # Hidden states are taken before the tower's post-layernorm, which LLaVA never uses.
         self.encoder = VisionEncoder(config, depth)
-        # SigLIP's last hidden state is reported after its post-layernorm.
-        self.norm_last = (self.model_type == "siglip_vision_model"
-                          and depth == config.num_hidden_layers)
-        if self.norm_last:
-            self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         x = self.embeddings(pixel_values)
@@ -126,6 +122,4 @@ class VisionTransformer(nn.Module):
         for layer in self.encoder.layers:
             x = layer(x)
             hidden_states.append(x)
-        if self.norm_last:
-            hidden_states[-1] = self.post_layernorm(hidden_states[-1])
         return [hidden_states[i] for i in self.feature_layers]

@@ -6,9 +6,11 @@ byte-level BPE tokenizer, image processor, processor config and chat template) t
 ``transformers.LlavaForConditionalGeneration.from_pretrained`` load without network access.
 
 The weights are re-initialised with a fixed, seeded scheme (unit-variance embeddings,
-``1/sqrt(fan_in)`` projections, non-trivial norm weights and biases) so that greedy generation is
-varied, images visibly change the output, and a serving engine that forgets to load a norm weight or
-a bias produces different tokens than the reference.
+``1/sqrt(fan_in)`` projections with sharpened attention, non-trivial norm weights and biases) so
+that greedy generation is varied, images visibly change the output, and a serving engine that
+forgets to load a norm weight or a bias produces different tokens than the reference. The
+``lm_head`` rows of ``<unk>``, ``<s>``, ``<pad>`` and ``<image>`` are zero, so greedy decoding
+never emits them; ``</s>`` can be generated normally.
 
 `hf_greedy_generate` runs the reference Hugging Face implementation on such a checkpoint and is
 meant to be used as the correctness oracle in tests.
@@ -16,6 +18,7 @@ meant to be used as the correctness oracle in tests.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pathlib
@@ -48,7 +51,7 @@ IMAGE_TOKEN = "<image>"
 # Trained first, so their ids are 0..4 in this order.
 SPECIAL_TOKENS: tuple[str, ...] = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IMAGE_TOKEN)
 
-# LLaVA-1.5-like template. The tokenizer's post-processor prepends ``<s>``, so the template must not.
+# LLaVA-1.5-like template. The tokenizer's post-processor prepends ``<s>``; the template must not.
 # Roles render as "SYSTEM: ", "USER: " and "ASSISTANT: "; every message ends with a newline and
 # assistant messages additionally end with "</s>". List contents render their parts in order,
 # joined by newlines, with each image part as a single "<image>" placeholder, e.g.
@@ -83,6 +86,8 @@ _VISION_ARCHS = ("clip", "siglip")
 _EMBED_STD = 1.0
 _BIAS_STD = 0.1
 _NORM_WEIGHT_NOISE = 0.1
+_QK_GAIN = 2.0
+_PROJECTOR_GAIN = 2.0
 
 _WORDS = (
     "the a an this that these those some many few one two three four five six seven eight nine ten "
@@ -91,14 +96,14 @@ _WORDS = (
     "house room kitchen table chair bed sofa window door wall floor roof garden tree flower grass "
     "sky cloud sun moon star rain snow water river lake sea beach mountain hill field forest stone "
     "red green blue yellow orange purple pink black white gray brown bright dark light small large "
-    "big tiny tall short long wide old new young happy sad quiet loud fast slow warm cold soft hard "
+    "big tiny tall short long wide old new young happy sad quiet loud fast slow warm cold soft hot "
     "is are was were be been has have had do does did can could will would should may might must "
     "sit sits sitting stand stands standing run runs running walk walks walking look looks looking "
     "eat eats eating play plays playing hold holds holding show shows showing wear wears wearing "
     "man woman child children person people boy girl friend family group team player driver cook "
     "on in at of to from with without under over near behind between above below inside outside "
     "and or but so because while when where what which who why how there here then now very not "
-    "describe explain answer question tell me you it they we he she what's it's there's color shape "
+    "describe explain answer question tell me you it they we he she what's it's there's color "
     "left right top bottom middle center corner side front back first second last next other same "
     "hello thanks please yes no maybe sure okay system user assistant model token text vision"
 ).split()
@@ -110,14 +115,16 @@ _SYLLABLES = (
 ).split()
 
 
-def _training_corpus() -> list[str]:
+@functools.cache
+def _training_corpus() -> tuple[str, ...]:
     """Return a deterministic English-like corpus used to train the tiny tokenizer."""
     rng = random.Random(1234)
     lines = [
         "SYSTEM: You are a helpful assistant.",
         "USER: What is in this picture?",
         "ASSISTANT: The picture shows a cat sitting on a red chair.",
-        "The quick brown fox jumps over the lazy dog. 0123456789 !?.,;:'\"()[]{}<>/\\|-_+=*&^%$#@~`",
+        "The quick brown fox jumps over the lazy dog.",
+        "0123456789 !?.,;:'\"()[]{}<>/\\|-_+=*&^%$#@~`",
     ]
     for _ in range(1500):
         n = rng.randint(4, 16)
@@ -131,7 +138,7 @@ def _training_corpus() -> list[str]:
         if rng.random() < 0.25:
             sentence = rng.choice(("SYSTEM: ", "USER: ", "ASSISTANT: ")) + sentence
         lines.append(sentence)
-    return lines
+    return tuple(lines)
 
 
 def _build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
@@ -287,25 +294,32 @@ def _text_config(
 
 
 @torch.no_grad()
-def _init_weights(model: nn.Module, seed: int) -> None:
+def _init_weights(model: nn.Module, seed: int, never_generate: list[int]) -> None:
     """Deterministically re-initialise every parameter of ``model`` in float32.
 
-    Embeddings get unit variance, linear/conv weights ``N(0, 1/fan_in)``, biases ``N(0, 0.1^2)``,
-    norm weights ``1 + N(0, 0.1^2)`` and any other parameter (e.g. CLIP's class embedding) unit
-    variance. Values are drawn from a dedicated generator in module registration order.
+    Embeddings get unit variance, linear/conv weights ``N(0, 1/fan_in)`` (scaled by
+    `_QK_GAIN` for attention queries/keys to sharpen attention and by `_PROJECTOR_GAIN` in the
+    multimodal projector so that images clearly influence the text), biases ``N(0, 0.1^2)``, norm
+    weights ``1 + N(0, 0.1^2)`` and any other parameter (e.g. CLIP's class embedding) unit
+    variance. Values are drawn from a dedicated generator in module registration order. Finally the
+    ``lm_head`` rows of ``never_generate`` are zeroed so that greedy decoding never picks them.
     """
     generator = torch.Generator().manual_seed(seed)
 
     def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=generator, dtype=torch.float32) * std + mean
 
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
             if isinstance(module, nn.Embedding):
                 value = normal(param.shape, _EMBED_STD)
             elif isinstance(module, (nn.Linear, nn.Conv2d)) and name == "weight":
-                fan_in = math.prod(param.shape[1:])
-                value = normal(param.shape, 1.0 / math.sqrt(fan_in))
+                gain = 1.0
+                if module_name.endswith(("q_proj", "k_proj")):
+                    gain = _QK_GAIN
+                elif "multi_modal_projector" in module_name:
+                    gain = _PROJECTOR_GAIN
+                value = normal(param.shape, gain / math.sqrt(math.prod(param.shape[1:])))
             elif name == "bias":
                 value = normal(param.shape, _BIAS_STD)
             elif name == "weight" and param.ndim == 1:
@@ -313,6 +327,10 @@ def _init_weights(model: nn.Module, seed: int) -> None:
             else:
                 value = normal(param.shape, _EMBED_STD)
             param.copy_(value)
+
+    output_embeddings = model.get_output_embeddings()
+    if output_embeddings is not None:
+        output_embeddings.weight[never_generate] = 0.0
 
 
 def build_tiny_llava(
@@ -394,6 +412,7 @@ def build_tiny_llava(
     bos_id = tokenizer.bos_token_id
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id
+    unk_id = tokenizer.unk_token_id
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
 
     num_additional_image_tokens = 1 if vision == "clip" else 0
@@ -436,7 +455,7 @@ def build_tiny_llava(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlavaForConditionalGeneration(config)
-    _init_weights(model, seed)
+    _init_weights(model, seed, never_generate=[unk_id, bos_id, pad_id, image_token_id])
     model.to(dtype)
     model.eval()
     model.generation_config = GenerationConfig(
@@ -447,8 +466,12 @@ def build_tiny_llava(
     )
     model.save_pretrained(out)
 
+    image_processor = _build_image_processor(vision, image_size)
+    # Also write the standalone preprocessor_config.json for readers that do not parse the
+    # image processor section of processor_config.json.
+    image_processor.save_pretrained(out)
     processor = LlavaProcessor(
-        image_processor=_build_image_processor(vision, image_size),
+        image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=patch_size,
         vision_feature_select_strategy=vision_feature_select_strategy,

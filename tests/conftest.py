@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny random LLaVA checkpoints built offline, test images, leak checks."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from mmserve.testing.tiny_checkpoint import build_tiny_llava
+
+# (vision tower, language model) pairs the parity tests cover.
+ARCHS = {
+    "clip-llama": {"vision": "clip", "text": "llama"},
+    "siglip-qwen2": {"vision": "siglip", "text": "qwen2"},
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: str(build_tiny_llava(root / name, **kw)) for name, kw in ARCHS.items()}
+
+
+@pytest.fixture(scope="session")
+def clip_llama(checkpoints: dict[str, str]) -> str:
+    return checkpoints["clip-llama"]
+
+
+def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
+    """A deterministic image with structure (gradients and a block), not a flat colour."""
+    w, h = size
+    img = Image.new("RGB", size)
+    px = img.load()
+    for y in range(h):
+        for x in range(w):
+            px[x, y] = ((x * 7 + seed * 40) % 256, (y * 5 + seed * 90) % 256,
+                        ((x + y) * 3 + seed * 17) % 256)
+    img.paste((255 - seed * 30 % 256, seed * 60 % 256, 120), (w // 4, h // 4, w // 2, h // 2))
+    return img
+
+
+def assert_no_leaks(engine) -> None:
+    """After a drained engine: every KV block free, no referenced encoder-cache entry."""
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+    assert stats["encoder_cache_referenced_entries"] == 0, stats
