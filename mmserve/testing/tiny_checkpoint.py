@@ -212,7 +212,10 @@ def _build_image_processor(vision: str, image_size: int) -> Any:
         from transformers import SiglipImageProcessor as siglip_cls
     else:
         from transformers import SiglipImageProcessorPil as siglip_cls
-    return siglip_cls(size={"height": image_size, "width": image_size}, do_resize=True)
+    # SigLIP resizes straight to the square input size. ``crop_size`` is recorded (with center
+    # cropping disabled) because LlavaProcessor._get_num_multimodal_tokens reads it.
+    square = {"height": image_size, "width": image_size}
+    return siglip_cls(size=square, crop_size=dict(square), do_resize=True, do_center_crop=False)
 
 
 def _vision_config(

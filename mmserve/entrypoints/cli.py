@@ -1,0 +1,77 @@
+"""The ``mmserve`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from mmserve.config import EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, named as in vLLM."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", help="local Hugging Face checkpoint directory")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=EngineConfig.max_num_batched_tokens)
+    g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false")
+    g.add_argument("--kv-cache-memory", type=int, help="bytes of KV cache")
+    g.add_argument("--limit-mm-per-prompt", type=int, default=EngineConfig.limit_mm_per_prompt,
+                   help="most images in one prompt")
+    g.add_argument("--encoder-cache-size", type=int, help="embedding tokens (default: auto)")
+    g.add_argument("--max-image-pixels", type=int, default=EngineConfig.max_image_pixels)
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+            "enable_prefix_caching", "kv_cache_memory", "limit_mm_per_prompt",
+            "encoder_cache_size", "max_image_pixels", "seed")
+    return {k: getattr(args, k) for k in keys}
+
+
+def _caption(args: argparse.Namespace) -> int:
+    from mmserve import LLM, SamplingParams
+
+    if args.model is None:
+        print("mmserve caption: pass --model PATH (a local LLaVA checkpoint directory).",
+              file=sys.stderr)
+        return 2
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    captions = llm.caption(args.images, prompt=args.prompt, sampling_params=params)
+    if args.json:
+        print(json.dumps([{"image": str(p), "caption": c}
+                          for p, c in zip(args.images, captions, strict=True)], indent=2))
+    else:
+        for path, caption in zip(args.images, captions, strict=True):
+            print(f"{path}: {caption}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    cap = sub.add_parser("caption", help="caption images in one batch")
+    cap.add_argument("images", nargs="+", type=Path)
+    cap.add_argument("--prompt", default="Describe this image.")
+    cap.add_argument("--max-tokens", type=int, default=32)
+    cap.add_argument("--json", action="store_true", help="print a JSON list")
+    add_engine_args(cap)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "caption":
+        return _caption(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Bad input gets a clear error when the request is added, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from mmserve import LLM, SamplingParams
+from mmserve.processing.images import InvalidInputError
+from tests.conftest import assert_no_leaks, make_image
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def llm(clip_llama: str) -> LLM:
+    return LLM(clip_llama, dtype="float32", max_model_len=96, limit_mm_per_prompt=2,
+               max_num_seqs=4, max_image_pixels=1_000_000)
+
+
+def _chat(text: str, images: list) -> dict:
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
+    return {"messages": [{"role": "user", "content": content}], "images": images}
+
+
+def _png_bytes(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _bad_inputs(tmp_path) -> dict[str, tuple[dict, str]]:
+    png = _png_bytes(make_image(1, (48, 48)))
+    tmp_path.joinpath("truncated.png").write_bytes(png[: len(png) // 2])
+    return {
+        "too many images": (_chat("x", [make_image(i, (20, 20)) for i in range(3)]),
+                            "limit_mm_per_prompt"),
+        "prompt too long": (_chat("word " * 200, []), "max_model_len"),
+        "unreadable bytes": (_chat("x", [b"definitely not an image"]), "cannot decode"),
+        "truncated file": (_chat("x", [str(tmp_path / "truncated.png")]), "cannot decode"),
+        "missing file": (_chat("x", [str(tmp_path / "nope.png")]), "not found"),
+        "bad data url": ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}]},
+            "base64"),
+        "image bomb": (_chat("x", [Image.new("RGB", (10_000, 6_000))]), "exceeds the limit"),
+        "unknown role": ({"messages": [{"role": "robot", "content": "hi"}]}, "role"),
+        "unknown part": ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+                         "supported"),
+        "placeholder mismatch": ({"prompt": "USER: <image>\nhi\nASSISTANT:", "images": []},
+                                 "placeholder"),
+        "image without part": ({"messages": [{"role": "user", "content": "hi"}],
+                                "images": [make_image(0, (20, 20))]}, "no {'type': 'image'}"),
+        "remote url": (_chat("x", ["https://example.com/cat.png"]), "remote"),
+    }
+
+
+def test_each_bad_input_is_rejected_and_engine_keeps_serving(llm: LLM, tmp_path) -> None:
+    engine = llm.engine
+    good = _chat("what is this?", [make_image(3, (30, 30))])
+    expected = llm.generate(good, GREEDY)[0].token_ids
+    for name, (prompt, message) in _bad_inputs(tmp_path).items():
+        # A request already running when the bad one arrives must be unaffected.
+        running = engine.add_request(good, GREEDY)
+        engine.step()
+        with pytest.raises(InvalidInputError, match=message):
+            engine.add_request(prompt, GREEDY)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = out
+        assert outputs[running].token_ids == expected, name
+        assert_no_leaks(engine)
+
+
+def test_data_url_and_bytes_and_path_images_agree(llm: LLM, tmp_path) -> None:
+    img = make_image(5, (33, 21))
+    png = _png_bytes(img)
+    path = tmp_path / "img.png"
+    path.write_bytes(png)
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    prompts = [
+        _chat("what?", [img]),
+        _chat("what?", [png]),
+        _chat("what?", [str(path)]),
+        {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "what?"}]}]},
+    ]
+    outs = llm.generate(prompts, GREEDY)
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+    assert_no_leaks(llm.engine)
+
+
+def test_bad_prompt_in_a_batch_queues_nothing(llm: LLM) -> None:
+    with pytest.raises(InvalidInputError):
+        llm.generate([_chat("fine", []), _chat("word " * 200, [])], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    assert_no_leaks(llm.engine)
+
+
+def test_image_larger_than_encoder_cache_is_rejected(clip_llama: str) -> None:
+    with pytest.raises(ValueError, match="encoder_cache_size"):
+        LLM(clip_llama, dtype="float32", encoder_cache_size=8)
+
+
+def test_abort_releases_everything(llm: LLM) -> None:
+    engine = llm.engine
+    ids = [engine.add_request(_chat(f"story {i}", [make_image(i, (30, 30))]),
+                              SamplingParams(max_tokens=40, temperature=0.0)) for i in range(4)]
+    engine.step()
+    engine.step()
+    for rid in ids[:3]:
+        engine.abort_request(rid)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out
+    assert list(finished) == [ids[3]]
+    assert_no_leaks(engine)
+
+
+def test_sampling_seed_reproducible_and_stop_strings(llm: LLM) -> None:
+    prompt = _chat("tell me a story", [make_image(2, (30, 30))])
+    sampled = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=7)
+    a = llm.generate([prompt, _chat("other", [])], [sampled, GREEDY])[0]
+    b = llm.generate([_chat("x", []), prompt], [GREEDY, sampled])[1]
+    assert a.token_ids == b.token_ids  # the seed, not the batch, decides
+
+    full = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0))[0]
+    stop_tok = full.token_ids[3]
+    cut = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0,
+                                              stop_token_ids=[stop_tok]))[0]
+    assert cut.token_ids == full.token_ids[:full.token_ids.index(stop_tok) + 1]
+    assert cut.finish_reason == "stop"
+
+    stop_str = full.text[len(full.text) // 2:][:3]
+    assert stop_str
+    stopped = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0,
+                                                  stop=[stop_str]))[0]
+    assert stop_str not in stopped.text
+    assert full.text.startswith(stopped.text)
+    assert stopped.finish_reason == "stop"
+    assert full.finish_reason == "length" and len(full.token_ids) == 10
+    assert_no_leaks(llm.engine)
