@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from mmserve.kernels.paged_attention import paged_attention
 from mmserve.models.forward_context import get_attention_metadata
-from torch import nn
 
 
 def get_activation(name: str):

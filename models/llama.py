@@ -6,6 +6,8 @@ Parameter names follow the Hugging Face checkpoints so weights load by name.
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from mmserve.models.layers import (
     PagedAttention,
     RMSNorm,
@@ -13,7 +15,6 @@ from mmserve.models.layers import (
     get_activation,
     rope_theta_of,
 )
-from torch import nn
 
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 
 import torch
+from torch import nn
+
 from mmserve.models.layers import PagedAttention, get_activation
 from mmserve.models.llama import LlamaModel
 from mmserve.models.vision import VisionTransformer
-from torch import nn
 
 
 class LlavaMultiModalProjector(nn.Module):

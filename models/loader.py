@@ -6,9 +6,10 @@ import re
 from pathlib import Path
 
 import torch
-from mmserve.models.registry import get_model_class
 from safetensors import safe_open
 from torch import nn
+
+from mmserve.models.registry import get_model_class
 
 
 def load_model(model_dir: str | Path, hf_config, dtype: torch.dtype) -> nn.Module:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from mmserve.models.llava import LlavaForConditionalGeneration
 from torch import nn
+
+from mmserve.models.llava import LlavaForConditionalGeneration
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from mmserve.models.layers import get_activation
 from torch import nn
+
+from mmserve.models.layers import get_activation
 
 
 class VisionAttention(nn.Module):

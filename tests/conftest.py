@@ -11,6 +11,7 @@ from mmserve.testing.tiny_checkpoint import build_tiny_llava
 ARCHS = {
     "clip-llama": {"vision": "clip", "text": "llama"},
     "siglip-qwen2": {"vision": "siglip", "text": "qwen2"},
+    "clip-mistral": {"vision": "clip", "text": "mistral"},
 }
 
 

@@ -6,6 +6,7 @@ import base64
 import io
 
 import pytest
+import torch
 from PIL import Image
 
 from mmserve import LLM, SamplingParams
@@ -145,3 +146,30 @@ def test_sampling_seed_reproducible_and_stop_strings(llm: LLM) -> None:
     assert stopped.finish_reason == "stop"
     assert full.finish_reason == "length" and len(full.token_ids) == 10
     assert_no_leaks(llm.engine)
+
+
+def test_chat_and_caption_front_doors(llm: LLM) -> None:
+    images = [make_image(i, (30 + i, 30)) for i in range(3)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    captions = llm.caption(images, prompt="Describe this image.", sampling_params=greedy,
+                           use_tqdm=False)
+    chats = llm.chat([[{"role": "user", "content": [
+        {"type": "image", "image": img}, {"type": "text", "text": "Describe this image."}]}]
+        for img in images], greedy)
+    assert captions == [c.text for c in chats]
+    assert len(set(captions)) == 3  # different pictures, different captions
+    assert_no_leaks(llm.engine)
+
+
+def test_bfloat16_engine_runs(clip_llama: str) -> None:
+    llm = LLM(clip_llama, dtype="bfloat16", max_model_len=96)
+    assert llm.engine.runner.kv_caches[0].dtype == torch.bfloat16
+    out = llm.generate(_chat("what is this?", [make_image(1, (30, 30))]),
+                       SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert len(out.token_ids) == 8
+    assert_no_leaks(llm.engine)
+
+
+def test_no_model_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="checkpoint directory"):
+        LLM()

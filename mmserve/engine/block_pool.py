@@ -90,5 +90,6 @@ class BlockPool:
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
             if block.ref_cnt == 0 and block.block_hash is not None:
-                self.cached.pop(block.block_hash, None)
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
                 block.block_hash = None

@@ -43,8 +43,9 @@ def _available_ram() -> int:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        from mmserve.models.loader import load_model
         from transformers import AutoConfig
+
+        from mmserve.models.loader import load_model
 
         if not os.path.isdir(config.model):
             raise FileNotFoundError(

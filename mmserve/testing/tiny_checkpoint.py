@@ -524,3 +524,15 @@ def hf_greedy_generate(
     )
     prompt_len = inputs["input_ids"].shape[1]
     return [int(token) for token in output[0, prompt_len:].tolist()]
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build a tiny random LLaVA checkpoint offline.")
+    parser.add_argument("path", help="output directory")
+    parser.add_argument("--vision", default="clip", choices=["clip", "siglip"])
+    parser.add_argument("--text", default="llama", choices=["llama", "qwen2", "mistral"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    print(build_tiny_llava(args.path, vision=args.vision, text=args.text, seed=args.seed))

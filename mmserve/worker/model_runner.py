@@ -6,14 +6,15 @@ turns a SchedulerOutput into a forward pass is here.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
-from mmserve.kernels.paged_attention import AttentionMetadata, PrefillSeq
-from mmserve.models.forward_context import forward_context
 from torch import nn
 
 from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from mmserve.kernels.paged_attention import AttentionMetadata, PrefillSeq
+from mmserve.models.forward_context import forward_context
 from mmserve.worker.sampler import sample
 
 
@@ -56,8 +57,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> dict[str, int]:
         """Run one step; returns the sampled token of every request whose chunk completed."""
-        import time
-
         for h in so.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
         for rid in so.finished_request_ids:
@@ -65,29 +64,25 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._run_encoder(so)
         t1 = time.perf_counter()
+        self.times.encoder += t1 - t0
         if not so.requests:
             return {}
         input_ids, positions, meta, sample_rows = self._prepare_inputs(so.requests)
         embeds = self._embed(input_ids, so.requests)
         t2 = time.perf_counter()
+        self.times.prepare += t2 - t1
         with forward_context(meta):
             hidden = self.model(positions, embeds)
-        sampled_reqs = [r for r in so.requests if r.sample]
-        if not sampled_reqs:
-            self.times.encoder += t1 - t0
-            self.times.prepare += t2 - t1
-            self.times.forward += time.perf_counter() - t2
-            return {}
-        logits = self.model.compute_logits(hidden[sample_rows])
+        sampled = [r for r in so.requests if r.sample]
+        logits = self.model.compute_logits(hidden[sample_rows]) if sampled else None
         t3 = time.perf_counter()
-        tokens = sample(logits, [r.sampling_params for r in sampled_reqs],
-                        [self._generator(r) for r in sampled_reqs])
-        t4 = time.perf_counter()
-        self.times.encoder += t1 - t0
-        self.times.prepare += t2 - t1
         self.times.forward += t3 - t2
-        self.times.sample += t4 - t3
-        return {r.request_id: t for r, t in zip(sampled_reqs, tokens, strict=True)}
+        if logits is None:
+            return {}
+        tokens = sample(logits, [r.sampling_params for r in sampled],
+                        [self._generator(r) for r in sampled])
+        self.times.sample += time.perf_counter() - t3
+        return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator:
         seed = req.sampling_params.seed
