@@ -57,20 +57,24 @@ def _caption(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     cap = sub.add_parser("caption", help="caption images in one batch")
     cap.add_argument("images", nargs="+", type=Path)
     cap.add_argument("--prompt", default="Describe this image.")
     cap.add_argument("--max-tokens", type=int, default=32)
     cap.add_argument("--json", action="store_true", help="print a JSON list")
     add_engine_args(cap)
+    cap.set_defaults(func=_caption)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    # Each front door registers its own subcommand, which sets ``func``.
+    add_caption_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "caption":
-        return _caption(args)
-    return 2
+    return args.func(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""`mmserve bench`: workloads, offline throughput, online serving load, parameter sweeps."""
