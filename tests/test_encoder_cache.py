@@ -97,10 +97,18 @@ def make_req(rid: str, *images: tuple[str, int]) -> Request:
     return Request(rid, [9] * (offset + 1), SamplingParams(), images=inputs, eos_token_id=2)
 
 
+def hit(cache: EncoderCacheManager, req: Request, idx: int) -> bool:
+    """The scheduler's lookup: a cached image gets a reference for ``req``."""
+    if not cache.is_cached(req.images[idx].hash):
+        return False
+    cache.add_reference(req, idx)
+    return True
+
+
 def test_miss_then_hit_from_another_request() -> None:
     cache = EncoderCacheManager(300)
     a, b = make_req("a", ("x", 100)), make_req("b", ("x", 100))
-    assert not cache.has(a, 0)
+    assert not hit(cache, a, 0)
     assert cache.num_hits == 0
     cache.allocate(a, 0)
     assert cache.num_misses == 1
@@ -108,12 +116,12 @@ def test_miss_then_hit_from_another_request() -> None:
     assert cache.num_used_tokens == 100
     assert cache.holds_reference(a, 0)
     assert not cache.holds_reference(b, 0)
-    assert cache.has(b, 0)
+    assert hit(cache, b, 0)
     assert cache.num_hits == 1
     assert cache.holds_reference(b, 0)
     assert cache.entries["x"].refs == {"a", "b"}
     # Asking again for a request that already holds it is not another hit.
-    assert cache.has(b, 0)
+    assert hit(cache, b, 0)
     assert cache.num_hits == 1
     assert cache.num_referenced_entries() == 1
     assert cache.num_free_tokens == 200  # shared, not stored twice
@@ -123,7 +131,7 @@ def test_unreferenced_entry_stays_cached_and_can_be_hit_again() -> None:
     cache = EncoderCacheManager(300)
     a, b, c = make_req("a", ("x", 100)), make_req("b", ("x", 100)), make_req("c", ("x", 100))
     cache.allocate(a, 0)
-    cache.has(b, 0)
+    hit(cache, b, 0)
     cache.release(a, 0)
     assert cache.num_referenced_entries() == 1
     cache.release(b, 0)
@@ -131,7 +139,7 @@ def test_unreferenced_entry_stays_cached_and_can_be_hit_again() -> None:
     assert "x" in cache.entries
     assert cache.num_used_tokens == 100
     assert cache.num_reclaimable_tokens == 300
-    assert cache.has(c, 0)
+    assert hit(cache, c, 0)
     assert cache.num_hits == 2
     assert cache.num_misses == 1
     assert cache.num_reclaimable_tokens == 200
@@ -179,7 +187,7 @@ def test_eviction_is_oldest_unreferenced_first_and_never_referenced() -> None:
     assert cache.num_evictions == 2
     assert cache.num_free_tokens == 0
     assert cache.num_reclaimable_tokens == 0
-    assert not cache.can_allocate(1, 1000)
+    assert cache.num_reclaimable_tokens == 0
 
 
 def test_eviction_frees_as_many_entries_as_needed() -> None:
@@ -189,7 +197,7 @@ def test_eviction_frees_as_many_entries_as_needed() -> None:
         cache.allocate(r, 0)
         cache.release(r, 0)
     big = make_req("big", ("big", 250))
-    assert cache.can_allocate(250, 1000)
+    assert cache.num_reclaimable_tokens == 300
     cache.allocate(big, 0)
     assert cache.take_freed() == ["s0", "s1", "s2"]
     assert cache.num_free_tokens == 50
@@ -202,27 +210,27 @@ def test_rehit_moves_entry_to_the_back_of_the_eviction_order() -> None:
     cache.allocate(b, 0)
     cache.release(a, 0)
     cache.release(b, 0)
-    assert cache.has(c, 0)  # "x" is used again and released after "y"
+    assert hit(cache, c, 0)  # "x" is used again and released after "y"
     cache.release(c, 0)
     cache.allocate(make_req("d", ("z", 100)), 0)
     assert cache.take_freed() == ["y"]
     assert "x" in cache.entries
 
 
-def test_can_allocate_respects_compute_budget_and_reclaimable_space() -> None:
+def test_reclaimable_space_counts_free_and_unreferenced_tokens() -> None:
     cache = EncoderCacheManager(200)
     a, b = make_req("a", ("x", 100)), make_req("b", ("y", 100))
-    assert cache.can_allocate(200, 200)
-    assert not cache.can_allocate(201, 1000)  # larger than the cache
-    assert not cache.can_allocate(100, 99)  # over the step's compute budget
+    assert cache.num_reclaimable_tokens == 200
     cache.allocate(a, 0)
     cache.allocate(b, 0)
-    assert not cache.can_allocate(1, 1000)  # full of referenced entries
+    assert cache.num_reclaimable_tokens == 0  # full of referenced entries
+    assert cache.evictable_tokens("y") == 0
     cache.release(b, 0)
     assert cache.num_reclaimable_tokens == 100
-    assert cache.can_allocate(100, 1000)
-    assert not cache.can_allocate(101, 1000)
-    assert not cache.can_allocate(100, 50)
+    assert cache.evictable_tokens("y") == 100
+    hit(cache, make_req("c", ("y", 100)), 0)  # referenced again: no longer evictable
+    assert cache.num_reclaimable_tokens == 0
+    assert cache.evictable_tokens("y") == 0
 
 
 def test_release_all_and_num_referenced_entries() -> None:
@@ -231,7 +239,7 @@ def test_release_all_and_num_referenced_entries() -> None:
     b = make_req("b", ("y", 100), ("z", 100))
     cache.allocate(a, 0)
     cache.allocate(a, 1)
-    assert cache.has(b, 0)
+    assert hit(cache, b, 0)
     cache.allocate(b, 1)
     assert cache.num_referenced_entries() == 3
     cache.release_all(a)

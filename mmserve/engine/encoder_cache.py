@@ -88,7 +88,8 @@ class EncoderCacheManager:
         self.cache_size = cache_size
         self.num_free_tokens = cache_size
         self.entries: dict[str, _Entry] = {}
-        self._unreferenced: OrderedDict[str, None] = OrderedDict()
+        self._unreferenced: OrderedDict[str, None] = OrderedDict()  # oldest first
+        self._num_unreferenced_tokens = 0
         self._freed: list[str] = []
         self.num_hits = 0
         self.num_misses = 0
@@ -96,38 +97,47 @@ class EncoderCacheManager:
 
     @property
     def num_reclaimable_tokens(self) -> int:
-        return self.num_free_tokens + sum(self.entries[h].num_tokens for h in self._unreferenced)
+        """Free tokens plus those of entries nobody references (evictable on demand)."""
+        return self.num_free_tokens + self._num_unreferenced_tokens
 
     @property
     def num_used_tokens(self) -> int:
         return self.cache_size - self.num_free_tokens
 
-    def has(self, req: Request, input_idx: int) -> bool:
-        """True if the image's embeddings are cached; takes a reference for ``req`` if so."""
+    def is_cached(self, image_hash: str) -> bool:
+        return image_hash in self.entries
+
+    def evictable_tokens(self, image_hash: str) -> int:
+        """Tokens the entry would give back if evicted now (0 while it is referenced)."""
+        return self.entries[image_hash].num_tokens if image_hash in self._unreferenced else 0
+
+    def add_reference(self, req: Request, input_idx: int) -> None:
+        """``req`` will read this cached image: keep it until ``req`` releases it (a hit)."""
         image = req.images[input_idx]
-        entry = self.entries.get(image.hash)
-        if entry is None:
-            return False
-        if req.request_id not in entry.refs:
-            if not entry.refs:
-                del self._unreferenced[image.hash]
-            entry.refs.add(req.request_id)
-            self.num_hits += 1
-        return True
+        entry = self.entries[image.hash]
+        if req.request_id in entry.refs:
+            return
+        if not entry.refs:
+            del self._unreferenced[image.hash]
+            self._num_unreferenced_tokens -= entry.num_tokens
+        entry.refs.add(req.request_id)
+        self.num_hits += 1
 
     def holds_reference(self, req: Request, input_idx: int) -> bool:
         entry = self.entries.get(req.images[input_idx].hash)
         return entry is not None and req.request_id in entry.refs
 
-    def can_allocate(self, num_tokens: int, compute_budget: int) -> bool:
-        return num_tokens <= compute_budget and num_tokens <= self.num_reclaimable_tokens
-
     def allocate(self, req: Request, input_idx: int) -> None:
         """Reserve space for an image the runner will encode this step, evicting if needed."""
         image = req.images[input_idx]
+        if image.length > self.num_reclaimable_tokens:
+            raise RuntimeError(f"encoder cache cannot hold {image.length} more tokens: "
+                               f"{self.num_reclaimable_tokens} reclaimable")
         while self.num_free_tokens < image.length:
             victim, _ = self._unreferenced.popitem(last=False)
-            self.num_free_tokens += self.entries.pop(victim).num_tokens
+            num_tokens = self.entries.pop(victim).num_tokens
+            self._num_unreferenced_tokens -= num_tokens
+            self.num_free_tokens += num_tokens
             self._freed.append(victim)
             self.num_evictions += 1
         self.num_free_tokens -= image.length
@@ -143,6 +153,7 @@ class EncoderCacheManager:
         entry.refs.discard(req.request_id)
         if not entry.refs:
             self._unreferenced[image.hash] = None
+            self._num_unreferenced_tokens += entry.num_tokens
 
     def release_all(self, req: Request) -> None:
         for i in range(len(req.images)):

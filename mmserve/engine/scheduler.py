@@ -136,21 +136,25 @@ class Scheduler:
         to_encode: list[int] = []
         referenced: list[int] = []
         pending_hashes: set[str] = set()
-        reserved = 0
+        reserved = 0  # cache tokens the images in ``to_encode`` will take
         end = num_computed + num_new
+        cache = self.encoder_cache
         for i, image in enumerate(req.images):
             if image.offset >= end:
                 break
-            if image.end <= num_computed:
+            if image.end <= num_computed or image.hash in pending_hashes:
                 continue
-            if image.hash in pending_hashes:
+            if cache.holds_reference(req, i):
                 continue
-            if self.encoder_cache.holds_reference(req, i):
-                continue
-            if self.encoder_cache.has(req, i):
-                referenced.append(i)
-                continue
-            if self.encoder_cache.can_allocate(image.length + reserved, compute_budget):
+            if cache.is_cached(image.hash):
+                # Referencing a cached entry takes it off the evictable list: only do so if the
+                # space already promised to this chunk's new images stays reclaimable.
+                if reserved <= cache.num_reclaimable_tokens - cache.evictable_tokens(image.hash):
+                    cache.add_reference(req, i)
+                    referenced.append(i)
+                    continue
+            elif (image.length <= compute_budget
+                  and reserved + image.length <= cache.num_reclaimable_tokens):
                 to_encode.append(i)
                 pending_hashes.add(image.hash)
                 reserved += image.length
