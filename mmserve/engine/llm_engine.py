@@ -16,7 +16,7 @@ from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.memory_plan import MemoryPlan, resolve_limits
 from mmserve.engine.request import Request, RequestStatus
-from mmserve.engine.scheduler import Scheduler, SchedulerConfig
+from mmserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from mmserve.outputs import RequestOutput
 from mmserve.processing.images import InvalidInputError
 from mmserve.processing.processor import InputProcessor
@@ -85,6 +85,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.schedule_time = 0.0
+        self.last_scheduler_output: SchedulerOutput | None = None
         logger.info(
             "mmserve engine ready: dtype=%s, KV cache %d blocks x %d tokens (%d bytes), "
             "max_model_len=%d (%s), max_num_seqs=%d (%s), encoder cache %d tokens "
@@ -177,6 +178,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         self.schedule_time += time.perf_counter() - t0
+        self.last_scheduler_output = so  # read by `mmserve bench` for its per-step timeline
         sampled = self.runner.execute(so)
         t1 = time.perf_counter()
         changed = self.scheduler.update(so, sampled)
