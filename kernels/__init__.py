@@ -1,1 +1,7 @@
-"""Attention and KV-cache kernels: torch references (CPU) and, later, Triton kernels (GPU)."""
+"""Attention and KV-cache kernels: torch references (CPU) and Triton kernels (GPU).
+
+``paged_attention`` is the torch reference the CPU runner uses. ``triton_kv_cache`` and
+``triton_attention`` are the GPU kernels with the same contract; they are imported only where
+they are used, so that importing mmserve never imports Triton, and so that tests can switch on
+Triton's CPU interpreter (``TRITON_INTERPRET=1``) before the kernels are defined.
+"""

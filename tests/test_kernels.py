@@ -1,0 +1,247 @@
+"""Triton kernels against the torch reference (``kernels/paged_attention.py``).
+
+Without a GPU the kernels run in Triton's CPU interpreter, which must be switched on before the
+kernel modules are imported (``triton.jit`` picks interpreted or compiled at decoration time).
+Shapes are small so the interpreter stays fast. On a machine with CUDA the same tests run the
+compiled kernels on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from mmserve.kernels.paged_attention import (  # noqa: E402
+    AttentionMetadata,
+    PrefillSeq,
+    paged_attention,
+    write_kv_cache,
+)
+from mmserve.kernels.triton_attention import (  # noqa: E402
+    TritonAttentionMetadata,
+    triton_paged_attention,
+)
+from mmserve.kernels.triton_kv_cache import triton_write_kv_cache  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+if DEVICE == "cpu":
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from mmserve.kernels import triton_attention
+
+    if not isinstance(triton_attention._paged_attention_kernel, InterpretedFunction):
+        raise RuntimeError("the Triton kernels were imported before TRITON_INTERPRET=1 was set; "
+                           "import mmserve.kernels.triton_* lazily outside of tests")
+
+# Tolerances, against a float32 reference computed from the same (rounded) inputs:
+# - float32: the interpreter and the GPU ("ieee" dots) only reorder float32 sums; 1e-5.
+# - float16: the output is rounded to float16 (half an ulp is 1e-3 for |x| in [2, 4]) and the
+#   softmax weights are rounded to float16 before the P @ V dot (relative 2**-11 each); 4e-3.
+# - bfloat16: the same with 8-bit mantissas (an ulp is 1.6e-2 in [2, 4]; the interpreter
+#   truncates float32 -> bfloat16 instead of rounding, so its error reaches a whole ulp, measured
+#   1.5e-2; on the GPU the weights are also rounded, 2**-8 relative); 3e-2.
+TOLERANCES = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+# A sequence of a step: (query_len, seq_len). seq_len - query_len tokens were cached before.
+DECODES = [(1, 1), (1, 17), (1, 33), (1, 8)]
+PREFILLS = [(9, 9), (21, 21), (1 + 16, 17)]
+CHUNKS = [(5, 23), (16, 40), (7, 7)]
+MIXED = [(1, 20), (11, 11), (1, 3), (6, 38), (1, 1), (13, 29)]
+
+
+def _block_tables(seqs: list[tuple[int, int]], block_size: int, num_blocks: int,
+                  gen: torch.Generator) -> list[list[int]]:
+    """Distinct, shuffled (non-contiguous) physical blocks for every sequence."""
+    needed = [-(-s_len // block_size) for _, s_len in seqs]
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    assert sum(needed) <= num_blocks
+    tables, used = [], 0
+    for n in needed:
+        tables.append(perm[used:used + n])
+        used += n
+    return tables
+
+
+def _reference_metadata(seqs: list[tuple[int, int]], tables: list[list[int]],
+                        block_size: int) -> AttentionMetadata:
+    """The CPU runner's metadata for the same batch."""
+    slots, prefills, decode_rows, decode_slots, decode_lens = [], [], [], [], []
+    row = 0
+    for (q_len, s_len), table in zip(seqs, tables, strict=True):
+        seq_slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                                  for p in range(s_len)])
+        slots.extend(seq_slots[s_len - q_len:].tolist())
+        if q_len == 1:
+            decode_rows.append(row)
+            decode_slots.append(seq_slots)
+            decode_lens.append(s_len)
+        elif q_len == s_len:
+            prefills.append(PrefillSeq(row, q_len, s_len, None, None))
+        else:
+            q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
+            mask = torch.arange(s_len).unsqueeze(0) <= q_pos
+            prefills.append(PrefillSeq(row, q_len, s_len, seq_slots, mask))
+        row += q_len
+    max_ctx = max(decode_lens, default=1)
+    padded = torch.zeros(len(decode_rows), max_ctx, dtype=torch.long)
+    for i, s in enumerate(decode_slots):
+        padded[i, :len(s)] = s
+    lens = torch.tensor(decode_lens, dtype=torch.long)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        prefills=prefills,
+        decode_rows=torch.tensor(decode_rows, dtype=torch.long),
+        decode_slots=padded,
+        decode_mask=(torch.arange(max_ctx) < lens.unsqueeze(1))[:, None, None, :],
+    )
+
+
+def _run_both(seqs, num_heads, num_kv_heads, head_dim, dtype, block_size=16, seed=0):
+    """Triton output and cache, and the float32 reference on the same rounded inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(q for q, _ in seqs)
+    num_blocks = sum(-(-s // block_size) for _, s in seqs) + 3
+    tables = _block_tables(seqs, block_size, num_blocks, gen)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q = rand(num_tokens, num_heads, head_dim)
+    k = rand(num_tokens, num_kv_heads, head_dim)
+    v = rand(num_tokens, num_kv_heads, head_dim)
+    # The cache starts with random content: the cached context of chunks and decodes, and
+    # garbage in unused slots that must never be read.
+    cache = rand(2, num_blocks, block_size, num_kv_heads, head_dim)
+    scale = head_dim ** -0.5
+
+    ref_cache = cache.float()
+    ref_out = paged_attention(q.float(), k.float(), v.float(), ref_cache,
+                              _reference_metadata(seqs, tables, block_size), scale)
+
+    meta = TritonAttentionMetadata.build([q_len for q_len, _ in seqs],
+                                         [s_len for _, s_len in seqs], tables, block_size,
+                                         device=DEVICE)
+    tri_cache = cache.to(DEVICE)
+    out = triton_paged_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), tri_cache, meta,
+                                 scale)
+    return out.cpu(), tri_cache.cpu(), ref_out, ref_cache
+
+
+def _check(seqs, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, **kw):
+    out, cache, ref_out, ref_cache = _run_both(seqs, num_heads, num_kv_heads, head_dim, dtype,
+                                               **kw)
+    # The KV write is a copy: exact in every dtype.
+    assert torch.equal(cache, ref_cache.to(dtype))
+    tol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seqs", [DECODES, PREFILLS, CHUNKS, MIXED],
+                         ids=["decode", "prefill", "chunked-prefill", "mixed"])
+def test_batch_kinds(seqs):
+    _check(seqs)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_head_sizes(head_dim):
+    _check(MIXED[:4], head_dim=head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [80, 128])
+def test_dtypes(dtype, head_dim):
+    _check(MIXED, head_dim=head_dim, dtype=dtype, seed=1)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 2), (8, 1), (4, 4)],
+                         ids=["mha", "gqa-3", "mqa-8", "mha-4"])
+def test_gqa(num_heads, num_kv_heads):
+    _check(MIXED, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 32])
+def test_block_sizes(block_size):
+    # Tiles are independent of the block size: one block per token, a non-power-of-two size,
+    # and blocks longer than a decode tile.
+    _check(MIXED, block_size=block_size)
+
+
+def test_long_chunk_spans_several_tiles():
+    # 70 query tokens and 100 context positions: several query tiles and several KV tiles, with
+    # the causal bound cutting through the middle of a KV tile.
+    _check([(70, 100), (1, 90)], num_heads=2, num_kv_heads=1, head_dim=64, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_write_kv_cache_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, heads, head_dim = 6, 5, 3, 80
+    cache = torch.randn(2, num_blocks, block_size, heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:11]
+    # Strided in the token and head dimensions, as a slice of a fused projection would be.
+    key = torch.randn(11, heads, 2 * head_dim, generator=gen).to(dtype)[..., :head_dim]
+    value = torch.randn(11, heads, head_dim, generator=gen).to(dtype)
+    assert not key.is_contiguous()
+    ref = cache.clone()
+    write_kv_cache(key, value, ref, slots)
+    out = cache.to(DEVICE)
+    triton_write_kv_cache(key.to(DEVICE), value.to(DEVICE), out, slots.to(DEVICE))
+    assert torch.equal(out.cpu(), ref)
+
+
+def test_padding_slots_write_nothing():
+    cache = torch.zeros(2, 4, 4, 2, 64, device=DEVICE)
+    key = torch.ones(3, 2, 64, device=DEVICE)
+    triton_write_kv_cache(key, key, cache, torch.tensor([5, -1, 9], device=DEVICE))
+    written = cache[0].reshape(16, 2, 64).abs().sum(dim=(1, 2)).nonzero().flatten().tolist()
+    assert written == [5, 9]
+    assert torch.equal(cache[0], cache[1])
+
+
+def test_build_metadata_layout():
+    meta = TritonAttentionMetadata.build([1, 3], [6, 3], [[7, 2], [4]], block_size=4,
+                                         num_seqs_padded=4, max_blocks=3)
+    assert meta.query_start_loc.tolist() == [0, 1, 4, 4, 4]
+    assert meta.seq_lens.tolist() == [6, 3, 0, 0]
+    assert meta.block_tables.tolist() == [[7, 2, 0], [4, 0, 0], [0, 0, 0], [0, 0, 0]]
+    # Position 5 of sequence 0 is in its second block (2), offset 1; sequence 1 fills block 4.
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, 16, 17, 18, -1, -1]
+    assert meta.max_query_len == 3
+    assert meta.query_start_loc.dtype == meta.seq_lens.dtype == torch.int32
+
+
+@pytest.mark.parametrize("bad", [
+    dict(query_lens=[0], seq_lens=[3], block_tables=[[0]]),
+    dict(query_lens=[4], seq_lens=[3], block_tables=[[0]]),
+    dict(query_lens=[1], seq_lens=[9], block_tables=[[0, 1]]),
+    dict(query_lens=[1], seq_lens=[3], block_tables=[[0]], num_seqs_padded=0),
+    dict(query_lens=[1], seq_lens=[3], block_tables=[[0, 1]], max_blocks=1),
+], ids=["empty-query", "query-longer-than-seq", "blocks-too-few", "padding-below", "table-wide"])
+def test_build_metadata_rejects_bad_layouts(bad):
+    with pytest.raises(ValueError):
+        TritonAttentionMetadata.build(block_size=4, **bad)
+
+
+def test_padded_decode_batch_matches_unpadded():
+    """A decode batch padded as for a CUDA graph: real rows unchanged, cache untouched by pads."""
+    gen = torch.Generator().manual_seed(5)
+    seqs = [(1, 9), (1, 4), (1, 20)]
+    tables = _block_tables(seqs, 4, 16, gen)
+    q = torch.randn(5, 4, 64, generator=gen).to(DEVICE)  # 3 real rows + 2 padding rows
+    kv = torch.randn(5, 2, 64, generator=gen).to(DEVICE)
+    cache = torch.randn(2, 16, 4, 2, 64, generator=gen).to(DEVICE)
+    args = ([1, 1, 1], [9, 4, 20], tables, 4)
+    plain_cache = cache.clone()
+    plain = triton_paged_attention(q[:3], kv[:3], kv[:3], plain_cache,
+                                   TritonAttentionMetadata.build(*args, device=DEVICE), 0.125)
+    padded = triton_paged_attention(q, kv, kv, cache, TritonAttentionMetadata.build(
+        *args, device=DEVICE, num_seqs_padded=5, max_blocks=8), 0.125)
+    assert torch.equal(cache, plain_cache)
+    torch.testing.assert_close(padded[:3], plain, atol=0, rtol=0)
