@@ -1,0 +1,255 @@
+"""`mmserve bench throughput`: the engine in this process, every request queued at once.
+
+Reports what people compare engines by (requests/s, tokens/s) and what only an engine with an
+encoder cache can show (images requested vs encoded, prefix-cache hits), plus where the wall time
+goes and how far the achieved model FLOP/s are from the machine's measured matmul peak.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from mmserve.bench.flops import ModelFlops
+from mmserve.bench.report import fmt, plot_panels, section_table
+from mmserve.bench.stats import summarize
+from mmserve.bench.workload import Workload
+from mmserve.engine.llm_engine import LLMEngine
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+# Steps with at least this share of the peak number of running requests count as "full batch"
+# steps for the scheduling-overhead figure (the issue's target is stated at 64 running).
+FULL_BATCH_SHARE = 0.9
+
+
+@dataclass
+class StepRecord:
+    """One engine step of the timeline."""
+
+    end_s: float  # seconds since the first request was added
+    duration_s: float
+    scheduled_tokens: int
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    encoder_cache_used_tokens: int
+    images_encoded: int
+    schedule_s: float  # scheduling, state updates and detokenization
+    prepare_s: float  # input preparation in the runner
+    decoder_flops: int
+    encoder_flops: int
+
+
+@dataclass
+class ThroughputRun:
+    results: dict[str, Any]
+    steps: list[StepRecord]
+    outputs: list[RequestOutput]  # in workload order
+
+
+def sampling_params_for(workload: Workload) -> list[SamplingParams]:
+    """Greedy, exactly ``output_len`` tokens per request (EOS does not stop it)."""
+    return [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            for r in workload.requests]
+
+
+def run_throughput(
+    engine: LLMEngine,
+    workload: Workload,
+    matmul_peak: float | None = None,
+    use_tqdm: bool = True,
+) -> ThroughputRun:
+    """Queue every request of ``workload``, step ``engine`` until all finish, measure."""
+    flops = ModelFlops.from_hf_config(engine.model.config)
+    runner_times, stats0 = asdict(engine.runner.times), engine.stats()
+    schedule0 = engine.schedule_time
+    params = sampling_params_for(workload)
+
+    start = time.perf_counter()
+    ids = [engine.add_request(r.prompt(), p) for r, p in zip(workload.requests, params,
+                                                              strict=True)]
+    preprocess_s = time.perf_counter() - start
+
+    done: dict[str, RequestOutput] = {}
+    first_token_s: dict[str, float] = {}
+    finish_s: dict[str, float] = {}
+    steps: list[StepRecord] = []
+    pool_blocks = engine.stats()["kv_blocks_total"]
+    bar = tqdm(total=workload.num_output_tokens, desc="output tokens", unit="tok",
+               disable=not use_tqdm)
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        sched0, prep0 = engine.schedule_time, engine.runner.times.prepare
+        outputs = engine.step()
+        t1 = time.perf_counter()
+        so = engine.last_scheduler_output
+        dec, enc = flops.step(so) if so is not None else (0, 0)
+        s = engine.stats()
+        steps.append(StepRecord(
+            end_s=t1 - start, duration_s=t1 - t0, scheduled_tokens=so.num_scheduled_tokens,
+            running=s["num_running"], waiting=s["num_waiting"],
+            kv_blocks_used=pool_blocks - s["kv_blocks_free"],
+            encoder_cache_used_tokens=s["encoder_cache_used_tokens"],
+            images_encoded=len(so.encoder_inputs), schedule_s=engine.schedule_time - sched0,
+            prepare_s=engine.runner.times.prepare - prep0, decoder_flops=dec, encoder_flops=enc))
+        for out in outputs:
+            bar.update(len(out.new_token_ids))
+            first_token_s.setdefault(out.request_id, t1 - start)
+            if out.finished:
+                done[out.request_id] = out
+                finish_s[out.request_id] = t1 - start
+    bar.close()
+    elapsed = time.perf_counter() - start
+
+    ordered = [done[rid] for rid in ids]
+    stats = engine.stats()
+    times = {k: v - runner_times[k] for k, v in asdict(engine.runner.times).items()}
+    times["scheduling"] = engine.schedule_time - schedule0
+    times["preprocessing"] = preprocess_s
+    results = _results(workload, ordered, steps, stats, stats0, times, elapsed, matmul_peak)
+    # Every request was queued at time 0, so these are latencies under a full backlog.
+    results["ttft_s"] = summarize([first_token_s[rid] for rid in ids])
+    results["e2e_latency_s"] = summarize([finish_s[rid] for rid in ids])
+    return ThroughputRun(results, steps, ordered)
+
+
+def _results(workload, outputs, steps, stats, stats0, times, elapsed, matmul_peak) -> dict:
+    def delta(key: str) -> int:
+        return stats[key] - stats0[key]
+
+    num_output = sum(len(o.token_ids) for o in outputs)
+    num_prompt = sum(o.num_prompt_tokens for o in outputs)
+    finish = Counter(o.finish_reason for o in outputs)
+    hits, misses = delta("encoder_cache_hits"), delta("encoder_cache_misses")
+    requested = sum(len(r.images) for r in workload.requests)
+    prefix_hit, prefix_queried = (delta("prefix_cache_hit_tokens"),
+                                  delta("prefix_cache_queried_tokens"))
+    shares_of = ("preprocessing", "encoder", "prepare", "forward", "sample", "scheduling")
+    time_s = {k: times[k] for k in shares_of}
+    time_s["other"] = max(0.0, elapsed - sum(time_s.values()))
+    peak_running = max((s.running for s in steps), default=0)
+    full = [s for s in steps if s.running >= FULL_BATCH_SHARE * peak_running and s.running]
+    full_time = sum(s.duration_s for s in full)
+    decoder_flops = sum(s.decoder_flops for s in steps)
+    encoder_flops = sum(s.encoder_flops for s in steps)
+    achieved = (decoder_flops + encoder_flops) / elapsed
+    return {
+        "num_requests": len(workload.requests),
+        "completed": sum(n for reason, n in finish.items() if reason in ("length", "stop")),
+        "failed": sum(n for reason, n in finish.items() if reason not in ("length", "stop")),
+        "finish_reasons": dict(finish),
+        "elapsed_s": elapsed,
+        "requested_output_tokens": workload.num_output_tokens,
+        "output_tokens": num_output,
+        "prompt_tokens": num_prompt,
+        "requests_per_s": len(outputs) / elapsed,
+        "output_tokens_per_s": num_output / elapsed,
+        "total_tokens_per_s": (num_output + num_prompt) / elapsed,
+        "encoder_items_requested": requested,
+        "encoder_items_distinct": workload.num_distinct_images,
+        "encoder_items_computed": misses,
+        "encoder_cache_lookups": hits + misses,
+        "encoder_cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "encoder_cache_evictions": delta("encoder_cache_evictions"),
+        "prefix_cache_hit_tokens": prefix_hit,
+        "prefix_cache_queried_tokens": prefix_queried,
+        "prefix_cache_hit_rate": prefix_hit / prefix_queried if prefix_queried else 0.0,
+        "kv_blocks_total": stats["kv_blocks_total"],
+        "peak_kv_blocks_used": max((s.kv_blocks_used for s in steps), default=0),
+        "peak_kv_usage": (max((s.kv_blocks_used for s in steps), default=0)
+                          / stats["kv_blocks_total"]),
+        "peak_encoder_cache_used_tokens": max((s.encoder_cache_used_tokens for s in steps),
+                                              default=0),
+        "encoder_cache_tokens": stats["encoder_cache_tokens"],
+        "peak_running": peak_running,
+        "num_preemptions": delta("num_preemptions"),
+        "num_steps": len(steps),
+        "time_s": time_s,
+        "time_share": {k: v / elapsed for k, v in time_s.items()},
+        "full_batch_steps": len(full),
+        "full_batch_mean_running": (sum(s.running for s in full) / len(full)) if full else 0.0,
+        "full_batch_mean_step_ms": 1e3 * full_time / len(full) if full else 0.0,
+        "full_batch_sched_prep_share": (sum(s.schedule_s + s.prepare_s for s in full)
+                                        / full_time if full_time else 0.0),
+        "model_flops": {"decoder": decoder_flops, "encoder": encoder_flops},
+        "achieved_flops_per_s": achieved,
+        "matmul_peak_flops_per_s": matmul_peak,
+        "share_of_matmul_peak": achieved / matmul_peak if matmul_peak else None,
+    }
+
+
+def throughput_table(r: dict[str, Any], title: str = "mmserve bench throughput") -> str:
+    share = r["time_share"]
+    peak = r["matmul_peak_flops_per_s"]
+    return section_table(title, [
+        ("requests", [
+            ("requests (completed / failed)", f"{r['completed']} / {r['failed']}"),
+            ("wall time (s)", r["elapsed_s"]),
+            ("requests/s", r["requests_per_s"]),
+            ("output tokens/s", r["output_tokens_per_s"]),
+            ("total tokens/s", r["total_tokens_per_s"]),
+            ("output / prompt tokens", f"{r['output_tokens']:,} / {r['prompt_tokens']:,}"),
+            ("TTFT mean / p90 (s)", f"{r['ttft_s']['mean']:.2f} / {r['ttft_s']['p90']:.2f}"),
+            ("E2E mean / p90 (s)",
+             f"{r['e2e_latency_s']['mean']:.2f} / {r['e2e_latency_s']['p90']:.2f}"),
+        ]),
+        ("caches", [
+            ("images requested / distinct / encoded",
+             f"{r['encoder_items_requested']} / {r['encoder_items_distinct']} / "
+             f"{r['encoder_items_computed']}"),
+            ("encoder cache hit rate", r["encoder_cache_hit_rate"]),
+            ("encoder cache evictions", r["encoder_cache_evictions"]),
+            ("prefix cache hit tokens", f"{r['prefix_cache_hit_tokens']:,} of "
+                                        f"{r['prefix_cache_queried_tokens']:,}"),
+            ("peak KV blocks used", f"{r['peak_kv_blocks_used']:,} of {r['kv_blocks_total']:,} "
+                                    f"({r['peak_kv_usage']:.1%})"),
+            ("peak running requests", r["peak_running"]),
+            ("preemptions", r["num_preemptions"]),
+            ("engine steps", r["num_steps"]),
+        ]),
+        ("where the wall time goes", [
+            *((name, f"{r['time_s'][key]:.2f} s  {share[key]:6.1%}")
+              for name, key in (("preprocessing (HF processor)", "preprocessing"),
+                                ("vision encoder", "encoder"),
+                                ("input preparation", "prepare"),
+                                ("decoder forward + LM head", "forward"),
+                                ("sampling", "sample"),
+                                ("scheduling + update + detok", "scheduling"),
+                                ("other", "other"))),
+            (f"sched + prep share, {r['full_batch_steps']} steps at "
+             f"~{r['full_batch_mean_running']:.0f} running",
+             f"{r['full_batch_sched_prep_share']:.1%} of "
+             f"{r['full_batch_mean_step_ms']:.0f} ms"),
+        ]),
+        ("compute", [
+            ("model FLOPs (decoder / encoder)",
+             f"{fmt(float(r['model_flops']['decoder']))} / "
+             f"{fmt(float(r['model_flops']['encoder']))}"),
+            ("achieved model FLOP/s", r["achieved_flops_per_s"]),
+            ("measured matmul peak FLOP/s", peak),
+            ("share of matmul peak",
+             f"{r['share_of_matmul_peak']:.1%}" if peak else "not measured"),
+        ]),
+    ])
+
+
+def plot_timeline(steps: list[StepRecord], path: str) -> None:
+    """Per-step timeline: tokens scheduled, running requests, KV blocks, encoder-cache tokens."""
+    # Each step's value is drawn flat over the step's own interval.
+    x = [t for s in steps for t in (s.end_s - s.duration_s, s.end_s)]
+
+    def series(values: list[float]) -> list[float]:
+        return [v for v in values for _ in range(2)]
+
+    plot_panels(path, x, [
+        ("tokens scheduled", series([s.scheduled_tokens for s in steps])),
+        ("running requests", series([s.running for s in steps])),
+        ("KV blocks in use", series([s.kv_blocks_used for s in steps])),
+        ("encoder-cache tokens in use", series([s.encoder_cache_used_tokens for s in steps])),
+        ("step time (ms)", series([1e3 * s.duration_s for s in steps])),
+    ], x_label="seconds since start", title="mmserve bench throughput: engine steps")
