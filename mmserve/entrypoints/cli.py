@@ -68,10 +68,13 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mmserve.entrypoints.api_server import add_serve_parser
+
     parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     # Each front door registers its own subcommand, which sets ``func``.
     add_caption_parser(sub)
+    add_serve_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -1,0 +1,263 @@
+"""The engine in one background thread, shared by every connection of the server.
+
+Engine steps are synchronous torch work, so they run in a dedicated thread, never on the event
+loop: the server stays responsive (``/health`` answers) during long steps. The thread owns the
+``LLMEngine`` alone. The event loop talks to it through a command queue (add, abort) that the
+thread drains between steps, and gets outputs back through ``loop.call_soon_threadsafe``, one
+call per step, which fans them out to per-request asyncio queues. No lock guards engine state
+because only one thread ever touches it; the stats the server reads are a snapshot the thread
+publishes after each step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mmserve.engine.llm_engine import LLMEngine
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a crash or a shutdown); in-flight requests cannot finish."""
+
+
+class RequestObserver(Protocol):
+    """Hooks for metrics, called on the event loop with times measured by the engine thread."""
+
+    def on_first_token(self, seconds_since_arrival: float) -> None: ...
+
+    def on_next_token(self, seconds_since_previous: float) -> None: ...
+
+    def on_finished(self, finish_reason: str, num_prompt_tokens: int,
+                    num_generation_tokens: int) -> None: ...
+
+
+@dataclass
+class RequestStream:
+    """The outputs of one request, in order. Iterate with ``async for``."""
+
+    request_id: str
+    arrival_time: float  # time.monotonic() when the request was submitted
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished: bool = False
+    _queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: dict[str, Any]
+    params: SamplingParams
+    done: Callable[[BaseException | None], None]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    """Runs ``engine`` in a background thread once ``start()`` is called from the event loop.
+
+    ``max_waiting`` bounds the requests admitted beyond the ``max_num_seqs`` that run at once;
+    ``add_request`` refuses more with ``QueueFullError``.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 observer: RequestObserver | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.observer = observer
+        self._streams: dict[str, RequestStream] = {}
+        self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stats: dict[str, Any] = engine.stats()
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the stepping thread; call from the event loop that will read the outputs."""
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already started")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="mmserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the thread after its current step; requests still in flight fail."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def has_room(self) -> bool:
+        """Whether one more request may queue: those beyond the ``max_num_seqs`` that run at
+        once count as waiting."""
+        waiting = len(self._streams) - self.engine.config.max_num_seqs
+        return self.max_waiting is None or waiting < self.max_waiting
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters as of the last step (see ``LLMEngine.stats``)."""
+        return dict(self._stats)
+
+    # ----------------------------------------------------------------- requests
+    async def add_request(self, request_id: str, prompt: dict[str, Any],
+                          params: SamplingParams) -> RequestStream:
+        """Validate and queue a request; raises ``InvalidInputError`` (bad input),
+        ``QueueFullError`` or ``EngineDeadError``. Abort it with ``abort`` if the caller stops
+        reading before it finishes."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running")
+        if not self.has_room():
+            raise QueueFullError(
+                f"{self.max_waiting} requests are already waiting for a slot "
+                f"(max_queue={self.max_waiting}); retry later.")
+        assert self._loop is not None
+        stream = RequestStream(request_id, arrival_time=time.monotonic())
+        self._streams[request_id] = stream
+        added: asyncio.Future[None] = self._loop.create_future()
+        self._commands.put(_Add(request_id, prompt, params, self._resolver(added)))
+        try:
+            await added
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and release its KV blocks and encoder-cache references. Harmless for
+        requests that already finished."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished:
+            self._commands.put(_Abort(request_id))
+            if self.observer is not None:
+                self.observer.on_finished("abort", stream.num_prompt_tokens,
+                                          stream.num_generation_tokens)
+
+    def _resolver(self, fut: asyncio.Future[None]) -> Callable[[BaseException | None], None]:
+        loop = self._loop
+        assert loop is not None
+
+        def resolve(error: BaseException | None) -> None:
+            if fut.done():  # the caller was cancelled meanwhile
+                return
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)
+
+        return lambda error: loop.call_soon_threadsafe(resolve, error)
+
+    # ----------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                # Block only when there is nothing to step.
+                block = not engine.has_unfinished_requests()
+                commands = [self._commands.get()] if block else []
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                if any(c is _STOP for c in commands):
+                    break
+                for command in commands:
+                    self._apply(command)
+                if engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    now = time.monotonic()
+                    self._stats = engine.stats()
+                    if outputs:
+                        self._loop.call_soon_threadsafe(self._dispatch, outputs, now)
+                else:
+                    self._stats = engine.stats()
+        except BaseException as e:  # a bug in a step: fail every request, loudly
+            logger.exception("the engine loop crashed; failing all in-flight requests")
+            self._error = e
+            self._loop.call_soon_threadsafe(self._fail_all, e)
+            return
+        self._loop.call_soon_threadsafe(self._fail_all, None)
+
+    def _apply(self, command: object) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.request_id)
+        elif isinstance(command, _Add):
+            try:
+                self.engine.add_request(command.prompt, command.params, command.request_id)
+            except Exception as e:  # InvalidInputError, or a bug: the caller reports it
+                command.done(e)
+            else:
+                command.done(None)
+
+    # ----------------------------------------------------------------- event loop side
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted: the engine drops it at its next command drain
+                continue
+            if self.observer is not None:
+                if stream.first_token_time is None:
+                    self.observer.on_first_token(now - stream.arrival_time)
+                else:
+                    self.observer.on_next_token(now - stream.last_token_time)
+            if stream.first_token_time is None:
+                stream.first_token_time = now
+            stream.last_token_time = now
+            stream.num_prompt_tokens = out.num_prompt_tokens
+            stream.num_generation_tokens = len(out.token_ids)
+            if out.finished:
+                stream.finished = True
+                del self._streams[out.request_id]
+                if self.observer is not None:
+                    self.observer.on_finished(out.finish_reason or "stop", out.num_prompt_tokens,
+                                              len(out.token_ids))
+            stream._queue.put_nowait(out)
+
+    def _fail_all(self, error: BaseException | None) -> None:
+        reason = f"the engine loop stopped: {error!r}" if error else "the server is shutting down"
+        for stream in self._streams.values():
+            stream._queue.put_nowait(EngineDeadError(reason))
+        self._streams.clear()
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_waiting`` allows."""

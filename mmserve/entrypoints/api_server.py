@@ -1,0 +1,343 @@
+"""The OpenAI-compatible HTTP server: a Starlette app over one shared engine loop, and
+``mmserve serve``.
+
+Endpoints: ``POST /v1/chat/completions`` (plain or streamed as server-sent events),
+``GET /v1/models``, ``GET /health`` (200 while the engine loop lives; never needs a key),
+``GET /metrics`` (Prometheus text) and ``GET /stats`` (the engine's counters as JSON, for
+operators and tests). Every error is OpenAI's JSON error body.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from mmserve.engine.llm_engine import LLMEngine
+from mmserve.entrypoints import openai_protocol as proto
+from mmserve.entrypoints.media import MediaPolicy, load_image_url
+from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from mmserve.entrypoints.openai_protocol import ApiError
+from mmserve.processing.images import InvalidInputError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Front-door settings; the engine has its own ``EngineConfig``."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_queue: int | None = 1024  # requests waiting beyond the max_num_seqs running ones
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty.")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(
+                f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}.")
+        if self.api_key == "":
+            raise ValueError("the API key must not be empty; leave it out to disable auth.")
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every path but /health, compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.expected is None or scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        err = ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key")
+        await _error_response(err)(scope, receive, send)
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class OpenAIServer:
+    """Request handlers over one ``AsyncEngine``."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        self.config = config
+        self.model = config.served_model_name
+        self.max_model_len = engine.config.max_model_len
+        self.max_images = engine.config.limit_mm_per_prompt
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(self.model, self._stats)
+        self.engine = AsyncEngine(engine, config.max_queue, observer=self.metrics)
+
+    def _stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    # ----------------------------------------------------------------- small endpoints
+    async def health(self, request: Request) -> Response:
+        if self.engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine loop not running"}, status_code=503)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(proto.model_list(self.model, self.created, self.max_model_len))
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def stats(self, request: Request) -> Response:
+        return JSONResponse({**self.engine.stats(), "num_in_flight": self.engine.num_in_flight})
+
+    # ----------------------------------------------------------------- chat
+    async def chat(self, request: Request) -> Response:
+        try:
+            chat = await self._parse(request)
+            images = [await asyncio.to_thread(load_image_url, url, self.config.media)
+                      for url in chat.image_urls]
+            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            prompt = {"messages": chat.messages, "images": images}
+            stream = await self.engine.add_request(request_id, prompt, chat.params)
+        except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
+            err = _as_api_error(e)
+            self.metrics.count("rejected" if err.status < 500 else "error")
+            return _error_response(err)
+        if chat.stream:
+            return StreamingResponse(
+                self._sse(stream, chat.include_usage), media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._complete(request, stream)
+
+    async def _parse(self, request: Request) -> proto.ChatRequest:
+        body = await self._read_body(request)
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise proto.bad_request(f"the request body is not valid JSON: {e}") from None
+        chat = proto.parse_chat_request(data, self.max_model_len, self.max_images)
+        if chat.model is not None and chat.model != self.model:
+            raise ApiError(404, f"the model {chat.model!r} does not exist; this server serves "
+                           f"{self.model!r}.", param="model", code="model_not_found")
+        if not self.engine.has_room():  # before fetching images; add_request checks again
+            raise QueueFullError(
+                f"{self.engine.max_waiting} requests are already waiting for a slot "
+                f"(--max-queue {self.engine.max_waiting}); retry later.")
+        return chat
+
+    async def _read_body(self, request: Request) -> bytes:
+        cap = self.config.max_request_body_bytes
+        too_big = ApiError(413, f"the request body is over {cap} bytes; send smaller images or "
+                           "fewer of them.", code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > cap:
+            raise too_big
+        chunks, size = [], 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise proto.bad_request("the client disconnected while sending the body") from None
+        return b"".join(chunks)
+
+    async def _complete(self, request: Request, stream) -> Response:
+        """Wait for the whole answer; abort if the client goes away meanwhile."""
+
+        async def final_output():
+            last = None
+            async for out in stream:
+                last = out
+            return last
+
+        answer = asyncio.ensure_future(final_output())
+        gone = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not answer.done():
+                answer.cancel()
+                self.engine.abort(stream.request_id)
+        if not answer.done() or answer.cancelled():
+            return Response(status_code=499)  # nobody is listening
+        try:
+            out = answer.result()
+        except EngineDeadError as e:
+            self.metrics.count("error")
+            return _error_response(_as_api_error(e))
+        body = proto.completion(stream.request_id, self.model, out.text, out.finish_reason,
+                                out.num_prompt_tokens, len(out.token_ids))
+        return JSONResponse(body)
+
+    async def _sse(self, stream, include_usage: bool) -> AsyncIterator[str]:
+        rid, created = stream.request_id, int(time.time())
+
+        def event(delta: dict[str, Any] | None, reason: str | None = None,
+                  usage: dict[str, int] | None = None) -> str:
+            body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage)
+            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+        try:
+            yield event({"role": "assistant", "content": ""})
+            async for out in stream:
+                if out.new_text:
+                    yield event({"content": out.new_text})
+                if out.finished:
+                    yield event({}, out.finish_reason)
+                    if include_usage:
+                        yield event(None, usage=proto.usage(out.num_prompt_tokens,
+                                                            len(out.token_ids)))
+            yield "data: [DONE]\n\n"
+        except EngineDeadError as e:
+            self.metrics.count("error")
+            body = _as_api_error(e).body()
+            yield f"data: {json.dumps(body)}\n\n"
+        finally:
+            # The client went away (this generator was cancelled or closed) or we are done;
+            # aborting a finished request is a no-op.
+            self.engine.abort(rid)
+
+    # ----------------------------------------------------------------- app
+    def app(self) -> Starlette:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            self.engine.start()
+            logger.info("serving %r", self.model)
+            yield
+            # uvicorn has drained in-flight requests (SIGTERM) before this point.
+            await self.engine.shutdown()
+
+        routes = [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/stats", self.stats, methods=["GET"]),
+        ]
+        return Starlette(
+            routes=routes, lifespan=lifespan,
+            middleware=[Middleware(ApiKeyMiddleware, api_key=self.config.api_key)],
+            exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
+
+
+def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
+    """The Starlette app serving ``engine``; the engine loop starts with the app's lifespan."""
+    return OpenAIServer(engine, config).app()
+
+
+def _as_api_error(e: Exception) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, InvalidInputError):
+        return proto.bad_request(str(e), e.param)
+    if isinstance(e, QueueFullError):
+        return ApiError(503, str(e), type="server_overloaded", code="queue_full",
+                        headers={"Retry-After": "1"})
+    return ApiError(503, str(e), type="server_error", code="engine_unavailable")
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    return _error_response(ApiError(exc.status_code, f"{exc.detail}: {request.method} "
+                                    f"{request.url.path}", code="not_found"
+                                    if exc.status_code == 404 else None))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("internal error on %s %s", request.method, request.url.path)
+    return _error_response(ApiError(500, f"internal server error: {exc!r}", type="server_error"))
+
+
+# --------------------------------------------------------------------- mmserve serve
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from mmserve.entrypoints.cli import add_engine_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible image+text chat server")
+    p.add_argument("model_path", nargs="?", metavar="MODEL",
+                   help="local checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="model id clients send (default: MODEL)")
+    p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $MMSERVE_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
+                   help="requests waiting beyond max-num-seqs; past it, 503 with Retry-After")
+    p.add_argument("--max-request-body-bytes", type=int,
+                   default=ServerConfig.max_request_body_bytes)
+    p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
+                   help="hosts whose http(s) image URLs may be fetched")
+    p.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="serve file:// image URLs under DIR")
+    p.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_bytes)
+    p.add_argument("--media-fetch-timeout", type=float, default=MediaPolicy.fetch_timeout_s,
+                   help="seconds to fetch one image URL")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from mmserve.config import EngineConfig
+    from mmserve.demo.checkpoint import demo_model_path
+    from mmserve.entrypoints.cli import engine_kwargs
+
+    model = args.model_path or args.model
+    try:
+        if model is None:
+            model = str(demo_model_path())
+        config = ServerConfig(
+            served_model_name=args.served_model_name or model,
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            max_request_body_bytes=args.max_request_body_bytes,
+            media=MediaPolicy(tuple(args.allowed_media_domains), args.allowed_local_media_path,
+                              args.max_image_bytes, args.media_fetch_timeout),
+        )
+        engine = LLMEngine(EngineConfig(model=model, **engine_kwargs(args)))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"mmserve serve: {e}", file=sys.stderr)
+        return 2
+    app = build_app(engine, config)
+    # uvicorn's SIGTERM handling stops accepting connections, lets in-flight requests finish,
+    # then runs the lifespan shutdown that stops the engine loop.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_keep_alive=5)
+    return 0

@@ -1,0 +1,232 @@
+"""OpenAI chat-completions wire format: request validation, response and chunk shapes, errors.
+
+Everything here is plain data in, plain data out (no I/O), so each rule is unit-testable. A
+request that breaks a rule raises ``ApiError`` with OpenAI's error body: a message that says
+what to change, and the offending parameter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mmserve.sampling_params import SamplingParams
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An HTTP error with OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat request. ``messages`` hold ``{"type": "image"}`` parts in place of
+    ``image_url`` parts; ``image_urls`` lists those URLs in the same order."""
+
+    messages: list[dict[str, Any]]
+    image_urls: list[str]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+
+
+def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRequest:
+    """Validate a decoded JSON body of ``POST /v1/chat/completions``."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    messages, image_urls = _parse_messages(body.get("messages"))
+    if len(image_urls) > max_images:
+        raise bad_request(
+            f"the messages carry {len(image_urls)} images but at most {max_images} are allowed "
+            "per prompt (--limit-mm-per-prompt); send fewer images.", "messages")
+
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise bad_request(f"n={n} is not supported; mmserve returns one choice per request "
+                          "(send n=1 or leave it out, and repeat the request for more).", "n")
+    for name in ("logprobs", "tools", "functions"):
+        if body.get(name):
+            raise bad_request(f"'{name}' is not supported by mmserve; leave it out.", name)
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _get(body, name, float, 0.0) != 0.0:
+            raise bad_request(f"'{name}' is not supported by mmserve; leave it out or send 0.",
+                              name)
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+
+    max_tokens = _get(body, "max_completion_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = max_model_len  # the engine stops at max_model_len anyway
+    elif max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    temperature = _get(body, "temperature", float, 1.0)
+    if not 0 <= temperature <= 2:
+        raise bad_request(f"temperature must be between 0 and 2, got {temperature}",
+                          "temperature")
+    top_p = _get(body, "top_p", float, 1.0)
+    if not 0 < top_p <= 1:
+        raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = _get(body, "top_k", int, 0)
+    if top_k < -1:
+        raise bad_request(f"top_k must be -1 or 0 (disabled) or positive, got {top_k}", "top_k")
+    seed = _get(body, "seed", int, None)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list)
+                             or not all(isinstance(s, str) for s in stop)):
+        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    ignore_eos = _get(body, "ignore_eos", bool, False)  # vLLM's extension, for benchmarks
+
+    stream = _get(body, "stream", bool, False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true",
+                              "stream_options")
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        include_usage = _get(options, "include_usage", bool, False, "stream_options.")
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=max(top_k, 0), seed=seed, stop=stop, ignore_eos=ignore_eos)
+    return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
+                       model=model)
+
+
+def _get(obj: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:
+    """``obj[name]`` checked against ``kind`` (ints pass as floats; bools are not ints)."""
+    value = obj.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok, value = True, float(value)
+    if not ok:
+        names = {int: "an integer", float: "a number", bool: "a boolean"}
+        raise bad_request(f"'{prefix}{name}' must be {names[kind]}, got {value!r}",
+                          prefix + name)
+    return value
+
+
+def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of messages", "messages")
+    out: list[dict[str, Any]] = []
+    urls: list[str] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise bad_request(f"{where} must be an object with 'role' and 'content'", where)
+        role = msg.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{where}.role is {role!r}; use one of {', '.join(ROLES)}",
+                              f"{where}.role")
+        content = msg.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise bad_request(f"{where}.content must be a string or a list of parts",
+                              f"{where}.content")
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(content):
+            pwhere = f"{where}.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise bad_request(f"{pwhere}.text must be a string", f"{pwhere}.text")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                image_url = part.get("image_url")
+                url = image_url.get("url") if isinstance(image_url, dict) else image_url
+                if not isinstance(url, str) or not url:
+                    raise bad_request(f"{pwhere}.image_url.url must be a non-empty string",
+                                      f"{pwhere}.image_url")
+                urls.append(url)
+                parts.append({"type": "image"})
+            else:
+                raise bad_request(f"{pwhere} has type {kind!r}; supported: 'text', 'image_url'",
+                                  f"{pwhere}.type")
+        out.append({"role": role, "content": parts})
+    return out, urls
+
+
+# --------------------------------------------------------------------- responses
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """Token counts; ``prompt_tokens`` includes the image placeholder tokens."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    # The engine's "abort" has no OpenAI name; its client is gone by then anyway.
+    return "stop" if reason == "abort" else reason
+
+
+def completion(request_id: str, model: str, text: str, reason: str | None,
+               prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "logprobs": None, "finish_reason": finish_reason(reason)}],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | None,
+          reason: str | None = None, include_usage: bool = False,
+          usage_counts: dict[str, int] | None = None) -> dict[str, Any]:
+    """One SSE chunk. ``delta=None`` makes the usage-only chunk (``choices`` empty)."""
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [] if delta is None else [
+            {"index": 0, "delta": delta, "logprobs": None,
+             "finish_reason": finish_reason(reason)}],
+    }
+    if include_usage:
+        body["usage"] = usage_counts  # null on every chunk but the last, as OpenAI does
+    return body
+
+
+def model_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "mmserve", "root": model,
+                                        "max_model_len": max_model_len}]}

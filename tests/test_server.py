@@ -1,0 +1,271 @@
+"""The OpenAI-compatible server through a real socket: uvicorn in a subprocess on a loopback
+port, the official ``openai`` client, the tiny clip-llama checkpoint in float32.
+
+One server serves the whole module; tests leave it drained (no request in flight, every KV
+block free) for the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from mmserve import LLM, SamplingParams
+from tests.conftest import make_image
+
+IMAGES = [make_image(i, size) for i, size in enumerate([(40, 30), (64, 64), (23, 57), (32, 32)])]
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, fmt)
+    mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}[fmt]
+    return f"data:image/{mime};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+def image_message(text: str, *urls: str) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+class Server:
+    """``mmserve serve`` in a subprocess; ``url`` is its base URL once /health answers."""
+
+    def __init__(self, model: str, *args: str, log: Path, env: dict | None = None) -> None:
+        with socket.socket() as s:  # a free loopback port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", model, "--host",
+               "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+               "--log-level", "warning", *args]
+        self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited early:\n{self.log.read_text()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server did not come up:\n{self.log.read_text()}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def wait_drained(url: str, headers: dict | None = None, timeout: float = 15.0) -> dict:
+    """Poll /stats until nothing is in flight and every KV block is free; returns the stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(f"{url}/stats", headers=headers).json()
+        if (stats["num_in_flight"] == 0 and stats["num_running"] == 0
+                and stats["num_waiting"] == 0
+                and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+                and stats["encoder_cache_referenced_entries"] == 0):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine did not drain: {stats}")
+        time.sleep(0.05)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}(?:{{(.*)}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+@pytest.fixture(scope="module")
+def server(clip_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = Server(clip_llama, "--served-model-name", "tiny-llava", log=log)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-llava"]
+
+
+def test_chat_equals_llm_generate(client: openai.OpenAI, clip_llama: str,
+                                  server: Server) -> None:
+    """Greedy text over HTTP (plain and streamed) equals ``LLM.generate`` on the same input."""
+    prompts = [("what is in this picture?", [IMAGES[0]]),
+               ("compare these two", [IMAGES[1], IMAGES[2]]),
+               ("hello there", [])]
+    llm = LLM(clip_llama, dtype="float32")
+    for text, images in prompts:
+        expected = llm.generate(
+            {"messages": [{"role": "user", "content": [{"type": "image"}] * len(images)
+                           + [{"type": "text", "text": text}]}], "images": images},
+            SamplingParams(max_tokens=12, temperature=0.0))[0]
+        messages = image_message(text, *[data_url(im) for im in images])
+
+        plain = client.chat.completions.create(model="tiny-llava", messages=messages,
+                                               max_tokens=12, temperature=0)
+        assert plain.object == "chat.completion"
+        assert plain.choices[0].message.role == "assistant"
+        assert plain.choices[0].message.content == expected.text
+        assert plain.choices[0].finish_reason == expected.finish_reason
+        # Image placeholder tokens count as prompt tokens.
+        assert plain.usage.prompt_tokens == expected.num_prompt_tokens
+        assert plain.usage.prompt_tokens > 16 * len(images)
+        assert plain.usage.completion_tokens == len(expected.token_ids)
+        assert plain.usage.total_tokens == expected.num_prompt_tokens + len(expected.token_ids)
+
+        chunks = list(client.chat.completions.create(
+            model="tiny-llava", messages=messages, max_completion_tokens=12, temperature=0,
+            stream=True, stream_options={"include_usage": True}))
+        assert all(c.object == "chat.completion.chunk" for c in chunks)
+        assert len({c.id for c in chunks}) == 1
+        assert chunks[0].choices[0].delta.role == "assistant"
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == expected.text
+        reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert reasons[-1] == expected.finish_reason and not any(reasons[:-1])
+        assert chunks[-1].choices == []
+        assert chunks[-1].usage.prompt_tokens == expected.num_prompt_tokens
+        assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+        assert all(c.usage is None for c in chunks[:-1])
+    wait_drained(server.url)
+
+
+def test_string_content_and_jpeg(client: openai.OpenAI) -> None:
+    """A system message with string content, and JPEG / GIF / WebP data URLs."""
+    for fmt in ("JPEG", "GIF", "WEBP"):
+        resp = client.chat.completions.create(
+            model="tiny-llava", max_tokens=3, temperature=0,
+            messages=[{"role": "system", "content": "be brief"},
+                      *image_message("what?", data_url(IMAGES[3], fmt))])
+        assert resp.usage.completion_tokens >= 1, fmt
+
+
+def test_32_concurrent_streams_with_images(server: Server) -> None:
+    """32 streamed requests with images at once all finish, and /metrics counts them."""
+    before = httpx.get(f"{server.url}/metrics").text
+    urls = [data_url(im) for im in IMAGES]
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int]:
+        stream = await client.chat.completions.create(
+            model="tiny-llava", messages=image_message(f"request {i}", urls[i % len(urls)]),
+            max_tokens=6 + i % 5, temperature=0, stream=True,
+            stream_options={"include_usage": True})
+        text, reason, completion = "", None, -1
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage is not None:
+                completion = chunk.usage.completion_tokens
+        return text, reason, completion
+
+    async def run() -> list[tuple[str, str | None, int]]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused",
+                                      max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert all(reason in ("stop", "length") for _, reason, _ in results), results
+    assert all(completion >= 1 for _, _, completion in results), results
+    stats = wait_drained(server.url)
+    assert stats["encoder_cache_hits"] > 0  # four distinct images among 32 requests
+
+    after = httpx.get(f"{server.url}/metrics").text
+    finished = sum(metric(after, "mmserve_requests_total", status=s)
+                   - metric(before, "mmserve_requests_total", status=s)
+                   for s in ("stop", "length"))
+    assert finished == 32
+    generated = (metric(after, "mmserve_generation_tokens_total")
+                 - metric(before, "mmserve_generation_tokens_total"))
+    assert generated == sum(c for _, _, c in results)
+    ttft = (metric(after, "mmserve_time_to_first_token_seconds_count")
+            - metric(before, "mmserve_time_to_first_token_seconds_count"))
+    assert ttft == 32
+    itl = (metric(after, "mmserve_inter_token_latency_seconds_count")
+           - metric(before, "mmserve_inter_token_latency_seconds_count"))
+    assert itl == generated - 32
+    for name in ("mmserve_num_requests_running", "mmserve_num_requests_waiting",
+                 "mmserve_kv_cache_usage_perc", "mmserve_encoder_cache_usage_perc",
+                 "mmserve_encoder_cache_hits_total", "mmserve_encoder_cache_misses_total",
+                 "mmserve_encoder_cache_evictions_total", "mmserve_num_preemptions_total",
+                 "mmserve_prompt_tokens_total"):
+        assert re.search(rf"^{name}{{", after, re.M), name
+
+
+def _long_request(stream: bool) -> dict:
+    return {"model": "tiny-llava", "messages": image_message("go on", data_url(IMAGES[0])),
+            "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": stream}
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(server: Server) -> None:
+    before = httpx.get(f"{server.url}/metrics").text
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", f"{server.url}/v1/chat/completions",
+                         json=_long_request(stream=True)) as resp:
+            assert resp.status_code == 200
+            events: list[dict] = []
+            for line in resp.iter_lines():
+                if line.startswith("data:"):
+                    events.append(json.loads(line[5:]))
+                if len(events) == 4:
+                    break
+        # Leaving the block closed the connection mid-stream.
+    assert all(e["choices"][0]["finish_reason"] is None for e in events)
+    stats = wait_drained(server.url)
+    after = httpx.get(f"{server.url}/metrics").text
+    assert (metric(after, "mmserve_requests_total", status="abort")
+            - metric(before, "mmserve_requests_total", status="abort")) == 1
+    # Aborted long before its 1500 tokens.
+    generated = (metric(after, "mmserve_generation_tokens_total")
+                 - metric(before, "mmserve_generation_tokens_total"))
+    assert 3 <= generated < 1500, generated
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_non_streaming_disconnect_aborts(server: Server) -> None:
+    before = httpx.get(f"{server.url}/metrics").text
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/chat/completions", json=_long_request(stream=False),
+                   timeout=0.5)
+    wait_drained(server.url)
+    after = httpx.get(f"{server.url}/metrics").text
+    assert (metric(after, "mmserve_requests_total", status="abort")
+            - metric(before, "mmserve_requests_total", status="abort")) == 1
