@@ -209,28 +209,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_flags(kwargs: dict[str, Any]) -> list[str]:
-    """Engine kwargs back into `mmserve` command-line flags."""
-    flags = []
-    for key, value in kwargs.items():
-        if value is None:
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` that differ from their defaults, as command-line text
+    (built from the flag definitions, so new engine flags pass through unchanged)."""
+    from mmserve.entrypoints.cli import add_engine_args
+
+    scratch = argparse.ArgumentParser(add_help=False)
+    add_engine_args(scratch)
+    flags: list[str] = []
+    for action in scratch._actions:  # argparse has no public accessor for its actions
+        if not action.option_strings or action.dest == "model":
             continue
-        if key == "enable_prefix_caching":
-            flags += [] if value else ["--no-enable-prefix-caching"]
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
             continue
-        flags += ["--" + key.replace("_", "-"), str(value)]
+        if action.nargs == 0:  # a switch: store_true / store_false / --x/--no-x
+            names = action.option_strings
+            flags.append(names[0] if len(names) == 1 else
+                         next(n for n in names if n.startswith("--no-") != bool(value)))
+        elif isinstance(value, (list, tuple)):
+            flags += [action.option_strings[0], *map(str, value)]
+        else:
+            flags += [action.option_strings[0], "auto" if value is None else str(value)]
     return flags
 
 
 class LocalServer:
     """`mmserve serve` in a subprocess on 127.0.0.1, stopped on exit."""
 
-    def __init__(self, model: str, engine_kwargs: dict[str, Any], max_queue: int) -> None:
+    def __init__(self, model: str, engine_args: list[str], max_queue: int) -> None:
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", "--model", model,
                     "--host", "127.0.0.1", "--port", str(self.port), "--max-queue",
-                    str(max_queue), "--log-level", "warning", *engine_flags(engine_kwargs)]
+                    str(max_queue), "--log-level", "warning", *engine_args]
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LocalServer:
@@ -286,11 +298,9 @@ def run_serve_command(args: argparse.Namespace, resolve_model: Callable[..., str
 
     from transformers import AutoTokenizer
 
-    from mmserve.entrypoints.cli import engine_kwargs
-
     if args.base_url is None:
         model = resolve_model(args)
-        server = LocalServer(model, engine_kwargs(args), max_queue=args.num_prompts)
+        server = LocalServer(model, engine_flags(args), max_queue=args.num_prompts)
     else:
         model, server = args.model, nullcontext()
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True) if model else None

@@ -17,11 +17,13 @@ from mmserve.bench.report import grid_table, plot_panels
 from mmserve.bench.throughput import ThroughputRun
 from mmserve.config import EngineConfig
 
+# Settings a sweep can vary: the numeric ones (booleans and names are not swept).
 _NUMERIC_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)
-                   if f.name not in ("model", "dtype", "device", "enable_prefix_caching")}
+                   if f.name not in ("model", "dtype", "device", "seed")
+                   and not isinstance(f.default, (bool, str))}
 
 
-def parse_param(text: str) -> tuple[str, list[int | None]]:
+def parse_param(text: str) -> tuple[str, list[float | None]]:
     """``name=v1,v2,...`` -> (name, values); ``auto`` or ``none`` leaves the value to the engine."""
     name, sep, values = text.partition("=")
     name = name.strip().replace("-", "_")
@@ -30,22 +32,22 @@ def parse_param(text: str) -> tuple[str, list[int | None]]:
     if name not in _NUMERIC_FIELDS:
         raise ValueError(f"--param {name!r} is not a numeric engine setting; choose one of "
                          f"{', '.join(sorted(_NUMERIC_FIELDS))}.")
-    parsed: list[int | None] = []
+    parsed: list[float | None] = []
     for v in values.split(","):
         v = v.strip()
         if v.lower() in ("auto", "none"):
             parsed.append(None)
             continue
         try:
-            parsed.append(int(v))
+            parsed.append(float(v) if "." in v else int(v))
         except ValueError:
-            raise ValueError(f"--param {name}: {v!r} is not an integer or 'auto'.") from None
+            raise ValueError(f"--param {name}: {v!r} is not a number or 'auto'.") from None
     return name, parsed
 
 
 def run_sweep(
     name: str,
-    values: list[int | None],
+    values: list[float | None],
     run_one: Callable[[dict[str, Any]], ThroughputRun],
 ) -> list[dict[str, Any]]:
     """Call ``run_one({name: value})`` for every value; one result row per value."""

@@ -153,8 +153,11 @@ def _results(workload, outputs, steps, stats, stats0, times, elapsed, matmul_pea
         "encoder_items_requested": requested,
         "encoder_items_distinct": workload.num_distinct_images,
         "encoder_items_computed": misses,
+        # Requested images served without running the encoder, from the encoder cache or
+        # because a prefix-cache hit covered their placeholders (then no lookup happens).
+        "encoder_cache_hit_rate": max(0.0, 1 - misses / requested) if requested else 0.0,
         "encoder_cache_lookups": hits + misses,
-        "encoder_cache_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "encoder_cache_lookup_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
         "encoder_cache_evictions": delta("encoder_cache_evictions"),
         "prefix_cache_hit_tokens": prefix_hit,
         "prefix_cache_queried_tokens": prefix_queried,

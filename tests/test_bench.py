@@ -1,0 +1,226 @@
+"""`mmserve bench`: workloads, FLOP counts, and the subcommands end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+from mmserve.bench.cli import add_bench_parser
+from mmserve.bench.flops import ModelFlops
+from mmserve.bench.serve import run_load, serve_results
+from mmserve.bench.stats import summarize
+from mmserve.bench.workload import WorkloadConfig, build_workload
+
+# Tiny checkpoint: 32 px images, patch 8 -> 16 image tokens.
+WORKLOAD_FLAGS = ["--num-prompts", "8", "--unique-images", "3", "--image-size", "40x30",
+                  "--output-len", "3:9", "--shared-prefix-len", "40", "--prompt-len", "6",
+                  "--dtype", "float32", "--no-progress"]
+
+
+def bench(argv: list[str]) -> int:
+    """``mmserve bench ARGV``, parsed by the bench subcommands' own parser."""
+    parser = argparse.ArgumentParser(prog="mmserve")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(clip_llama: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(clip_llama)
+
+
+def test_workload_is_seeded_and_reuses_images_evenly(tokenizer) -> None:
+    config = WorkloadConfig(num_prompts=10, image_size=(40, 30), unique_images=4,
+                            images_per_prompt=2, output_len=(5, 9), shared_prefix_len=12,
+                            seed=3)
+    a, b = build_workload(config, tokenizer), build_workload(config, tokenizer)
+    assert [r.messages for r in a.requests] == [r.messages for r in b.requests]
+    assert [r.image_ids for r in a.requests] == [r.image_ids for r in b.requests]
+    assert a.pool[0].tobytes() == b.pool[0].tobytes()
+    uses = [sum(r.image_ids.count(i) for r in a.requests) for i in range(4)]
+    assert sorted(uses) == [5, 5, 5, 5]  # 20 slots over a pool of 4
+    assert all(im.size == (40, 30) for r in a.requests for im in r.images)
+    assert all(5 <= r.output_len <= 9 for r in a.requests)
+    assert len({r.output_len for r in a.requests}) > 1
+    systems = {r.messages[0]["content"] for r in a.requests}
+    assert len(systems) == 1
+    assert len(tokenizer(systems.pop(), add_special_tokens=False)["input_ids"]) == 12
+    other = build_workload(WorkloadConfig(num_prompts=10, seed=4), tokenizer)
+    assert [r.messages for r in other.requests] != [r.messages for r in a.requests]
+
+
+def test_workload_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError, match="output_len"):
+        WorkloadConfig(output_len=(9, 3))
+    with pytest.raises(ValueError, match="unique_images"):
+        WorkloadConfig(unique_images=0)
+
+
+def test_flop_count_matches_torch_flop_counter(clip_llama: str) -> None:
+    """The analytic count against torch's FlopCounterMode on the transformers model, for the
+    prefill of one image prompt."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from mmserve.sampling_params import SamplingParams
+
+    # Eager attention: plain matmuls that the counter sees.
+    model = LlavaForConditionalGeneration.from_pretrained(clip_llama, dtype=torch.float32,
+                                                          attn_implementation="eager")
+    processor = AutoProcessor.from_pretrained(clip_llama)
+    inputs = processor(text="USER: <image>\nwhat is this?", images=[Image.new("RGB", (32, 32))],
+                       return_tensors="pt")
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(**inputs)
+    n = inputs["input_ids"].shape[1]
+    # transformers runs every vision layer; mmserve (and its count) stops at the feature layer.
+    config = copy.deepcopy(model.config)
+    config.vision_feature_layer = -1
+    flops = ModelFlops.from_hf_config(config)
+    so = SchedulerOutput(requests=[ScheduledRequest("r", [0] * n, 0, [], [], True,
+                                                    SamplingParams())],
+                         encoder_inputs={"h": None})
+    decoder, encoder = flops.step(so)
+    # transformers applies the LM head to every row, mmserve only to the sampled one.
+    ours = decoder + encoder + (n - 1) * flops.lm_head_per_row
+    # Eager attention multiplies the full [n, n] score matrix (the causal half is masked, not
+    # skipped); the count is of causal work.
+    ours += flops.attention_per_context_token * (n * n - n * (n + 1) // 2)
+    assert ours == counter.get_total_flops()
+    feature_layer_only = ModelFlops.from_hf_config(model.config)
+    assert feature_layer_only.encoder_per_image < flops.encoder_per_image
+
+
+def test_summarize_percentiles() -> None:
+    s = summarize([float(v) for v in range(1, 101)])
+    assert s["mean"] == 50.5 and s["median"] == 50.5 and s["count"] == 100
+    assert s["p90"] == pytest.approx(90.1) and s["p99"] == pytest.approx(99.01)
+    assert math.isnan(summarize([])["mean"])
+
+
+def _check_throughput(r: dict, num_prompts: int) -> None:
+    assert r["num_requests"] == num_prompts
+    assert r["completed"] + r["failed"] == num_prompts and r["failed"] == 0
+    assert r["output_tokens"] == r["requested_output_tokens"]  # ignore_eos holds the lengths
+    assert r["encoder_items_requested"] == num_prompts
+    # Every distinct image is encoded at least once, never more often than it is requested.
+    assert r["encoder_items_distinct"] <= r["encoder_items_computed"]
+    assert r["encoder_items_computed"] <= r["encoder_items_requested"]
+    assert 0.0 <= r["encoder_cache_hit_rate"] <= 1.0
+    assert 0.0 <= r["encoder_cache_lookup_hit_rate"] <= 1.0
+    assert r["encoder_cache_lookups"] <= r["encoder_items_requested"]
+    assert 0.0 <= r["prefix_cache_hit_rate"] <= 1.0
+    assert 0 < r["peak_kv_blocks_used"] <= r["kv_blocks_total"]
+    assert 0.0 < r["peak_kv_usage"] <= 1.0
+    assert 1 <= r["peak_running"] <= num_prompts
+    assert r["requests_per_s"] > 0 and r["output_tokens_per_s"] > 0
+    assert r["total_tokens_per_s"] > r["output_tokens_per_s"]
+    assert all(v >= 0 for v in r["time_s"].values())
+    assert sum(r["time_share"].values()) == pytest.approx(1.0, abs=0.02)
+    assert 0.0 <= r["full_batch_sched_prep_share"] <= 1.0
+    assert r["model_flops"]["decoder"] > 0 and r["model_flops"]["encoder"] > 0
+    assert r["ttft_s"]["median"] <= r["e2e_latency_s"]["median"]
+    assert r["ttft_s"]["count"] == r["e2e_latency_s"]["count"] == num_prompts
+
+
+def test_bench_throughput_end_to_end(clip_llama: str, tmp_path, capsys) -> None:
+    out, plot = tmp_path / "tp.json", tmp_path / "tp.png"
+    rc = bench(["throughput", "--model", clip_llama, *WORKLOAD_FLAGS,
+               "--json", str(out), "--plot", str(plot)])
+    assert rc == 0
+    assert "output tokens/s" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    _check_throughput(r, 8)
+    # 3 distinct images over 8 requests with a cache that holds them all: each encoded once.
+    assert r["encoder_items_computed"] == 3
+    assert r["encoder_cache_hit_rate"] == pytest.approx(5 / 8)
+    # The 40-token shared system prompt spans two full 16-token blocks.
+    assert r["prefix_cache_hit_tokens"] >= 32
+    steps = r["steps"]
+    assert len(steps) == r["num_steps"]
+    assert sum(s["images_encoded"] for s in steps) == r["encoder_items_computed"]
+    # Counts add up: every prompt token not served from the prefix cache, plus every output
+    # token but the last of each request, was scheduled exactly once (no preemption here).
+    assert r["num_preemptions"] == 0
+    assert sum(s["scheduled_tokens"] for s in steps) == (
+        r["prompt_tokens"] - r["prefix_cache_hit_tokens"] + r["output_tokens"] - 8)
+    assert max(s["kv_blocks_used"] for s in steps) == r["peak_kv_blocks_used"]
+    assert steps[-1]["running"] == 0 and steps[-1]["kv_blocks_used"] == 0
+    assert sum(s["decoder_flops"] for s in steps) == r["model_flops"]["decoder"]
+    assert r["matmul_peak_flops_per_s"] > 0
+    assert 0.0 < r["share_of_matmul_peak"] < 1.0
+    assert r["achieved_flops_per_s"] == pytest.approx(
+        sum(r["model_flops"].values()) / r["elapsed_s"])
+    with Image.open(plot) as im:
+        assert im.size[0] > 100 and im.size[1] > 100
+
+
+def test_bench_sweep_encoder_cache_size(clip_llama: str, tmp_path, capsys) -> None:
+    out = tmp_path / "sweep.json"
+    # One image's worth of cache (16 tokens) against room for all three.
+    rc = bench(["sweep", "--model", clip_llama, *WORKLOAD_FLAGS, "--no-peak",
+               "--param", "encoder_cache_size=16,64", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "encoder_cache_size" in table and "enc hit rate" in table
+    data = json.loads(out.read_text())
+    assert data["param"] == "encoder_cache_size" and data["values"] == [16, 64]
+    small, large = data["rows"]
+    for row in (small, large):
+        _check_throughput(row, 8)
+    assert (small["value"], large["value"]) == (16, 64)
+    assert large["encoder_items_computed"] == 3
+    assert small["encoder_items_computed"] >= large["encoder_items_computed"]
+    assert small["encoder_cache_hit_rate"] <= large["encoder_cache_hit_rate"]
+
+
+def test_bench_sweep_rejects_unknown_param(clip_llama: str, capsys) -> None:
+    assert bench(["sweep", "--model", clip_llama, "--param", "max_nun_seqs=1,2"]) == 2
+    assert "not a numeric engine setting" in capsys.readouterr().err
+
+
+def test_serve_client_counts_failures(tokenizer) -> None:
+    """Nothing listens on the port: every request fails, is counted, and nothing raises."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workload = build_workload(WorkloadConfig(num_prompts=3, image_size=(40, 30)), tokenizer)
+    results, duration = asyncio.run(run_load(f"http://127.0.0.1:{port}", "m", workload,
+                                             use_tqdm=False, timeout_s=5))
+    summary = serve_results(results, duration)
+    assert summary["completed"] == 0 and summary["failed"] == 3
+    assert sum(summary["errors"].values()) == 3
+
+
+def test_bench_serve_against_real_server(clip_llama: str, tmp_path, capsys) -> None:
+    pytest.importorskip("mmserve.entrypoints.api_server")
+    out = tmp_path / "serve.json"
+    rc = bench(["serve", "--model", clip_llama, *WORKLOAD_FLAGS,
+               "--max-concurrency", "4", "--json", str(out)])
+    r = json.loads(out.read_text())
+    assert rc == 0, r["errors"]
+    assert r["completed"] == 8 and r["failed"] == 0
+    workload = build_workload(WorkloadConfig(
+        num_prompts=8, unique_images=3, image_size=(40, 30), output_len=(3, 9),
+        shared_prefix_len=40, prompt_len=6), None)
+    assert r["output_tokens"] == workload.num_output_tokens
+    assert r["prompt_tokens"] > 8 * 16  # each prompt holds an image's 16 tokens
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = r[key]
+        assert 0 < s["median"] <= s["p90"] <= s["p99"], (key, s)
+    assert r["ttft_ms"]["median"] <= r["e2e_ms"]["median"]
+    assert r["requests_per_s"] > 0 and r["output_tokens_per_s"] > 0
+    assert "TTFT" in capsys.readouterr().out
