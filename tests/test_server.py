@@ -269,3 +269,23 @@ def test_non_streaming_disconnect_aborts(server: Server) -> None:
     after = httpx.get(f"{server.url}/metrics").text
     assert (metric(after, "mmserve_requests_total", status="abort")
             - metric(before, "mmserve_requests_total", status="abort")) == 1
+
+
+def test_sigterm_drains_in_flight_requests(server: Server) -> None:
+    """Runs last: it stops the module's server. SIGTERM lets the open stream finish."""
+    body = {"model": "tiny-llava", "messages": image_message("go", data_url(IMAGES[1])),
+            "max_tokens": 100, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60) as http, \
+            http.stream("POST", "/v1/chat/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data:")
+        server.proc.send_signal(signal.SIGTERM)
+        events = [line[5:].strip() for line in lines if line.startswith("data:")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(1 for c in chunks if c["choices"][0]["delta"].get("content") is not None) > 50
+    # uvicorn re-raises the signal once it has shut down cleanly.
+    assert server.proc.wait(30) in (0, -signal.SIGTERM)
+    with pytest.raises(httpx.TransportError):  # no longer listening
+        httpx.get(f"{server.url}/health", timeout=2)

@@ -145,7 +145,7 @@ class AsyncEngine:
         if not self.has_room():
             raise QueueFullError(
                 f"{self.max_waiting} requests are already waiting for a slot "
-                f"(max_queue={self.max_waiting}); retry later.")
+                f"(--max-queue {self.max_waiting}); retry later.")
         assert self._loop is not None
         stream = RequestStream(request_id, arrival_time=time.monotonic())
         self._streams[request_id] = stream

@@ -1,0 +1,141 @@
+"""Request validation, response shapes and the image URL policy, without a server or a model."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from mmserve.entrypoints import openai_protocol as proto
+from mmserve.entrypoints.media import MediaPolicy, load_image_url
+from mmserve.entrypoints.openai_protocol import ApiError, parse_chat_request
+from mmserve.processing.images import InvalidInputError
+
+
+def _png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _body(**extra: object) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": "b"}]}], **extra}
+
+
+def test_parse_maps_openai_fields_to_sampling_params() -> None:
+    chat = parse_chat_request(_body(max_completion_tokens=7, max_tokens=99, temperature=0,
+                                    top_p=0.5, top_k=-1, seed=3, stop="END", stream=True,
+                                    stream_options={"include_usage": True}, ignore_eos=True),
+                              max_model_len=100, max_images=4)
+    p = chat.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop, p.ignore_eos) == (
+        7, 0.0, 0.5, 0, 3, ["END"], True)
+    assert chat.stream and chat.include_usage and chat.model == "m"
+    # image_url parts become image placeholders, in order, with their URLs beside.
+    assert chat.messages[0]["content"] == [{"type": "text", "text": "a"}, {"type": "image"},
+                                           {"type": "text", "text": "b"}]
+    assert chat.image_urls == ["data:image/png;base64,AAAA"]
+
+
+def test_defaults() -> None:
+    chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]},
+                              max_model_len=100, max_images=4)
+    assert chat.params.max_tokens == 100  # up to the context limit, as OpenAI does
+    assert chat.params.temperature == 1.0 and not chat.stream and chat.model is None
+    assert chat.messages == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("change, param, fragment", [
+    ({"n": 3}, "n", "n=3 is not supported"),
+    ({"n": True}, "n", "must be an integer"),
+    ({"max_tokens": 2.5}, "max_tokens", "must be an integer"),
+    ({"temperature": 3}, "temperature", "between 0 and 2"),
+    ({"top_k": -2}, "top_k", "top_k must be"),
+    ({"seed": "1"}, "seed", "must be an integer"),
+    ({"stop": ["a", 2]}, "stop", "'stop' must be"),
+    ({"logprobs": True}, "logprobs", "not supported"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "only response_format"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage", "must be a boolean"),
+    ({"messages": []}, "messages", "non-empty list"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'tool'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
+     "messages[0].content[0].text", "must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].image_url", "non-empty string"),
+])
+def test_invalid_fields_name_the_parameter(change: dict, param: str, fragment: str) -> None:
+    with pytest.raises(ApiError) as e:
+        parse_chat_request(_body(**change), max_model_len=100, max_images=4)
+    assert e.value.status == 400
+    assert e.value.param == param
+    assert fragment in e.value.message
+    assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_too_many_images_rejected_before_fetching() -> None:
+    with pytest.raises(ApiError, match="carry 1 images but at most 0"):
+        parse_chat_request(_body(), max_model_len=100, max_images=0)
+
+
+def test_response_and_chunk_shapes() -> None:
+    body = proto.completion("id1", "m", "hello", "length", prompt_tokens=30,
+                            completion_tokens=4)
+    assert body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                                "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 30, "completion_tokens": 4, "total_tokens": 34}
+    chunk = proto.chunk("id1", "m", 5, {"content": "he"}, include_usage=True)
+    assert chunk["usage"] is None and chunk["choices"][0]["delta"] == {"content": "he"}
+    assert "usage" not in proto.chunk("id1", "m", 5, {"content": "he"})
+    last = proto.chunk("id1", "m", 5, None, include_usage=True,
+                       usage_counts=proto.usage(3, 2))
+    assert last["choices"] == [] and last["usage"]["total_tokens"] == 5
+
+
+# --------------------------------------------------------------------- media policy
+def test_data_url_and_format_sniffing() -> None:
+    png = _png()
+    url = "data:image/png;base64," + base64.b64encode(png).decode()
+    assert load_image_url(url, MediaPolicy()) == png
+    with pytest.raises(InvalidInputError, match="over the limit of 10 bytes"):
+        load_image_url(url, MediaPolicy(max_bytes=10))
+    bmp = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(bmp, "BMP")
+    with pytest.raises(InvalidInputError, match="not a PNG, JPEG, WebP or GIF"):
+        load_image_url("data:image/bmp;base64," + base64.b64encode(bmp.getvalue()).decode(),
+                       MediaPolicy())
+
+
+def test_remote_hosts_must_be_listed() -> None:
+    # Refused before any connection is made.
+    for url in ("http://sub.example.com/a.png", "https://EXAMPLE.com.evil.net/a.png",
+                "http://example.com@evil.net/a.png", "http://127.0.0.1:9/a.png"):
+        with pytest.raises(InvalidInputError, match="is not allowed"):
+            load_image_url(url, MediaPolicy(allowed_domains=("example.com",)))
+
+
+def test_local_files(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "a.png").write_bytes(_png())
+    (tmp_path / "outside.png").write_bytes(_png())
+    with pytest.raises(InvalidInputError, match="local image files are disabled"):
+        load_image_url(f"file://{root}/a.png", MediaPolicy())
+    policy = MediaPolicy(allowed_local_path=str(root))
+    assert load_image_url(f"file://{root}/a.png", policy) == _png()
+    for url in (f"file://{root}/../outside.png", f"file://{root}/%2E%2E/outside.png",
+                f"file://{tmp_path}/outside.png"):
+        with pytest.raises(InvalidInputError, match="outside the allowed"):
+            load_image_url(url, policy)
+    with pytest.raises(InvalidInputError, match="must not name a host"):
+        load_image_url(f"file://otherhost{root}/a.png", policy)
+    with pytest.raises(ValueError, match="is not a directory"):
+        MediaPolicy(allowed_local_path=str(root / "a.png"))
