@@ -12,6 +12,7 @@ publishes after each step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -172,9 +173,6 @@ class AsyncEngine:
                                           stream.num_generation_tokens)
 
     def _resolver(self, fut: asyncio.Future[None]) -> Callable[[BaseException | None], None]:
-        loop = self._loop
-        assert loop is not None
-
         def resolve(error: BaseException | None) -> None:
             if fut.done():  # the caller was cancelled meanwhile
                 return
@@ -183,7 +181,7 @@ class AsyncEngine:
             else:
                 fut.set_exception(error)
 
-        return lambda error: loop.call_soon_threadsafe(resolve, error)
+        return lambda error: self._post(resolve, error)
 
     # ----------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -198,26 +196,32 @@ class AsyncEngine:
                         commands.append(self._commands.get_nowait())
                     except queue.Empty:
                         break
-                if any(c is _STOP for c in commands):
-                    break
-                for command in commands:
-                    self._apply(command)
+                if not all(self._apply(command) for command in commands):
+                    break  # _STOP, after the commands sent before it
                 if engine.has_unfinished_requests():
                     outputs = engine.step()
                     now = time.monotonic()
                     self._stats = engine.stats()
                     if outputs:
-                        self._loop.call_soon_threadsafe(self._dispatch, outputs, now)
+                        self._post(self._dispatch, outputs, now)
                 else:
                     self._stats = engine.stats()
         except BaseException as e:  # a bug in a step: fail every request, loudly
             logger.exception("the engine loop crashed; failing all in-flight requests")
             self._error = e
-            self._loop.call_soon_threadsafe(self._fail_all, e)
+            self._post(self._fail_all, e)
             return
-        self._loop.call_soon_threadsafe(self._fail_all, None)
+        self._post(self._fail_all, None)
 
-    def _apply(self, command: object) -> None:
+    def _post(self, callback: Callable[..., None], *args: object) -> None:
+        """Run ``callback(*args)`` on the event loop, unless the loop is already closed."""
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _apply(self, command: object) -> bool:
+        """Carry out one command; False for the stop command."""
+        if command is _STOP:
+            return False
         if isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)
         elif isinstance(command, _Add):
@@ -227,6 +231,7 @@ class AsyncEngine:
                 command.done(e)
             else:
                 command.done(None)
+        return True
 
     # ----------------------------------------------------------------- event loop side
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:

@@ -1,0 +1,181 @@
+"""The background engine loop with a scripted stand-in engine: ordering, aborts, the queue bound,
+bad input and a crashing step, in milliseconds and without a model."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from mmserve.outputs import RequestOutput
+from mmserve.processing.images import InvalidInputError
+from mmserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class _Config:
+    max_num_seqs: int
+
+
+class FakeEngine:
+    """Each request yields ``max_tokens`` tokens, one per step; "bad" prompts are refused."""
+
+    def __init__(self, max_num_seqs: int = 2, crash_at_step: int | None = None) -> None:
+        self.config = _Config(max_num_seqs)
+        self.crash_at_step = crash_at_step
+        self.live: dict[str, list[int]] = {}  # id -> [generated, max_tokens]
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.thread_ids: set[int] = set()
+
+    def add_request(self, prompt: Any, params: SamplingParams, request_id: str) -> str:
+        self.thread_ids.add(threading.get_ident())
+        if prompt == "bad":
+            raise InvalidInputError("the prompt is bad; send a good one", param="messages")
+        self.live[request_id] = [0, params.max_tokens]
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if self.live.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        self.steps += 1
+        if self.steps == self.crash_at_step:
+            raise RuntimeError("boom")
+        outputs = []
+        for rid, state in list(self.live.items()):
+            state[0] += 1
+            done = state[0] == state[1]
+            outputs.append(RequestOutput(rid, "x" * state[0], list(range(state[0])), 5,
+                                         finished=done, finish_reason="length" if done else None,
+                                         new_text="x"))
+            if done:
+                del self.live[rid]
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_running": len(self.live), "num_steps": self.steps}
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.first, self.next, self.finished = 0, 0, []
+
+    def on_first_token(self, seconds: float) -> None:
+        self.first += 1
+
+    def on_next_token(self, seconds: float) -> None:
+        self.next += 1
+
+    def on_finished(self, reason: str, prompt: int, generated: int) -> None:
+        self.finished.append((reason, prompt, generated))
+
+
+def run(coro) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout=10))
+
+
+def test_streams_in_order_off_the_event_loop() -> None:
+    fake, recorder = FakeEngine(), Recorder()
+
+    async def main() -> list[list[int]]:
+        engine = AsyncEngine(fake, observer=recorder)
+        engine.start()
+
+        async def one(rid: str, n: int) -> list[int]:
+            stream = await engine.add_request(rid, "ok", SamplingParams(max_tokens=n))
+            return [len(out.token_ids) async for out in stream]
+
+        got = await asyncio.gather(one("a", 3), one("b", 5))
+        await engine.shutdown()
+        assert not engine.is_alive
+        return got
+
+    assert run(main()) == [[1, 2, 3], [1, 2, 3, 4, 5]]
+    assert fake.thread_ids and threading.get_ident() not in fake.thread_ids
+    assert recorder.first == 2 and recorder.next == 6
+    assert sorted(recorder.finished) == [("length", 5, 3), ("length", 5, 5)]
+
+
+def test_bad_input_raises_and_the_loop_keeps_serving() -> None:
+    async def main() -> None:
+        engine = AsyncEngine(FakeEngine())
+        engine.start()
+        with pytest.raises(InvalidInputError, match="send a good one"):
+            await engine.add_request("r1", "bad", SamplingParams())
+        stream = await engine.add_request("r2", "ok", SamplingParams(max_tokens=2))
+        assert [o.finished async for o in stream] == [False, True]
+        assert engine.num_in_flight == 0
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_abort_reaches_the_engine() -> None:
+    fake, recorder = FakeEngine(), Recorder()
+
+    async def main() -> None:
+        engine = AsyncEngine(fake, observer=recorder)
+        engine.start()
+        stream = await engine.add_request("r", "ok", SamplingParams(max_tokens=10_000))
+        async for out in stream:
+            if len(out.token_ids) == 3:
+                break
+        engine.abort("r")
+        engine.abort("r")  # twice is harmless
+        while fake.live:
+            await asyncio.sleep(0.01)
+        await engine.shutdown()
+
+    run(main())
+    assert fake.aborted == ["r"]
+    assert recorder.finished[0][0] == "abort" and recorder.finished[0][2] >= 3
+
+
+def test_queue_bound_counts_requests_beyond_max_num_seqs() -> None:
+    fake = FakeEngine(max_num_seqs=2)
+
+    async def main() -> None:
+        engine = AsyncEngine(fake, max_waiting=1)
+        engine.start()
+        params = SamplingParams(max_tokens=1_000_000)  # none finishes during the test
+        for i in range(3):
+            await engine.add_request(f"r{i}", "ok", params)
+        assert not engine.has_room()
+        with pytest.raises(QueueFullError, match="1 requests are already waiting"):
+            await engine.add_request("r3", "ok", params)
+        engine.abort("r0")
+        assert engine.has_room()
+        await engine.add_request("r4", "ok", params)
+        for rid in ("r1", "r2", "r4"):
+            engine.abort(rid)
+        await engine.shutdown()
+
+    run(main())
+    assert sorted(fake.aborted) == ["r0", "r1", "r2", "r4"]
+
+
+def test_a_crashing_step_fails_in_flight_requests() -> None:
+    async def main() -> None:
+        engine = AsyncEngine(FakeEngine(crash_at_step=2))
+        engine.start()
+        stream = await engine.add_request("r", "ok", SamplingParams(max_tokens=5))
+        with pytest.raises(EngineDeadError, match="boom"):
+            async for _ in stream:
+                pass
+        assert not engine.is_alive
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("r2", "ok", SamplingParams())
+        await engine.shutdown()
+
+    run(main())
