@@ -141,6 +141,8 @@ BOMB = Image.new("L", (4000, 4000))  # 16 M pixels in a few kB of PNG
 BAD_JSON_BODIES = {
     "invalid JSON": (b'{"model": "tiny", "messages": [', "not valid JSON", None),
     "body not an object": (b"[1, 2]", "must be a JSON object", None),
+    "body not UTF-8": (b'{"model": "\xff"}', "not valid JSON", None),
+    "nesting too deep": (b"[" * 100_000 + b"]" * 100_000, "nested too deeply", None),
 }
 BAD_REQUESTS = {
     "messages not a list": ({"model": "tiny", "messages": "hi"}, "'messages' must be",

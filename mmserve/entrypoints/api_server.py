@@ -143,6 +143,8 @@ class OpenAIServer:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise proto.bad_request(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise proto.bad_request("the request body is nested too deeply") from None
         chat = proto.parse_chat_request(data, self.max_model_len, self.max_images)
         if chat.model is not None and chat.model != self.model:
             raise ApiError(404, f"the model {chat.model!r} does not exist; this server serves "
