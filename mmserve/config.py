@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -19,7 +20,8 @@ class EngineConfig:
 
     model: str
     dtype: str = "auto"
-    device: str = "cpu"
+    device: str = "auto"  # auto = cuda when a CUDA device is visible, else cpu
+    enforce_eager: bool = False  # no CUDA graphs for decode batches
     seed: int = 0
     # Scheduling.
     max_model_len: int | None = None
@@ -48,14 +50,26 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}.")
-        if self.device not in ("cpu",):
-            raise ValueError(f"device must be 'cpu', got {self.device!r}.")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}.")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' "
+                             "(or 'auto'), or install a CUDA build of torch.")
+
+    @property
+    def resolved_device(self) -> str:
+        """``cpu`` or ``cuda``: ``auto`` picks cuda when torch sees a CUDA device."""
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The weights' and activations' dtype (``auto`` is bfloat16 where the CPU has it)."""
+        """The weights' and activations' dtype (``auto``: bfloat16 on GPUs and CPUs with it)."""
         if self.dtype != "auto":
             return _DTYPES[self.dtype]
+        if self.resolved_device == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.bfloat16 if cpu_supports_bf16() else torch.float32
 
     def replace(self, **changes: object) -> EngineConfig:

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.kernels.paged_attention import paged_attention
-from mmserve.models.forward_context import get_attention_metadata
+from mmserve.models.forward_context import get_forward_context
 
 
 def get_activation(name: str):
@@ -95,4 +94,5 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound to this attention layer")
-        return paged_attention(q, k, v, self.kv_cache, get_attention_metadata(), self.scale)
+        ctx = get_forward_context()  # the runner chose the backend for its device
+        return ctx.attention(q, k, v, self.kv_cache, ctx.meta, self.scale)

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from PIL import Image
 
-from mmserve.testing.tiny_checkpoint import build_tiny_llava
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. triton.jit chooses interpreted
+# or compiled when a function is defined, and test modules import Triton indirectly (through
+# transformers), so the switch must be set before any test module is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from mmserve.testing.tiny_checkpoint import build_tiny_llava  # noqa: E402
 
 # (vision tower, language model) pairs the parity tests cover.
 ARCHS = {

@@ -1,33 +1,23 @@
 """Triton kernels against the torch reference (``kernels/paged_attention.py``).
 
-Without a GPU the kernels run in Triton's CPU interpreter, which must be switched on before the
-kernel modules are imported (``triton.jit`` picks interpreted or compiled at decoration time).
-Shapes are small so the interpreter stays fast. On a machine with CUDA the same tests run the
-compiled kernels on the GPU.
+Without a GPU the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by
+``tests/conftest.py`` before anything imports Triton). Shapes are small so the interpreter stays
+fast. On a machine with CUDA the same tests run the compiled kernels on the GPU.
 """
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from mmserve.kernels.paged_attention import (  # noqa: E402
+from mmserve.kernels.paged_attention import (
     AttentionMetadata,
     PrefillSeq,
     paged_attention,
     write_kv_cache,
 )
-from mmserve.kernels.triton_attention import (  # noqa: E402
-    TritonAttentionMetadata,
-    triton_paged_attention,
-)
-from mmserve.kernels.triton_kv_cache import triton_write_kv_cache  # noqa: E402
+from mmserve.kernels.triton_attention import TritonAttentionMetadata, triton_paged_attention
+from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,8 +27,8 @@ if DEVICE == "cpu":
     from mmserve.kernels import triton_attention
 
     if not isinstance(triton_attention._paged_attention_kernel, InterpretedFunction):
-        raise RuntimeError("the Triton kernels were imported before TRITON_INTERPRET=1 was set; "
-                           "import mmserve.kernels.triton_* lazily outside of tests")
+        raise RuntimeError("Triton was imported before TRITON_INTERPRET=1 was set; "
+                           "tests/conftest.py must set it before anything imports Triton")
 
 # Tolerances, against a float32 reference computed from the same (rounded) inputs:
 # - float32: the interpreter and the GPU ("ieee" dots) only reorder float32 sums; 1e-5.

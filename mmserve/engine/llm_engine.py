@@ -21,7 +21,7 @@ from mmserve.outputs import RequestOutput
 from mmserve.processing.images import InvalidInputError
 from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
-from mmserve.worker.model_runner import CPUModelRunner
+from mmserve.worker.cuda_runner import runner_class
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig
 
-        from mmserve.models.loader import load_model
-
         if not os.path.isdir(config.model):
             raise FileNotFoundError(
                 f"model directory not found: {config.model!r}; mmserve loads local Hugging "
@@ -55,7 +53,8 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         dtype = config.torch_dtype
         self.processor = InputProcessor(config.model, hf_config, config.max_image_pixels)
-        self.model = load_model(config.model, hf_config, dtype)
+        runner_cls = runner_class(config.resolved_device)
+        self.model, self.weight_bytes = runner_cls.load_model(config.model, hf_config, dtype)
         text = hf_config.text_config
 
         self.plan = self._plan_memory(config, text, dtype)
@@ -68,8 +67,10 @@ class LLMEngine:
             max_items_per_prompt=max(1, config.limit_mm_per_prompt),
             encoder_cache_size=config.encoder_cache_size,
         )
-        self.runner = CPUModelRunner(self.model, self.plan.num_blocks, config.block_size, dtype,
-                                     config.seed)
+        self.runner = runner_cls(self.model, self.plan.num_blocks, config.block_size, dtype,
+                                 config.seed)
+        if not config.enforce_eager:
+            self.runner.capture_model(self.plan.max_num_seqs, self.plan.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.plan.max_num_seqs,

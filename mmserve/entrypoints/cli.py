@@ -29,12 +29,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--encoder-cache-size", type=int, help="embedding tokens (default: auto)")
     g.add_argument("--max-image-pixels", type=int, default=EngineConfig.max_image_pixels)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default=EngineConfig.device, choices=["auto", "cpu", "cuda"],
+                   help="auto = cuda when a CUDA device is visible")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode batches")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "enable_prefix_caching", "kv_cache_memory", "limit_mm_per_prompt",
-            "encoder_cache_size", "max_image_pixels", "seed")
+            "encoder_cache_size", "max_image_pixels", "seed", "device", "enforce_eager")
     return {k: getattr(args, k) for k in keys}
 
 

@@ -71,8 +71,7 @@ class ModelRunner:
         embeds = self._embed(input_ids, so.requests)
         t2 = time.perf_counter()
         self.times.prepare += t2 - t1
-        with forward_context(meta):
-            hidden = self.model(positions, embeds)
+        hidden = self._forward(positions, embeds, meta)
         sampled = [r for r in so.requests if r.sample]
         logits = self.model.compute_logits(hidden[sample_rows]) if sampled else None
         t3 = time.perf_counter()
@@ -83,6 +82,23 @@ class ModelRunner:
                         [self._generator(r) for r in sampled])
         self.times.sample += time.perf_counter() - t3
         return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+
+    def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
+        """The decoder pass over the flat batch; device runners swap the attention backend."""
+        with forward_context(meta):
+            return self.model(positions, embeds)
+
+    @classmethod
+    def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
+        """The checkpoint's model on this runner's device, and the bytes its weights take."""
+        from mmserve.models.loader import load_model
+
+        model = load_model(model_dir, hf_config, dtype).to(cls.device)
+        tensors = [*model.parameters(), *model.buffers()]
+        return model, sum(t.numel() * t.element_size() for t in tensors)
+
+    def capture_model(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Prepare fast paths for decode batches (CUDA graphs); nothing to do on the CPU."""
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator:
         seed = req.sampling_params.seed

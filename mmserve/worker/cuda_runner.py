@@ -1,0 +1,204 @@
+"""The CUDA runner: Triton paged attention, the CUDA allocator as memory meter, decode graphs.
+
+Everything that turns a SchedulerOutput into a forward pass stays in the device-agnostic base
+(``model_runner.py``); this class only decides what differs on a GPU (seed 002): the attention
+backend and its metadata, loading weights while measuring memory, measuring the profile run's
+peak, and capturing CUDA graphs for decode-only batches.
+
+Importing this module does not touch CUDA or Triton, so it is harmless on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+from torch import nn
+
+from mmserve.engine.scheduler import ScheduledRequest
+from mmserve.models.forward_context import forward_context
+from mmserve.worker.model_runner import CPUModelRunner, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# Decode batch sizes captured as CUDA graphs (vLLM's default list); a decode batch runs in the
+# smallest captured size that holds it, with padding sequences that compute nothing.
+CUDA_GRAPH_BATCH_SIZES = (1, 2, 4, *range(8, 257, 8))
+
+
+def runner_class(device: str) -> type[ModelRunner]:
+    """The runner for a resolved device name (``EngineConfig.resolved_device``)."""
+    runners: dict[str, type[ModelRunner]] = {"cpu": CPUModelRunner, "cuda": CUDAModelRunner}
+    if device not in runners:
+        raise ValueError(f"no runner for device {device!r}; choose one of {sorted(runners)}")
+    return runners[device]
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Captured sizes up to the first one that holds ``max_num_seqs`` decodes."""
+    sizes = [s for s in CUDA_GRAPH_BATCH_SIZES if s < max_num_seqs]
+    larger = [s for s in CUDA_GRAPH_BATCH_SIZES if s >= max_num_seqs]
+    return sizes + larger[:1]
+
+
+def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size >= ``num_seqs``; None when the batch is larger than all."""
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+class CUDAModelRunner(ModelRunner):
+    """Triton kernels on the GPU; decode-only batches replay CUDA graphs unless eager."""
+
+    device = torch.device("cuda")
+
+    def __init__(
+        self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int
+    ) -> None:
+        super().__init__(model, num_blocks, block_size, dtype, seed)
+        from mmserve.kernels.triton_attention import triton_paged_attention
+
+        self.attention = triton_paged_attention
+        # Filled by capture_model; empty means every batch runs eagerly.
+        self.graph_sizes: list[int] = []
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_outputs: dict[int, torch.Tensor] = {}
+        self.max_blocks_per_seq = 0
+        self._static: dict[str, torch.Tensor] = {}  # graph inputs, shared by all sizes
+
+    # ------------------------------------------------------------ memory
+    @classmethod
+    def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
+        """Load onto the GPU; the weight bytes are what the CUDA allocator gained meanwhile."""
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        model, _ = super().load_model(model_dir, hf_config, dtype)
+        torch.cuda.synchronize()
+        weight_bytes = torch.cuda.memory_allocated() - before
+        logger.info("model weights take %.3f GiB on %s", weight_bytes / 2**30,
+                    torch.cuda.get_device_name())
+        return model, weight_bytes
+
+    @staticmethod
+    def total_memory() -> int:
+        """Bytes of memory of the current CUDA device."""
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+    def measure_profile_peak(self, *args, **kwargs) -> int:
+        """Run ``self.profile_run(*args, **kwargs)``; return the allocator's peak above its start.
+
+        The memory planner subtracts this from the budget as the activations' worst case. Cached
+        but unused allocator blocks are released first so that they are not counted.
+        """
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        self.profile_run(*args, **kwargs)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    # ------------------------------------------------------------ inputs
+    def _prepare_inputs(self, reqs: list[ScheduledRequest]):
+        """Flat batch and Triton metadata; decode-only batches are padded to a captured size."""
+        from mmserve.kernels.triton_attention import TritonAttentionMetadata
+
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        for r in reqs:
+            n = len(r.token_ids)
+            if r.sample:
+                sample_rows.append(len(ids) + n - 1)
+            ids.extend(r.token_ids)
+            positions.extend(range(r.start_pos, r.start_pos + n))
+            query_lens.append(n)
+            seq_lens.append(r.start_pos + n)
+            tables.append(r.block_ids[:-(-(r.start_pos + n) // bs)])
+        padded = None
+        if self.graph_sizes and all(n == 1 for n in query_lens):
+            padded = padded_batch_size(len(reqs), self.graph_sizes)
+        if padded is not None:
+            # Padding rows embed token 0 at position 0; their slots are -1 and they belong to
+            # sequences with no query tokens, so they write nothing and attend to nothing.
+            ids.extend([0] * (padded - len(reqs)))
+            positions.extend([0] * (padded - len(reqs)))
+        meta = TritonAttentionMetadata.build(
+            query_lens, seq_lens, tables, bs, self.device, num_seqs_padded=padded,
+            max_blocks=self.max_blocks_per_seq if padded is not None else None)
+        dev = self.device
+        return (torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+                torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True), meta,
+                torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True))
+
+    # ------------------------------------------------------------ forward
+    def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
+        graph = self.graphs.get(meta.num_seqs) if meta.max_query_len == 1 else None
+        if graph is None:
+            with forward_context(meta, self.attention):
+                return self.model(positions, embeds)
+        n = meta.num_seqs
+        static = self._static
+        static["positions"][:n].copy_(positions)
+        static["embeds"][:n].copy_(embeds)
+        static["slot_mapping"][:n].copy_(meta.slot_mapping)
+        static["query_start_loc"][:n + 1].copy_(meta.query_start_loc)
+        static["seq_lens"][:n].copy_(meta.seq_lens)
+        static["block_tables"][:n].copy_(meta.block_tables)
+        graph.replay()
+        return self.graph_outputs[n]
+
+    @torch.inference_mode()
+    def capture_model(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture one CUDA graph of the decoder per decode batch size, largest first.
+
+        Larger graphs are captured first so that smaller ones reuse their memory pool. All
+        graphs read the same static input buffers, of the largest size.
+        """
+        from mmserve.kernels.triton_attention import TritonAttentionMetadata
+
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0]
+        sizes = graph_batch_sizes(max_num_seqs)
+        largest = sizes[-1]
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        hidden = self.model.embed_tokens(torch.zeros(1, dtype=torch.long,
+                                                     device=self.device)).shape[-1]
+        dev = self.device
+        # A dummy decode: every sequence has one token at position 0 in block 0, writing nothing.
+        self._static = {
+            "positions": torch.zeros(largest, dtype=torch.long, device=dev),
+            "embeds": torch.zeros(largest, hidden, dtype=self.dtype, device=dev),
+            "slot_mapping": torch.full((largest,), -1, dtype=torch.long, device=dev),
+            "query_start_loc": torch.arange(largest + 1, dtype=torch.int32, device=dev),
+            "seq_lens": torch.ones(largest, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32,
+                                        device=dev),
+        }
+        static = self._static
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(sizes):
+            meta = TritonAttentionMetadata(
+                slot_mapping=static["slot_mapping"][:size],
+                query_start_loc=static["query_start_loc"][:size + 1],
+                seq_lens=static["seq_lens"][:size],
+                block_tables=static["block_tables"][:size],
+                max_query_len=1,
+            )
+            args = (static["positions"][:size], static["embeds"][:size])
+            with forward_context(meta, self.attention):
+                self.model(*args)  # warm-up: Triton compiles outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.graph_outputs[size] = self.model(*args)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        self.graph_sizes = sizes
+        logger.info("captured %d CUDA graphs for decode batches of 1..%d in %.1f s (%.3f GiB)",
+                    len(sizes), largest, time.perf_counter() - start,
+                    (free_before - torch.cuda.mem_get_info()[0]) / 2**30)

@@ -1,0 +1,136 @@
+"""The CUDA runner's device-independent logic, checked on the CPU.
+
+Runner selection, the device flags, decode batch padding, and the runner's eager path end to
+end: its input preparation and the Triton attention backend run the tiny checkpoints through
+Triton's CPU interpreter and must give the CPU runner's tokens. CUDA graph capture itself needs
+a GPU and is not exercised here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from mmserve import LLM, SamplingParams
+from mmserve.config import EngineConfig
+from mmserve.entrypoints.cli import add_engine_args, engine_kwargs
+from mmserve.worker.cuda_runner import (
+    CUDA_GRAPH_BATCH_SIZES,
+    CUDAModelRunner,
+    graph_batch_sizes,
+    padded_batch_size,
+    runner_class,
+)
+from mmserve.worker.model_runner import CPUModelRunner
+from tests.conftest import assert_no_leaks, make_image
+
+MAX_TOKENS = 6
+
+
+def test_runner_class_by_device():
+    assert runner_class("cpu") is CPUModelRunner
+    assert runner_class("cuda") is CUDAModelRunner
+    with pytest.raises(ValueError, match="no runner for device 'auto'"):
+        runner_class("auto")
+
+
+def test_device_config():
+    assert EngineConfig(model="m").device == "auto"
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert EngineConfig(model="m").resolved_device == expected
+    assert EngineConfig(model="m", device="cpu").resolved_device == "cpu"
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda"):
+        EngineConfig(model="m", device="gpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a CUDA device")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        EngineConfig(model="m", device="cuda")
+
+
+def test_cli_device_flags():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--device", "cpu", "--enforce-eager"]))
+    assert kwargs["device"] == "cpu" and kwargs["enforce_eager"] is True
+    defaults = engine_kwargs(parser.parse_args([]))
+    assert defaults["device"] == "auto" and defaults["enforce_eager"] is False
+
+
+@pytest.mark.parametrize(("max_num_seqs", "expected_last", "expected_len"), [
+    (1, 1, 1), (3, 4, 3), (5, 8, 4), (8, 8, 4), (9, 16, 5), (256, 256, 35), (1000, 256, 35)])
+def test_graph_batch_sizes(max_num_seqs, expected_last, expected_len):
+    sizes = graph_batch_sizes(max_num_seqs)
+    assert sizes == sorted(set(sizes)) and set(sizes) <= set(CUDA_GRAPH_BATCH_SIZES)
+    assert sizes[-1] == expected_last and len(sizes) == expected_len
+
+
+def test_padded_batch_size():
+    sizes = graph_batch_sizes(20)  # 1, 2, 4, 8, 16, 24
+    assert [padded_batch_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 17, 24)] == \
+        [1, 2, 4, 8, 8, 16, 24, 24]
+    assert padded_batch_size(25, sizes) is None  # larger than every graph: runs eagerly
+
+
+class InterpretedCUDARunner(CUDAModelRunner):
+    """The CUDA runner with its tensors on the CPU, so Triton's interpreter runs its kernels
+    (tests/conftest.py switches the interpreter on where there is no GPU)."""
+
+    device = torch.device("cpu")
+
+
+def _prompts() -> list[dict]:
+    texts = ["what is in this picture?", "hi", "compare these two images please", "ok"]
+    layout = [[(40, 30)], [], [(64, 64), (23, 57)], [(32, 32)]]
+    return [{"messages": [{"role": "user", "content": [{"type": "image"}] * len(sizes)
+                           + [{"type": "text", "text": t}]}],
+             "images": [make_image(i + 3 * j, s) for j, s in enumerate(sizes)]}
+            for i, (t, sizes) in enumerate(zip(texts, layout, strict=True))]
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(_prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert_no_leaks(llm.engine)
+    return [o.token_ids for o in outs]
+
+
+ENGINE_ARGS = dict(dtype="float32", device="cpu", max_num_batched_tokens=24, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def cpu_runner_tokens(clip_llama: str) -> list[list[int]]:
+    return _generate(LLM(clip_llama, **ENGINE_ARGS))
+
+
+# On a GPU machine the engine itself picks the CUDA runner, and the parity tests cover it.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels in the CPU interpreter")
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded-decodes"])
+def test_triton_runner_matches_cpu_runner(clip_llama: str, cpu_runner_tokens: list[list[int]],
+                                          padded: bool):
+    """Same greedy tokens as the torch-reference runner, with chunked prefill splitting images.
+
+    ``padded-decodes`` pads every decode-only batch to a graph size as the graphs would see it
+    (without capturing graphs, which needs CUDA), so padding rows run through the whole model.
+    """
+    llm = LLM(clip_llama, **ENGINE_ARGS)
+    engine = llm.engine
+    runner = InterpretedCUDARunner(engine.model, engine.plan.num_blocks, engine.config.block_size,
+                                   torch.float32, engine.config.seed)
+    calls = {"padded": 0}
+    if padded:
+        runner.graph_sizes = [1, 4]  # decode batches of 2 and 3 get padding rows
+        runner.max_blocks_per_seq = -(-engine.plan.max_model_len // engine.config.block_size)
+        prepare = runner._prepare_inputs
+
+        def counting(reqs):
+            ids, positions, meta, rows = prepare(reqs)
+            calls["padded"] += meta.num_seqs > len(reqs)
+            return ids, positions, meta, rows
+
+        runner._prepare_inputs = counting
+    engine.runner = runner
+    assert _generate(llm) == cpu_runner_tokens
+    assert (calls["padded"] > 0) == padded
