@@ -137,7 +137,9 @@ class CUDAModelRunner(ModelRunner):
 
     # ------------------------------------------------------------ forward
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
-        graph = self.graphs.get(meta.num_seqs) if meta.max_query_len == 1 else None
+        graph = None
+        if meta.max_query_len == 1 and meta.block_tables.shape[1] == self.max_blocks_per_seq:
+            graph = self.graphs.get(meta.num_seqs)  # _prepare_inputs padded to this size
         if graph is None:
             with forward_context(meta, self.attention):
                 return self.model(positions, embeds)
@@ -157,7 +159,8 @@ class CUDAModelRunner(ModelRunner):
         """Capture one CUDA graph of the decoder per decode batch size, largest first.
 
         Larger graphs are captured first so that smaller ones reuse their memory pool. All
-        graphs read the same static input buffers, of the largest size.
+        graphs read the same static input buffers, of the largest size. Call this after the KV
+        cache is allocated: the graphs hold its address.
         """
         from mmserve.kernels.triton_attention import TritonAttentionMetadata
 
