@@ -23,20 +23,37 @@ class EngineConfig:
     device: str = "auto"  # auto = cuda when a CUDA device is visible, else cpu
     enforce_eager: bool = False  # no CUDA graphs for decode batches
     seed: int = 0
-    # Scheduling.
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
+    # Scheduling. ``None`` or "auto": sized by the memory plan at start-up.
+    max_model_len: int | str | None = None
+    max_num_seqs: int | str | None = None
     max_num_batched_tokens: int = 2048
     # KV cache.
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | None = None  # bytes; sets the KV cache size directly
+    # Share of the device's memory the engine may use: a GPU's total memory, or on the CPU the
+    # RAM available at start-up. None: 0.9 on a GPU, 0.8 on the CPU (see memory_plan.py).
+    gpu_memory_utilization: float | None = None
+    single_user_mode: bool = False  # max_num_seqs = 1; the KV cache for that one sequence
     # Multimodal.
     limit_mm_per_prompt: int = 4
     encoder_cache_size: int | None = None
     max_image_pixels: int = 50_000_000
 
     def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs"):
+            value = getattr(self, name)
+            if value == "auto":
+                object.__setattr__(self, name, None)
+            elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0 < util <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}.")
+        if self.single_user_mode and self.max_num_seqs not in (None, 1):
+            raise ValueError(f"single_user_mode runs one sequence but max_num_seqs="
+                             f"{self.max_num_seqs}; drop one of the two.")
+
         def positive(name: str, value: int | None) -> None:
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")

@@ -12,34 +12,27 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.engine.detokenizer import IncrementalDetokenizer
-from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.engine.kv_cache_manager import KVCacheManager
-from mmserve.engine.memory_plan import MemoryPlan, resolve_limits
+from mmserve.engine.memory_plan import (
+    InfeasiblePlanError,
+    MemoryPlan,
+    default_memory_utilization,
+    encoder_budget_for,
+    images_per_step,
+    plan_inputs,
+    plan_memory,
+)
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from mmserve.outputs import RequestOutput
 from mmserve.processing.images import InvalidInputError
 from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
+from mmserve.worker import memory_profiler
 from mmserve.worker.cuda_runner import runner_class
+from mmserve.worker.dry_run import dry_run_peak, meta_model, profile_blocks
 
 logger = logging.getLogger(__name__)
-
-# Without an explicit kv_cache_memory, the KV cache takes at most this share of the RAM that is
-# available at start-up.
-DEFAULT_KV_RAM_SHARE = 0.3
-
-
-def _available_ram() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -53,22 +46,26 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         dtype = config.torch_dtype
         self.processor = InputProcessor(config.model, hf_config, config.max_image_pixels)
-        runner_cls = runner_class(config.resolved_device)
+        device = config.resolved_device
+        runner_cls = runner_class(device)
+        # Read before the weights load: on the CPU they come out of the RAM available now.
+        memory_bytes = memory_profiler.device_memory(torch.device(device))
+        if device == "cuda" and config.kv_cache_memory is None:
+            self._check_free_gpu_memory(config, memory_bytes)
         self.model, self.weight_bytes = runner_cls.load_model(config.model, hf_config, dtype)
-        text = hf_config.text_config
-
-        self.plan = self._plan_memory(config, text, dtype)
+        self.encoder_budget = encoder_budget_for(config, self.processor.tokens_per_image)
+        batch = memory_profiler.profile_batch_for(
+            config, hf_config, self.encoder_budget,
+            images_per_step(config, self.encoder_budget))
+        # No KV cache until the plan sizes it; a GPU profile run needs the blocks its batch
+        # writes (the CPU profile is a dry run on the meta device).
+        scratch_blocks = 0 if device == "cpu" else profile_blocks(batch)
+        self.runner = runner_cls(self.model, scratch_blocks, config.block_size, dtype,
+                                 config.seed)
+        self.plan = self._plan_memory(config, hf_config, device, memory_bytes, batch)
         self.config = config.replace(max_model_len=self.plan.max_model_len,
                                      max_num_seqs=self.plan.max_num_seqs)
-        self.encoder_budget = compute_encoder_budget(
-            max_tokens_per_item=self.processor.tokens_per_image,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=self.plan.max_num_seqs,
-            max_items_per_prompt=max(1, config.limit_mm_per_prompt),
-            encoder_cache_size=config.encoder_cache_size,
-        )
-        self.runner = runner_cls(self.model, self.plan.num_blocks, config.block_size, dtype,
-                                 config.seed)
+        self.runner.allocate_kv_cache(self.plan.num_blocks)
         if not config.enforce_eager:
             self.runner.capture_model(self.plan.max_num_seqs, self.plan.max_model_len)
         self.scheduler = Scheduler(
@@ -87,43 +84,41 @@ class LLMEngine:
         self.num_steps = 0
         self.schedule_time = 0.0
         self.last_scheduler_output: SchedulerOutput | None = None
-        logger.info(
-            "mmserve engine ready: dtype=%s, KV cache %d blocks x %d tokens (%d bytes), "
-            "max_model_len=%d (%s), max_num_seqs=%d (%s), encoder cache %d tokens "
-            "(%d images of %d tokens), encoder compute budget %d tokens per step",
-            dtype, self.plan.num_blocks, config.block_size, self.plan.kv_cache_bytes,
-            self.plan.max_model_len, self.plan.max_model_len_source, self.plan.max_num_seqs,
-            self.plan.max_num_seqs_source, self.encoder_budget.cache_tokens,
-            self.encoder_budget.cache_items, self.encoder_budget.max_tokens_per_item,
-            self.encoder_budget.compute_tokens)
+        logger.info("mmserve engine ready, dtype=%s, encoder compute budget %d tokens per "
+                    "step\n%s", dtype, self.encoder_budget.compute_tokens, self.plan.summary())
 
     @staticmethod
-    def _plan_memory(config: EngineConfig, text_config, dtype: torch.dtype) -> MemoryPlan:
-        head_dim = (getattr(text_config, "head_dim", None)
-                    or text_config.hidden_size // text_config.num_attention_heads)
-        kv_heads = (getattr(text_config, "num_key_value_heads", None)
-                    or text_config.num_attention_heads)
-        elem = torch.tensor([], dtype=dtype).element_size()
-        bytes_per_token = 2 * text_config.num_hidden_layers * kv_heads * head_dim * elem
-        block_bytes = bytes_per_token * config.block_size
-        model_max_len = text_config.max_position_embeddings
-        if config.kv_cache_memory is not None:
-            budget = config.kv_cache_memory
+    def _check_free_gpu_memory(config: EngineConfig, total: int) -> None:
+        """The budget is a share of the GPU's total memory: that much must be free (as vLLM)."""
+        util = config.gpu_memory_utilization or default_memory_utilization("cuda")
+        free = torch.cuda.mem_get_info()[0]
+        if free < int(total * util):
+            raise InfeasiblePlanError(
+                f"gpu_memory_utilization={util:g} asks for {int(total * util)} bytes but only "
+                f"{free} of {total} bytes are free on the GPU (another process holds the "
+                f"rest); lower --gpu-memory-utilization to at most {free / total:.2f}.")
+
+    def _plan_memory(self, config: EngineConfig, hf_config, device: str, memory_bytes: int,
+                     batch: SchedulerOutput) -> MemoryPlan:
+        """Measure the profile run's peak and size the KV cache (seed 000, DESIGN.md)."""
+        dtype = config.torch_dtype
+        if device == "cpu":
+            # The tracker counts tensor storages, whose sizes depend on shapes alone: a meta
+            # dry run of the same batch gives the same figure as running it, at no cost.
+            peak = dry_run_peak(meta_model(hf_config, dtype), batch, config.block_size, dtype)
+            method = "measured: tensors of a meta-device dry run of the profile batch"
         else:
-            # Enough for the requested (or default) concurrency at full length, within a share
-            # of the available RAM.
-            want_len = config.max_model_len or model_max_len
-            want_seqs = config.max_num_seqs or 256
-            budget = min(int(_available_ram() * DEFAULT_KV_RAM_SHARE),
-                         want_len * want_seqs * bytes_per_token)
-        num_blocks = budget // block_bytes
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV cache budget of {budget} bytes is smaller than one block "
-                f"({block_bytes} bytes = {config.block_size} tokens x {bytes_per_token} bytes "
-                "per token); give the KV cache more memory or lower block_size.")
-        return resolve_limits(num_blocks, config.block_size, model_max_len,
-                              config.max_model_len, config.max_num_seqs, bytes_per_token)
+            peak = self.runner.measure_profile_peak(batch)
+            method = f"measured: {device} allocator peak of the profile run"
+        n_images = len(batch.encoder_inputs)
+        n_tokens = batch.num_scheduled_tokens
+        method += f" ({n_tokens} tokens, {len(batch.requests)} sequences, {n_images} images)"
+        inputs = plan_inputs(config, hf_config, device, memory_bytes, self.weight_bytes, peak,
+                             method, self.encoder_budget)
+        plan = plan_memory(inputs)
+        for warning in plan.warnings:
+            logger.warning("memory plan: %s", warning)
+        return plan
 
     # ----------------------------------------------------------------- requests
     def add_request(

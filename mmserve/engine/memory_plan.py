@@ -1,30 +1,108 @@
-"""Sizing the KV cache and deriving max_model_len / max_num_seqs from it."""
+"""The memory plan: weights, activations, the encoder cache and the KV cache in one budget.
+
+    budget    = device memory x gpu_memory_utilization
+    KV bytes  = budget - weights - peak activations - encoder cache bytes
+    KV blocks = KV bytes // (block_size x KV bytes per token)
+
+then ``max_model_len`` and ``max_num_seqs`` are filled in from the block count (seed 000).
+The activations come from a profile run at ``max_num_batched_tokens`` tokens, never at
+``max_model_len``, so the block count the memory allows does not move when the user changes
+``max_model_len``. Everything here is arithmetic on plain numbers: the engine and
+``mmserve plan`` measure or estimate the inputs and share this code.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.engine.encoder_cache import EncoderBudget, compute_encoder_budget
 from mmserve.engine.kv_cache_manager import cdiv
 
 DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# On the CPU the flag is the share of the RAM available at start-up. The rest stays free for
+# what tensors do not show: the Python heap, tokenizer and processor, allocator slack, and
+# other processes that grow later.
+DEFAULT_CPU_MEMORY_UTILIZATION = 0.8
+
+
+class InfeasiblePlanError(ValueError):
+    """The settings cannot work on this device; the message gives the numbers and the fix."""
+
+
+def default_memory_utilization(device: str) -> float:
+    return DEFAULT_CPU_MEMORY_UTILIZATION if device == "cpu" else DEFAULT_GPU_MEMORY_UTILIZATION
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything the plan needs, measured by the engine or estimated by ``mmserve plan``."""
+
+    device: str  # "cpu" or "cuda"
+    memory_bytes: int  # GPU total memory, or the RAM available at start-up
+    gpu_memory_utilization: float
+    weights_bytes: int
+    activation_bytes: int  # peak of the profile run
+    activation_method: str  # how activation_bytes was obtained, for the report
+    encoder_cache_items: int
+    encoder_cache_tokens: int
+    encoder_bytes_per_token: int  # embedding width x dtype bytes
+    kv_bytes_per_token: int  # 2 x layers x kv heads x head dim x dtype bytes
+    block_size: int
+    model_max_len: int  # the model's own limit (max_position_embeddings)
+    max_model_len: int | None  # None = auto
+    max_num_seqs: int | None  # None = auto
+    kv_cache_memory: int | None = None  # bytes; sets the KV cache directly
+    single_user_mode: bool = False
+    min_model_len: int = 1  # an auto max_model_len below this (one image + one token) fails
+    estimated: tuple[str, ...] = ()  # names of the figures above that are estimates
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    max_model_len_source: str  # "given" or "auto"
+    max_num_seqs: int
+    max_num_seqs_source: str  # "given", "auto" or "single_user_mode"
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """What a start-up decided, and where each limit came from."""
+    """The start-up report: every term of the budget and where each limit came from."""
 
+    device: str
+    memory_bytes: int
+    gpu_memory_utilization: float
+    budget_bytes: int
+    weights_bytes: int
+    activation_bytes: int
+    activation_method: str
+    encoder_cache_items: int
+    encoder_cache_tokens: int
+    encoder_cache_bytes: int
     kv_bytes_per_token: int
-    num_blocks: int
     block_size: int
+    kv_budget_blocks: int  # what the memory (or kv_cache_memory) allows
+    num_blocks: int  # what the engine allocates
+    kv_cache_limited_by: str  # "memory", "kv_cache_memory" or "max_num_seqs x max_model_len"
+    model_max_len: int
     max_model_len: int
-    max_model_len_source: str  # "given" or "auto"
+    max_model_len_source: str
     max_num_seqs: int
     max_num_seqs_source: str
-    kv_cache_bytes: int
+    estimated: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
 
     @property
     def kv_cache_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache_tokens * self.kv_bytes_per_token
 
     @property
     def max_concurrency(self) -> float:
@@ -33,7 +111,196 @@ class MemoryPlan:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "kv_cache_tokens": self.kv_cache_tokens,
+                "kv_cache_bytes": self.kv_cache_bytes,
                 "max_concurrency": round(self.max_concurrency, 2)}
+
+    def summary(self) -> str:
+        """The report as a few lines of text (logged at start-up, printed by ``mmserve plan``)."""
+
+        def est(name: str) -> str:
+            return " (estimate)" if name in self.estimated else ""
+
+        base = "available RAM" if self.device == "cpu" else "GPU memory"
+        kv_note = {"memory": "all the memory left",
+                   "kv_cache_memory": "set by kv_cache_memory",
+                   "max_num_seqs x max_model_len": (
+                       f"all that max_num_seqs x max_model_len can use; the memory allows "
+                       f"{self.kv_budget_blocks} blocks")}[self.kv_cache_limited_by]
+        lines = [
+            f"memory plan on {self.device}: budget {_size(self.budget_bytes)} = "
+            f"{self.gpu_memory_utilization:g} x {_size(self.memory_bytes)} {base}"
+            f"{est('memory_bytes')}",
+            f"  weights           {_size(self.weights_bytes):>11}{est('weights_bytes')}",
+            f"  peak activations  {_size(self.activation_bytes):>11}"
+            f"{est('activation_bytes')}: {self.activation_method}",
+            f"  encoder cache     {_size(self.encoder_cache_bytes):>11}: "
+            f"{self.encoder_cache_items} images, {self.encoder_cache_tokens} embedding tokens",
+            f"  KV cache          {_size(self.kv_cache_bytes):>11}: {self.num_blocks} blocks x "
+            f"{self.block_size} tokens = {self.kv_cache_tokens} tokens at "
+            f"{self.kv_bytes_per_token} B/token ({kv_note})",
+            f"  max_model_len={self.max_model_len} ({self.max_model_len_source}; model limit "
+            f"{self.model_max_len}), max_num_seqs={self.max_num_seqs} "
+            f"({self.max_num_seqs_source}), max concurrency at max_model_len "
+            f"{self.max_concurrency:.2f}x",
+        ]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def encoder_budget_for(config: EngineConfig, tokens_per_image: int) -> EncoderBudget:
+    """The encoder budget of an engine, decided before the KV cache is sized.
+
+    The cache holds at most ``max_num_seqs x limit_mm_per_prompt`` images. An auto
+    max_num_seqs is not known yet at this point, so it counts as its largest auto value (256);
+    the encoder cache then never grows after the KV cache has been sized.
+    """
+    seqs = config.max_num_seqs or (1 if config.single_user_mode else DEFAULT_MAX_NUM_SEQS)
+    return compute_encoder_budget(
+        max_tokens_per_item=tokens_per_image,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=seqs,
+        max_items_per_prompt=max(1, config.limit_mm_per_prompt),
+        encoder_cache_size=config.encoder_cache_size,
+    )
+
+
+def images_per_step(config: EngineConfig, budget: EncoderBudget) -> int:
+    """The most images one step can encode: the profile run's worst case."""
+    if config.limit_mm_per_prompt == 0:
+        return 0
+    return max(1, min(budget.compute_tokens // budget.max_tokens_per_item, budget.cache_items))
+
+
+def plan_inputs(
+    config: EngineConfig,
+    hf_config,
+    device: str,
+    memory_bytes: int,
+    weights_bytes: int,
+    activation_bytes: int,
+    activation_method: str,
+    encoder_budget: EncoderBudget,
+    estimated: tuple[str, ...] = (),
+) -> PlanInputs:
+    """PlanInputs from the engine settings, the checkpoint's config and the measured sizes."""
+    text = hf_config.text_config
+    dtype_bytes = torch.empty((), dtype=config.torch_dtype).element_size()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    util = config.gpu_memory_utilization or default_memory_utilization(device)
+    tokens_per_image = encoder_budget.max_tokens_per_item
+    return PlanInputs(
+        device=device,
+        memory_bytes=memory_bytes,
+        gpu_memory_utilization=util,
+        weights_bytes=weights_bytes,
+        activation_bytes=activation_bytes,
+        activation_method=activation_method,
+        encoder_cache_items=encoder_budget.cache_items,
+        encoder_cache_tokens=encoder_budget.cache_tokens,
+        encoder_bytes_per_token=text.hidden_size * dtype_bytes,
+        kv_bytes_per_token=2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes,
+        block_size=config.block_size,
+        model_max_len=text.max_position_embeddings,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        kv_cache_memory=config.kv_cache_memory,
+        single_user_mode=config.single_user_mode,
+        min_model_len=tokens_per_image + 1 if config.limit_mm_per_prompt else 1,
+        estimated=estimated,
+    )
+
+
+def plan_memory(inp: PlanInputs) -> MemoryPlan:
+    """Size the KV cache from the budget and fill in the auto limits.
+
+    Raises InfeasiblePlanError, before anything is served, when the weights alone exceed the
+    budget, when no KV block is left, or when the limits cannot fit (see ``resolve_limits``).
+    """
+    budget = int(inp.memory_bytes * inp.gpu_memory_utilization)
+    block_bytes = inp.kv_bytes_per_token * inp.block_size
+    encoder_bytes = inp.encoder_cache_tokens * inp.encoder_bytes_per_token
+    others = inp.weights_bytes + inp.activation_bytes + encoder_bytes
+    warnings = []
+    if inp.kv_cache_memory is not None:
+        kv_bytes = inp.kv_cache_memory
+        limited_by = "kv_cache_memory"
+        if kv_bytes < block_bytes:
+            raise InfeasiblePlanError(
+                f"kv_cache_memory={kv_bytes} bytes is smaller than one KV block ({block_bytes} "
+                f"bytes = {inp.block_size} tokens x {inp.kv_bytes_per_token} bytes per token); "
+                "raise kv_cache_memory or lower block_size.")
+        if others + kv_bytes > budget:
+            warnings.append(
+                f"kv_cache_memory={kv_bytes} bytes plus weights, activations and encoder cache "
+                f"({others} bytes) exceed the budget of {budget} bytes")
+    else:
+        limited_by = "memory"
+        util = inp.gpu_memory_utilization
+        if inp.weights_bytes > budget:
+            raise InfeasiblePlanError(
+                f"the weights alone take {inp.weights_bytes} bytes, more than the budget of "
+                f"{budget} bytes ({util:g} x {inp.memory_bytes} bytes). Raise "
+                "--gpu-memory-utilization, use a smaller dtype, or a device with more memory.")
+        kv_bytes = budget - others
+        if kv_bytes < block_bytes:
+            raise InfeasiblePlanError(
+                f"no room for the KV cache: the budget of {budget} bytes ({util:g} x "
+                f"{inp.memory_bytes}) minus weights {inp.weights_bytes}, peak activations "
+                f"{inp.activation_bytes} and encoder cache {encoder_bytes} leaves "
+                f"{max(kv_bytes, 0)} bytes, less than one block of {block_bytes} bytes "
+                f"({inp.block_size} tokens x {inp.kv_bytes_per_token} bytes per token). Raise "
+                "--gpu-memory-utilization, lower --max-num-batched-tokens (smaller "
+                "activations), or set --kv-cache-memory.")
+    budget_blocks = kv_bytes // block_bytes
+    limits = resolve_limits(
+        budget_blocks, inp.block_size, inp.model_max_len, inp.max_model_len, inp.max_num_seqs,
+        inp.kv_bytes_per_token, single_user_mode=inp.single_user_mode,
+        min_model_len=inp.min_model_len)
+    num_blocks = budget_blocks
+    # A KV tensor is allocated whole up front. On the CPU it is real RAM shared with the
+    # machine, and in single-user mode nothing but one sequence can use it, so when the memory
+    # would hold at least one more sequence of max_model_len than max_num_seqs can use, the
+    # engine allocates only what max_num_seqs sequences fill (vLLM's CPU backend likewise
+    # keeps a bounded KV space). Otherwise memory is what binds and the count stays the
+    # memory's, which does not depend on max_model_len; kv_budget_blocks always keeps it.
+    bounded = inp.kv_cache_memory is None and (inp.device == "cpu" or inp.single_user_mode)
+    blocks_per_seq = cdiv(limits.max_model_len, inp.block_size)
+    usable = limits.max_num_seqs * blocks_per_seq
+    if bounded and usable + blocks_per_seq <= budget_blocks:
+        num_blocks = usable
+        limited_by = "max_num_seqs x max_model_len"
+    fit = num_blocks // blocks_per_seq
+    both_given = limits.max_model_len_source == limits.max_num_seqs_source == "given"
+    if both_given and fit < limits.max_num_seqs:
+        warnings.append(
+            f"only {fit} of max_num_seqs={limits.max_num_seqs} sequences of max_model_len="
+            f"{limits.max_model_len} tokens fit in the KV cache at once; longer ones wait or "
+            "are preempted")
+    return MemoryPlan(
+        device=inp.device,
+        memory_bytes=inp.memory_bytes,
+        gpu_memory_utilization=inp.gpu_memory_utilization,
+        budget_bytes=budget,
+        weights_bytes=inp.weights_bytes,
+        activation_bytes=inp.activation_bytes,
+        activation_method=inp.activation_method,
+        encoder_cache_items=inp.encoder_cache_items,
+        encoder_cache_tokens=inp.encoder_cache_tokens,
+        encoder_cache_bytes=encoder_bytes,
+        kv_bytes_per_token=inp.kv_bytes_per_token,
+        block_size=inp.block_size,
+        kv_budget_blocks=budget_blocks,
+        num_blocks=num_blocks,
+        kv_cache_limited_by=limited_by,
+        model_max_len=inp.model_max_len,
+        max_model_len=limits.max_model_len,
+        max_model_len_source=limits.max_model_len_source,
+        max_num_seqs=limits.max_num_seqs,
+        max_num_seqs_source=limits.max_num_seqs_source,
+        estimated=inp.estimated,
+        warnings=tuple(warnings),
+    )
 
 
 def resolve_limits(
@@ -43,49 +310,90 @@ def resolve_limits(
     max_model_len: int | None,
     max_num_seqs: int | None,
     kv_bytes_per_token: int,
-) -> MemoryPlan:
-    """Fill in whichever of max_model_len / max_num_seqs is ``None`` from the block count.
+    single_user_mode: bool = False,
+    min_model_len: int = 1,
+) -> Limits:
+    """Fill in whichever of max_model_len / max_num_seqs is ``None`` (auto) from the blocks.
 
-    Raises ValueError with the numbers when even one sequence of the requested length cannot
-    fit.
+    - neither given: max_model_len = the longest sequence the cache holds, capped at the
+      model's limit; max_num_seqs = 256, capped at the block count (each running sequence
+      needs a block);
+    - max_num_seqs given (or single_user_mode, which means 1): max_model_len = the longest
+      length that lets that many sequences fit at once;
+    - max_model_len given: max_num_seqs = how many sequences of it fit, at most 256;
+    - both given: kept, provided one sequence of max_model_len fits.
+
+    Raises InfeasiblePlanError with the numbers and what to change otherwise.
     """
     capacity = num_blocks * block_size
-    if max_model_len is not None and max_model_len > model_max_len:
-        raise ValueError(
-            f"max_model_len={max_model_len} exceeds the model's limit of {model_max_len} tokens "
-            "(max_position_embeddings); lower it.")
-    if max_model_len is not None and cdiv(max_model_len, block_size) > num_blocks:
-        raise ValueError(
-            f"max_model_len={max_model_len} does not fit: the KV cache holds {num_blocks} blocks "
-            f"of {block_size} tokens = {capacity} tokens ({capacity * kv_bytes_per_token} bytes "
-            f"at {kv_bytes_per_token} bytes per token). Lower max_model_len to at most "
-            f"{capacity}, or give the KV cache more memory.")
-    if max_model_len is None:
-        per_seq_blocks = num_blocks // (max_num_seqs or 1)
-        if per_seq_blocks == 0:
-            raise ValueError(
-                f"max_num_seqs={max_num_seqs} sequences cannot each hold even one block: the KV "
-                f"cache has {num_blocks} blocks of {block_size} tokens. Lower max_num_seqs to at "
-                f"most {num_blocks}, or give the KV cache more memory.")
-        len_source = "auto"
-        max_model_len = min(model_max_len, per_seq_blocks * block_size)
-    else:
-        len_source = "given"
+    seqs_source = "given"
+    if single_user_mode:
+        if max_num_seqs not in (None, 1):
+            raise InfeasiblePlanError(
+                f"single_user_mode runs one sequence, but max_num_seqs={max_num_seqs} was "
+                "given; drop one of the two.")
+        max_num_seqs, seqs_source = 1, "single_user_mode"
+    if max_model_len is not None:
+        if max_model_len > model_max_len:
+            raise InfeasiblePlanError(
+                f"max_model_len={max_model_len} exceeds the model's limit of {model_max_len} "
+                "tokens (max_position_embeddings); lower it or leave it auto.")
+        blocks_per_seq = cdiv(max_model_len, block_size)
+        if blocks_per_seq > num_blocks:
+            raise InfeasiblePlanError(
+                f"max_model_len={max_model_len} does not fit: the KV cache holds {num_blocks} "
+                f"blocks of {block_size} tokens = {capacity} tokens "
+                f"({capacity * kv_bytes_per_token} bytes at {kv_bytes_per_token} bytes per "
+                f"token), and one sequence needs "
+                f"{blocks_per_seq} blocks. Lower max_model_len to at most {capacity} (or leave "
+                "it auto), or give the KV cache more memory.")
+        if max_num_seqs is None:
+            max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, num_blocks // blocks_per_seq)
+            seqs_source = "auto"
+        return Limits(max_model_len, "given", max_num_seqs, seqs_source)
+
     if max_num_seqs is None:
+        max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, num_blocks)
         seqs_source = "auto"
-        if len_source == "given":
-            max_num_seqs = max(1, num_blocks // cdiv(max_model_len, block_size))
-        else:
-            max_num_seqs = max(1, min(DEFAULT_MAX_NUM_SEQS, num_blocks))
+        per_seq_blocks = num_blocks
     else:
-        seqs_source = "given"
-    return MemoryPlan(
-        kv_bytes_per_token=kv_bytes_per_token,
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        max_model_len_source=len_source,
-        max_num_seqs=max_num_seqs,
-        max_num_seqs_source=seqs_source,
-        kv_cache_bytes=num_blocks * block_size * kv_bytes_per_token,
-    )
+        per_seq_blocks = num_blocks // max_num_seqs
+    if per_seq_blocks == 0:
+        raise InfeasiblePlanError(
+            f"max_num_seqs={max_num_seqs} sequences cannot each hold even one block: the KV "
+            f"cache has {num_blocks} blocks of {block_size} tokens ({kv_bytes_per_token} bytes "
+            f"per token). Lower max_num_seqs to at most {num_blocks}, or give the KV cache "
+            "more memory.")
+    max_model_len = min(model_max_len, per_seq_blocks * block_size)
+    if max_model_len < min_model_len:
+        raise InfeasiblePlanError(
+            f"the KV cache holds {per_seq_blocks * block_size} tokens per sequence "
+            f"({num_blocks} blocks of {block_size} tokens for {max_num_seqs} sequences at "
+            f"{kv_bytes_per_token} bytes per token), less than the {min_model_len} tokens of "
+            "one image and one generated token. Give the KV cache more memory, lower "
+            "max_num_seqs, or lower --max-num-batched-tokens (smaller activations).")
+    return Limits(max_model_len, "auto", max_num_seqs, seqs_source)
+
+
+def feasible_pairs(plan: MemoryPlan, max_rows: int = 8) -> list[tuple[int, int]]:
+    """(max_model_len, sequences of it that fit at once) for a ladder of lengths.
+
+    Lengths: the longest that fits (capped at the model's limit), then halving down to 256.
+    Uses the block count the memory allows, not the possibly bounded allocation.
+    """
+    blocks, bs = plan.kv_budget_blocks, plan.block_size
+    length = min(plan.model_max_len, blocks * bs)
+    rows = []
+    while length >= 1 and len(rows) < max_rows:
+        rows.append((length, blocks // cdiv(length, bs)))
+        if length <= 256:
+            break
+        length = max(256, 1 << ((length - 1).bit_length() - 1))  # previous power of two
+    return rows
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

@@ -16,8 +16,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", help="local Hugging Face checkpoint directory")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--max-num-seqs", type=int)
+    g.add_argument("--max-model-len", type=_int_or_auto, default=None,
+                   help="longest sequence (prompt + output), or auto (default): what the KV "
+                   "cache holds, capped at the model's limit")
+    g.add_argument("--max-num-seqs", type=_int_or_auto, default=None,
+                   help="most requests running at once, or auto (default): 256, or how many "
+                   "sequences of --max-model-len fit")
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   help="share of the device's memory to use: of a GPU's total memory "
+                   "(default 0.9), or of the RAM available at start-up on the CPU (default 0.8)")
+    g.add_argument("--single-user-mode", action="store_true",
+                   help="max-num-seqs 1, and the whole KV cache for that one sequence")
     g.add_argument("--max-num-batched-tokens", type=int,
                    default=EngineConfig.max_num_batched_tokens)
     g.add_argument("--block-size", type=int, default=EngineConfig.block_size)
@@ -38,8 +47,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
             "enable_prefix_caching", "kv_cache_memory", "limit_mm_per_prompt",
-            "encoder_cache_size", "max_image_pixels", "seed", "device", "enforce_eager")
+            "encoder_cache_size", "max_image_pixels", "seed", "device", "enforce_eager",
+            "gpu_memory_utilization", "single_user_mode")
     return {k: getattr(args, k) for k in keys}
+
+
+def _int_or_auto(value: str) -> int | None:
+    """An integer flag that also takes ``auto`` (None: the memory plan decides)."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
 
 
 def _caption(args: argparse.Namespace) -> int:
@@ -73,12 +93,14 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from mmserve.entrypoints.api_server import add_serve_parser
+    from mmserve.entrypoints.plan import add_plan_parser
 
     parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     # Each front door registers its own subcommand, which sets ``func``.
     add_caption_parser(sub)
     add_serve_parser(sub)
+    add_plan_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.memory_plan import MemoryPlan
 from mmserve.outputs import RequestOutput
 from mmserve.processing.images import ImageLike
 from mmserve.sampling_params import SamplingParams
@@ -17,10 +18,11 @@ from mmserve.sampling_params import SamplingParams
 class LLM:
     """An engine in this process, for offline batch generation.
 
-    Engine arguments use vLLM's names: ``max_model_len``, ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``block_size``, ``enable_prefix_caching``,
-    ``limit_mm_per_prompt``, ``encoder_cache_size`` (embedding tokens), ``kv_cache_memory``
-    (bytes), ``dtype``, ``seed``.
+    Engine arguments use vLLM's names: ``max_model_len`` and ``max_num_seqs`` (integers or
+    ``"auto"``, the default: sized by the memory plan), ``max_num_batched_tokens``,
+    ``block_size``, ``enable_prefix_caching``, ``limit_mm_per_prompt``, ``encoder_cache_size``
+    (embedding tokens), ``kv_cache_memory`` (bytes), ``gpu_memory_utilization``,
+    ``single_user_mode``, ``dtype``, ``seed``.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -87,6 +89,12 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def memory_plan(self) -> MemoryPlan:
+        """What the engine decided at start-up: every term of the memory budget, the KV and
+        encoder cache sizes, and max_model_len / max_num_seqs with where each came from
+        (``.to_dict()`` for plain data, ``.summary()`` for text)."""
+        return self.engine.plan
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

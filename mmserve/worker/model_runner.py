@@ -6,6 +6,7 @@ turns a SchedulerOutput into a forward pass is here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from torch import nn
 from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from mmserve.kernels.paged_attention import AttentionMetadata, PrefillSeq
 from mmserve.models.forward_context import forward_context
+from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import sample
 
 
@@ -38,11 +40,7 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.kv_caches: list[torch.Tensor] = []
-        for attn in model.attention_layers():
-            cache = torch.zeros(2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim,
-                                dtype=dtype, device=self.device)
-            attn.kv_cache = cache
-            self.kv_caches.append(cache)
+        self.allocate_kv_cache(num_blocks)
         # Image embeddings by content hash; the scheduler's encoder-cache manager says when to
         # add and drop them.
         self.encoder_outputs: dict[str, torch.Tensor] = {}
@@ -203,6 +201,50 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
+
+    # ----------------------------------------------------------------- memory plan
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Give every attention layer a fresh zeroed cache of ``num_blocks`` blocks.
+
+        The engine builds the runner with just the blocks its profile batch needs, measures
+        the profile run, then calls this with the planned count.
+        """
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
+                                dtype=self.dtype, device=self.device)
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    def measure_profile_peak(self, batch: SchedulerOutput) -> int:
+        """Peak bytes that ``profile_run(batch)`` allocates above what was already alive.
+
+        Counts the tensors the run creates (``memory_profiler.track_peak_bytes``); runners on
+        devices with allocator statistics override this.
+        """
+        _, peak = track_peak_bytes(lambda: self.profile_run(batch))
+        return peak
+
+    @torch.inference_mode()
+    def profile_run(self, batch: SchedulerOutput) -> None:
+        """Run ``batch`` (``memory_profiler.profile_batch``) like a step, without sampling.
+
+        Leaves nothing behind but what it wrote into the current KV cache, which the engine
+        replaces afterwards: encoder outputs, generators and step timings are as before, and
+        no random numbers are drawn (the inputs are zeros and nothing is sampled, which also
+        lets the run work on the meta device).
+        """
+        saved_times = dataclasses.replace(self.times)
+        try:
+            self._run_encoder(batch)
+            input_ids, positions, meta, sample_rows = self._prepare_inputs(batch.requests)
+            embeds = self._embed(input_ids, batch.requests)
+            hidden = self._forward(positions, embeds, meta)
+            self.model.compute_logits(hidden[sample_rows])
+        finally:
+            for h in batch.encoder_inputs:
+                self.encoder_outputs.pop(h, None)
+            self.times = saved_times
 
 
 def _context_slots(table: list[int], context_len: int, block_size: int) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""``mmserve plan MODEL``: the memory plan a launch would make, without loading any weight.
+
+It reads config.json, the processor files and the safetensors headers, builds the model on
+the meta device (sizes without data) and dry-runs the engine's profile batch there, then runs
+the same planning arithmetic as the engine (``engine/memory_plan.py``).
+
+How close it is to a launch: on the CPU the weights and activations are the engine's own
+figures (the engine measures the same dry run), so the block counts agree exactly when the
+available RAM is the same; only the RAM, which changes from moment to moment, is an
+estimate. On a GPU the engine measures the CUDA allocator, which also sees kernel workspaces
+and rounds allocations up, so those two figures are estimates there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.engine.memory_plan import (
+    InfeasiblePlanError,
+    MemoryPlan,
+    encoder_budget_for,
+    feasible_pairs,
+    images_per_step,
+    plan_inputs,
+    plan_memory,
+)
+
+
+def checkpoint_bytes(model_dir: str) -> tuple[int, int]:
+    """(number of tensors, bytes of tensor data) from the safetensors headers alone."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    count = total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                start, end = entry["data_offsets"]
+                count += 1
+                total += end - start
+    return count, total
+
+
+def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None,
+              ) -> tuple[MemoryPlan, dict[str, Any]]:
+    """The engine's plan for ``config`` on ``device``, from files and a meta-device dry run.
+
+    ``memory_bytes`` plans for a device of that size instead of asking this machine.
+    Returns the plan and facts about the checkpoint.
+    """
+    from transformers import AutoConfig
+
+    from mmserve.processing.processor import InputProcessor
+    from mmserve.worker import memory_profiler
+    from mmserve.worker.dry_run import dry_run_peak, meta_model
+
+    hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+    dtype = config.torch_dtype
+    tokens_per_image = InputProcessor(config.model, hf_config,
+                                      config.max_image_pixels).tokens_per_image
+    num_tensors, file_bytes = checkpoint_bytes(config.model)
+    model = meta_model(hf_config, dtype)
+    weights = memory_profiler.tensor_bytes(model)
+    budget = encoder_budget_for(config, tokens_per_image)
+    batch = memory_profiler.profile_batch_for(config, hf_config, budget,
+                                              images_per_step(config, budget))
+    peak = dry_run_peak(model, batch, config.block_size, dtype)
+    estimated = ["activation_bytes", "weights_bytes"] if device != "cpu" else []
+    if memory_bytes is None:
+        memory_bytes = memory_profiler.device_memory(torch.device(device))
+        if device == "cpu":
+            estimated.append("memory_bytes")  # available RAM moves until the engine starts
+    method = (f"meta-device dry run of the profile batch ({batch.num_scheduled_tokens} tokens, "
+              f"{len(batch.requests)} sequences, {len(batch.encoder_inputs)} images)")
+    inputs = plan_inputs(config, hf_config, device, memory_bytes, weights, peak, method,
+                         budget, estimated=tuple(sorted(estimated)))
+    facts = {"checkpoint_tensors": num_tensors, "checkpoint_bytes": file_bytes,
+             "dtype": str(dtype).removeprefix("torch."), "tokens_per_image": tokens_per_image}
+    return plan_memory(inputs), facts
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mmserve.entrypoints.cli import engine_kwargs
+
+    kwargs = engine_kwargs(args)
+    device = args.device if args.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        # Planning for a GPU from a machine without one: size it from --device-memory and
+        # take the dtype a GPU would pick.
+        if args.device_memory is None:
+            print("mmserve plan: no CUDA device here; pass --device-memory BYTES to plan for a "
+                  "GPU of that size.", file=sys.stderr)
+            return 2
+        if kwargs["dtype"] == "auto":
+            kwargs["dtype"] = "bfloat16"
+        kwargs["device"] = "cpu"
+    try:
+        config = EngineConfig(model=args.model, **kwargs)
+        plan, facts = make_plan(config, device, args.device_memory)
+    except (InfeasiblePlanError, ValueError, FileNotFoundError, OSError) as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc)}))
+        else:
+            print(f"mmserve plan: {exc}", file=sys.stderr)
+        return 1
+    pairs = feasible_pairs(plan)
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), "checkpoint": facts,
+                          "feasible": [{"max_model_len": n, "max_num_seqs": s}
+                                       for n, s in pairs]}, indent=2))
+        return 0
+    print(plan.summary())
+    print(f"  checkpoint: {facts['checkpoint_tensors']} tensors, "
+          f"{facts['checkpoint_bytes']} bytes on disk (headers only; no weight was loaded), "
+          f"served as {facts['dtype']}; {facts['tokens_per_image']} tokens per image")
+    print("  estimates: " + (", ".join(plan.estimated) or "none")
+          + "; everything else is what the engine computes for the same settings")
+    print("\nfeasible pairs: max_num_seqs sequences of max_model_len fit in the KV cache at once")
+    print(f"  {'max_model_len':>13}  {'max_num_seqs':>12}")
+    for length, seqs in pairs:
+        print(f"  {length:>13}  {seqs:>12}")
+    return 0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from mmserve.entrypoints.cli import add_engine_args
+
+    p = sub.add_parser("plan", help="print the memory plan a launch would make (no weights "
+                       "are loaded)")
+    p.add_argument("model", help="local Hugging Face checkpoint directory")
+    p.add_argument("--device-memory", type=int,
+                   help="plan for a device with this many bytes (default: this machine's)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_engine_args(p)
+    p.set_defaults(func=_run)

@@ -1,0 +1,68 @@
+"""Profile runs on the meta device: the same code as a real step, on shapes alone.
+
+Every tensor a step creates has a size fixed by shapes and dtypes, so counting the storages of
+a meta-device run gives what ``track_peak_bytes`` counts on a real CPU run, within a small
+bound for the step's index tensors (a test checks both sides), in a fraction of a second and
+with no weights loaded. The engine uses it for
+the CPU profile; ``mmserve plan`` uses it for every device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmserve.engine.scheduler import SchedulerOutput
+from mmserve.models.registry import get_model_class
+from mmserve.worker.model_runner import ModelRunner
+
+META = torch.device("meta")
+# The step's index tensors built from Python lists (token ids, positions, slots, sample rows:
+# int64, on the host and on the device) are created outside the operators the tracker sees
+# on the meta device, so the dry run adds their worst case instead: 4 x 8 bytes x 2 per token.
+INPUT_BYTES_PER_TOKEN = 64
+
+
+class MetaModelRunner(ModelRunner):
+    """A runner whose tensors live on the meta device; it can profile but never sample."""
+
+    device = META
+
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int,
+                 dtype: torch.dtype) -> None:
+        # The base constructor makes a sampling generator, which the meta device cannot have;
+        # build it on the CPU (a dry run never samples), then switch to meta tensors.
+        self.device = torch.device("cpu")
+        super().__init__(model, 0, block_size, dtype, seed=0)
+        self.device = META
+        self.allocate_kv_cache(num_blocks)
+
+
+def meta_model(hf_config, dtype: torch.dtype) -> nn.Module:
+    """The architecture with every weight on the meta device: sizes without data."""
+    rng = torch.get_rng_state()
+    with torch.device(META):
+        model = get_model_class(hf_config)(hf_config)
+    torch.set_rng_state(rng)  # parameter initialisers must not move the seeded global RNG
+    model = model.to(dtype)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    return model.eval()
+
+
+def profile_blocks(batch: SchedulerOutput) -> int:
+    """KV blocks the profile batch writes into."""
+    return 1 + max(b for r in batch.requests for b in r.block_ids)
+
+
+def dry_run_peak(model: nn.Module, batch: SchedulerOutput, block_size: int,
+                 dtype: torch.dtype) -> int:
+    """Peak bytes of tensors that running ``batch`` creates, counted on the meta device.
+
+    At least what a real CPU run counts, and at most ``INPUT_BYTES_PER_TOKEN`` per scheduled
+    token more.
+    """
+    runner = MetaModelRunner(model, profile_blocks(batch), block_size, dtype)
+    peak = runner.measure_profile_peak(batch)
+    return peak + INPUT_BYTES_PER_TOKEN * batch.num_scheduled_tokens
