@@ -139,3 +139,19 @@ def test_local_files(tmp_path: Path) -> None:
         load_image_url(f"file://otherhost{root}/a.png", policy)
     with pytest.raises(ValueError, match="is not a directory"):
         MediaPolicy(allowed_local_path=str(root / "a.png"))
+
+
+# --------------------------------------------------------------------- mmserve serve
+def test_serve_without_a_model_explains_and_exits_2(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    from mmserve.demo import checkpoint
+    from mmserve.entrypoints.cli import main
+
+    monkeypatch.setattr(checkpoint, "DEMO_MODEL_DIR", tmp_path / "no-demo-here")
+    assert main(["serve", "--port", "1"]) == 2
+    assert "demo model is not at" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path / "missing"), "--port", "1"]) == 2
+    assert "model directory not found" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path), "--allowed-local-media-path",
+                 str(tmp_path / "nope"), "--port", "1"]) == 2
+    assert "is not a directory" in capsys.readouterr().err
