@@ -14,7 +14,8 @@ from mmserve.config import EngineConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, named as in vLLM."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", help="local Hugging Face checkpoint directory")
+    g.add_argument("--model", help="local Hugging Face checkpoint directory "
+                   "(default: the bundled demo model)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=_int_or_auto, default=None,
                    help="longest sequence (prompt + output), or auto (default): what the KV "
@@ -65,11 +66,12 @@ def _int_or_auto(value: str) -> int | None:
 def _caption(args: argparse.Namespace) -> int:
     from mmserve import LLM, SamplingParams
 
-    if args.model is None:
-        print("mmserve caption: pass --model PATH (a local LLaVA checkpoint directory).",
-              file=sys.stderr)
+    # No --model: LLM() falls back to the bundled demo model, which describes shape scenes.
+    try:
+        llm = LLM(args.model, **engine_kwargs(args))
+    except FileNotFoundError as exc:
+        print(f"mmserve caption: {exc}", file=sys.stderr)
         return 2
-    llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     captions = llm.caption(args.images, prompt=args.prompt, sampling_params=params)
     if args.json:

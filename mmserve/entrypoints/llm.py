@@ -27,7 +27,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         if model is None:
-            raise ValueError("pass the path of a local Hugging Face checkpoint directory")
+            # With no model, the bundled demo: it describes scenes of coloured shapes.
+            from mmserve.demo.checkpoint import demo_model_path
+
+            model = str(demo_model_path())
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
 
     def generate(
