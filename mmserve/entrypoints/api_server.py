@@ -31,12 +31,18 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from mmserve.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+)
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints import openai_protocol as proto
 from mmserve.entrypoints.media import MediaPolicy, load_image_url
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
+from mmserve.outputs import RequestOutput
 from mmserve.processing.images import InvalidInputError
 
 logger = logging.getLogger(__name__)
@@ -173,10 +179,10 @@ class OpenAIServer:
             raise proto.bad_request("the client disconnected while sending the body") from None
         return b"".join(chunks)
 
-    async def _complete(self, request: Request, stream) -> Response:
+    async def _complete(self, request: Request, stream: RequestStream) -> Response:
         """Wait for the whole answer; abort if the client goes away meanwhile."""
 
-        async def final_output():
+        async def final_output() -> RequestOutput | None:
             last = None
             async for out in stream:
                 last = out
@@ -202,7 +208,7 @@ class OpenAIServer:
                                 out.num_prompt_tokens, len(out.token_ids))
         return JSONResponse(body)
 
-    async def _sse(self, stream, include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         rid, created = stream.request_id, int(time.time())
 
         def event(delta: dict[str, Any] | None, reason: str | None = None,
