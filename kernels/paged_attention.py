@@ -32,8 +32,56 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each scheduled token
     prefills: list[PrefillSeq]
     decode_rows: torch.Tensor  # [num_decodes] rows of single-token sequences in the flat batch
-    decode_slots: torch.Tensor  # [num_decodes, max_context] cache slots, padded
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_context] bool, True = attend
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] block ids, padded with 0
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata of a flat batch: sequence ``i`` brings ``query_lens[i]`` tokens, the last ones of
+    its ``context_lens[i]`` tokens, whose KV live in the blocks of ``block_tables[i]``."""
+    slots: list[torch.Tensor] = []
+    prefills: list[PrefillSeq] = []
+    decode_rows: list[int] = []
+    decode_tables: list[list[int]] = []
+    decode_lens: list[int] = []
+    row = 0
+    for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True):
+        num_blocks = -(-ctx_len // block_size)
+        blocks = torch.tensor(table[:num_blocks], dtype=torch.long)
+        seq_slots = (blocks.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten()
+        seq_slots = seq_slots[:ctx_len]  # [ctx_len] cache slot of every position
+        slots.append(seq_slots[ctx_len - q_len:])
+        if q_len == 1:
+            decode_rows.append(row)
+            decode_tables.append(table[:num_blocks])
+            decode_lens.append(ctx_len)
+        elif q_len == ctx_len:
+            prefills.append(PrefillSeq(row, q_len, ctx_len, None, None))
+        else:
+            q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
+            mask = torch.arange(ctx_len).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
+            prefills.append(PrefillSeq(row, q_len, ctx_len, seq_slots.to(device),
+                                       mask.to(device)))
+        row += q_len
+    max_blocks = max((len(t) for t in decode_tables), default=1)
+    tables = torch.zeros(len(decode_tables), max_blocks, dtype=torch.long)
+    for i, t in enumerate(decode_tables):
+        tables[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+    lens = torch.tensor(decode_lens, dtype=torch.long)
+    decode_mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens.unsqueeze(1)
+    return AttentionMetadata(
+        slot_mapping=(torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)).to(device),
+        prefills=prefills,
+        decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
+        decode_block_tables=tables.to(device),
+        decode_mask=decode_mask[:, None, None, :].to(device),
+    )
 
 
 def write_kv_cache(
@@ -80,10 +128,29 @@ def paged_attention(
         out[rows] = o[0].transpose(0, 1)
 
     if meta.decode_rows.numel():
-        k = key_flat[meta.decode_slots].transpose(1, 2)  # [num_decodes, num_kv_heads, ctx, hd]
-        v = value_flat[meta.decode_slots].transpose(1, 2)
-        q = query[meta.decode_rows].unsqueeze(2)  # [num_decodes, num_heads, 1, head_dim]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa)
-        out[meta.decode_rows] = o.squeeze(2)
+        out[meta.decode_rows] = _decode_attention(query[meta.decode_rows], kv_cache, meta, scale)
     return out
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+    """One query token per sequence, as two batched matmuls.
+
+    The CPU's fused attention kernel is built for long queries: with a single query row per
+    sequence it is an order of magnitude slower than plain matmuls over the gathered blocks.
+    Query heads are grouped by the KV head they share (GQA), so K and V are never repeated.
+    """
+    n, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[-2]
+    tables = meta.decode_block_tables
+    k = kv_cache[0][tables].flatten(1, 2)  # [n, max_blocks * block_size, num_kv_heads, head_dim]
+    v = kv_cache[1][tables].flatten(1, 2)
+    q = query.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [n, kv, group, ctx]
+    scores.masked_fill_(~meta.decode_mask, float("-inf"))
+    probs = scores.softmax(-1).to(query.dtype)
+    return torch.matmul(probs, v.transpose(1, 2)).view(n, num_heads, head_dim)

@@ -12,6 +12,7 @@ from mmserve.models.layers import (
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
+    apply_rotary,
     get_activation,
     rope_theta_of,
 )
@@ -24,7 +25,7 @@ def head_dim_of(config) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -37,15 +38,14 @@ class DecoderAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
-        self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v).reshape(n, -1))
 
 
@@ -63,15 +63,15 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config) -> None:
         super().__init__()
-        self.self_attn = DecoderAttention(config, rotary)
+        self.self_attn = DecoderAttention(config)
         self.mlp = DecoderMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -89,16 +89,17 @@ class LlamaModel(nn.Module):
                 f"sliding-window attention (sliding_window={window}) is not supported yet; "
                 "use a checkpoint without it.")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
-                                 rope_theta_of(config))
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary)
+        self.rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
+                                      rope_theta_of(config))
+        self.layers = nn.ModuleList(DecoderLayer(config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
         x = inputs_embeds
+        rope = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(positions, x)
+            x = layer(x, rope)
         return self.norm(x)
 
     def attention_layers(self) -> list[PagedAttention]:

@@ -96,6 +96,8 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.model.language_model(positions, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits, as transformers' ``generate`` samples from (and argmax over bfloat16
+        is several times slower on the CPU)."""
         if self.tie_word_embeddings:
-            return hidden @ self.model.language_model.embed_tokens.weight.T
-        return self.lm_head(hidden)
+            return (hidden @ self.model.language_model.embed_tokens.weight.T).float()
+        return self.lm_head(hidden).float()

@@ -12,7 +12,7 @@ import torch
 
 from mmserve.kernels.paged_attention import (
     AttentionMetadata,
-    PrefillSeq,
+    build_attention_metadata,
     paged_attention,
     write_kv_cache,
 )
@@ -62,35 +62,8 @@ def _block_tables(seqs: list[tuple[int, int]], block_size: int, num_blocks: int,
 def _reference_metadata(seqs: list[tuple[int, int]], tables: list[list[int]],
                         block_size: int) -> AttentionMetadata:
     """The CPU runner's metadata for the same batch."""
-    slots, prefills, decode_rows, decode_slots, decode_lens = [], [], [], [], []
-    row = 0
-    for (q_len, s_len), table in zip(seqs, tables, strict=True):
-        seq_slots = torch.tensor([table[p // block_size] * block_size + p % block_size
-                                  for p in range(s_len)])
-        slots.extend(seq_slots[s_len - q_len:].tolist())
-        if q_len == 1:
-            decode_rows.append(row)
-            decode_slots.append(seq_slots)
-            decode_lens.append(s_len)
-        elif q_len == s_len:
-            prefills.append(PrefillSeq(row, q_len, s_len, None, None))
-        else:
-            q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
-            mask = torch.arange(s_len).unsqueeze(0) <= q_pos
-            prefills.append(PrefillSeq(row, q_len, s_len, seq_slots, mask))
-        row += q_len
-    max_ctx = max(decode_lens, default=1)
-    padded = torch.zeros(len(decode_rows), max_ctx, dtype=torch.long)
-    for i, s in enumerate(decode_slots):
-        padded[i, :len(s)] = s
-    lens = torch.tensor(decode_lens, dtype=torch.long)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        prefills=prefills,
-        decode_rows=torch.tensor(decode_rows, dtype=torch.long),
-        decode_slots=padded,
-        decode_mask=(torch.arange(max_ctx) < lens.unsqueeze(1))[:, None, None, :],
-    )
+    return build_attention_metadata([q for q, _ in seqs], [s for _, s in seqs], tables,
+                                    block_size)
 
 
 def _run_both(seqs, num_heads, num_kv_heads, head_dim, dtype, block_size=16, seed=0):

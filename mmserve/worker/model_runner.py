@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from mmserve.kernels.paged_attention import AttentionMetadata, PrefillSeq
+from mmserve.kernels.paged_attention import AttentionMetadata, build_attention_metadata
 from mmserve.models.forward_context import forward_context
 from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import sample
@@ -144,60 +144,19 @@ class ModelRunner:
     def _prepare_inputs(
         self, reqs: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         sample_rows: list[int] = []
-        prefills: list[PrefillSeq] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
         for r in reqs:
             n = len(r.token_ids)
-            row = len(ids)
-            ids.extend(r.token_ids)
-            table = r.block_ids
-            for pos in range(r.start_pos, r.start_pos + n):
-                positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
             if r.sample:
-                sample_rows.append(row + n - 1)
-            context_len = r.start_pos + n
-            if n == 1:
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lens.append(context_len)
-                continue
-            if r.start_pos == 0:
-                prefills.append(PrefillSeq(row, n, n, None, None))
-                continue
-            context_slots = _context_slots(table, context_len, bs)
-            q_pos = torch.arange(r.start_pos, context_len).unsqueeze(1)
-            mask = torch.arange(context_len).unsqueeze(0) <= q_pos  # [n, context_len]
-            prefills.append(PrefillSeq(row, n, context_len, context_slots.to(self.device),
-                                       mask.to(self.device)))
-
-        if decode_rows:
-            max_ctx = max(decode_lens)
-            max_blocks = -(-max_ctx // bs)
-            tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
-                                   for t in decode_tables])
-            decode_slots = (tables.unsqueeze(-1) * bs + torch.arange(bs)).flatten(1)[:, :max_ctx]
-            decode_mask = (torch.arange(max_ctx).unsqueeze(0)
-                           < torch.tensor(decode_lens).unsqueeze(1))
-            decode_mask = decode_mask[:, None, None, :]
-        else:
-            decode_slots = torch.zeros(0, 1, dtype=torch.long)
-            decode_mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
+                sample_rows.append(len(ids) + n - 1)
+            ids.extend(r.token_ids)
+            positions.extend(range(r.start_pos, r.start_pos + n))
+        meta = build_attention_metadata(
+            [len(r.token_ids) for r in reqs], [r.start_pos + len(r.token_ids) for r in reqs],
+            [r.block_ids for r in reqs], self.block_size, self.device)
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=prefills,
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=dev),
-            decode_slots=decode_slots.to(dev),
-            decode_mask=decode_mask.to(dev),
-        )
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
@@ -245,12 +204,6 @@ class ModelRunner:
             for h in batch.encoder_inputs:
                 self.encoder_outputs.pop(h, None)
             self.times = saved_times
-
-
-def _context_slots(table: list[int], context_len: int, block_size: int) -> torch.Tensor:
-    num_blocks = -(-context_len // block_size)
-    blocks = torch.tensor(table[:num_blocks])
-    return (blocks.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten()[:context_len]
 
 
 class CPUModelRunner(ModelRunner):
