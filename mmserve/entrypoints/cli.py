@@ -94,6 +94,7 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mmserve.bench.cli import add_bench_parser
     from mmserve.entrypoints.api_server import add_serve_parser
     from mmserve.entrypoints.plan import add_plan_parser
 
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     # Each front door registers its own subcommand, which sets ``func``.
     add_caption_parser(sub)
+    add_bench_parser(sub)
     add_serve_parser(sub)
     add_plan_parser(sub)
     args = parser.parse_args(argv)
