@@ -158,50 +158,57 @@ class CUDAModelRunner(ModelRunner):
     def capture_model(self, max_num_seqs: int, max_model_len: int) -> None:
         """Capture one CUDA graph of the decoder per decode batch size, largest first.
 
-        Larger graphs are captured first so that smaller ones reuse their memory pool. All
-        graphs read the same static input buffers, of the largest size. Call this after the KV
-        cache is allocated: the graphs hold its address.
+        Larger graphs are captured first so that smaller ones reuse their memory pool. Call
+        this after the KV cache is allocated: the graphs hold its address.
         """
-        from mmserve.kernels.triton_attention import TritonAttentionMetadata
-
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         sizes = graph_batch_sizes(max_num_seqs)
-        largest = sizes[-1]
-        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
-        hidden = self.model.embed_tokens(torch.zeros(1, dtype=torch.long,
-                                                     device=self.device)).shape[-1]
-        dev = self.device
-        # A dummy decode: every sequence has one token at position 0 in block 0, writing nothing.
-        self._static = {
-            "positions": torch.zeros(largest, dtype=torch.long, device=dev),
-            "embeds": torch.zeros(largest, hidden, dtype=self.dtype, device=dev),
-            "slot_mapping": torch.full((largest,), -1, dtype=torch.long, device=dev),
-            "query_start_loc": torch.arange(largest + 1, dtype=torch.int32, device=dev),
-            "seq_lens": torch.ones(largest, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(largest, self.max_blocks_per_seq, dtype=torch.int32,
-                                        device=dev),
-        }
-        static = self._static
+        self.allocate_graph_inputs(sizes[-1], max_model_len)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(sizes):
-            meta = TritonAttentionMetadata(
-                slot_mapping=static["slot_mapping"][:size],
-                query_start_loc=static["query_start_loc"][:size + 1],
-                seq_lens=static["seq_lens"][:size],
-                block_tables=static["block_tables"][:size],
-                max_query_len=1,
-            )
-            args = (static["positions"][:size], static["embeds"][:size])
-            with forward_context(meta, self.attention):
-                self.model(*args)  # warm-up: Triton compiles outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.graph_outputs[size] = self.model(*args)
+            self.graph_forward(size)  # warm-up: Triton compiles outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.graph_outputs[size] = self.graph_forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()
         self.graph_sizes = sizes
         logger.info("captured %d CUDA graphs for decode batches of 1..%d in %.1f s (%.3f GiB)",
-                    len(sizes), largest, time.perf_counter() - start,
+                    len(sizes), sizes[-1], time.perf_counter() - start,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
+
+    def allocate_graph_inputs(self, max_batch_size: int, max_model_len: int) -> None:
+        """The static input buffers every graph reads, sized for the largest batch.
+
+        They start as a dummy decode: each sequence has one token at position 0 whose slot is
+        -1, so a capture run writes nothing into the KV cache.
+        """
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        dev = self.device
+        hidden = self.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=dev)).shape[-1]
+        self._static = {
+            "positions": torch.zeros(max_batch_size, dtype=torch.long, device=dev),
+            "embeds": torch.zeros(max_batch_size, hidden, dtype=self.dtype, device=dev),
+            "slot_mapping": torch.full((max_batch_size,), -1, dtype=torch.long, device=dev),
+            "query_start_loc": torch.arange(max_batch_size + 1, dtype=torch.int32, device=dev),
+            "seq_lens": torch.ones(max_batch_size, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(max_batch_size, self.max_blocks_per_seq,
+                                        dtype=torch.int32, device=dev),
+        }
+
+    def graph_forward(self, size: int) -> torch.Tensor:
+        """The decoder over the first ``size`` rows of the static inputs: what a graph holds."""
+        from mmserve.kernels.triton_attention import TritonAttentionMetadata
+
+        static = self._static
+        meta = TritonAttentionMetadata(
+            slot_mapping=static["slot_mapping"][:size],
+            query_start_loc=static["query_start_loc"][:size + 1],
+            seq_lens=static["seq_lens"][:size],
+            block_tables=static["block_tables"][:size],
+            max_query_len=1,
+        )
+        with forward_context(meta, self.attention):
+            return self.model(static["positions"][:size], static["embeds"][:size])
