@@ -39,7 +39,7 @@ from mmserve.engine.async_engine import (
 )
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints import openai_protocol as proto
-from mmserve.entrypoints.media import MediaPolicy, load_image_url
+from mmserve.entrypoints.media import MediaPolicy, load_image_from_url
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
 from mmserve.outputs import RequestOutput
@@ -102,6 +102,7 @@ class OpenAIServer:
         self.model = config.served_model_name
         self.max_model_len = engine.config.max_model_len
         self.max_images = engine.config.limit_mm_per_prompt
+        self.max_pixels = engine.config.max_image_pixels
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model, self._stats)
         self.engine = AsyncEngine(engine, config.max_queue, observer=self.metrics)
@@ -128,10 +129,11 @@ class OpenAIServer:
     async def chat(self, request: Request) -> Response:
         try:
             chat = await self._parse(request)
-            images = [await asyncio.to_thread(load_image_url, url, self.config.media)
-                      for url in chat.image_urls]
+            images = await asyncio.gather(*(
+                asyncio.to_thread(load_image_from_url, url, self.config.media, self.max_pixels)
+                for url in chat.image_urls))
             request_id = f"chatcmpl-{uuid.uuid4().hex}"
-            prompt = {"messages": chat.messages, "images": images}
+            prompt = {"messages": chat.messages, "images": list(images)}
             stream = await self.engine.add_request(request_id, prompt, chat.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             err = _as_api_error(e)

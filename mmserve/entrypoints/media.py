@@ -7,8 +7,9 @@
 - ``file://`` URLs only when ``allowed_local_path`` is set, and only if the resolved path (after
   symlinks and ``..``) stays inside it.
 
-Whatever the source, the bytes must be a PNG, JPEG, WebP or GIF image of at most ``max_bytes``;
-decoding (and the pixel limit against decompression bombs) happens in the engine's processor.
+Whatever the source, the bytes must be a PNG, JPEG, WebP or GIF image of at most ``max_bytes``
+and at most ``max_image_pixels`` once decoded (checked from the header, against decompression
+bombs).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from mmserve.processing.images import InvalidInputError, decode_data_url
+from PIL import Image
+
+from mmserve.processing.images import InvalidInputError, decode_data_url, load_image
 
 _CHUNK = 64 * 1024
 
@@ -67,6 +70,13 @@ def load_image_url(url: str, policy: MediaPolicy, param: str = "messages") -> by
             "smaller image.", param=param)
     check_image_format(data, param)
     return data
+
+
+def load_image_from_url(url: str, policy: MediaPolicy, max_pixels: int) -> Image.Image:
+    """Read and decode the image at ``url`` (first frame; at most ``max_pixels``). Blocking:
+    the server calls it from worker threads, so decoding overlaps the engine's steps instead
+    of running in the engine thread."""
+    return load_image(load_image_url(url, policy), max_pixels)
 
 
 def check_image_format(data: bytes, param: str = "messages") -> None:
