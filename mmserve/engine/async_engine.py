@@ -6,7 +6,9 @@ loop: the server stays responsive (``/health`` answers) during long steps. The t
 thread drains between steps, and gets outputs back through ``loop.call_soon_threadsafe``, one
 call per step, which fans them out to per-request asyncio queues. No lock guards engine state
 because only one thread ever touches it; the stats the server reads are a snapshot the thread
-publishes after each step.
+publishes after each step. A request's prompt processing (chat template, tokenizer, image
+processor) therefore runs in this thread between steps; callers decode images beforehand, in
+their own threads, to keep that short.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (a crash or a shutdown); in-flight requests cannot finish."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than ``max_waiting`` allows."""
 
 
 class RequestObserver(Protocol):
@@ -263,6 +269,3 @@ class AsyncEngine:
             stream._queue.put_nowait(EngineDeadError(reason))
         self._streams.clear()
 
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than ``max_waiting`` allows."""
