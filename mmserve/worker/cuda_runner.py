@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from mmserve.engine.scheduler import ScheduledRequest
+from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from mmserve.models.forward_context import forward_context
 from mmserve.worker.model_runner import CPUModelRunner, ModelRunner
 
@@ -81,13 +81,8 @@ class CUDAModelRunner(ModelRunner):
                     torch.cuda.get_device_name())
         return model, weight_bytes
 
-    @staticmethod
-    def total_memory() -> int:
-        """Bytes of memory of the current CUDA device."""
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-
-    def measure_profile_peak(self, *args, **kwargs) -> int:
-        """Run ``self.profile_run(*args, **kwargs)``; return the allocator's peak above its start.
+    def measure_profile_peak(self, batch: SchedulerOutput) -> int:
+        """Run ``self.profile_run(batch)``; return the CUDA allocator's peak above its start.
 
         The memory planner subtracts this from the budget as the activations' worst case. Cached
         but unused allocator blocks are released first so that they are not counted.
@@ -96,7 +91,7 @@ class CUDAModelRunner(ModelRunner):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        self.profile_run(*args, **kwargs)
+        self.profile_run(batch)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - start
 
@@ -131,9 +126,9 @@ class CUDAModelRunner(ModelRunner):
             query_lens, seq_lens, tables, bs, self.device, num_seqs_padded=padded,
             max_blocks=self.max_blocks_per_seq if padded is not None else None)
         dev = self.device
-        return (torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-                torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True), meta,
-                torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True))
+        return (torch.tensor(ids, dtype=torch.long).to(dev),
+                torch.tensor(positions, dtype=torch.long).to(dev), meta,
+                torch.tensor(sample_rows, dtype=torch.long).to(dev))
 
     # ------------------------------------------------------------ forward
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
