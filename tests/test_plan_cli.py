@@ -42,7 +42,7 @@ def test_plan_and_engine_agree(clip_llama, small_machine, capsys, settings: dict
 
 
 def test_plan_text_output_and_auto_flags(clip_llama, small_machine, capsys) -> None:
-    assert main(["plan", clip_llama, "--dtype", "float32", "--device", "cpu",
+    assert main(["plan", "--model", clip_llama, "--dtype", "float32", "--device", "cpu",
                  "--max-model-len", "auto", "--max-num-seqs", "4"]) == 0
     out = capsys.readouterr().out
     for text in ("memory plan on cpu", "peak activations", "encoder cache", "KV cache",

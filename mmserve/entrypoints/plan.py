@@ -93,6 +93,11 @@ def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None
 def _run(args: argparse.Namespace) -> int:
     from mmserve.entrypoints.cli import engine_kwargs
 
+    model = args.model_path or args.model
+    if model is None:
+        print("mmserve plan: pass MODEL, a local Hugging Face checkpoint directory.",
+              file=sys.stderr)
+        return 2
     kwargs = engine_kwargs(args)
     device = args.device if args.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "cpu")
@@ -107,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
             kwargs["dtype"] = "bfloat16"
         kwargs["device"] = "cpu"
     try:
-        config = EngineConfig(model=args.model, **kwargs)
+        config = EngineConfig(model=model, **kwargs)
         plan, facts = make_plan(config, device, args.device_memory)
     except (InfeasiblePlanError, ValueError, FileNotFoundError, OSError) as exc:
         if args.json:
@@ -139,7 +144,8 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("plan", help="print the memory plan a launch would make (no weights "
                        "are loaded)")
-    p.add_argument("model", help="local Hugging Face checkpoint directory")
+    p.add_argument("model_path", metavar="MODEL", nargs="?",
+                   help="local Hugging Face checkpoint directory (or --model)")
     p.add_argument("--device-memory", type=int,
                    help="plan for a device with this many bytes (default: this machine's)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
