@@ -41,7 +41,7 @@ TOLERANCES = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 # A sequence of a step: (query_len, seq_len). seq_len - query_len tokens were cached before.
 DECODES = [(1, 1), (1, 17), (1, 33), (1, 8)]
-PREFILLS = [(9, 9), (21, 21), (1 + 16, 17)]
+PREFILLS = [(9, 9), (21, 21), (17, 17)]
 CHUNKS = [(5, 23), (16, 40), (7, 7)]
 MIXED = [(1, 20), (11, 11), (1, 3), (6, 38), (1, 1), (13, 29)]
 
