@@ -231,6 +231,28 @@ def test_tracker_counts_new_tensors_not_views_or_inputs() -> None:
     assert out.shape == (20, 100)
 
 
+@pytest.mark.parametrize(("tokens", "seqs", "max_positions"), [(2048, 256, 4096),
+                                                                 (100, 1, 64), (8, 20, 64)])
+def test_profile_batch_is_the_worst_step(tokens: int, seqs: int, max_positions: int) -> None:
+    batch = profile_batch(tokens, seqs, max_positions, BS, num_images=3, tokens_per_image=24,
+                          pixel_shape=(1, 3, 8, 8))
+    assert batch.num_scheduled_tokens == tokens
+    assert all(r.sample and r.start_pos == 0 for r in batch.requests)
+    assert all(len(r.token_ids) <= max_positions for r in batch.requests)
+    decodes = min(seqs, tokens) - 1
+    chunks = math.ceil((tokens - decodes) / max_positions)  # the prompt, split at the limit
+    assert len(batch.requests) == decodes + chunks
+    blocks = [b for r in batch.requests for b in r.block_ids]
+    assert len(blocks) == len(set(blocks))
+    assert all(len(r.block_ids) * BS >= len(r.token_ids) for r in batch.requests)
+    assert len(batch.encoder_inputs) == 3
+    first = batch.requests[0]
+    for sl in first.image_slices:
+        assert sl.dst_start + sl.length <= len(first.token_ids)
+    placed = sum(sl.length for sl in first.image_slices)
+    assert placed == min(3 * 24, len(first.token_ids))
+
+
 def test_profile_run_on_the_cpu_matches_the_dry_run_and_leaves_nothing(clip_llama) -> None:
     hf_config = AutoConfig.from_pretrained(clip_llama, local_files_only=True)
     dtype = torch.float32

@@ -147,18 +147,22 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def max_num_seqs_bound(config: EngineConfig) -> int:
+    """The most sequences the engine may run, known before the KV cache is sized: an auto
+    max_num_seqs counts as its largest auto value (256)."""
+    return config.max_num_seqs or (1 if config.single_user_mode else DEFAULT_MAX_NUM_SEQS)
+
+
 def encoder_budget_for(config: EngineConfig, tokens_per_image: int) -> EncoderBudget:
     """The encoder budget of an engine, decided before the KV cache is sized.
 
-    The cache holds at most ``max_num_seqs x limit_mm_per_prompt`` images. An auto
-    max_num_seqs is not known yet at this point, so it counts as its largest auto value (256);
-    the encoder cache then never grows after the KV cache has been sized.
+    The cache holds at most ``max_num_seqs x limit_mm_per_prompt`` images, with max_num_seqs
+    at its bound, so the encoder cache never grows after the KV cache has been sized.
     """
-    seqs = config.max_num_seqs or (1 if config.single_user_mode else DEFAULT_MAX_NUM_SEQS)
     return compute_encoder_budget(
         max_tokens_per_item=tokens_per_image,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=seqs,
+        max_num_seqs=max_num_seqs_bound(config),
         max_items_per_prompt=max(1, config.limit_mm_per_prompt),
         encoder_cache_size=config.encoder_cache_size,
     )

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 from mmserve.config import EngineConfig
 from mmserve.engine.encoder_cache import EncoderBudget
-from mmserve.engine.memory_plan import DEFAULT_MAX_NUM_SEQS
+from mmserve.engine.memory_plan import max_num_seqs_bound
 from mmserve.engine.request import ImageInput
 from mmserve.engine.scheduler import ImageSlice, ScheduledRequest, SchedulerOutput
 from mmserve.sampling_params import SamplingParams
@@ -151,10 +151,9 @@ def profile_batch_for(config: EngineConfig, hf_config, encoder_budget: EncoderBu
                       num_images: int) -> SchedulerOutput:
     """``profile_batch`` for an engine's settings and checkpoint."""
     size = hf_config.vision_config.image_size
-    seqs = config.max_num_seqs or (1 if config.single_user_mode else DEFAULT_MAX_NUM_SEQS)
     return profile_batch(
         num_tokens=config.max_num_batched_tokens,
-        max_num_seqs=seqs,
+        max_num_seqs=max_num_seqs_bound(config),
         max_positions=hf_config.text_config.max_position_embeddings,
         block_size=config.block_size,
         num_images=num_images,
