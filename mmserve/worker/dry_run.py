@@ -1,9 +1,8 @@
 """Profile runs on the meta device: the same code as a real step, on shapes alone.
 
 Every tensor a step creates has a size fixed by shapes and dtypes, so counting the storages of
-a meta-device run gives what ``track_peak_bytes`` counts on a real CPU run, within a small
-bound for the step's index tensors (a test checks both sides), in a fraction of a second and
-with no weights loaded. The engine uses it for
+a meta-device run gives what a real CPU run allocates, within a small bound for the step's
+index tensors, in a fraction of a second and with no weights loaded. The engine uses it for
 the CPU profile; ``mmserve plan`` uses it for every device.
 """
 
@@ -60,8 +59,9 @@ def dry_run_peak(model: nn.Module, batch: SchedulerOutput, block_size: int,
                  dtype: torch.dtype) -> int:
     """Peak bytes of tensors that running ``batch`` creates, counted on the meta device.
 
-    At least what a real CPU run counts, and at most ``INPUT_BYTES_PER_TOKEN`` per scheduled
-    token more.
+    At least the peak of the CPU allocator's own events (torch.profiler) for a real run of the
+    same batch, and at most ``INPUT_BYTES_PER_TOKEN`` per scheduled token more (a test checks
+    both sides).
     """
     runner = MetaModelRunner(model, profile_blocks(batch), block_size, dtype)
     peak = runner.measure_profile_peak(batch)
