@@ -21,4 +21,4 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop", "length", "abort"
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

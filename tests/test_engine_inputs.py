@@ -173,3 +173,17 @@ def test_bfloat16_engine_runs(clip_llama: str) -> None:
 def test_no_model_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="checkpoint directory"):
         LLM()
+
+
+def test_cached_prompt_tokens_are_reported(llm: LLM) -> None:
+    prompt = _chat("what colour is the square in the middle of this picture?",
+                   [make_image(7, (30, 30))])
+    first = llm.generate(prompt, GREEDY)[0]
+    again = llm.generate(prompt, GREEDY)[0]
+    block_size = llm.engine.config.block_size
+    assert first.num_cached_tokens == 0
+    # Every full block but the one holding the last prompt token (always recomputed).
+    assert again.num_cached_tokens == (again.num_prompt_tokens - 1) // block_size * block_size
+    assert again.num_cached_tokens > 0
+    assert again.token_ids == first.token_ids
+    assert_no_leaks(llm.engine)

@@ -164,6 +164,10 @@ def test_chat_equals_llm_generate(client: openai.OpenAI, clip_llama: str,
         assert chunks[-1].choices == []
         assert chunks[-1].usage.prompt_tokens == expected.num_prompt_tokens
         assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+        # The same prompt just ran: every full block but the one holding the last prompt
+        # token (always recomputed) comes from the prefix cache.
+        cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+        assert cached == (expected.num_prompt_tokens - 1) // 16 * 16
         assert all(c.usage is None for c in chunks[:-1])
     wait_drained(server.url)
 

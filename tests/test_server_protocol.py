@@ -87,11 +87,12 @@ def test_too_many_images_rejected_before_fetching() -> None:
 
 def test_response_and_chunk_shapes() -> None:
     body = proto.completion("id1", "m", "hello", "length", prompt_tokens=30,
-                            completion_tokens=4)
+                            completion_tokens=4, cached_tokens=16)
     assert body["object"] == "chat.completion"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hello"},
                                 "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 30, "completion_tokens": 4, "total_tokens": 34}
+    assert body["usage"] == {"prompt_tokens": 30, "completion_tokens": 4, "total_tokens": 34,
+                             "prompt_tokens_details": {"cached_tokens": 16}}
     chunk = proto.chunk("id1", "m", 5, {"content": "he"}, include_usage=True)
     assert chunk["usage"] is None and chunk["choices"][0]["delta"] == {"content": "he"}
     assert "usage" not in proto.chunk("id1", "m", 5, {"content": "he"})

@@ -202,6 +202,7 @@ class LLMEngine:
             finish_reason=req.status.finish_reason,
             new_text=detok.take_new_text(final=finished),
             new_token_ids=req.all_token_ids[-1:],
+            num_cached_tokens=req.num_cached_tokens or 0,
         )
 
     # ----------------------------------------------------------------- stats

@@ -69,6 +69,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Prompt tokens found in the prefix cache when first admitted (None until then).
+        self.num_cached_tokens: int | None = None
         # Prefix-cache hashes of this request's full blocks, filled by the KV cache manager.
         self.block_hashes: list[bytes] = []
 

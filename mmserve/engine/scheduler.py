@@ -229,6 +229,8 @@ class Scheduler:
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_computed
             self.prefix_cache_queried_tokens += req.num_tokens
             self.prefix_cache_hit_tokens += num_computed
             commit(req, num_new, to_encode)

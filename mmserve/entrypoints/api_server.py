@@ -207,14 +207,15 @@ class OpenAIServer:
             self.metrics.count("error")
             return _error_response(_as_api_error(e))
         body = proto.completion(stream.request_id, self.model, out.text, out.finish_reason,
-                                out.num_prompt_tokens, len(out.token_ids))
+                                out.num_prompt_tokens, len(out.token_ids),
+                                out.num_cached_tokens)
         return JSONResponse(body)
 
     async def _sse(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         rid, created = stream.request_id, int(time.time())
 
         def event(delta: dict[str, Any] | None, reason: str | None = None,
-                  usage: dict[str, int] | None = None) -> str:
+                  usage: dict[str, Any] | None = None) -> str:
             body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -226,8 +227,8 @@ class OpenAIServer:
                 if out.finished:
                     yield event({}, out.finish_reason)
                     if include_usage:
-                        yield event(None, usage=proto.usage(out.num_prompt_tokens,
-                                                            len(out.token_ids)))
+                        yield event(None, usage=proto.usage(
+                            out.num_prompt_tokens, len(out.token_ids), out.num_cached_tokens))
             yield "data: [DONE]\n\n"
         except EngineDeadError as e:
             self.metrics.count("error")

@@ -184,10 +184,12 @@ def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
 
 
 # --------------------------------------------------------------------- responses
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """Token counts; ``prompt_tokens`` includes the image placeholder tokens."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """Token counts; ``prompt_tokens`` includes the image placeholder tokens, of which
+    ``cached_tokens`` came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -196,7 +198,8 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 def completion(request_id: str, model: str, text: str, reason: str | None,
-               prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+               prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+               ) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -204,13 +207,13 @@ def completion(request_id: str, model: str, text: str, reason: str | None,
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                      "logprobs": None, "finish_reason": finish_reason(reason)}],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
 def chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | None,
           reason: str | None = None, include_usage: bool = False,
-          usage_counts: dict[str, int] | None = None) -> dict[str, Any]:
+          usage_counts: dict[str, Any] | None = None) -> dict[str, Any]:
     """One SSE chunk. ``delta=None`` makes the usage-only chunk (``choices`` empty)."""
     body: dict[str, Any] = {
         "id": request_id,
