@@ -184,8 +184,8 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
 def paged_attention_tiles(max_query_len: int, group_pad: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_N) for a batch: short query tiles for decodes, wide ones for prefills.
 
-    ``tl.dot`` needs at least 16 rows, so a decode tile holds ``16 // group`` sequences' worth
-    of rows only when the GQA group alone is smaller than 16.
+    A tile has ``BLOCK_Q x group_pad`` rows and ``tl.dot`` needs at least 16, so a decode tile
+    whose GQA group is smaller than 16 carries masked rows (query tokens the sequence lacks).
     """
     rows = 16 if max_query_len <= 1 else 64
     return max(1, rows // group_pad), 64 if max_query_len > 1 else 32
