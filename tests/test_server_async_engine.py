@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from mmserve.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from mmserve.engine.request import Request
 from mmserve.outputs import RequestOutput
 from mmserve.processing.images import InvalidInputError
 from mmserve.sampling_params import SamplingParams
@@ -32,12 +33,15 @@ class FakeEngine:
         self.steps = 0
         self.thread_ids: set[int] = set()
 
-    def add_request(self, prompt: Any, params: SamplingParams, request_id: str) -> str:
-        self.thread_ids.add(threading.get_ident())
+    def process_request(self, prompt: Any, params: SamplingParams, request_id: str) -> Request:
         if prompt == "bad":
             raise InvalidInputError("the prompt is bad; send a good one", param="messages")
-        self.live[request_id] = [0, params.max_tokens]
-        return request_id
+        return Request(request_id, [1, 2, 3], params)
+
+    def add_processed_request(self, req: Request) -> str:
+        self.thread_ids.add(threading.get_ident())
+        self.live[req.request_id] = [0, req.sampling_params.max_tokens]
+        return req.request_id
 
     def abort_request(self, request_id: str) -> None:
         self.thread_ids.add(threading.get_ident())

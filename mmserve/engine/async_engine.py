@@ -7,8 +7,8 @@ thread drains between steps, and gets outputs back through ``loop.call_soon_thre
 call per step, which fans them out to per-request asyncio queues. No lock guards engine state
 because only one thread ever touches it; the stats the server reads are a snapshot the thread
 publishes after each step. A request's prompt processing (chat template, tokenizer, image
-processor) therefore runs in this thread between steps; callers decode images beforehand, in
-their own threads, to keep that short.
+processor) runs in a worker thread, one request at a time, while the engine keeps stepping;
+the engine thread only queues the finished ``Request``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.request import Request
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
@@ -74,9 +75,7 @@ class RequestStream:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: dict[str, Any]
-    params: SamplingParams
+    request: Request
     done: Callable[[BaseException | None], None]
 
 
@@ -105,6 +104,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._processing = threading.Lock()  # the HF processor is not thread-safe
         self._stats: dict[str, Any] = engine.stats()
 
     # ----------------------------------------------------------------- lifecycle
@@ -157,8 +157,9 @@ class AsyncEngine:
         stream = RequestStream(request_id, arrival_time=time.monotonic())
         self._streams[request_id] = stream
         added: asyncio.Future[None] = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, self._resolver(added)))
         try:
+            request = await asyncio.to_thread(self._process, request_id, prompt, params)
+            self._commands.put(_Add(request, self._resolver(added)))
             await added
         except asyncio.CancelledError:
             self.abort(request_id)
@@ -177,6 +178,11 @@ class AsyncEngine:
             if self.observer is not None:
                 self.observer.on_finished("abort", stream.num_prompt_tokens,
                                           stream.num_generation_tokens)
+
+    def _process(self, request_id: str, prompt: dict[str, Any],
+                 params: SamplingParams) -> Request:
+        with self._processing:
+            return self.engine.process_request(prompt, params, request_id)
 
     def _resolver(self, fut: asyncio.Future[None]) -> Callable[[BaseException | None], None]:
         def resolve(error: BaseException | None) -> None:
@@ -232,7 +238,7 @@ class AsyncEngine:
             self.engine.abort_request(command.request_id)
         elif isinstance(command, _Add):
             try:
-                self.engine.add_request(command.prompt, command.params, command.request_id)
+                self.engine.add_processed_request(command.request)
             except Exception as e:  # InvalidInputError, or a bug: the caller reports it
                 command.done(e)
             else:

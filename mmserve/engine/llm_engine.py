@@ -128,6 +128,20 @@ class LLMEngine:
         request_id: str | None = None,
     ) -> str:
         """Validate and queue a request. Raises InvalidInputError saying what to change."""
+        return self.add_processed_request(
+            self.process_request(prompt, sampling_params, request_id))
+
+    def process_request(
+        self,
+        prompt: dict[str, Any] | str,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Validate and tokenize a prompt into a ``Request`` without queueing it.
+
+        Reads no scheduler state, so a server may run it beside the thread that steps the
+        engine (one call at a time: the Hugging Face processor is not thread-safe).
+        """
         params = sampling_params or SamplingParams()
         processed = self.processor.process(prompt)
         n_images = len(processed.images)
@@ -153,14 +167,17 @@ class LLMEngine:
                 raise InvalidInputError(f"stop_token_ids has an invalid id {t}",
                                         param="stop_token_ids")
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.scheduler.requests:
-            raise InvalidInputError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, processed.token_ids, params, processed.images,
-                      eos_token_id=self.processor.eos_token_id, arrival_time=time.time())
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.processor.tokenizer,
-                                                                params.stop)
+        return Request(request_id, processed.token_ids, params, processed.images,
+                       eos_token_id=self.processor.eos_token_id, arrival_time=time.time())
+
+    def add_processed_request(self, req: Request) -> str:
+        """Queue a request made by ``process_request``."""
+        if req.request_id in self.scheduler.requests:
+            raise InvalidInputError(f"request id {req.request_id!r} is already in use")
+        self._detokenizers[req.request_id] = IncrementalDetokenizer(
+            self.processor.tokenizer, req.sampling_params.stop)
         self.scheduler.add_request(req)
-        return request_id
+        return req.request_id
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
