@@ -180,9 +180,14 @@ def user_turn(text: str) -> list[dict[str, Any]]:
 TASK_WEIGHTS = {"caption": 0.5, "count": 0.15, "colour": 0.2, "where": 0.15}
 
 
-def training_example(scene: Scene, rng: random.Random) -> tuple[str, str]:
-    """A random (prompt text, reference answer) pair about ``scene``, with varied phrasings."""
-    task = rng.choices(list(TASK_WEIGHTS), weights=list(TASK_WEIGHTS.values()))[0]
+def training_example(scene: Scene, rng: random.Random,
+                     weights: dict[str, float] | None = None) -> tuple[str, str]:
+    """A random (prompt text, reference answer) pair about ``scene``, with varied phrasings.
+
+    ``weights`` gives the share of each task (keys of `TASK_WEIGHTS`, the default).
+    """
+    weights = weights or TASK_WEIGHTS
+    task = rng.choices(list(weights), weights=list(weights.values()))[0]
     if task == "caption":
         return rng.choice(CAPTION_PROMPTS), scene.caption()
     if task == "count":

@@ -19,6 +19,7 @@ different seeds see different scenes, and the same seed always gives the same pi
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 from dataclasses import dataclass
@@ -191,11 +192,12 @@ def generate_scenes(count: int, seed: int) -> list[Scene]:
     return [random_scene(rng) for _ in range(count)]
 
 
-def write_samples(directory: str | Path, count: int = 12, seed: int = 2024) -> dict[str, Any]:
+def write_samples(directory: str | Path, count: int = 12, seed: int = 2039) -> dict[str, Any]:
     """Render ``count`` scenes (1, 2 and 3 shapes in turn) as ``scene_NN.png`` in ``directory``.
 
     Writes ``scenes.json`` beside them: for each file its reference caption and answers, which
-    ``mmserve caption`` and the tests compare against. Returns that mapping.
+    ``mmserve caption`` and the tests compare against, and ``chat_request.json``, a request
+    body for the server's chat endpoint showing the third scene. Returns the mapping.
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -207,6 +209,13 @@ def write_samples(directory: str | Path, count: int = 12, seed: int = 2024) -> d
         scene.render().save(out / name)
         manifest[name] = {"caption": scene.caption(), "questions": dict(scene.qa_pairs())}
     (out / "scenes.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    # A chat completion request body for curl: the third scene inline, as a data URL.
+    first = sorted(manifest)[2]
+    url = "data:image/png;base64," + base64.b64encode((out / first).read_bytes()).decode()
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": CAPTION_PROMPTS[0]}]}], "max_tokens": 32, "temperature": 0}
+    (out / "chat_request.json").write_text(json.dumps(body, indent=2) + "\n")
     return manifest
 
 
@@ -216,7 +225,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Render sample scenes and their reference texts.")
     parser.add_argument("directory")
     parser.add_argument("--count", type=int, default=12)
-    parser.add_argument("--seed", type=int, default=2024)
+    parser.add_argument("--seed", type=int, default=2039)
     args = parser.parse_args()
     for name, entry in write_samples(args.directory, args.count, args.seed).items():
         print(f"{name}: {entry['caption']}")
