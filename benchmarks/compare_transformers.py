@@ -1,0 +1,277 @@
+"""mmserve against Hugging Face transformers' batched ``generate()``, in one run, same machine.
+
+Both get the same checkpoint, prompts, images and output lengths (greedy, EOS ignored so the
+lengths hold). transformers runs the requests in their given order in batches with left
+padding; each batch generates until its longest request is done, and only the requested tokens
+count. Its batch size is the fastest of ``--hf-batch-sizes``, chosen on the first workload by
+timing one batch of each size (``--hf-batch-size`` skips the search). Both sides include
+preprocessing (the HF processor) in their time.
+
+Workloads (as in issue 5): ``mixed`` has K = N/2 distinct images each used twice, a shared
+system prompt and output lengths drawn from 16..96; ``uniform`` has N distinct images and 64
+output tokens each.
+
+Texts are compared for the requests both completed: in bfloat16, two correct implementations
+can drift apart after some tokens (different reduction orders round differently and greedy
+argmax amplifies a tie), so the agreement is reported as exact matches and common-prefix
+lengths. ``--fp32-check M`` re-runs the first M mixed requests in float32 on both sides,
+where the outputs must be identical token for token.
+
+    python benchmarks/compare_transformers.py            # builds the bench checkpoint if needed
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import logging
+import platform
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from mmserve.bench.checkpoint import ensure_bench_checkpoint
+from mmserve.bench.cli import default_bench_model
+from mmserve.bench.report import grid_table
+from mmserve.bench.throughput import run_throughput
+from mmserve.bench.workload import Workload, WorkloadConfig, build_workload, parse_size
+from mmserve.config import EngineConfig
+from mmserve.engine.llm_engine import LLMEngine
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def workload_configs(n: int, image_size: tuple[int, int], shared_prefix_len: int,
+                     seed: int) -> dict[str, WorkloadConfig]:
+    return {
+        "mixed": WorkloadConfig(num_prompts=n, image_size=image_size, unique_images=n // 2,
+                                output_len=(16, 96), shared_prefix_len=shared_prefix_len,
+                                seed=seed),
+        "uniform": WorkloadConfig(num_prompts=n, image_size=image_size, output_len=(64, 64),
+                                  seed=seed + 1),
+    }
+
+
+# ----------------------------------------------------------------- transformers
+class HFRunner:
+    """transformers' LlavaForConditionalGeneration with batched, left-padded greedy generate."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+        from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+        self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
+        self.model.eval()
+        self.processor = AutoProcessor.from_pretrained(model_dir)
+        self.processor.tokenizer.padding_side = "left"
+
+    @torch.inference_mode()
+    def generate(self, workload: Workload, indices: list[int]) -> list[list[int]]:
+        """One batch: new token ids of each request, cut to its own output length."""
+        from transformers import GenerationConfig
+
+        reqs = [workload.requests[i] for i in indices]
+        texts = [self.processor.apply_chat_template(r.messages, add_generation_prompt=True)
+                 for r in reqs]
+        images = [im for r in reqs for im in r.images]
+        inputs = self.processor(text=texts, images=images or None, padding=True,
+                                return_tensors="pt")
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
+        tok = self.processor.tokenizer
+        # eos_token_id=None: EOS does not stop a row, so every request gets its length.
+        config = GenerationConfig(do_sample=False, max_new_tokens=max(r.output_len for r in reqs),
+                                  eos_token_id=None, pad_token_id=tok.pad_token_id,
+                                  bos_token_id=tok.bos_token_id)
+        out = self.model.generate(**inputs, generation_config=config)
+        new = out[:, inputs["input_ids"].shape[1]:].tolist()
+        return [ids[:r.output_len] for ids, r in zip(new, reqs, strict=True)]
+
+    def run(self, workload: Workload, batch_size: int) -> tuple[list[list[int]], float]:
+        """All requests in order, ``batch_size`` at a time; returns token ids and seconds."""
+        n = len(workload.requests)
+        start = time.perf_counter()
+        outputs: list[list[int]] = []
+        for b in range(0, n, batch_size):
+            outputs += self.generate(workload, list(range(b, min(n, b + batch_size))))
+            print(f"  transformers: {len(outputs)}/{n} requests, "
+                  f"{time.perf_counter() - start:.0f} s", file=sys.stderr)
+        return outputs, time.perf_counter() - start
+
+    def fastest_batch_size(self, workload: Workload, sizes: list[int]) -> dict[int, float]:
+        """Output tokens/s of one batch (the first ``size`` requests) at each size."""
+        rates = {}
+        for size in sizes:
+            size = min(size, len(workload.requests))
+            if size in rates:
+                continue
+            start = time.perf_counter()
+            outs = self.generate(workload, list(range(size)))
+            rates[size] = sum(len(o) for o in outs) / (time.perf_counter() - start)
+            print(f"  transformers batch size {size}: {rates[size]:.1f} output tokens/s",
+                  file=sys.stderr)
+        return rates
+
+
+# ----------------------------------------------------------------- mmserve
+def mmserve_engine(model_dir: str, dtype: str, max_model_len: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len))
+
+
+def warm_up_mmserve(engine: LLMEngine, image_size: tuple[int, int]) -> None:
+    """Two short requests with images of their own, so first-call costs are not timed."""
+    warm = build_workload(WorkloadConfig(num_prompts=2, image_size=image_size,
+                                         output_len=(2, 2), seed=10_000),
+                          engine.processor.tokenizer)
+    run_throughput(engine, warm, use_tqdm=False)
+    engine.scheduler.kv_cache.pool.reset_prefix_cache()
+
+
+# ----------------------------------------------------------------- agreement
+def agreement(a: list[list[int]], b: list[list[int]], tokenizer) -> dict[str, Any]:
+    prefixes = []
+    for x, y in zip(a, b, strict=True):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefixes.append(n)
+    exact = sum(x == y for x, y in zip(a, b, strict=True))
+    text_exact = sum(tokenizer.decode(x, skip_special_tokens=True)
+                     == tokenizer.decode(y, skip_special_tokens=True)
+                     for x, y in zip(a, b, strict=True))
+    lengths = [len(x) for x in a]
+    return {"requests": len(a), "token_exact": exact, "text_exact": text_exact,
+            "prefix_mean": statistics.mean(prefixes), "prefix_median": statistics.median(prefixes),
+            "prefix_min": min(prefixes), "mean_length": statistics.mean(lengths),
+            "tokens_agreeing": sum(prefixes) / sum(lengths)}
+
+
+def fp32_check(model_dir: str, workload: Workload, count: int, max_len: int) -> dict[str, Any]:
+    """The first ``count`` requests, outputs cut to ``max_len`` tokens, in float32 on both
+    sides; transformers runs each request alone (no padding) as the oracle."""
+    reqs = [dataclasses.replace(r, output_len=min(r.output_len, max_len))
+            for r in workload.requests[:count]]
+    sub = dataclasses.replace(workload, requests=reqs)
+    hf = HFRunner(model_dir, torch.float32)
+    expected = [hf.generate(sub, [i])[0] for i in range(len(reqs))]
+    tokenizer = hf.processor.tokenizer
+    del hf
+    gc.collect()
+    engine = mmserve_engine(model_dir, "float32", max_model_len=1024)
+    got = [o.token_ids for o in run_throughput(engine, sub, use_tqdm=False).outputs]
+    return agreement(expected, got, tokenizer)
+
+
+# ----------------------------------------------------------------- main
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="checkpoint (default: the bench checkpoint, built if needed)")
+    p.add_argument("--workloads", default="mixed,uniform")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--image-size", type=parse_size, default=(256, 200), metavar="WxH")
+    p.add_argument("--shared-prefix-len", type=int, default=64,
+                   help="tokens of the mixed workload's shared system prompt")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--hf-batch-sizes", default="16,32,64",
+                   help="batch sizes to try for transformers (one batch each, first workload)")
+    p.add_argument("--hf-batch-size", type=int, help="use this batch size, no search")
+    p.add_argument("--fp32-check", type=int, default=4, metavar="M",
+                   help="float32 exactness check on the first M mixed requests (0: skip)")
+    p.add_argument("--fp32-max-tokens", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int,
+                   help="torch threads for both sides (default: torch's choice); on a shared, "
+                   "oversubscribed machine one thread avoids waits at parallel-region barriers")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    model_dir = args.model or str(ensure_bench_checkpoint(default_bench_model()))
+    print(f"machine: {machine()}")
+    print(f"model: {model_dir}, dtype {args.dtype}")
+    configs = workload_configs(args.num_prompts, args.image_size, args.shared_prefix_len,
+                               args.seed)
+    hf = HFRunner(model_dir, _DTYPES[args.dtype])
+    engine = mmserve_engine(model_dir, args.dtype, args.max_model_len)
+    warm_up_mmserve(engine, args.image_size)
+    tokenizer = engine.processor.tokenizer
+    hf.generate(build_workload(configs["uniform"], tokenizer), [0])  # warm-up
+    sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
+
+    rows, details = [], []
+    for name in args.workloads.split(","):
+        workload = build_workload(configs[name], tokenizer)
+        tokens = workload.num_output_tokens
+        print(f"\n== {name}: {len(workload.requests)} requests, {workload.num_distinct_images} "
+              f"distinct images, {tokens} output tokens", file=sys.stderr)
+        if args.hf_batch_size is None:
+            rates = hf.fastest_batch_size(workload, sizes)
+            args.hf_batch_size = best = max(rates, key=rates.get)
+        else:
+            rates, best = {}, args.hf_batch_size
+        hf_out, hf_s = hf.run(workload, best)
+        run = run_throughput(engine, workload, use_tqdm=False)
+        engine.scheduler.kv_cache.pool.reset_prefix_cache()
+        mm_out = [o.token_ids for o in run.outputs]
+        mm_s = run.results["elapsed_s"]
+        done = [i for i, (h, m) in enumerate(zip(hf_out, mm_out, strict=True))
+                if len(h) == len(m) == workload.requests[i].output_len]
+        agree = agreement([hf_out[i] for i in done], [mm_out[i] for i in done], tokenizer)
+        rows.append([name, f"{best}", tokens / hf_s, tokens / mm_s, hf_s / mm_s,
+                     f"{agree['token_exact']}/{agree['requests']}",
+                     f"{agree['prefix_mean']:.1f}/{agree['mean_length']:.1f}"])
+        details.append((name, rates, run.results))
+
+    print("\n" + grid_table(
+        ["workload", "HF batch", "HF out tok/s", "mmserve out tok/s", "ratio",
+         "exact match", "common prefix/len"], rows))
+    for name, rates, r in details:
+        if rates:
+            print(f"\n{name}: transformers output tokens/s of one batch, by batch size: "
+                  + ", ".join(f"{b}: {v:.1f}" for b, v in sorted(rates.items())))
+        share = r["time_share"]
+        print(f"{name}: mmserve images encoded {r['encoder_items_computed']} of "
+              f"{r['encoder_items_requested']}, prefix-cache hit tokens "
+              f"{r['prefix_cache_hit_tokens']}, peak running {r['peak_running']}, "
+              f"preemptions {r['num_preemptions']}")
+        print(f"{name}: mmserve time shares: " + ", ".join(
+            f"{k} {v:.1%}" for k, v in share.items()))
+        print(f"{name}: mmserve sched+prep share at ~{r['full_batch_mean_running']:.0f} running: "
+              f"{r['full_batch_sched_prep_share']:.1%} of {r['full_batch_mean_step_ms']:.0f} ms "
+              f"per step")
+    if args.fp32_check:
+        del hf, engine
+        gc.collect()
+        check = fp32_check(model_dir, build_workload(configs["mixed"], tokenizer),
+                           args.fp32_check, args.fp32_max_tokens)
+        print(f"\nfloat32 check ({check['requests']} mixed requests, up to "
+              f"{args.fp32_max_tokens} tokens, transformers one request at a time): "
+              f"{check['token_exact']}/{check['requests']} identical token for token")
+        if check["token_exact"] != check["requests"]:
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
