@@ -54,7 +54,7 @@ def main() -> None:
         path = SAMPLES / name
         caption = ask(client, model, path, "Describe this image.")
         count = ask(client, model, path, "How many shapes are there?")
-        print(f"{name}: {caption}  ({count} shapes)")
+        print(f"{name}: {caption} (how many shapes? {count})")
         if caption != reference["caption"]:
             print(f"    reference: {reference['caption']}")
 

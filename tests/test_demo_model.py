@@ -172,23 +172,27 @@ def test_caption_cli_uses_the_demo_model(capsys) -> None:
     manifest = json.loads((SAMPLES / "scenes.json").read_text())
     paths = sorted(SAMPLES / name for name in manifest)
     assert len(paths) >= 12
-    assert cli_main(["caption", *map(str, paths), "--json", "--dtype", "float32"]) == 0
+    # README's first command, with the default dtype (bfloat16 where the CPU has it).
+    assert cli_main(["caption", *map(str, paths), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert [entry["image"] for entry in printed] == [str(p) for p in paths]
     assert [entry["caption"] for entry in printed] == [
         manifest[p.name]["caption"] for p in paths]
 
 
-def test_demo_answers_questions_about_a_sample(demo_llm: LLM) -> None:
+def test_demo_answers_the_sample_questions(demo_llm: LLM) -> None:
+    """Every question of scenes.json on every sample, absent shapes ("there is no ...") too."""
     manifest = json.loads((SAMPLES / "scenes.json").read_text())
-    name, entry = sorted(manifest.items())[2]
-    image = Image.open(SAMPLES / name)
-    questions = list(entry["questions"])
-    outs = demo_llm.generate([{"messages": user_turn(q), "images": [image]} for q in questions],
-                             SamplingParams(max_tokens=16, temperature=0.0))
-    answers = {q: out.text for q, out in zip(questions, outs, strict=True)}
-    assert sum(answers[q] == entry["questions"][q] for q in questions) >= len(questions) - 1, (
-        answers)
+    asked = [(name, question, answer) for name, entry in manifest.items()
+             for question, answer in entry["questions"].items()]
+    images = {name: Image.open(SAMPLES / name) for name in manifest}
+    outs = demo_llm.generate(
+        [{"messages": user_turn(q), "images": [images[name]]} for name, q, _ in asked],
+        SamplingParams(max_tokens=16, temperature=0.0))
+    wrong = [(name, q, out.text) for (name, q, a), out in zip(asked, outs, strict=True)
+             if out.text != a]
+    print(f"\nsample questions: {len(asked) - len(wrong)}/{len(asked)} right")
+    assert len(wrong) <= (1 - BAR) * len(asked), wrong
 
 
 def test_random_scene_respects_num_shapes() -> None:
