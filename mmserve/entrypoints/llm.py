@@ -18,6 +18,8 @@ from mmserve.sampling_params import SamplingParams
 class LLM:
     """An engine in this process, for offline batch generation.
 
+    ``model`` is a local Hugging Face checkpoint directory; without one, the bundled demo model
+    (`mmserve.demo.checkpoint.demo_model_path`), which describes scenes of coloured shapes.
     Engine arguments use vLLM's names: ``max_model_len`` and ``max_num_seqs`` (integers or
     ``"auto"``, the default: sized by the memory plan), ``max_num_batched_tokens``,
     ``block_size``, ``enable_prefix_caching``, ``limit_mm_per_prompt``, ``encoder_cache_size``
