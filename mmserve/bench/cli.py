@@ -50,6 +50,7 @@ def _throughput(args: argparse.Namespace) -> int:
     from mmserve.bench.report import write_json
     from mmserve.bench.throughput import plot_timeline, run_throughput, throughput_table
 
+    _set_threads(args)
     model = resolve_model(args)
     engine = _make_engine(model, args)
     workload = build_workload(workload_config(args), engine.processor.tokenizer)
@@ -76,6 +77,7 @@ def _sweep(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"mmserve bench sweep: {e}", file=sys.stderr)
         return 2
+    _set_threads(args)
     model = resolve_model(args)
     state: dict[str, Any] = {}
 
@@ -132,6 +134,16 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     add_workload_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--torch-threads", type=int, metavar="N",
+                   help="intra-op threads (default: torch's choice); on a CPU shared with other "
+                   "work, fewer threads than cores avoids stalls at parallel-region barriers")
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

@@ -237,18 +237,22 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 class LocalServer:
     """`mmserve serve` in a subprocess on 127.0.0.1, stopped on exit."""
 
-    def __init__(self, model: str, engine_args: list[str], max_queue: int) -> None:
+    def __init__(self, model: str, engine_args: list[str], max_queue: int,
+                 torch_threads: int | None = None) -> None:
         self.port = _free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", "--model", model,
                     "--host", "127.0.0.1", "--port", str(self.port), "--max-queue",
                     str(max_queue), "--log-level", "warning", *engine_args]
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if torch_threads:
+            self.env["OMP_NUM_THREADS"] = str(torch_threads)
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> LocalServer:
         import httpx
 
-        self.proc = subprocess.Popen(self.cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(self.cmd, env=self.env)
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -300,7 +304,8 @@ def run_serve_command(args: argparse.Namespace, resolve_model: Callable[..., str
 
     if args.base_url is None:
         model = resolve_model(args)
-        server = LocalServer(model, engine_flags(args), max_queue=args.num_prompts)
+        server = LocalServer(model, engine_flags(args), max_queue=args.num_prompts,
+                             torch_threads=args.torch_threads)
     else:
         model, server = args.model, nullcontext()
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True) if model else None
