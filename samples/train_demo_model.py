@@ -19,13 +19,17 @@ the colour and kind of the shape in that patch's cell (or that the cell is empty
 keeps a share (``--probe-weight``) of the loss afterwards; it is not part of the checkpoint.
 
 Then the whole model trains in two phases: a caption-heavy one (``--steps``), after which captions
-are right but questions about one shape are often answered with another shape's colour, and a
-question-heavy one (``--question-steps``, see `QUESTION_WEIGHTS`) in which the decoder learns
-to find a shape by its kind.
+are right but questions that must find a shape by its kind ("where is the square?") are often
+answered about another shape, and a question-heavy one (``--question-steps``, see
+`QUESTION_WEIGHTS`) in which the decoder learns that lookup.
 
-Run from the repository root (about 20-30 minutes on one CPU core with the defaults)::
+The committed checkpoint was made by the defaults, from the repository root, in 24 minutes on a
+shared 2-core machine (one thread)::
 
     nice python samples/train_demo_model.py --out samples/demo-model > train.log 2>&1
+
+Its held-out exact match at the end: caption 99.0%, count 100%, colour 100%, where 99.5%.
+Runs are seeded, though float summation order can make another machine's run differ slightly.
 
 Every ``--eval-every`` steps it prints the exact-match accuracy of each task on 200 held-out
 scenes and saves the checkpoint, so an interrupted run still leaves a usable model. Exact match
