@@ -92,10 +92,12 @@ def test_scene_rejects_ambiguous_layouts() -> None:
         Shape("star", "red", "top left", 0.5, 0.5, 0.5, (0, 0, 0))
 
 
-def test_demo_model_path_says_what_to_do_when_missing(tmp_path, monkeypatch) -> None:
+def test_no_model_and_no_demo_is_a_clear_error(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(checkpoint, "DEMO_MODEL_DIR", tmp_path / "absent")
     with pytest.raises(FileNotFoundError, match="pass the path"):
         checkpoint.demo_model_path()
+    with pytest.raises(FileNotFoundError, match="pass the path"):
+        LLM()
 
 
 # ------------------------------------------------------------------------- the trained model
