@@ -176,7 +176,8 @@ def user_turn(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
 
 
-# Share of each task among training examples. Captions are the longest answers and the hardest.
+# Share of each task among training examples (the default; the training script's second phase
+# favours the questions that must find a shape by its kind).
 TASK_WEIGHTS = {"caption": 0.5, "count": 0.15, "colour": 0.2, "where": 0.15}
 
 
