@@ -170,11 +170,6 @@ def test_bfloat16_engine_runs(clip_llama: str) -> None:
     assert_no_leaks(llm.engine)
 
 
-def test_no_model_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="checkpoint directory"):
-        LLM()
-
-
 def test_cached_prompt_tokens_are_reported(llm: LLM) -> None:
     prompt = _chat("what colour is the square in the middle of this picture?",
                    [make_image(7, (30, 30))])
