@@ -59,6 +59,19 @@ def test_workload_is_seeded_and_reuses_images_evenly(tokenizer) -> None:
     assert [r.messages for r in other.requests] != [r.messages for r in a.requests]
 
 
+def test_workload_reads_images_from_a_folder(tmp_path) -> None:
+    Image.new("RGB", (20, 10), (255, 0, 0)).save(tmp_path / "a.png")
+    Image.new("RGB", (30, 15), (0, 0, 255)).save(tmp_path / "b.jpg")
+    (tmp_path / "notes.txt").write_text("not an image")
+    workload = build_workload(WorkloadConfig(num_prompts=4, unique_images=3,
+                                             image_dir=str(tmp_path)))
+    assert [im.size for im in workload.pool] == [(20, 10), (30, 15), (20, 10)]
+    assert workload.num_distinct_images == 3
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no images"):
+        build_workload(WorkloadConfig(image_dir=str(tmp_path / "empty")))
+
+
 def test_workload_rejects_bad_settings() -> None:
     with pytest.raises(ValueError, match="output_len"):
         WorkloadConfig(output_len=(9, 3))
@@ -170,8 +183,11 @@ def test_bench_sweep_encoder_cache_size(clip_llama: str, tmp_path, capsys) -> No
     out = tmp_path / "sweep.json"
     # One image's worth of cache (16 tokens) against room for all three.
     rc = bench(["sweep", "--model", clip_llama, *WORKLOAD_FLAGS, "--no-peak",
-               "--param", "encoder_cache_size=16,64", "--json", str(out)])
+               "--param", "encoder_cache_size=16,64", "--json", str(out),
+               "--plot", str(tmp_path / "sweep.png")])
     assert rc == 0
+    with Image.open(tmp_path / "sweep.png") as im:
+        assert im.size[0] > 100 and im.size[1] > 100
     table = capsys.readouterr().out
     assert "encoder_cache_size" in table and "enc hit rate" in table
     data = json.loads(out.read_text())
