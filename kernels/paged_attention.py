@@ -115,7 +115,8 @@ def paged_attention(
         if seq.context_slots is None:  # the whole context is this chunk: skip the gather
             k, v = key[rows], value[rows]
         else:
-            k, v = key_flat[seq.context_slots], value_flat[seq.context_slots]
+            k = key_flat.index_select(0, seq.context_slots)
+            v = value_flat.index_select(0, seq.context_slots)
         o = F.scaled_dot_product_attention(
             query[rows].transpose(0, 1).unsqueeze(0),  # [1, num_heads, q, head_dim]
             k.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, ctx, head_dim]
@@ -138,19 +139,30 @@ def _decode_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
-    """One query token per sequence, as two batched matmuls.
+    """One query token per sequence, as batched matmuls over the gathered blocks.
 
     The CPU's fused attention kernel is built for long queries: with a single query row per
-    sequence it is an order of magnitude slower than plain matmuls over the gathered blocks.
-    Query heads are grouped by the KV head they share (GQA), so K and V are never repeated.
+    sequence it is an order of magnitude slower than plain matmuls. Query heads are grouped by
+    the KV head they share (GQA), so K and V are never repeated.
     """
     n, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.shape[-2]
-    tables = meta.decode_block_tables
-    k = kv_cache[0][tables].flatten(1, 2)  # [n, max_blocks * block_size, num_kv_heads, head_dim]
-    v = kv_cache[1][tables].flatten(1, 2)
+    num_blocks, _, num_kv_heads, _ = kv_cache.shape[1:]
+    rows = meta.decode_block_tables.flatten()
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # Whole blocks as rows: one memcpy each. [n, max_blocks * block_size, kv_heads, dim]
+        return cache.view(num_blocks, -1).index_select(0, rows).view(n, -1, num_kv_heads,
+                                                                      head_dim)
+
+    k, v = gather(kv_cache[0]), gather(kv_cache[1])
     q = query.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [n, kv, group, ctx]
-    scores.masked_fill_(~meta.decode_mask, float("-inf"))
-    probs = scores.softmax(-1).to(query.dtype)
-    return torch.matmul(probs, v.transpose(1, 2)).view(n, num_heads, head_dim)
+    mask = meta.decode_mask[:, 0]  # [n, 1, max_blocks * block_size]
+    out = torch.empty_like(q)
+    for h in range(num_kv_heads):
+        # A contiguous copy of one head's keys costs less than the batched matmul loses
+        # reading them transposed with a stride of num_kv_heads * head_dim.
+        scores = torch.bmm(q[:, h], k[:, :, h].contiguous().transpose(1, 2))  # [n, group, ctx]
+        scores = scores.float() * scale
+        scores.masked_fill_(~mask, float("-inf"))
+        out[:, h] = torch.bmm(scores.softmax(-1).to(query.dtype), v[:, :, h])
+    return out.view(n, num_heads, head_dim)
