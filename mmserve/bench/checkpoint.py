@@ -29,14 +29,10 @@ from pathlib import Path
 import torch
 
 from mmserve.testing.tiny_checkpoint import (
-    BOS_TOKEN,
     CHAT_TEMPLATE,
-    EOS_TOKEN,
     IMAGE_TOKEN,
-    PAD_TOKEN,
-    SPECIAL_TOKENS,
-    UNK_TOKEN,
     build_tiny_llava,
+    train_bpe_tokenizer,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,30 +72,12 @@ def _corpus(seed: int, num_lines: int) -> Iterator[str]:
 
 def build_bench_tokenizer(vocab_size: int, model_max_length: int, seed: int = 0):
     """A byte-level BPE tokenizer whose ``vocab_size`` ids are all text, specials at ids 0..4."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=1, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(_corpus(seed, num_lines=200_000), trainer=trainer)
-    if tokenizer.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"the tokenizer reached {tokenizer.get_vocab_size()} ids, "
-                           f"not {vocab_size}; train on a larger corpus")
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-        special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN, pad_token=PAD_TOKEN, model_max_length=model_max_length,
-        clean_up_tokenization_spaces=False)
-    for index, token in enumerate(SPECIAL_TOKENS):
-        if fast.convert_tokens_to_ids(token) != index:
-            raise RuntimeError(f"special token {token!r} did not get id {index}")
-    return fast
+    tokenizer = train_bpe_tokenizer(_corpus(seed, num_lines=200_000), vocab_size,
+                                    model_max_length)
+    if len(tokenizer) != vocab_size:
+        raise RuntimeError(f"the tokenizer reached {len(tokenizer)} ids, not {vocab_size}; "
+                           "train on a larger corpus")
+    return tokenizer
 
 
 def build_bench_checkpoint(path: str | Path, seed: int = 0) -> Path:

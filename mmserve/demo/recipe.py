@@ -30,38 +30,18 @@ from mmserve.testing.tiny_checkpoint import (
     IMAGE_TOKEN,
     PAD_TOKEN,
     SPECIAL_TOKENS,
-    UNK_TOKEN,
     _build_image_processor,
     _text_config,
     _vision_config,
+    llava_chat_template,
+    train_bpe_tokenizer,
 )
 
 # Like LLaVA-1.5's template, except that every role header ends in a newline ("USER:\n"). The
 # answer then starts a new pre-token, so the model's first output token carries no leading space
 # and the prompt tokenizes the same whether or not the answer follows it.
 # "USER:\n<image>\nDescribe this image.\nASSISTANT:\n" is what a single-image question renders.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}{{- 'SYSTEM:\\n' -}}"
-    "{%- elif message['role'] == 'user' -%}{{- 'USER:\\n' -}}"
-    "{%- elif message['role'] == 'assistant' -%}{{- 'ASSISTANT:\\n' -}}"
-    "{%- else -%}{{- raise_exception('Unsupported role: ' ~ message['role']) -}}"
-    "{%- endif -%}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- elif message['content'] is not none -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
-    "{%- if part['type'] in ['image', 'image_url'] -%}{{- '<image>' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
-    "{%- else -%}{{- raise_exception('Unsupported content part: ' ~ part['type']) -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- if message['role'] == 'assistant' -%}{{- '</s>' -}}{%- endif -%}"
-    "{{- '\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- 'ASSISTANT:\\n' -}}{%- endif -%}"
-)
+CHAT_TEMPLATE = llava_chat_template(header_end="\n", generation_prompt="ASSISTANT:\n")
 
 IMAGE_SIZE = 64  # the vision tower's input; scenes are rendered larger and resized by the processor
 PATCH_SIZE = 16  # 4x4 patches: each grid cell of a scene is 2x2 patches
@@ -105,29 +85,10 @@ def build_tokenizer(vocab_size: int = 400) -> Any:
 
     ``vocab_size`` is an upper bound: training stops once every word of the grammar is whole.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=1, special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(tokenizer_corpus(), trainer=trainer)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-        special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
-        unk_token=UNK_TOKEN, pad_token=PAD_TOKEN, model_max_length=MAX_POSITION_EMBEDDINGS,
-        clean_up_tokenization_spaces=False)
-    for index, token in enumerate(SPECIAL_TOKENS):
-        if fast.convert_tokens_to_ids(token) != index:
-            raise RuntimeError(f"special token {token!r} did not get id {index}")
+    fast = train_bpe_tokenizer(tokenizer_corpus(), vocab_size, MAX_POSITION_EMBEDDINGS)
     # Short sequences train fast: insist that each word of the grammar is a single token.
     for line in tokenizer_corpus():
-        words = tokenizer.pre_tokenizer.pre_tokenize_str(line)
+        words = fast.backend_tokenizer.pre_tokenizer.pre_tokenize_str(line)
         if len(fast(line, add_special_tokens=False)["input_ids"]) != len(words):
             raise RuntimeError(f"{line!r} has words of several tokens; raise vocab_size")
     return fast

@@ -23,6 +23,7 @@ import math
 import os
 import pathlib
 import random
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +42,8 @@ __all__ = [
     "UNK_TOKEN",
     "build_tiny_llava",
     "hf_greedy_generate",
+    "llava_chat_template",
+    "train_bpe_tokenizer",
 ]
 
 UNK_TOKEN = "<unk>"
@@ -56,28 +59,36 @@ SPECIAL_TOKENS: tuple[str, ...] = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, I
 # assistant messages additionally end with "</s>". List contents render their parts in order,
 # joined by newlines, with each image part as a single "<image>" placeholder, e.g.
 # "SYSTEM: be brief\nUSER: <image>\nwhat is this?\nASSISTANT:".
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}{{- 'SYSTEM: ' -}}"
-    "{%- elif message['role'] == 'user' -%}{{- 'USER: ' -}}"
-    "{%- elif message['role'] == 'assistant' -%}{{- 'ASSISTANT: ' -}}"
-    "{%- else -%}{{- raise_exception('Unsupported role: ' ~ message['role']) -}}"
-    "{%- endif -%}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}"
-    "{%- elif message['content'] is not none -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
-    "{%- if part['type'] in ['image', 'image_url'] -%}{{- '<image>' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
-    "{%- else -%}{{- raise_exception('Unsupported content part: ' ~ part['type']) -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- if message['role'] == 'assistant' -%}{{- '</s>' -}}{%- endif -%}"
-    "{{- '\\n' -}}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- 'ASSISTANT:' -}}{%- endif -%}"
-)
+
+
+def llava_chat_template(header_end: str = " ", generation_prompt: str = "ASSISTANT:") -> str:
+    """A LLaVA-1.5-like chat template; roles render as ``"USER" + ":" + header_end``."""
+    headers = {role: f"{role.upper()}:{header_end}" for role in ("system", "user", "assistant")}
+    return (
+        "{%- for message in messages -%}"
+        f"{{%- if message['role'] == 'system' -%}}{{{{- {headers['system']!r} -}}}}"
+        f"{{%- elif message['role'] == 'user' -%}}{{{{- {headers['user']!r} -}}}}"
+        f"{{%- elif message['role'] == 'assistant' -%}}{{{{- {headers['assistant']!r} -}}}}"
+        "{%- else -%}{{- raise_exception('Unsupported role: ' ~ message['role']) -}}"
+        "{%- endif -%}"
+        "{%- if message['content'] is string -%}{{- message['content'] -}}"
+        "{%- elif message['content'] is not none -%}"
+        "{%- for part in message['content'] -%}"
+        "{%- if not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+        "{%- if part['type'] in ['image', 'image_url'] -%}{{- '<image>' -}}"
+        "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
+        "{%- else -%}{{- raise_exception('Unsupported content part: ' ~ part['type']) -}}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- endif -%}"
+        "{%- if message['role'] == 'assistant' -%}{{- '</s>' -}}{%- endif -%}"
+        "{{- '\\n' -}}"
+        "{%- endfor -%}"
+        f"{{%- if add_generation_prompt -%}}{{{{- {generation_prompt!r} -}}}}{{%- endif -%}}"
+    )
+
+
+CHAT_TEMPLATE = llava_chat_template()
 
 _TEXT_ARCHS = ("llama", "qwen2", "mistral")
 _VISION_ARCHS = ("clip", "siglip")
@@ -141,11 +152,11 @@ def _training_corpus() -> tuple[str, ...]:
     return tuple(lines)
 
 
-def _build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
-    """Train a byte-level BPE tokenizer with exactly ``vocab_size`` entries.
+def train_bpe_tokenizer(corpus: Iterable[str], vocab_size: int, model_max_length: int) -> Any:
+    """Train a byte-level BPE tokenizer of at most ``vocab_size`` entries on ``corpus``.
 
-    The special tokens get ids 0..4 (see `SPECIAL_TOKENS`). If the built-in corpus cannot supply
-    enough merges, the vocabulary is padded with ``<extra_N>`` special tokens.
+    The special tokens get ids 0..4 (see `SPECIAL_TOKENS`) and every encoding starts with
+    ``<s>``, as LLaVA-1.5's Llama tokenizer does.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -153,7 +164,6 @@ def _build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
     min_size = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
     if vocab_size < min_size:
         raise ValueError(f"vocab_size must be at least {min_size}, got {vocab_size}")
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -164,17 +174,12 @@ def _build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_corpus(), trainer=trainer)
-    missing = vocab_size - tokenizer.get_vocab_size()
-    if missing > 0:
-        tokenizer.add_special_tokens([f"<extra_{i}>" for i in range(missing)])
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A",
         pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
-        special_tokens=[(BOS_TOKEN, bos_id)],
+        special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))],
     )
-
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS_TOKEN,
@@ -184,11 +189,21 @@ def _build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
     )
-    if len(fast) != vocab_size:
-        raise RuntimeError(f"tokenizer has {len(fast)} entries, expected {vocab_size}")
     for index, token in enumerate(SPECIAL_TOKENS):
         if fast.convert_tokens_to_ids(token) != index:
             raise RuntimeError(f"special token {token!r} did not get id {index}")
+    return fast
+
+
+def _build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
+    """A tokenizer with exactly ``vocab_size`` entries: when the built-in corpus cannot supply
+    enough merges, the vocabulary is padded with ``<extra_N>`` special tokens."""
+    fast = train_bpe_tokenizer(_training_corpus(), vocab_size, model_max_length)
+    missing = vocab_size - len(fast)
+    if missing > 0:
+        fast.backend_tokenizer.add_special_tokens([f"<extra_{i}>" for i in range(missing)])
+    if len(fast) != vocab_size:
+        raise RuntimeError(f"tokenizer has {len(fast)} entries, expected {vocab_size}")
     return fast
 
 
