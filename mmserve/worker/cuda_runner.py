@@ -96,39 +96,22 @@ class CUDAModelRunner(ModelRunner):
         return torch.cuda.max_memory_allocated() - start
 
     # ------------------------------------------------------------ inputs
-    def _prepare_inputs(self, reqs: list[ScheduledRequest]):
-        """Flat batch and Triton metadata; decode-only batches are padded to a captured size."""
+    def _attention_metadata(self, reqs: list[ScheduledRequest]):
+        """Triton metadata; decode-only batches are padded to a captured graph size with
+        sequences that have no query tokens (slot -1: they write and attend to nothing)."""
         from mmserve.kernels.triton_attention import TritonAttentionMetadata
 
         bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
-        for r in reqs:
-            n = len(r.token_ids)
-            if r.sample:
-                sample_rows.append(len(ids) + n - 1)
-            ids.extend(r.token_ids)
-            positions.extend(range(r.start_pos, r.start_pos + n))
-            query_lens.append(n)
-            seq_lens.append(r.start_pos + n)
-            tables.append(r.block_ids[:-(-(r.start_pos + n) // bs)])
+        query_lens = [len(r.token_ids) for r in reqs]
+        seq_lens = [r.start_pos + n for r, n in zip(reqs, query_lens, strict=True)]
+        tables = [r.block_ids[:-(-s // bs)] for r, s in zip(reqs, seq_lens, strict=True)]
         padded = None
         if self.graph_sizes and all(n == 1 for n in query_lens):
             padded = padded_batch_size(len(reqs), self.graph_sizes)
-        if padded is not None:
-            # Padding rows embed token 0 at position 0; their slots are -1 and they belong to
-            # sequences with no query tokens, so they write nothing and attend to nothing.
-            ids.extend([0] * (padded - len(reqs)))
-            positions.extend([0] * (padded - len(reqs)))
         meta = TritonAttentionMetadata.build(
             query_lens, seq_lens, tables, bs, self.device, num_seqs_padded=padded,
             max_blocks=self.max_blocks_per_seq if padded is not None else None)
-        dev = self.device
-        return (torch.tensor(ids, dtype=torch.long).to(dev),
-                torch.tensor(positions, dtype=torch.long).to(dev), meta,
-                torch.tensor(sample_rows, dtype=torch.long).to(dev))
+        return meta, 0 if padded is None else padded - len(reqs)
 
     # ------------------------------------------------------------ forward
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:

@@ -144,6 +144,7 @@ class ModelRunner:
     def _prepare_inputs(
         self, reqs: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The flat batch: token ids, positions, attention metadata and the rows to sample."""
         ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []
@@ -153,13 +154,21 @@ class ModelRunner:
                 sample_rows.append(len(ids) + n - 1)
             ids.extend(r.token_ids)
             positions.extend(range(r.start_pos, r.start_pos + n))
-        meta = build_attention_metadata(
-            [len(r.token_ids) for r in reqs], [r.start_pos + len(r.token_ids) for r in reqs],
-            [r.block_ids for r in reqs], self.block_size, self.device)
+        meta, num_padding = self._attention_metadata(reqs)
+        # Padding rows embed token 0 at position 0; the metadata makes them compute nothing.
+        ids.extend([0] * num_padding)
+        positions.extend([0] * num_padding)
         dev = self.device
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
+
+    def _attention_metadata(self, reqs: list[ScheduledRequest]) -> tuple[AttentionMetadata, int]:
+        """The attention backend's metadata, and how many padding rows the batch needs."""
+        meta = build_attention_metadata(
+            [len(r.token_ids) for r in reqs], [r.start_pos + len(r.token_ids) for r in reqs],
+            [r.block_ids for r in reqs], self.block_size, self.device)
+        return meta, 0
 
     # ----------------------------------------------------------------- memory plan
     def allocate_kv_cache(self, num_blocks: int) -> None:
