@@ -117,8 +117,10 @@ class HFRunner:
 
 
 # ----------------------------------------------------------------- mmserve
-def mmserve_engine(model_dir: str, dtype: str, max_model_len: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len))
+def mmserve_engine(model_dir: str, dtype: str, max_model_len: int,
+                   encoder_cache_size: int | None = None) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len,
+                                  encoder_cache_size=encoder_cache_size))
 
 
 def warm_up_mmserve(engine: LLMEngine, image_size: tuple[int, int]) -> None:
@@ -195,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="float32 exactness check on the first M mixed requests (0: skip)")
     p.add_argument("--fp32-max-tokens", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--encoder-cache-size", type=int,
+                   help="mmserve's encoder cache in embedding tokens (default: derived from the "
+                   "scheduler limits, 12 images of this checkpoint)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int,
                    help="torch threads for both sides (default: torch's choice); on a shared, "
@@ -213,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     configs = workload_configs(args.num_prompts, args.image_size, args.shared_prefix_len,
                                args.seed)
     hf = HFRunner(model_dir, _DTYPES[args.dtype])
-    engine = mmserve_engine(model_dir, args.dtype, args.max_model_len)
+    engine = mmserve_engine(model_dir, args.dtype, args.max_model_len, args.encoder_cache_size)
     warm_up_mmserve(engine, args.image_size)
     tokenizer = engine.processor.tokenizer
     hf.generate(build_workload(configs["uniform"], tokenizer), [0])  # warm-up
