@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mmserve.kernels.paged_attention import AttentionMetadata, paged_attention
+from mmserve.kernels.paged_attention import paged_attention
 
 # (query, key, value, kv_cache, metadata, scale) -> output; see kernels/paged_attention.py.
 AttentionBackend = Callable[
@@ -48,7 +48,3 @@ def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention layers must run inside `with forward_context(meta):`")
     return _current
-
-
-def get_attention_metadata() -> AttentionMetadata:
-    return get_forward_context().meta

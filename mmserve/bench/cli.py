@@ -139,6 +139,14 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "work, fewer threads than cores avoids stalls at parallel-region barriers")
 
 
+def _offline(p: argparse.ArgumentParser, plot_help: str) -> None:
+    """Flags of the subcommands that run the engine in this process."""
+    _common(p)
+    p.add_argument("--plot", metavar="PATH.png", help=plot_help)
+    p.add_argument("--no-peak", action="store_true",
+                   help="skip the ~1 s matmul peak measurement")
+
+
 def _set_threads(args: argparse.Namespace) -> None:
     if args.torch_threads:
         import torch
@@ -151,19 +159,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
     tp = kinds.add_parser("throughput", help="offline: the engine in this process")
-    _common(tp)
-    tp.add_argument("--plot", metavar="PATH.png", help="per-step timeline plot")
-    tp.add_argument("--no-peak", action="store_true",
-                    help="skip the ~1 s matmul peak measurement")
+    _offline(tp, "per-step timeline plot")
     tp.set_defaults(func=_throughput)
 
     sw = kinds.add_parser("sweep", help="one workload across values of one engine setting")
-    _common(sw)
+    _offline(sw, "throughput/hit rate/latency plot")
     sw.add_argument("--param", required=True, metavar="NAME=V1,V2,...",
                     help="e.g. encoder_cache_size=196,392,784 (auto lets the engine decide)")
-    sw.add_argument("--plot", metavar="PATH.png", help="throughput/hit rate/latency plot")
-    sw.add_argument("--no-peak", action="store_true",
-                    help="skip the ~1 s matmul peak measurement")
     sw.set_defaults(func=_sweep)
 
     sv = kinds.add_parser("serve", help="online: an OpenAI-compatible server over HTTP")
