@@ -26,10 +26,12 @@ import argparse
 import dataclasses
 import gc
 import logging
+import multiprocessing
 import platform
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
@@ -41,6 +43,7 @@ from mmserve.bench.throughput import run_throughput
 from mmserve.bench.workload import Workload, WorkloadConfig, build_workload, parse_size
 from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import LLMEngine
+from mmserve.worker.cpu_allocator import keep_freed_memory
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -114,6 +117,38 @@ class HFRunner:
             print(f"  transformers batch size {size}: {rates[size]:.1f} output tokens/s",
                   file=sys.stderr)
         return rates
+
+
+def run_transformers(model_dir: str, dtype: str, workloads: dict[str, Workload],
+                     sizes: list[int], batch_size: int | None, threads: int | None,
+                     keep_heap: bool, image_size: tuple[int, int],
+                     ) -> dict[str, tuple[list[list[int]], float, int, dict[int, float]]]:
+    """Every workload through transformers: ``{name: (token ids, seconds, batch size, rates
+    of the batch-size search)}``. The batch size is searched on the first workload."""
+    if threads:
+        torch.set_num_threads(threads)
+    if keep_heap:
+        keep_freed_memory()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf = HFRunner(model_dir, _DTYPES[dtype])
+    warm = build_workload(WorkloadConfig(num_prompts=1, image_size=image_size,
+                                         output_len=(2, 2), seed=10_000),
+                          hf.processor.tokenizer)
+    hf.generate(warm, [0])
+    results = {}
+    for name, workload in workloads.items():
+        print(f"\n== {name}: transformers, {len(workload.requests)} requests, "
+              f"{workload.num_distinct_images} distinct images, "
+              f"{workload.num_output_tokens} output tokens", file=sys.stderr)
+        rates: dict[int, float] = {}
+        if batch_size is None:
+            rates = hf.fastest_batch_size(workload, sizes)
+            batch_size = max(rates, key=rates.get)
+        outputs, seconds = hf.run(workload, batch_size)
+        results[name] = (outputs, seconds, batch_size, rates)
+    return results
 
 
 # ----------------------------------------------------------------- mmserve
@@ -200,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--encoder-cache-size", type=int,
                    help="mmserve's encoder cache in embedding tokens (default: derived from the "
                    "scheduler limits, 12 images of this checkpoint)")
+    p.add_argument("--hf-keep-heap", action="store_true",
+                   help="give transformers the C heap settings mmserve's CPU runner uses "
+                   "(mmserve/worker/cpu_allocator.py); by default it runs as a user runs it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int,
                    help="torch threads for both sides (default: torch's choice); on a shared, "
@@ -217,25 +255,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model_dir}, dtype {args.dtype}")
     configs = workload_configs(args.num_prompts, args.image_size, args.shared_prefix_len,
                                args.seed)
-    hf = HFRunner(model_dir, _DTYPES[args.dtype])
-    engine = mmserve_engine(model_dir, args.dtype, args.max_model_len, args.encoder_cache_size)
-    warm_up_mmserve(engine, args.image_size)
-    tokenizer = engine.processor.tokenizer
-    hf.generate(build_workload(configs["uniform"], tokenizer), [0])  # warm-up
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    names = args.workloads.split(",")
+    workloads = {name: build_workload(configs[name], tokenizer) for name in names}
     sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
 
+    # transformers first, in a process of its own: mmserve's engine changes process-wide
+    # state (the C heap's settings, cpu_allocator.py) that transformers must not inherit
+    # unless --hf-keep-heap asks for it.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        hf_results = pool.submit(run_transformers, model_dir, args.dtype, workloads, sizes,
+                                 args.hf_batch_size, args.threads, args.hf_keep_heap,
+                                 args.image_size).result()
+
+    engine = mmserve_engine(model_dir, args.dtype, args.max_model_len, args.encoder_cache_size)
+    warm_up_mmserve(engine, args.image_size)
     rows, details = [], []
-    for name in args.workloads.split(","):
-        workload = build_workload(configs[name], tokenizer)
+    for name in names:
+        workload = workloads[name]
         tokens = workload.num_output_tokens
-        print(f"\n== {name}: {len(workload.requests)} requests, {workload.num_distinct_images} "
-              f"distinct images, {tokens} output tokens", file=sys.stderr)
-        if args.hf_batch_size is None:
-            rates = hf.fastest_batch_size(workload, sizes)
-            args.hf_batch_size = best = max(rates, key=rates.get)
-        else:
-            rates, best = {}, args.hf_batch_size
-        hf_out, hf_s = hf.run(workload, best)
+        print(f"\n== {name}: mmserve, {len(workload.requests)} requests", file=sys.stderr)
+        hf_out, hf_s, best, rates = hf_results[name]
         run = run_throughput(engine, workload, use_tqdm=False)
         engine.scheduler.kv_cache.pool.reset_prefix_cache()
         mm_out = [o.token_ids for o in run.outputs]
@@ -266,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['full_batch_sched_prep_share']:.1%} of {r['full_batch_mean_step_ms']:.0f} ms "
               f"per step")
     if args.fp32_check:
-        del hf, engine
+        del engine
         gc.collect()
         check = fp32_check(model_dir, build_workload(configs["mixed"], tokenizer),
                            args.fp32_check, args.fp32_max_tokens)

@@ -16,6 +16,7 @@ from torch import nn
 from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from mmserve.kernels.paged_attention import AttentionMetadata, build_attention_metadata
 from mmserve.models.forward_context import forward_context
+from mmserve.worker.cpu_allocator import keep_freed_memory
 from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import sample
 
@@ -219,3 +220,7 @@ class CPUModelRunner(ModelRunner):
     """Torch reference attention on the CPU."""
 
     device = torch.device("cpu")
+
+    def __init__(self, *args, **kwargs) -> None:
+        keep_freed_memory()  # steps reuse their activations' pages instead of faulting them in
+        super().__init__(*args, **kwargs)
