@@ -145,6 +145,7 @@ def _check_throughput(r: dict, num_prompts: int) -> None:
     assert r["model_flops"]["decoder"] > 0 and r["model_flops"]["encoder"] > 0
     assert r["ttft_s"]["median"] <= r["e2e_latency_s"]["median"]
     assert r["ttft_s"]["count"] == r["e2e_latency_s"]["count"] == num_prompts
+    assert r["minor_page_faults"] is None or r["minor_page_faults"] >= 0
 
 
 def test_bench_throughput_end_to_end(clip_llama: str, tmp_path, capsys) -> None:

@@ -70,6 +70,7 @@ def run_throughput(
     schedule0 = engine.schedule_time
     params = sampling_params_for(workload)
 
+    faults0 = _minor_page_faults()
     start = time.perf_counter()
     ids = [engine.add_request(r.prompt(), p) for r, p in zip(workload.requests, params,
                                                               strict=True)]
@@ -112,10 +113,25 @@ def run_throughput(
     times["scheduling"] = engine.schedule_time - schedule0
     times["preprocessing"] = preprocess_s
     results = _results(workload, ordered, steps, stats, stats0, times, elapsed, matmul_peak)
+    faults = _minor_page_faults()
+    results["minor_page_faults"] = None if faults is None else faults - faults0
     # Every request was queued at time 0, so these are latencies under a full backlog.
     results["ttft_s"] = summarize([first_token_s[rid] for rid in ids])
     results["e2e_latency_s"] = summarize([finish_s[rid] for rid in ids])
     return ThroughputRun(results, steps, ordered)
+
+
+def _minor_page_faults() -> int | None:
+    """Page faults of this process so far that needed no disk read (None where unknown).
+
+    Each costs more than the arithmetic on its page; a run with millions of them is paying
+    the C allocator for returning freed activations to the kernel (worker/cpu_allocator.py).
+    """
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _results(workload, outputs, steps, stats, stats0, times, elapsed, matmul_peak) -> dict:
@@ -224,6 +240,8 @@ def throughput_table(r: dict[str, Any], title: str = "mmserve bench throughput")
                                 ("sampling", "sample"),
                                 ("scheduling + update + detok", "scheduling"),
                                 ("other", "other"))),
+            ("minor page faults", "not measured" if r["minor_page_faults"] is None
+             else f"{r['minor_page_faults']:,}"),
             (f"sched + prep share, {r['full_batch_steps']} steps at "
              f"~{r['full_batch_mean_running']:.0f} running",
              f"{r['full_batch_sched_prep_share']:.1%} of "
