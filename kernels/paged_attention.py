@@ -8,6 +8,7 @@ its block table holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor  # [num_decodes] rows of single-token sequences in the flat batch
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] block ids, padded with 0
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_lens: torch.Tensor  # [num_decodes] context length of each decode
 
 
 def build_attention_metadata(
@@ -81,6 +83,7 @@ def build_attention_metadata(
         decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
         decode_block_tables=tables.to(device),
         decode_mask=decode_mask[:, None, None, :].to(device),
+        decode_lens=lens.to(device),
     )
 
 
@@ -95,6 +98,10 @@ def write_kv_cache(
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+# (decode queries [num_decodes, num_heads, head_dim], kv_cache, metadata, scale) -> output
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -102,7 +109,10 @@ def paged_attention(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    decode: DecodeAttention | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Write the step's K/V, then attend. ``decode`` replaces the torch decode path for the
+    single-token rows (the CPU runner passes the compiled kernel of ``cpu_ops.py``)."""
     write_kv_cache(key, value, kv_cache, meta.slot_mapping)
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     key_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
@@ -129,11 +139,12 @@ def paged_attention(
         out[rows] = o[0].transpose(0, 1)
 
     if meta.decode_rows.numel():
-        out[meta.decode_rows] = _decode_attention(query[meta.decode_rows], kv_cache, meta, scale)
+        decode = decode or decode_attention
+        out[meta.decode_rows] = decode(query[meta.decode_rows], kv_cache, meta, scale)
     return out
 
 
-def _decode_attention(
+def decode_attention(
     query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,

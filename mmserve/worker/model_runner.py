@@ -14,8 +14,13 @@ import torch
 from torch import nn
 
 from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from mmserve.kernels.paged_attention import AttentionMetadata, build_attention_metadata
-from mmserve.models.forward_context import forward_context
+from mmserve.kernels.cpu_ops import cpu_attention_backend
+from mmserve.kernels.paged_attention import (
+    AttentionMetadata,
+    build_attention_metadata,
+    paged_attention,
+)
+from mmserve.models.forward_context import AttentionBackend, forward_context
 from mmserve.worker.cpu_allocator import keep_freed_memory
 from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import sample
@@ -33,6 +38,8 @@ class StepTimes:
 
 class ModelRunner:
     device = torch.device("cpu")
+    # The torch reference; device runners set their own in __init__.
+    attention: AttentionBackend = staticmethod(paged_attention)
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int
@@ -84,7 +91,7 @@ class ModelRunner:
 
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
         """The decoder pass over the flat batch; device runners swap the attention backend."""
-        with forward_context(meta):
+        with forward_context(meta, self.attention):
             return self.model(positions, embeds)
 
     @classmethod
@@ -224,3 +231,4 @@ class CPUModelRunner(ModelRunner):
     def __init__(self, *args, **kwargs) -> None:
         keep_freed_memory()  # steps reuse their activations' pages instead of faulting them in
         super().__init__(*args, **kwargs)
+        self.attention = cpu_attention_backend()  # compiled decode kernel when it builds
