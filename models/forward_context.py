@@ -1,8 +1,8 @@
 """One scoped forward context carries batch metadata and the attention backend to the layers.
 
-The runner chooses the backend (the torch reference on the CPU, Triton kernels on the GPU) and
-the metadata type that goes with it; models only call ``get_forward_context().attention``, so
-they never branch on the device.
+The runner chooses the backend (the torch reference with a compiled decode kernel on the CPU,
+Triton kernels on the GPU) and the metadata type that goes with it; models only call
+``get_forward_context().attention``, so they never branch on the device.
 """
 
 from __future__ import annotations
