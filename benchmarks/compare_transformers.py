@@ -119,12 +119,13 @@ class HFRunner:
         return rates
 
 
-def run_transformers(model_dir: str, dtype: str, workloads: dict[str, Workload],
-                     sizes: list[int], batch_size: int | None, threads: int | None,
-                     keep_heap: bool, image_size: tuple[int, int],
-                     ) -> dict[str, tuple[list[list[int]], float, int, dict[int, float]]]:
-    """Every workload through transformers: ``{name: (token ids, seconds, batch size, rates
-    of the batch-size search)}``. The batch size is searched on the first workload."""
+# transformers runs in a worker process of its own (see main); these run there.
+_hf: HFRunner | None = None
+
+
+def hf_start(model_dir: str, dtype: str, threads: int | None, keep_heap: bool,
+             image_size: tuple[int, int]) -> None:
+    global _hf
     if threads:
         torch.set_num_threads(threads)
     if keep_heap:
@@ -132,23 +133,21 @@ def run_transformers(model_dir: str, dtype: str, workloads: dict[str, Workload],
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    hf = HFRunner(model_dir, _DTYPES[dtype])
+    _hf = HFRunner(model_dir, _DTYPES[dtype])
     warm = build_workload(WorkloadConfig(num_prompts=1, image_size=image_size,
                                          output_len=(2, 2), seed=10_000),
-                          hf.processor.tokenizer)
-    hf.generate(warm, [0])
-    results = {}
-    for name, workload in workloads.items():
-        print(f"\n== {name}: transformers, {len(workload.requests)} requests, "
-              f"{workload.num_distinct_images} distinct images, "
-              f"{workload.num_output_tokens} output tokens", file=sys.stderr)
-        rates: dict[int, float] = {}
-        if batch_size is None:
-            rates = hf.fastest_batch_size(workload, sizes)
-            batch_size = max(rates, key=rates.get)
-        outputs, seconds = hf.run(workload, batch_size)
-        results[name] = (outputs, seconds, batch_size, rates)
-    return results
+                          _hf.processor.tokenizer)
+    _hf.generate(warm, [0])
+
+
+def hf_fastest_batch_size(workload: Workload, sizes: list[int]) -> dict[int, float]:
+    assert _hf is not None
+    return _hf.fastest_batch_size(workload, sizes)
+
+
+def hf_run(workload: Workload, batch_size: int) -> tuple[list[list[int]], float]:
+    assert _hf is not None
+    return _hf.run(workload, batch_size)
 
 
 # ----------------------------------------------------------------- mmserve
@@ -164,7 +163,7 @@ def warm_up_mmserve(engine: LLMEngine, image_size: tuple[int, int]) -> None:
                                          output_len=(2, 2), seed=10_000),
                           engine.processor.tokenizer)
     run_throughput(engine, warm, use_tqdm=False)
-    engine.scheduler.kv_cache.pool.reset_prefix_cache()
+    engine.reset_caches()
 
 
 # ----------------------------------------------------------------- agreement
@@ -235,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--encoder-cache-size", type=int,
                    help="mmserve's encoder cache in embedding tokens (default: derived from the "
                    "scheduler limits, 12 images of this checkpoint)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="turns per workload (transformers, then mmserve); medians reported")
     p.add_argument("--hf-keep-heap", action="store_true",
                    help="give transformers the C heap settings mmserve's CPU runner uses "
                    "(mmserve/worker/cpu_allocator.py); by default it runs as a user runs it")
@@ -262,38 +263,55 @@ def main(argv: list[str] | None = None) -> int:
     workloads = {name: build_workload(configs[name], tokenizer) for name in names}
     sizes = [int(s) for s in args.hf_batch_sizes.split(",")]
 
-    # transformers first, in a process of its own: mmserve's engine changes process-wide
-    # state (the C heap's settings, cpu_allocator.py) that transformers must not inherit
-    # unless --hf-keep-heap asks for it.
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        hf_results = pool.submit(run_transformers, model_dir, args.dtype, workloads, sizes,
-                                 args.hf_batch_size, args.threads, args.hf_keep_heap,
-                                 args.image_size).result()
-
+    # transformers runs in a process of its own: mmserve's engine changes process-wide state
+    # (the C heap's settings, cpu_allocator.py) that transformers must not inherit unless
+    # --hf-keep-heap asks for it. The two sides take turns, each run right after the other,
+    # so that a change in the machine's speed moves both figures of one ratio alike.
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    pool.submit(hf_start, model_dir, args.dtype, args.threads, args.hf_keep_heap,
+                args.image_size).result()
     engine = mmserve_engine(model_dir, args.dtype, args.max_model_len, args.encoder_cache_size)
     warm_up_mmserve(engine, args.image_size)
     rows, details = [], []
+    best = args.hf_batch_size
     for name in names:
         workload = workloads[name]
         tokens = workload.num_output_tokens
-        print(f"\n== {name}: mmserve, {len(workload.requests)} requests", file=sys.stderr)
-        hf_out, hf_s, best, rates = hf_results[name]
-        run = run_throughput(engine, workload, use_tqdm=False)
-        engine.scheduler.kv_cache.pool.reset_prefix_cache()
+        print(f"\n== {name}: {len(workload.requests)} requests, {workload.num_distinct_images} "
+              f"distinct images, {tokens} output tokens", file=sys.stderr)
+        rates: dict[int, float] = {}
+        if best is None:
+            rates = pool.submit(hf_fastest_batch_size, workload, sizes).result()
+            best = max(rates, key=rates.get)
+        hf_rates, mm_rates, ratios = [], [], []
+        for _ in range(args.repeats):
+            hf_out, hf_s = pool.submit(hf_run, workload, best).result()
+            run = run_throughput(engine, workload, use_tqdm=False)
+            engine.reset_caches()
+            mm_s = run.results["elapsed_s"]
+            hf_rates.append(tokens / hf_s)
+            mm_rates.append(tokens / mm_s)
+            ratios.append(hf_s / mm_s)
+            print(f"  transformers {tokens / hf_s:.1f}, mmserve {tokens / mm_s:.1f} output "
+                  f"tokens/s: {hf_s / mm_s:.2f}x", file=sys.stderr)
         mm_out = [o.token_ids for o in run.outputs]
-        mm_s = run.results["elapsed_s"]
         done = [i for i, (h, m) in enumerate(zip(hf_out, mm_out, strict=True))
                 if len(h) == len(m) == workload.requests[i].output_len]
         agree = agreement([hf_out[i] for i in done], [mm_out[i] for i in done], tokenizer)
-        rows.append([name, f"{best}", tokens / hf_s, tokens / mm_s, hf_s / mm_s,
-                     f"{agree['token_exact']}/{agree['requests']}",
+        rows.append([name, f"{best}", statistics.median(hf_rates), statistics.median(mm_rates),
+                     statistics.median(ratios), f"{agree['token_exact']}/{agree['requests']}",
                      f"{agree['prefix_mean']:.1f}/{agree['mean_length']:.1f}"])
-        details.append((name, rates, run.results))
+        details.append((name, rates, run.results, ratios))
+    pool.shutdown()
 
     print("\n" + grid_table(
         ["workload", "HF batch", "HF out tok/s", "mmserve out tok/s", "ratio",
          "exact match", "common prefix/len"], rows))
-    for name, rates, r in details:
+    if args.repeats > 1:
+        print(f"\n(medians of {args.repeats} turns each; ratios of each turn: " + "; ".join(
+            f"{name} " + ", ".join(f"{x:.2f}" for x in ratios)
+            for name, _, _, ratios in details) + ")")
+    for name, rates, r, _ in details:
         if rates:
             print(f"\n{name}: transformers output tokens/s of one batch, by batch size: "
                   + ", ".join(f"{b}: {v:.1f}" for b, v in sorted(rates.items())))

@@ -251,3 +251,18 @@ def test_release_all_and_num_referenced_entries() -> None:
     assert cache.num_reclaimable_tokens == 400
     cache.release_all(make_req("nobody", ("x", 100)))  # harmless
     assert cache.num_reclaimable_tokens == 400
+
+
+def test_evict_unreferenced_keeps_what_requests_still_use() -> None:
+    cache = EncoderCacheManager(300)
+    a, b = make_req("a", ("x", 100)), make_req("b", ("y", 100))
+    cache.allocate(a, 0)
+    cache.allocate(b, 0)
+    cache.release(a, 0)
+    assert cache.evict_unreferenced() == 1
+    assert cache.take_freed() == ["x"]
+    assert not cache.is_cached("x") and cache.is_cached("y")
+    assert cache.num_free_tokens == 200 and cache.num_reclaimable_tokens == 200
+    assert cache.num_evictions == 0  # not an eviction forced by a lack of space
+    cache.release(b, 0)
+    assert cache.evict_unreferenced() == 1 and cache.num_free_tokens == 300

@@ -182,3 +182,21 @@ def test_cached_prompt_tokens_are_reported(llm: LLM) -> None:
     assert again.num_cached_tokens > 0
     assert again.token_ids == first.token_ids
     assert_no_leaks(llm.engine)
+
+
+def test_reset_caches_makes_the_next_run_cold(llm: LLM) -> None:
+    prompt = _chat("describe the picture in detail please", [make_image(11, (40, 30))])
+    engine = llm.engine
+    first = llm.generate([prompt], GREEDY)[0]
+    before = engine.stats()
+    again = llm.generate([prompt], GREEDY)[0]
+    warm = engine.stats()
+    assert again.num_cached_tokens > 0  # a warm run reuses the prefix blocks
+    engine.reset_caches()
+    cold = llm.generate([prompt], GREEDY)[0]
+    after = engine.stats()
+    assert cold.token_ids == first.token_ids == again.token_ids
+    assert cold.num_cached_tokens == 0
+    assert after["encoder_cache_misses"] == warm["encoder_cache_misses"] + 1  # encoded again
+    assert warm["encoder_cache_misses"] == before["encoder_cache_misses"]
+    assert_no_leaks(engine)

@@ -159,6 +159,18 @@ class EncoderCacheManager:
         for i in range(len(req.images)):
             self.release(req, i)
 
+    def evict_unreferenced(self) -> int:
+        """Evict every entry no request references (the cache starts cold for the next
+        requests); returns how many. Not counted in ``num_evictions``, which counts evictions
+        forced by a lack of space."""
+        count = len(self._unreferenced)
+        for victim in self._unreferenced:
+            self.num_free_tokens += self.entries.pop(victim).num_tokens
+            self._freed.append(victim)
+        self._unreferenced.clear()
+        self._num_unreferenced_tokens = 0
+        return count
+
     def take_freed(self) -> list[str]:
         """Hashes evicted since the last call: the runner must drop these tensors."""
         freed, self._freed = self._freed, []

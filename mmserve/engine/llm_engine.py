@@ -223,6 +223,12 @@ class LLMEngine:
         )
 
     # ----------------------------------------------------------------- stats
+    def reset_caches(self) -> None:
+        """Forget the cached prefix blocks and image embeddings no request is using, so that
+        the next requests find both caches cold (benchmark turns, tests)."""
+        self.scheduler.kv_cache.pool.reset_prefix_cache()
+        self.scheduler.encoder_cache.evict_unreferenced()
+
     def stats(self) -> dict[str, Any]:
         s = self.scheduler
         enc = s.encoder_cache
