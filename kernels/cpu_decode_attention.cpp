@@ -39,6 +39,28 @@ inline void widen_row(const c10::Half* src, float* dst, int64_t n) {
 }
 
 // kHeadDim > 0 fixes the head size at compile time (fully unrolled rows); 0 reads it at run time.
+// exp(x) for x <= 0 (scores minus their maximum), within about 2 ulp of expf over the range
+// that matters, in plain arithmetic the compiler vectorizes (std::exp stays a scalar call
+// unless the whole file is built with -ffast-math). exp(x) = 2^k * exp(r), |r| <= ln(2)/2,
+// with Cephes' polynomial for exp(r).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this expf is subnormal; 0 is as good for a softmax
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(k, -0.693359375f, x);
+  r = std::fma(k, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 template <typename T, int64_t kHeadDim>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -91,11 +113,12 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
         float max_score = std::numeric_limits<float>::lowest();
+#pragma omp simd reduction(max : max_score)
         for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, s[t]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - max_score);
+          s[t] = exp_nonpositive(s[t] - max_score);
           sum += s[t];
         }
         const float inv = 1.f / sum;
