@@ -3,7 +3,7 @@
 A forward pass allocates and frees the same tens of megabytes of activations every step. With
 glibc's defaults, blocks above a few megabytes come straight from ``mmap`` and go back to the
 kernel when freed, and the top of the heap is trimmed, so the next step faults every page in
-again: 1.5 million page faults in a 64-request benchmark run, a quarter of its wall time, paid
+again: over a million page faults in a 64-request benchmark run, 13-18% of its wall time, paid
 mostly inside elementwise ops (a fault costs more than the arithmetic on its page).
 
 Serving from a heap that keeps freed memory removes that cost. The memory it keeps is at most
