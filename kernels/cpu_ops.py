@@ -5,7 +5,7 @@ place from its KV blocks. The torch reference in ``paged_attention.py`` must fir
 blocks into contiguous tensors and copy each head's keys again for ``bmm``: three to four times
 the memory traffic of the one pass over K and one over V that decode attention needs.
 
-Building takes about a minute the first time; torch caches the library (under
+Building takes about 30 s on two cores the first time; torch caches the library (under
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) for later starts. Without
 a compiler, or with ``MMSERVE_CPU_KERNELS=0``, ``load()`` returns None and the CPU runner uses
 the torch reference, with one warning saying why.

@@ -224,7 +224,8 @@ class ModelRunner:
 
 
 class CPUModelRunner(ModelRunner):
-    """Torch reference attention on the CPU."""
+    """The CPU: torch attention for prompt chunks, the compiled decode kernel when it builds
+    (``kernels/cpu_ops.py``), and a C heap that keeps freed memory (``cpu_allocator.py``)."""
 
     device = torch.device("cpu")
 
