@@ -93,22 +93,28 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
         widen_row(src, q.data() + g * head_dim, head_dim);
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] *= fscale;
       }
-      // Scores: one pass over this sequence's keys of this KV head, block by block.
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* block = k_ptr + table[t0 / block_size] * block_stride + head_offset;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          widen_row(block + i * token_stride, row.data(), head_dim);
-          const float* kf = row.data();
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * head_dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kf[d];
-            scores[g * len + t0 + i] = dot;
+      // Calls fn(t, row) for every cached token t of this sequence, in order, with the token's
+      // K or V row of this KV head (read in place from its block) widened to float32.
+      auto for_each_row = [&](const T* cache, auto&& fn) {
+        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+          const T* block = cache + table[t0 / block_size] * block_stride + head_offset;
+          const int64_t n = std::min(block_size, len - t0);
+          for (int64_t i = 0; i < n; ++i) {
+            widen_row(block + i * token_stride, row.data(), head_dim);
+            fn(t0 + i, row.data());
           }
         }
-      }
+      };
+      // Scores: one pass over the keys.
+      for_each_row(k_ptr, [&](int64_t t, const float* kf) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q.data() + g * head_dim;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kf[d];
+          scores[g * len + t] = dot;
+        }
+      });
       // Softmax per query head, float32.
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * len;
@@ -124,22 +130,16 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) s[t] *= inv;
       }
-      // Weighted values: one pass over this sequence's values of this KV head.
+      // Weighted values: one pass over the values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const T* block = v_ptr + table[t0 / block_size] * block_stride + head_offset;
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          widen_row(block + i * token_stride, row.data(), head_dim);
-          const float* vf = row.data();
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + t0 + i];
-            float* a = acc.data() + g * head_dim;
+      for_each_row(v_ptr, [&](int64_t t, const float* vf) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vf[d];
-          }
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vf[d];
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         T* dst = o_ptr + (seq * num_heads + kv_head * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d]);

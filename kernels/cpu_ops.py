@@ -66,11 +66,10 @@ def unavailable_reason() -> str | None:
 def decode_attention(query, kv_cache, meta, scale: float):
     """``paged_attention``'s decode path (same arguments and result as the torch
     ``decode_attention``), with keys and values read in place by the compiled kernel."""
-    module = load()
-    if module is None or query.device.type != "cpu":
-        raise RuntimeError("the compiled CPU decode attention is not available here")
-    return module.decode_attention(query.contiguous(), kv_cache[0], kv_cache[1],
-                                   meta.decode_block_tables, meta.decode_lens, scale)
+    if _module is None:  # per layer and step: no lock, the backend only exists after load()
+        raise RuntimeError("the compiled CPU decode attention is not loaded; call load() first")
+    return _module.decode_attention(query.contiguous(), kv_cache[0], kv_cache[1],
+                                    meta.decode_block_tables, meta.decode_lens, scale)
 
 
 def cpu_attention_backend():
