@@ -10,7 +10,7 @@
 // against every cached key (one pass over K), a float32 softmax, then the weighted sum of the
 // values (one pass over V). Arithmetic is float32; bfloat16 is widened by a shift.
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 
@@ -21,7 +21,11 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
+
+using mmserve_cpu::exp_nonpositive;
 
 // Widen one row of head_dim elements to float32. Written as plain loops over raw bits so that
 // the compiler vectorizes them (bfloat16 is the upper half of a float32).
@@ -39,28 +43,6 @@ inline void widen_row(const c10::Half* src, float* dst, int64_t n) {
 }
 
 // kHeadDim > 0 fixes the head size at compile time (fully unrolled rows); 0 reads it at run time.
-// exp(x) for x <= 0 (scores minus their maximum), within about 2 ulp of expf over the range
-// that matters, in plain arithmetic the compiler vectorizes (std::exp stays a scalar call
-// unless the whole file is built with -ffast-math). exp(x) = 2^k * exp(r), |r| <= ln(2)/2,
-// with Cephes' polynomial for exp(r).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // below this expf is subnormal; 0 is as good for a softmax
-  const float k = std::nearbyint(x * 1.44269504088896341f);
-  float r = std::fma(k, -0.693359375f, x);
-  r = std::fma(k, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  p = std::fma(p, r * r, r) + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 template <typename T, int64_t kHeadDim>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -200,8 +182,4 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
       TORCH_CHECK(false, "decode_attention: unsupported dtype ", query.scalar_type());
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention reading KV blocks in place");
 }

@@ -100,6 +100,30 @@ def write_kv_cache(
 
 # (decode queries [num_decodes, num_heads, head_dim], kv_cache, metadata, scale) -> output
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, float], torch.Tensor]
+# (chunk queries [query_len, num_heads, head_dim], keys and values [context_len, num_kv_heads,
+#  head_dim], the chunk, scale) -> output [query_len, num_heads, head_dim]
+PrefillAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, PrefillSeq, float], torch.Tensor]
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim]
+    key: torch.Tensor,  # [context_len, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    seq: PrefillSeq,
+    scale: float,
+) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    """One prompt chunk attending causally to its context, with torch's fused attention."""
+    o = F.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),  # [1, num_heads, q, head_dim]
+        key.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, ctx, head_dim]
+        value.transpose(0, 1).unsqueeze(0),
+        attn_mask=seq.mask,
+        is_causal=seq.mask is None,
+        scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return o[0].transpose(0, 1)
 
 
 def paged_attention(
@@ -110,15 +134,17 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     decode: DecodeAttention | None = None,
+    prefill: PrefillAttention | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Write the step's K/V, then attend. ``decode`` replaces the torch decode path for the
-    single-token rows (the CPU runner passes the compiled kernel of ``cpu_ops.py``)."""
+    """Write the step's K/V, then attend. ``prefill`` and ``decode`` replace the torch paths
+    for prompt chunks and single-token rows (the CPU runner passes the compiled kernels of
+    ``cpu_ops.py``)."""
     write_kv_cache(key, value, kv_cache, meta.slot_mapping)
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     key_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    gqa = query.shape[1] != num_kv_heads
     out = torch.empty_like(query)
+    prefill = prefill or prefill_attention
 
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
@@ -127,16 +153,7 @@ def paged_attention(
         else:
             k = key_flat.index_select(0, seq.context_slots)
             v = value_flat.index_select(0, seq.context_slots)
-        o = F.scaled_dot_product_attention(
-            query[rows].transpose(0, 1).unsqueeze(0),  # [1, num_heads, q, head_dim]
-            k.transpose(0, 1).unsqueeze(0),  # [1, num_kv_heads, ctx, head_dim]
-            v.transpose(0, 1).unsqueeze(0),
-            attn_mask=seq.mask,
-            is_causal=seq.mask is None,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        out[rows] = o[0].transpose(0, 1)
+        out[rows] = prefill(query[rows], k, v, seq, scale)
 
     if meta.decode_rows.numel():
         decode = decode or decode_attention

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mmserve.kernels.cpu_ops import encoder_attention
 from mmserve.models.layers import get_activation
 
 
@@ -23,11 +23,11 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
         shape = (b, n, self.num_heads, self.head_dim)
-        q = self.q_proj(x).view(shape).transpose(1, 2)  # [b, heads, n, head_dim]
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
-        return self.out_proj(o.transpose(1, 2).reshape(b, n, d))
+        q = self.q_proj(x).view(shape)  # [b, n, heads, head_dim]
+        k = self.k_proj(x).view(shape)
+        v = self.v_proj(x).view(shape)
+        o = encoder_attention(q, k, v, self.head_dim ** -0.5)
+        return self.out_proj(o.reshape(b, n, d))
 
 
 class VisionMLP(nn.Module):

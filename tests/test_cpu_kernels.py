@@ -1,8 +1,10 @@
-"""The compiled CPU decode attention (``kernels/cpu_decode_attention.cpp``) against the torch
-decode path it replaces, and its use by the CPU runner.
+"""The compiled CPU kernels against the torch paths they replace, and their use by the CPU
+runner: decode attention (``kernels/cpu_decode_attention.cpp``) and the bfloat16 flash attention
+for prompt chunks and vision towers (``kernels/cpu_flash_attention.cpp``).
 
 Skipped only where there is no C++ compiler (the runner then uses the torch path); where there
-is one, a build failure fails these tests.
+is one, a build failure fails these tests. The flash attention tests also need a CPU with
+AVX512-BF16 (elsewhere the module reports it unsupported and torch's attention runs).
 """
 
 import functools
@@ -10,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mmserve.kernels import cpu_ops
 from mmserve.kernels.paged_attention import (
@@ -89,3 +92,121 @@ def test_cpu_runner_decodes_with_the_kernel(kernel, clip_llama):
     runner = LLM(clip_llama, max_model_len=256).engine.runner
     assert isinstance(runner.attention, functools.partial)
     assert runner.attention.keywords["decode"] is cpu_ops.decode_attention
+
+
+@pytest.fixture(scope="module")
+def flash(kernel):
+    if not kernel.flash_attention_supported(64):
+        pytest.skip("this CPU lacks AVX512-BF16: prompt and vision attention stay on torch")
+    return kernel
+
+
+def _reference(q, k, v, scale, causal_offset):
+    """float32 attention of bfloat16 inputs, [batch, len, heads, dim] layout."""
+    q_len, kv_len = q.shape[1], k.shape[1]
+    mask = None
+    if causal_offset >= 0:
+        mask = torch.arange(kv_len)[None, :] <= torch.arange(q_len)[:, None] + causal_offset
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("batch,q_len,kv_len,heads,kv_heads,head_dim,causal_offset", [
+    (1, 238, 238, 12, 4, 64, 0),  # a whole prompt, GQA
+    (1, 5, 300, 12, 4, 64, 295),  # a chunk after a cached prefix
+    (1, 100, 1000, 8, 2, 128, 900),  # head size 128, keys past one softmax step
+    (1, 1, 1, 4, 4, 64, 0),  # one token
+    (1, 17, 17, 4, 1, 128, 0),  # rows not a multiple of the 8-row tile, one KV head
+    (3, 197, 197, 12, 12, 64, -1),  # vision: a batch of images, bidirectional
+    (2, 64, 64, 2, 2, 64, -1),  # exact multiples of the tile and the key step
+])
+def test_flash_matches_reference(flash, batch, q_len, kv_len, heads, kv_heads, head_dim,
+                                 causal_offset):
+    g = torch.Generator().manual_seed(q_len * 7 + kv_len)
+    q = torch.randn(batch, q_len, heads, head_dim, generator=g).bfloat16()
+    k, v = (torch.randn(batch, kv_len, kv_heads, head_dim, generator=g).bfloat16()
+            for _ in range(2))
+    scale = head_dim ** -0.5
+    got = flash.flash_attention(q, k, v, scale, causal_offset)
+    expected = _reference(q, k, v, scale, causal_offset)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape and got.is_contiguous()
+    # bfloat16 output and probabilities: torch's own bfloat16 attention is ~1e-2 from float32.
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_flash_reads_strided_views(flash):
+    """The vision tower passes q, k, v as views of one projection: no copies needed."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 50, 3, 12, 64, generator=g).bfloat16()
+    q, k, v = qkv.unbind(2)
+    got = flash.flash_attention(q, k, v, 0.125, -1)
+    torch.testing.assert_close(got.float(), _reference(q, k, v, 0.125, -1), atol=2e-2,
+                               rtol=2e-2)
+
+
+def test_flash_rejects_unsupported_inputs(flash):
+    q = torch.randn(1, 4, 4, 64)
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        flash.flash_attention(q, q, q, 0.125, 0)
+    q = q.bfloat16()
+    with pytest.raises(RuntimeError, match="head size of 64 or 128"):
+        flash.flash_attention(q[..., :32], q[..., :32], q[..., :32], 0.125, 0)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        flash.flash_attention(q[:, :, :3], q, q, 0.125, 0)
+    assert not flash.flash_attention_supported(80)
+
+
+def test_flash_prompt_chunks_in_a_mixed_batch(flash):
+    """Through the CPU backend: a whole prompt, a chunk after cached blocks and decodes in one
+    step agree with the torch reference on the same bfloat16 inputs."""
+    g = torch.Generator().manual_seed(5)
+    q_lens, ctx_lens, tables = [40, 1, 24, 1], [40, 20, 56, 33], [[0, 1, 2], [3, 4], [5, 6, 7, 8],
+                                                                 [9, 10, 11]]
+    n = sum(q_lens)
+    q, k, v = (torch.randn(n, h, 64, generator=g).bfloat16() for h in (12, 4, 4))
+    meta = build_attention_metadata(q_lens, ctx_lens, tables, 16)
+    cache = torch.randn(2, 12, 16, 4, 64, generator=g).bfloat16()
+    expected = paged_attention(q.float(), k.float(), v.float(), cache.float(), meta, 0.125)
+    calls = []
+
+    def spy(*args):
+        calls.append(args[0].shape[0])
+        return cpu_ops.prefill_attention(*args)
+
+    got = paged_attention(q, k, v, cache.clone(), meta, 0.125, decode=cpu_ops.decode_attention,
+                          prefill=spy)
+    assert calls == [40, 24]
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_encoder_attention_uses_the_kernel_for_bfloat16_only(flash, monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, 30, 4, 64, generator=g) for _ in range(3))
+    calls = []
+    real = flash.flash_attention
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(flash, name)
+
+        def flash_attention(self, *args):
+            calls.append(args[0].dtype)
+            return real(*args)
+
+    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    # float32 keeps torch's attention, exactly.
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                              v.transpose(1, 2), scale=0.125).transpose(1, 2)
+    assert torch.equal(cpu_ops.encoder_attention(q, k, v, 0.125), expected)
+    got = cpu_ops.encoder_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)
+    assert calls == [torch.bfloat16]
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_cpu_runner_uses_the_flash_kernel(flash, clip_llama):
+    from mmserve import LLM
+
+    runner = LLM(clip_llama, max_model_len=256).engine.runner
+    assert runner.attention.keywords["prefill"] is cpu_ops.prefill_attention

@@ -1,0 +1,244 @@
+// Flash attention on the CPU for many query rows at once: prompt chunks (causal, after any
+// cached prefix) and vision towers (bidirectional). bfloat16 only, on CPUs with AVX512-BF16,
+// whose dot-product instruction multiplies pairs of bfloat16 and adds into float32.
+//
+// query  [batch, q_len, num_heads, head_dim]        any strides but a contiguous last dim
+// key    [batch, kv_len, num_kv_heads, head_dim]    value the same
+// causal_offset >= 0: query row i sees keys 0 .. i + causal_offset; < 0: every key
+// returns [batch, q_len, num_heads, head_dim], contiguous
+//
+// Two passes. First each (batch, KV head) packs its keys and values into the layouts the
+// instruction reads: keys as [kv_len/16][head_dim/2][16 keys][2 dims], so one vector holds a
+// pair of dimensions of 16 keys; values as [kv_len/2][head_dim][2 keys]. Then each tile of 8
+// query rows of one head walks the keys 64 at a time with an online softmax: scores in
+// float32, probabilities rounded to bfloat16 for the product with V, output summed in float32.
+
+#include <ATen/ATen.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_math.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define MMSERVE_BF16_DOT 1
+#endif
+
+namespace {
+
+#ifdef MMSERVE_BF16_DOT
+
+using mmserve_cpu::exp_nonpositive;
+
+constexpr int64_t kRows = 8;    // query rows per tile, one accumulator register each
+constexpr int64_t kGroup = 16;  // keys per packed K vector (16 float32 lanes)
+constexpr int64_t kChunk = 64;  // keys per online-softmax step
+
+inline uint32_t load_pair(const uint16_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline __m512 dot_pairs(__m512 acc, uint32_t a_pair, __m512i b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(a_pair)),
+                          (__m512bh)b);
+}
+
+// One (batch, KV head): its keys and values in the packed layouts, zero past kv_len.
+template <int64_t D>
+void pack_kv(const uint16_t* k, const uint16_t* v, int64_t kv_len, int64_t token_stride,
+             int64_t padded_len, uint16_t* k_packed, uint16_t* v_packed) {
+  uint32_t* kp = reinterpret_cast<uint32_t*>(k_packed);
+  for (int64_t g = 0; g < padded_len / kGroup; ++g) {
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const int64_t t = g * kGroup + i;
+      const uint16_t* row = k + t * token_stride;
+      for (int64_t p = 0; p < D / 2; ++p)
+        kp[(g * (D / 2) + p) * kGroup + i] = t < kv_len ? load_pair(row + 2 * p) : 0;
+    }
+  }
+  for (int64_t t = 0; t < padded_len; t += 2) {
+    uint16_t* dst = v_packed + t * D;
+    const uint16_t* even = v + t * token_stride;
+    const uint16_t* odd = even + token_stride;
+    const bool has_even = t < kv_len, has_odd = t + 1 < kv_len;
+    for (int64_t d = 0; d < D; ++d) {
+      dst[2 * d] = has_even ? even[d] : 0;
+      dst[2 * d + 1] = has_odd ? odd[d] : 0;
+    }
+  }
+}
+
+// Rows [row0, row0 + rows) of one head against the packed keys and values of its KV head.
+// key_end[r]: keys [0, key_end[r]) are visible to row r.
+template <int64_t D>
+void attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
+                 const uint16_t* k_packed, const uint16_t* v_packed, float scale,
+                 uint16_t* const* out_rows) {
+  alignas(64) uint16_t q[kRows][D] = {};
+  alignas(64) float scores[kRows][kChunk];
+  alignas(64) uint16_t probs[kRows][kChunk];
+  alignas(64) float acc_out[kRows][D] = {};
+  float row_max[kRows], row_sum[kRows], rescale[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    if (r < rows) std::memcpy(q[r], q_rows[r], D * sizeof(uint16_t));
+    row_max[r] = -1e30f;
+    row_sum[r] = 0.f;
+  }
+  int64_t tile_end = 0;
+  for (int64_t r = 0; r < rows; ++r) tile_end = std::max(tile_end, key_end[r]);
+  const __m512 vscale = _mm512_set1_ps(scale);
+
+  for (int64_t c0 = 0; c0 < tile_end; c0 += kChunk) {
+    const int64_t groups = std::min<int64_t>(kChunk / kGroup, (tile_end - c0 + kGroup - 1) / kGroup);
+    const int64_t width = groups * kGroup;
+    // Scores: 16 keys by kRows rows per pass over the head dimension.
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* kg = k_packed + ((c0 / kGroup + g) * (D / 2)) * (2 * kGroup);
+      __m512 acc[kRows];
+      for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t p = 0; p < D / 2; ++p) {
+        const __m512i keys = _mm512_loadu_si512(kg + p * 2 * kGroup);
+        for (int64_t r = 0; r < kRows; ++r) acc[r] = dot_pairs(acc[r], load_pair(&q[r][2 * p]), keys);
+      }
+      for (int64_t r = 0; r < kRows; ++r)
+        _mm512_store_ps(&scores[r][g * kGroup], _mm512_mul_ps(acc[r], vscale));
+    }
+    // Online softmax, float32; keys past a row's end get probability 0.
+    for (int64_t r = 0; r < kRows; ++r) {
+      const int64_t n = r < rows ? std::clamp<int64_t>(key_end[r] - c0, 0, width) : 0;
+      float* s = scores[r];
+      float chunk_max = -1e30f;
+      for (int64_t j = 0; j < n; ++j) chunk_max = std::max(chunk_max, s[j]);
+      const float new_max = std::max(row_max[r], chunk_max);
+      rescale[r] = exp_nonpositive(row_max[r] - new_max);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < width; ++j) {
+        const float e = j < n ? exp_nonpositive(s[j] - new_max) : 0.f;
+        s[j] = e;
+        sum += e;
+      }
+      row_sum[r] = row_sum[r] * rescale[r] + sum;
+      row_max[r] = new_max;
+      for (int64_t j = 0; j < width; j += kGroup)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(&probs[r][j]),
+                           (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&s[j])));
+    }
+    // Output += probabilities x values: 16 dimensions by kRows rows per pass over key pairs.
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 acc[kRows];
+      for (int64_t r = 0; r < kRows; ++r)
+        acc[r] = _mm512_mul_ps(_mm512_load_ps(&acc_out[r][d0]), _mm512_set1_ps(rescale[r]));
+      for (int64_t t = 0; t < width; t += 2) {
+        const __m512i vals = _mm512_loadu_si512(v_packed + (c0 + t) * D + 2 * d0);
+        for (int64_t r = 0; r < kRows; ++r) acc[r] = dot_pairs(acc[r], load_pair(&probs[r][t]), vals);
+      }
+      for (int64_t r = 0; r < kRows; ++r) _mm512_store_ps(&acc_out[r][d0], acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+    for (int64_t d0 = 0; d0 < D; d0 += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows[r] + d0),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&acc_out[r][d0]), inv)));
+  }
+}
+
+template <int64_t D>
+void flash_attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          double scale, int64_t causal_offset, at::Tensor& out) {
+  const int64_t batch = query.size(0), q_len = query.size(1), num_heads = query.size(2);
+  const int64_t kv_len = key.size(1), num_kv_heads = key.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t padded_len = (kv_len + kChunk - 1) / kChunk * kChunk;
+  const int64_t tiles = (q_len + kRows - 1) / kRows;
+
+  auto k_packed = at::empty({batch * num_kv_heads, padded_len * D}, query.options().dtype(at::kShort));
+  auto v_packed = at::empty_like(k_packed);
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(query.data_ptr());
+  const auto* k_ptr = reinterpret_cast<const uint16_t*>(key.data_ptr());
+  const auto* v_ptr = reinterpret_cast<const uint16_t*>(value.data_ptr());
+  auto* kp_ptr = reinterpret_cast<uint16_t*>(k_packed.data_ptr());
+  auto* vp_ptr = reinterpret_cast<uint16_t*>(v_packed.data_ptr());
+  auto* o_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t packed_stride = padded_len * D;
+
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t k_off = b * key.stride(0) + h * key.stride(2);
+      const int64_t v_off = b * value.stride(0) + h * value.stride(2);
+      pack_kv<D>(k_ptr + k_off, v_ptr + v_off, kv_len, key.stride(1), padded_len,
+                 kp_ptr + item * packed_stride, vp_ptr + item * packed_stride);
+    }
+  });
+
+  // Tiles in (batch, head, rows) order: contiguous ranges give each thread whole heads, so
+  // the longer causal tiles at the end of every head are spread across threads.
+  at::parallel_for(0, batch * num_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    const uint16_t* q_rows[kRows];
+    uint16_t* out_rows[kRows];
+    int64_t key_end[kRows];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t tile = item % tiles, bh = item / tiles;
+      const int64_t b = bh / num_heads, h = bh % num_heads;
+      const int64_t row0 = tile * kRows, rows = std::min(kRows, q_len - row0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = row0 + r;
+        q_rows[r] = q_ptr + b * query.stride(0) + i * query.stride(1) + h * query.stride(2);
+        out_rows[r] = o_ptr + ((b * q_len + i) * num_heads + h) * D;
+        key_end[r] = causal_offset < 0 ? kv_len : std::min(kv_len, i + causal_offset + 1);
+      }
+      const int64_t packed = (b * num_kv_heads + h / group) * packed_stride;
+      attend_tile<D>(q_rows, rows, key_end, kp_ptr + packed, vp_ptr + packed,
+                     static_cast<float>(scale), out_rows);
+    }
+  });
+}
+
+#endif  // MMSERVE_BF16_DOT
+
+}  // namespace
+
+bool flash_attention_supported(int64_t head_dim) {
+#ifdef MMSERVE_BF16_DOT
+  return head_dim == 64 || head_dim == 128;
+#else
+  (void)head_dim;
+  return false;
+#endif
+}
+
+at::Tensor flash_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           double scale, int64_t causal_offset) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes(),
+              "flash_attention: expected query [batch, q_len, heads, dim] and key/value "
+              "[batch, kv_len, kv_heads, dim]");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
+                  value.scalar_type() == at::kBFloat16,
+              "flash_attention: bfloat16 only");
+  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
+              "flash_attention: the head dimension must be contiguous");
+  TORCH_CHECK(query.size(0) == key.size(0) && query.size(3) == key.size(3) &&
+                  query.size(2) % key.size(2) == 0,
+              "flash_attention: batch or head sizes differ, or heads are not a multiple of KV heads");
+  TORCH_CHECK(flash_attention_supported(query.size(3)),
+              "flash_attention: needs AVX512-BF16 and a head size of 64 or 128");
+  TORCH_CHECK(key.size(1) > 0 || query.size(1) == 0, "flash_attention: no keys");
+  TORCH_CHECK(key.strides() == value.strides(), "flash_attention: key and value strides differ");
+  auto out = at::empty({query.size(0), query.size(1), query.size(2), query.size(3)},
+                       query.options());
+#ifdef MMSERVE_BF16_DOT
+  if (query.size(3) == 64)
+    flash_attention_impl<64>(query, key, value, scale, causal_offset, out);
+  else
+    flash_attention_impl<128>(query, key, value, scale, causal_offset, out);
+#endif
+  return out;
+}

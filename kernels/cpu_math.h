@@ -1,0 +1,33 @@
+// Scalar math shared by the CPU attention kernels, written so the compiler vectorizes it.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace mmserve_cpu {
+
+// exp(x) for x <= 0 (scores minus their maximum), within about 2 ulp of expf over the range
+// that matters, in plain arithmetic the compiler vectorizes (std::exp stays a scalar call
+// unless the whole file is built with -ffast-math). exp(x) = 2^k * exp(r), |r| <= ln(2)/2,
+// with Cephes' polynomial for exp(r).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // below this expf is subnormal; 0 is as good for a softmax
+  const float k = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(k, -0.693359375f, x);
+  r = std::fma(k, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r) + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace mmserve_cpu

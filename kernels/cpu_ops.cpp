@@ -1,0 +1,18 @@
+// Python bindings of the compiled CPU kernels (one extension module, built by cpu_ops.py).
+
+#include <torch/extension.h>
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, double scale);
+at::Tensor flash_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                           double scale, int64_t causal_offset);
+bool flash_attention_supported(int64_t head_dim);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention reading KV blocks in place");
+  m.def("flash_attention", &flash_attention,
+        "bfloat16 attention over many query rows (causal from an offset, or bidirectional)");
+  m.def("flash_attention_supported", &flash_attention_supported,
+        "whether this build has the bfloat16 flash attention for a head size");
+}
