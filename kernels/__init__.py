@@ -2,8 +2,9 @@
 kernels (GPU).
 
 ``paged_attention`` is the torch reference; the CPU runner uses it with the compiled kernels of
-``cpu_ops`` (decode attention, and bfloat16 flash attention for prompt chunks) when they build. ``triton_kv_cache`` and
-``triton_attention`` are the GPU kernels with the same contract; they are imported only where
-they are used, so that importing mmserve never imports Triton, and so that tests can switch on
-Triton's CPU interpreter (``TRITON_INTERPRET=1``) before the kernels are defined.
+``cpu_ops`` (decode attention, and bfloat16 flash attention for prompt chunks) when they build.
+``triton_kv_cache`` and ``triton_attention`` are the GPU kernels with the same contract; they
+are imported only where they are used, so that importing mmserve never imports Triton, and so
+that tests can switch on Triton's CPU interpreter (``TRITON_INTERPRET=1``) before the kernels
+are defined.
 """

@@ -9,6 +9,11 @@
 // Work items are (sequence, KV head) pairs. Each computes the scores of its query heads
 // against every cached key (one pass over K), a float32 softmax, then the weighted sum of the
 // values (one pass over V). Arithmetic is float32; bfloat16 is widened by a shift.
+//
+// bfloat16 with head sizes that are multiples of 32, on CPUs with AVX512-BF16, takes a faster
+// path: the dot-product instruction on bfloat16 pairs for both passes (probabilities rounded
+// to bfloat16 for the values, as torch's fused attention does), and software prefetch of the
+// rows a few keys ahead, since consecutive blocks are scattered in memory.
 
 #include <ATen/ATen.h>
 
@@ -19,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -43,6 +49,155 @@ inline void widen_row(const c10::Half* src, float* dst, int64_t n) {
 }
 
 // kHeadDim > 0 fixes the head size at compile time (fully unrolled rows); 0 reads it at run time.
+// Each of `rows` rows of `len` scores replaced by its softmax, in float32.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * len;
+    float max_score = std::numeric_limits<float>::lowest();
+#pragma omp simd reduction(max : max_score)
+    for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = exp_nonpositive(s[t] - max_score);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  }
+}
+
+#ifdef MMSERVE_BF16_DOT
+// The 16 horizontal sums of 16 vectors: lane j of the result is the sum of v[j]'s lanes.
+inline __m512 sum_lanes_of_16(__m512 v[16]) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [v2i.0+v2i.2, v2i+1.0+.2, v2i.1+.3, v2i+1.1+.3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: that lane's sums of v4i .. v4i+3
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Sum the four 128-bit lanes, leaving the sums of v4i .. v4i+3 in lane i.
+  const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0b10001000),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0b11011101));
+  const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0b10001000),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0b11011101));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0b10001000),
+                       _mm512_shuffle_f32x4(h01, h23, 0b11011101));
+}
+
+// Where token t's row of one KV head lives in the paged cache (head_rows already points at
+// the head's first dimension).
+struct PagedRows {
+  const uint16_t* head_rows;
+  const int64_t* table;
+  int64_t block_size, block_stride, token_stride;
+
+  const uint16_t* operator()(int64_t t) const {
+    return head_rows + table[t / block_size] * block_stride + (t % block_size) * token_stride;
+  }
+};
+
+// Rows come from scattered blocks, so the hardware prefetcher cannot run ahead across them:
+// ask for the rows a few keys ahead explicitly.
+template <int64_t D>
+inline void prefetch_row(const uint16_t* row) {
+  for (int64_t line = 0; line < D * 2; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + line, _MM_HINT_T0);
+}
+
+// Scaled scores of `group` bfloat16 query heads against a sequence's keys, 16 keys at a time:
+// one bfloat16-pair dot product per 32 dimensions into a float32 vector per key, then the 16
+// vectors summed across lanes at once. scores is [group, len].
+template <int64_t D>
+void bf16_scores(const uint16_t* q, int64_t group, const PagedRows& keys, int64_t len,
+                 float scale, float* scores) {
+  static const uint16_t zeros[D] = {};
+  const uint16_t* rows[16];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    for (int64_t j = 0; j < 16; ++j) {
+      rows[j] = t0 + j < len ? keys(t0 + j) : zeros;
+      if (t0 + 16 + j < len) prefetch_row<D>(keys(t0 + 16 + j));
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      __m512i qv[D / 32];
+      for (int64_t c = 0; c < D / 32; ++c) qv[c] = _mm512_loadu_si512(q + g * D + 32 * c);
+      __m512 acc[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        acc[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < D / 32; ++c)
+          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)qv[c],
+                                    (__m512bh)_mm512_loadu_si512(rows[j] + 32 * c));
+      }
+      const __m512 sums = _mm512_mul_ps(sum_lanes_of_16(acc), vscale);
+      float* dst = scores + g * len + t0;
+      if (t0 + 16 <= len) {
+        _mm512_storeu_ps(dst, sums);
+      } else {
+        _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << (len - t0)) - 1), sums);
+      }
+    }
+  }
+}
+
+// out[g] = sum over t of probs[g, t] * V[t] for `group` heads, two keys per instruction: the
+// probabilities rounded to bfloat16 pairs (t, t+1), the two value rows interleaved into
+// (V[t][d], V[t+1][d]) pairs. Interleaving works within 128-bit lanes, so accumulator lane i
+// of chunk c holds dimension 32c + 8(i/4) + i%4 (+4 for the high half); the store undoes it.
+template <int64_t D>
+void bf16_weighted_values(const float* probs, int64_t group, const PagedRows& values,
+                          int64_t len, uint16_t* prob_bits, c10::BFloat16* out) {
+  constexpr int64_t kChunks = D / 32;            // 32-dimension chunks of a row
+  constexpr int64_t kHeads = 24 / (2 * kChunks);  // heads per pass, their sums in registers
+  static const uint16_t zeros[D] = {};
+  const int64_t pairs = (len + 1) / 2;
+  for (int64_t g = 0; g < group; ++g) {  // probabilities as bfloat16, zero-padded to even
+    for (int64_t t = 0; t < 2 * pairs; ++t)
+      prob_bits[g * 2 * pairs + t] =
+          t < len ? c10::BFloat16(probs[g * len + t]).x : static_cast<uint16_t>(0);
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const int64_t heads = std::min(kHeads, group - g0);
+    __m512 acc[kHeads][2 * kChunks];
+    for (int64_t h = 0; h < kHeads; ++h)
+      for (int64_t c = 0; c < 2 * kChunks; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < pairs; ++i) {
+      const int64_t t = 2 * i;
+      const uint16_t* even = values(t);
+      const uint16_t* odd = t + 1 < len ? values(t + 1) : zeros;
+      if (t + 8 < len) prefetch_row<D>(values(t + 8));
+      if (t + 9 < len) prefetch_row<D>(values(t + 9));
+      __m512i vpairs[2 * kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) {
+        const __m512i a = _mm512_loadu_si512(even + 32 * c), b = _mm512_loadu_si512(odd + 32 * c);
+        vpairs[2 * c] = _mm512_unpacklo_epi16(a, b);
+        vpairs[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int64_t h = 0; h < kHeads; ++h) {
+        if (h >= heads) break;
+        uint32_t pair;
+        std::memcpy(&pair, prob_bits + (g0 + h) * 2 * pairs + t, sizeof pair);
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        for (int64_t c = 0; c < 2 * kChunks; ++c)
+          acc[h][c] = _mm512_dpbf16_ps(acc[h][c], p, (__m512bh)vpairs[c]);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      c10::BFloat16* dst = out + (g0 + h) * D;
+      alignas(64) float lanes[16];
+      for (int64_t c = 0; c < 2 * kChunks; ++c) {
+        _mm512_store_ps(lanes, acc[h][c]);
+        for (int64_t i = 0; i < 16; ++i)
+          dst[32 * (c / 2) + 8 * (i / 4) + 4 * (c % 2) + i % 4] = c10::BFloat16(lanes[i]);
+      }
+    }
+  }
+}
+#endif  // MMSERVE_BF16_DOT
+
 template <typename T, int64_t kHeadDim>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
@@ -64,6 +219,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    std::vector<uint16_t> prob_bits;  // bfloat16 probabilities of the fast path
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t len = lens[seq];
@@ -87,6 +243,22 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
           }
         }
       };
+#ifdef MMSERVE_BF16_DOT
+      if constexpr (std::is_same_v<T, c10::BFloat16> && kHeadDim % 32 == 0 && kHeadDim > 0) {
+        const auto* q_bits = reinterpret_cast<const uint16_t*>(q_ptr) +
+                             (seq * num_heads + kv_head * group) * head_dim;
+        const PagedRows keys{reinterpret_cast<const uint16_t*>(k_ptr) + head_offset, table,
+                             block_size, block_stride, token_stride};
+        const PagedRows values{reinterpret_cast<const uint16_t*>(v_ptr) + head_offset, table,
+                               block_size, block_stride, token_stride};
+        bf16_scores<kHeadDim>(q_bits, group, keys, len, fscale, scores.data());
+        softmax_rows(scores.data(), group, len);
+        prob_bits.resize(group * (len + 1));
+        bf16_weighted_values<kHeadDim>(scores.data(), group, values, len, prob_bits.data(),
+                                       o_ptr + (seq * num_heads + kv_head * group) * head_dim);
+        continue;
+      }
+#endif
       // Scores: one pass over the keys.
       for_each_row(k_ptr, [&](int64_t t, const float* kf) {
         for (int64_t g = 0; g < group; ++g) {
@@ -97,21 +269,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
           scores[g * len + t] = dot;
         }
       });
-      // Softmax per query head, float32.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        float max_score = std::numeric_limits<float>::lowest();
-#pragma omp simd reduction(max : max_score)
-        for (int64_t t = 0; t < len; ++t) max_score = std::max(max_score, s[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          s[t] = exp_nonpositive(s[t] - max_score);
-          sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-      }
+      softmax_rows(scores.data(), group, len);
       // Weighted values: one pass over the values.
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_row(v_ptr, [&](int64_t t, const float* vf) {

@@ -23,11 +23,6 @@
 
 #include "cpu_math.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define MMSERVE_BF16_DOT 1
-#endif
-
 namespace {
 
 #ifdef MMSERVE_BF16_DOT

@@ -1,10 +1,17 @@
-// Scalar math shared by the CPU attention kernels, written so the compiler vectorizes it.
+// What the CPU attention kernels share: the instruction set test, and scalar math written so
+// the compiler vectorizes it.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+// AVX512-BF16: a dot-product instruction multiplying pairs of bfloat16 into float32 sums.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define MMSERVE_BF16_DOT 1
+#endif
 
 namespace mmserve_cpu {
 
