@@ -15,6 +15,22 @@
 
 namespace mmserve_cpu {
 
+// bfloat16 is the upper half of a float32: widening is a shift, narrowing rounds to nearest
+// even (NaN stays NaN). Plain integer arithmetic, so loops over them vectorize.
+inline float bf16_value(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+
 // exp(x) for x <= 0 (scores minus their maximum), within about 2 ulp of expf over the range
 // that matters, in plain arithmetic the compiler vectorizes (std::exp stays a scalar call
 // unless the whole file is built with -ffast-math). exp(x) = 2^k * exp(r), |r| <= ln(2)/2,

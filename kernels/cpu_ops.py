@@ -11,6 +11,11 @@ sums. For short sequences (a 238-token prompt, a 197-patch image) torch's fused 
 spends more time in its blocking than in arithmetic; the kernel is 2-4x faster there. Other
 dtypes, head sizes and CPUs keep torch's attention.
 
+``rms_norm``, ``silu_and_mul`` and ``quick_gelu`` (``cpu_elementwise.cpp``) do in one pass
+over bfloat16 activations what torch does in three to six, rounding where torch's ops round.
+The models call them through ``bf16_kernels``: float32 (the exactness checks) and other
+devices keep torch's ops.
+
 Building takes about 40 s on two cores the first time; torch caches the library (under
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) for later starts. Without
 a compiler, or with ``MMSERVE_CPU_KERNELS=0``, ``load()`` returns None and the CPU runner uses
@@ -36,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "MMSERVE_CPU_KERNELS"
 _SOURCES = [Path(__file__).with_name(name) for name in
-            ("cpu_ops.cpp", "cpu_decode_attention.cpp", "cpu_flash_attention.cpp")]
+            ("cpu_ops.cpp", "cpu_decode_attention.cpp", "cpu_flash_attention.cpp",
+             "cpu_elementwise.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failure: str | None = None
@@ -86,10 +92,17 @@ def decode_attention(query, kv_cache, meta, scale: float):
                                     meta.decode_block_tables, meta.decode_lens, scale)
 
 
+def bf16_kernels(tensor: torch.Tensor) -> ModuleType | None:
+    """The compiled module if the CPU runner has loaded it and ``tensor`` is a bfloat16 CPU
+    tensor, the dtype its flash attention and fused layers serve; None means: use torch."""
+    if _module is not None and tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu":
+        return _module
+    return None
+
+
 def _flash_supported(tensor: torch.Tensor) -> bool:
     """Whether the loaded module's flash attention takes this query (dtype, head size, CPU)."""
-    return (_module is not None and tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu"
-            and _flash_head_dim(tensor.shape[-1]))
+    return bf16_kernels(tensor) is not None and _flash_head_dim(tensor.shape[-1])
 
 
 @functools.cache

@@ -6,7 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.kernels.cpu_ops import bf16_kernels
 from mmserve.models.forward_context import get_forward_context
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    if (ops := bf16_kernels(x)) is not None:
+        return ops.quick_gelu(x)
+    return x * torch.sigmoid(1.702 * x)
 
 
 def get_activation(name: str):
@@ -15,7 +22,7 @@ def get_activation(name: str):
         "gelu": F.gelu,
         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
         "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+        "quick_gelu": quick_gelu,
         "relu": F.relu,
     }
     if name not in acts:
@@ -30,6 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and self.weight.dtype == x.dtype and (ops := bf16_kernels(x)) is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         # Normalize in float32 and scale in the input dtype, as the reference models do.
         dtype = x.dtype
         x = x.float()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmserve.kernels.cpu_ops import bf16_kernels
 from mmserve.models.layers import (
     PagedAttention,
     RMSNorm,
@@ -57,9 +58,13 @@ class DecoderMLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.act = get_activation(config.hidden_act)
+        self.fused_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.fused_silu and (ops := bf16_kernels(gate)) is not None:
+            return self.down_proj(ops.silu_and_mul(gate, up))
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -210,3 +210,77 @@ def test_cpu_runner_uses_the_flash_kernel(flash, clip_llama):
 
     runner = LLM(clip_llama, max_model_len=256).engine.runner
     assert runner.attention.keywords["prefill"] is cpu_ops.prefill_attention
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bfloat16 steps between two bfloat16 tensors of finite values."""
+    def ordered(t):
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def _assert_rounds_like_torch(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Fused kernels round where torch's ops round; only their float32 math differs (an exp or
+    a sum in another order), which moves a rare value by one bfloat16 step."""
+    assert got.dtype == expected.dtype == torch.bfloat16 and got.shape == expected.shape
+    apart = _ulps_apart(got, expected)
+    assert apart.max() <= 1
+    assert (apart == 0).float().mean() > 0.99
+
+
+def test_rms_norm_matches_torch(kernel, monkeypatch):
+    from mmserve.models import layers
+
+    g = torch.Generator().manual_seed(7)
+    norm = layers.RMSNorm(768, 1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(768, generator=g) * 0.1 + 1)
+    wide = (torch.randn(300, 1000, generator=g) * 3).bfloat16()
+    x = wide[:, 100:868]  # rows with a stride, as a slice of a larger activation
+    with torch.no_grad():
+        monkeypatch.setattr(layers, "bf16_kernels", lambda t: None)
+        expected = norm(x)  # the module's torch path
+        monkeypatch.setattr(layers, "bf16_kernels", lambda t: kernel)
+        got = norm(x)  # the module's fused path
+    _assert_rounds_like_torch(got, expected)
+    _assert_rounds_like_torch(kernel.rms_norm(x, norm.weight, 1e-5), expected)
+
+
+def test_silu_and_mul_matches_torch(kernel):
+    g = torch.Generator().manual_seed(8)
+    gate_up = (torch.randn(257, 2 * 2048, generator=g) * 4).bfloat16()
+    gate, up = gate_up[:, :2048], gate_up[:, 2048:]  # strided halves of one projection
+    expected = F.silu(gate) * up
+    _assert_rounds_like_torch(kernel.silu_and_mul(gate, up), expected)
+
+
+def test_quick_gelu_matches_torch(kernel):
+    from mmserve.models.layers import get_activation
+
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(3, 197, 3072, generator=g) * 4).bfloat16()
+    expected = x * torch.sigmoid(1.702 * x)
+    _assert_rounds_like_torch(kernel.quick_gelu(x), expected)
+    # Extremes saturate instead of overflowing.
+    edge = torch.tensor([-1e4, -100.0, 0.0, 100.0, 1e4]).bfloat16()
+    torch.testing.assert_close(kernel.quick_gelu(edge), edge * torch.sigmoid(1.702 * edge))
+    # float32 keeps torch's ops exactly.
+    xf = x.float()
+    assert torch.equal(get_activation("quick_gelu")(xf), xf * torch.sigmoid(1.702 * xf))
+
+
+def test_fused_layers_reject_other_dtypes(kernel):
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        kernel.rms_norm(x, torch.ones(64), 1e-5)
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        kernel.silu_and_mul(x, x)
+    with pytest.raises(RuntimeError, match="one shape"):
+        kernel.silu_and_mul(x.bfloat16(), x[:, :32].bfloat16())
+
+
+def test_bf16_kernels_only_for_bfloat16_cpu_tensors(kernel):
+    assert cpu_ops.bf16_kernels(torch.zeros(2, dtype=torch.bfloat16)) is kernel
+    assert cpu_ops.bf16_kernels(torch.zeros(2)) is None
+    assert cpu_ops.bf16_kernels(torch.zeros(2, dtype=torch.bfloat16, device="meta")) is None
