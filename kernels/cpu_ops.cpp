@@ -11,6 +11,10 @@ bool flash_attention_supported(int64_t head_dim);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor quick_gelu(const at::Tensor& x);
+bool packed_linear_supported();
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias, int64_t out_features);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "paged decode attention reading KV blocks in place");
@@ -21,4 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "bfloat16 RMSNorm in one pass");
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up in one pass");
   m.def("quick_gelu", &quick_gelu, "bfloat16 x * sigmoid(1.702 x) in one pass");
+  m.def("packed_linear_supported", &packed_linear_supported,
+        "whether this build has the packed bfloat16 linear");
+  m.def("pack_linear_weight", &pack_linear_weight, "a bfloat16 [out, in] weight as panels");
+  m.def("packed_linear", &packed_linear, "x @ weight.T + bias from packed panels");
 }

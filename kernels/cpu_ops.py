@@ -16,6 +16,11 @@ over bfloat16 activations what torch does in three to six, rounding where torch'
 The models call them through ``bf16_kernels``: float32 (the exactness checks) and other
 devices keep torch's ops.
 
+``PackedLinear`` (``cpu_linear.cpp``) replaces a bfloat16 ``nn.Linear`` once its weights are
+loaded, with the weight repacked into the panels of the pair dot-product instruction. On decode
+steps, where a few dozen rows meet every weight once, it reaches about 1.5 times torch's
+bfloat16 matmul, which reads the [out, in] layout.
+
 Building takes about 40 s on two cores the first time; torch caches the library (under
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) for later starts. Without
 a compiler, or with ``MMSERVE_CPU_KERNELS=0``, ``load()`` returns None and the CPU runner uses
@@ -33,6 +38,7 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mmserve.kernels.paged_attention import PrefillSeq, paged_attention
 from mmserve.kernels.paged_attention import prefill_attention as torch_prefill_attention
@@ -42,7 +48,7 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "MMSERVE_CPU_KERNELS"
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("cpu_ops.cpp", "cpu_decode_attention.cpp", "cpu_flash_attention.cpp",
-             "cpu_elementwise.cpp")]
+             "cpu_elementwise.cpp", "cpu_linear.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failure: str | None = None
@@ -130,6 +136,49 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), scale=scale)
     return out.transpose(1, 2)
+
+
+class PackedLinear(nn.Module):
+    """A bfloat16 ``nn.Linear`` whose weight lives as the compiled kernel's panels."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = _module.pack_linear_weight(linear.weight.detach().contiguous())
+        self.register_buffer("packed", packed)
+        bias = None
+        if linear.bias is not None:  # float32, zero-padded to whole 32-output panels
+            bias = torch.zeros(packed.shape[0] * 32)
+            bias[:self.out_features] = linear.bias.detach().float()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = _module.packed_linear(rows, self.packed, self.bias, self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def pack_linear_layers(model: nn.Module) -> int:
+    """Replace every bfloat16 ``nn.Linear`` of ``model`` (on the CPU, weight not shared with
+    another module, even input size) by a ``PackedLinear``; how many were replaced. Nothing
+    changes without the compiled module or AVX512-BF16."""
+    if load() is None or not _module.packed_linear_supported():
+        return 0
+    owners: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        owners[id(param)] = owners.get(id(param), 0) + 1
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if (isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16
+                    and child.weight.device.type == "cpu" and child.in_features % 2 == 0
+                    and owners[id(child.weight)] == 1):
+                setattr(parent, name, PackedLinear(child))
+                replaced += 1
+    return replaced
 
 
 def cpu_attention_backend():

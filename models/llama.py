@@ -61,10 +61,9 @@ class DecoderMLP(nn.Module):
         self.fused_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.fused_silu and (ops := bf16_kernels(gate)) is not None:
-            return self.down_proj(ops.silu_and_mul(gate, up))
-        return self.down_proj(self.act(gate) * up)
+        if self.fused_silu and (ops := bf16_kernels(x)) is not None:
+            return self.down_proj(ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

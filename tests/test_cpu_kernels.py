@@ -284,3 +284,95 @@ def test_bf16_kernels_only_for_bfloat16_cpu_tensors(kernel):
     assert cpu_ops.bf16_kernels(torch.zeros(2, dtype=torch.bfloat16)) is kernel
     assert cpu_ops.bf16_kernels(torch.zeros(2)) is None
     assert cpu_ops.bf16_kernels(torch.zeros(2, dtype=torch.bfloat16, device="meta")) is None
+
+
+@pytest.fixture(scope="module")
+def packed(kernel):
+    if not kernel.packed_linear_supported():
+        pytest.skip("this CPU lacks AVX512-BF16: linear layers stay on torch")
+    return kernel
+
+
+def _bf16_linear(in_features, out_features, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=g))
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=g))
+    return linear.bfloat16()
+
+
+@pytest.mark.parametrize("rows,in_features,out_features,bias", [
+    (1, 768, 2048, False),  # one decode
+    (3, 64, 48, True),  # fewer rows than a tile, outputs not a multiple of the 32-wide panel
+    (64, 768, 32000, False),  # a decode step through the LM head
+    (200, 2048, 768, True),  # several row chunks, a tile tail, bias
+    (9, 768, 256, False),
+])
+def test_packed_linear_matches_torch(packed, rows, in_features, out_features, bias):
+    linear = _bf16_linear(in_features, out_features, bias, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.no_grad():
+        got = cpu_ops.PackedLinear(linear)(x)
+        torch_out = linear(x)
+        exact = F.linear(x.float(), linear.weight.float(),
+                         None if linear.bias is None else linear.bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == torch_out.shape
+    # Both sum in float32 and round once; only the order of the sums differs.
+    assert (got.float() - exact).abs().max() <= 1.5 * (torch_out.float() - exact).abs().max()
+    assert _ulps_apart(got, torch_out).float().mean() < 0.05
+
+
+def test_packed_linear_takes_strided_and_batched_inputs(packed):
+    linear = _bf16_linear(64, 96, True, seed=2)
+    wide = torch.randn(2, 5, 100, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = wide[..., 10:74]  # rows with a stride, two leading dimensions
+    with torch.no_grad():
+        got = cpu_ops.PackedLinear(linear)(x)
+        expected = linear(x.contiguous())
+    assert got.shape == (2, 5, 96)
+    torch.testing.assert_close(got.float(), expected.float(), atol=0.1, rtol=1e-2)
+
+
+def test_packed_linear_rejects_mismatched_inputs(packed):
+    weights = packed.pack_linear_weight(torch.randn(40, 64).bfloat16())
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight takes 64"):
+        packed.packed_linear(x[:, :32], weights, None, 40)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        packed.packed_linear(x, weights, None, 70)
+    with pytest.raises(RuntimeError, match="bias must be float32"):
+        packed.packed_linear(x, weights, torch.zeros(40).bfloat16(), 40)
+    with pytest.raises(RuntimeError, match="input size must be even"):
+        packed.pack_linear_weight(torch.randn(4, 7).bfloat16())
+
+
+def test_pack_linear_layers_replaces_only_what_it_can_serve(packed):
+    model = torch.nn.ModuleDict({
+        "a": _bf16_linear(64, 64, False, seed=4),
+        "odd": _bf16_linear(63, 64, False, seed=5),
+        "tied": _bf16_linear(64, 100, False, seed=6),
+        "fp32": torch.nn.Linear(64, 64),
+    })
+    model["embed"] = torch.nn.Embedding(100, 64).bfloat16()
+    model["embed"].weight = model["tied"].weight  # an LM head tied to the embeddings
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    with torch.no_grad():
+        before = model["a"](x)
+        assert cpu_ops.pack_linear_layers(model) == 1
+        after = model["a"](x)
+    assert isinstance(model["a"], cpu_ops.PackedLinear)
+    assert all(isinstance(model[k], torch.nn.Linear) for k in ("odd", "tied", "fp32"))
+    torch.testing.assert_close(after.float(), before.float(), atol=0.1, rtol=1e-2)
+
+
+def test_cpu_runner_packs_bfloat16_linear_layers_only(packed, clip_llama):
+    from mmserve import LLM
+
+    def packed_layers(llm):
+        return sum(isinstance(m, cpu_ops.PackedLinear) for m in llm.engine.model.modules())
+
+    # (test_engine_inputs.py generates through them in bfloat16.)
+    assert packed_layers(LLM(clip_llama, dtype="bfloat16", max_model_len=96)) > 0
+    assert packed_layers(LLM(clip_llama, dtype="float32", max_model_len=96)) == 0

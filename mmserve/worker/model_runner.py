@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from mmserve.kernels.cpu_ops import cpu_attention_backend
+from mmserve.kernels.cpu_ops import cpu_attention_backend, pack_linear_layers
 from mmserve.kernels.paged_attention import (
     AttentionMetadata,
     build_attention_metadata,
@@ -224,12 +224,21 @@ class ModelRunner:
 
 
 class CPUModelRunner(ModelRunner):
-    """The CPU: torch attention for prompt chunks, the compiled decode kernel when it builds
-    (``kernels/cpu_ops.py``), and a C heap that keeps freed memory (``cpu_allocator.py``)."""
+    """The CPU: the compiled kernels of ``kernels/cpu_ops.py`` when they build (attention,
+    and for bfloat16 packed linear layers and fused norms and activations), torch otherwise,
+    and a C heap that keeps freed memory (``cpu_allocator.py``)."""
 
     device = torch.device("cpu")
+
+    @classmethod
+    def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
+        """The model, with its bfloat16 linear layers' weights packed for the compiled kernel
+        (``cpu_ops.PackedLinear``) where the CPU has one."""
+        model, weight_bytes = super().load_model(model_dir, hf_config, dtype)
+        pack_linear_layers(model)
+        return model, weight_bytes
 
     def __init__(self, *args, **kwargs) -> None:
         keep_freed_memory()  # steps reuse their activations' pages instead of faulting them in
         super().__init__(*args, **kwargs)
-        self.attention = cpu_attention_backend()  # compiled decode kernel when it builds
+        self.attention = cpu_attention_backend()  # compiled kernels when they build
