@@ -21,7 +21,7 @@ loaded, with the weight repacked into the panels of the pair dot-product instruc
 steps, where a few dozen rows meet every weight once, it reaches about 1.5 times torch's
 bfloat16 matmul, which reads the [out, in] layout.
 
-Building takes about 40 s on two cores the first time; torch caches the library (under
+Building takes about 50 s on two cores the first time; torch caches the library (under
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) for later starts. Without
 a compiler, or with ``MMSERVE_CPU_KERNELS=0``, ``load()`` returns None and the CPU runner uses
 the torch reference, with one warning saying why.
@@ -30,8 +30,10 @@ the torch reference, with one warning saying why.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import platform
 import threading
 from pathlib import Path
 from types import ModuleType
@@ -54,6 +56,18 @@ _module: ModuleType | None = None
 _failure: str | None = None
 
 
+def _cpu_signature() -> str:
+    """A short hash of this CPU's model and instruction-set flags. The build uses
+    ``-march=native``, so machines that share a home directory (and torch's extension cache)
+    but differ in CPU each get their own build instead of one that may not run."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor(), platform.machine()]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
+
+
 def load() -> ModuleType | None:
     """The compiled module, building it if needed; None when it cannot be had."""
     global _module, _failure
@@ -67,7 +81,7 @@ def load() -> ModuleType | None:
             from torch.utils.cpp_extension import load as load_extension
 
             _module = load_extension(
-                name="mmserve_cpu_ops",
+                name=f"mmserve_cpu_ops_{_cpu_signature()}",
                 sources=[str(p) for p in _SOURCES],
                 # Reassociated float math (vectorized dot products and sums) but IEEE
                 # inf/NaN handling; compile flags only, so the process's FP mode is untouched.
