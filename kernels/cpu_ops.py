@@ -168,6 +168,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
         out = _module.packed_linear(rows, self.packed, self.bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 

@@ -37,7 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and self.weight.dtype == x.dtype and (ops := bf16_kernels(x)) is not None:
+        if (x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype
+                and (ops := bf16_kernels(x)) is not None):
             return ops.rms_norm(x, self.weight, self.eps)
         # Normalize in float32 and scale in the input dtype, as the reference models do.
         dtype = x.dtype

@@ -333,6 +333,10 @@ def test_packed_linear_takes_strided_and_batched_inputs(packed):
         expected = linear(x.contiguous())
     assert got.shape == (2, 5, 96)
     torch.testing.assert_close(got.float(), expected.float(), atol=0.1, rtol=1e-2)
+    columns = torch.randn(64, 7, generator=torch.Generator().manual_seed(4)).bfloat16().t()
+    with torch.no_grad():  # features not contiguous: copied first
+        torch.testing.assert_close(cpu_ops.PackedLinear(linear)(columns).float(),
+                                   linear(columns.contiguous()).float(), atol=0.1, rtol=1e-2)
 
 
 def test_packed_linear_rejects_mismatched_inputs(packed):
