@@ -48,7 +48,6 @@ inline void widen_row(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// kHeadDim > 0 fixes the head size at compile time (fully unrolled rows); 0 reads it at run time.
 // Each of `rows` rows of `len` scores replaced by its softmax, in float32.
 inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
   for (int64_t g = 0; g < rows; ++g) {
@@ -198,6 +197,7 @@ void bf16_weighted_values(const float* probs, int64_t group, const PagedRows& va
 }
 #endif  // MMSERVE_BF16_DOT
 
+// kHeadDim > 0 fixes the head size at compile time (fully unrolled rows); 0 reads it at run time.
 template <typename T, int64_t kHeadDim>
 void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
