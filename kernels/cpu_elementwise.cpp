@@ -6,6 +6,8 @@
 // rms_norm(x [rows, hidden], weight [hidden], eps)  -> weight * bf16(x * rsqrt(mean(x^2) + eps))
 // silu_and_mul(gate [rows, n], up [rows, n])        -> bf16(silu(gate)) * up
 // quick_gelu(x [...])                               -> x * bf16(sigmoid(bf16(1.702 x)))
+// rotary(x [tokens, heads, dim], cos, sin [tokens, 1, dim])
+//                                 -> bf16(x * cos) + bf16(rotate_half(x) * sin), contiguous
 //
 // Plain loops over the raw bits, which the compiler vectorizes; any CPU.
 
@@ -114,6 +116,40 @@ at::Tensor quick_gelu(const at::Tensor& x) {
       const float v = bf16_value(src[i]);
       const float gate = bf16_value(bf16_bits(sigmoid(bf16_value(bf16_bits(1.702f * v)))));
       dst[i] = bf16_bits(v * gate);
+    }
+  });
+  return out;
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_bf16(x, "rotary");
+  check_bf16(cos, "rotary");
+  check_bf16(sin, "rotary");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rotary: expected x [tokens, heads, dim] with an even, contiguous last dimension");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * dim &&
+                  sin.numel() == tokens * dim,
+              "rotary: expected contiguous cos and sin tables of [tokens, 1, dim]");
+  auto out = at::empty({tokens, heads, dim}, x.options());
+  const auto* c = reinterpret_cast<const uint16_t*>(cos.data_ptr());
+  const auto* s = reinterpret_cast<const uint16_t*>(sin.data_ptr());
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  for_rows(tokens * heads, dim, [&](int64_t row) {
+    const int64_t t = row / heads, h = row % heads;
+    const uint16_t* in = src + t * x.stride(0) + h * x.stride(1);
+    const uint16_t* ct = c + t * dim;
+    const uint16_t* st = s + t * dim;
+    uint16_t* dst = o + row * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = bf16_value(in[i]), x2 = bf16_value(in[i + half]);
+      // rotate_half(x) = [-x2, x1]; each product rounded, then their sum, as torch's ops do.
+      dst[i] = bf16_bits(bf16_value(bf16_bits(x1 * bf16_value(ct[i]))) +
+                         bf16_value(bf16_bits(-x2 * bf16_value(st[i]))));
+      dst[i + half] = bf16_bits(bf16_value(bf16_bits(x2 * bf16_value(ct[i + half]))) +
+                                bf16_value(bf16_bits(x1 * bf16_value(st[i + half]))));
     }
   });
   return out;

@@ -11,6 +11,7 @@ bool flash_attention_supported(int64_t head_dim);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor quick_gelu(const at::Tensor& x);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 bool packed_linear_supported();
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
@@ -25,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "bfloat16 RMSNorm in one pass");
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up in one pass");
   m.def("quick_gelu", &quick_gelu, "bfloat16 x * sigmoid(1.702 x) in one pass");
+  m.def("rotary", &rotary, "bfloat16 rotary embedding (rotate-half layout) in one pass");
   m.def("packed_linear_supported", &packed_linear_supported,
         "whether this build has the packed bfloat16 linear");
   m.def("pack_linear_weight", &pack_linear_weight, "a bfloat16 [out, in] weight as panels");

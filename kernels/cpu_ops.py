@@ -11,8 +11,9 @@ sums. For short sequences (a 238-token prompt, a 197-patch image) torch's fused 
 spends more time in its blocking than in arithmetic; the kernel is 2-4x faster there. Other
 dtypes, head sizes and CPUs keep torch's attention.
 
-``rms_norm``, ``silu_and_mul`` and ``quick_gelu`` (``cpu_elementwise.cpp``) do in one pass
-over bfloat16 activations what torch does in three to six, rounding where torch's ops round.
+``rms_norm``, ``rotary``, ``silu_and_mul`` and ``quick_gelu`` (``cpu_elementwise.cpp``) do in
+one pass over bfloat16 activations what torch does in three to six, rounding where torch's
+ops round.
 The models call them through ``bf16_kernels``: float32 (the exactness checks) and other
 devices keep torch's ops.
 

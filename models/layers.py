@@ -91,6 +91,9 @@ def apply_rotary(
     cos_sin: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_sin
+    if ((ops := bf16_kernels(q)) is not None and cos.dtype == q.dtype and q.stride(-1) == 1
+            and k.stride(-1) == 1):
+        return ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

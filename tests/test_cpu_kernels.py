@@ -270,6 +270,23 @@ def test_quick_gelu_matches_torch(kernel):
     assert torch.equal(get_activation("quick_gelu")(xf), xf * torch.sigmoid(1.702 * xf))
 
 
+def test_rotary_matches_torch_exactly(kernel, monkeypatch):
+    """Each product is exact in float32 and rounded where torch rounds it: bit for bit equal."""
+    from mmserve.models import layers
+
+    rope = layers.RotaryEmbedding(64, 512, 10000.0)
+    positions = torch.tensor([0, 1, 2, 7, 100, 511, 3])
+    cos_sin = rope.cos_sin(positions, torch.bfloat16)
+    g = torch.Generator().manual_seed(10)
+    qkv = (torch.randn(7, 12 + 4 + 4, 64, generator=g) * 3).bfloat16()
+    q, k = qkv[:, :12], qkv[:, 12:16]  # head slices of one projection, as the decoder has them
+    monkeypatch.setattr(layers, "bf16_kernels", lambda t: None)
+    expected = layers.apply_rotary(q, k, cos_sin)
+    monkeypatch.setattr(layers, "bf16_kernels", lambda t: kernel)
+    got = layers.apply_rotary(q, k, cos_sin)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def test_fused_layers_reject_other_dtypes(kernel):
     x = torch.randn(4, 64)
     with pytest.raises(RuntimeError, match="bfloat16 only"):
@@ -278,6 +295,9 @@ def test_fused_layers_reject_other_dtypes(kernel):
         kernel.silu_and_mul(x, x)
     with pytest.raises(RuntimeError, match="one shape"):
         kernel.silu_and_mul(x.bfloat16(), x[:, :32].bfloat16())
+    table = torch.ones(4, 1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match=r"cos and sin tables of \[tokens, 1, dim\]"):
+        kernel.rotary(x.bfloat16().view(4, 1, 64), table[:2], table[:2])
 
 
 def test_bf16_kernels_only_for_bfloat16_cpu_tensors(kernel):
