@@ -13,9 +13,8 @@ dtypes, head sizes and CPUs keep torch's attention.
 
 ``rms_norm``, ``rotary``, ``silu_and_mul`` and ``quick_gelu`` (``cpu_elementwise.cpp``) do in
 one pass over bfloat16 activations what torch does in three to six, rounding where torch's
-ops round.
-The models call them through ``bf16_kernels``: float32 (the exactness checks) and other
-devices keep torch's ops.
+ops round. The models call them through ``bf16_kernels``: float32 (the exactness checks) and
+other devices keep torch's ops.
 
 ``PackedLinear`` (``cpu_linear.cpp``) replaces a bfloat16 ``nn.Linear`` once its weights are
 loaded, with the weight repacked into the panels of the pair dot-product instruction. On decode
