@@ -133,11 +133,7 @@ void bf16_scores(const uint16_t* q, int64_t group, const PagedRows& keys, int64_
       }
       const __m512 sums = _mm512_mul_ps(sum_lanes_of_16(acc), vscale);
       float* dst = scores + g * len + t0;
-      if (t0 + 16 <= len) {
-        _mm512_storeu_ps(dst, sums);
-      } else {
-        _mm512_mask_storeu_ps(dst, static_cast<__mmask16>((1u << (len - t0)) - 1), sums);
-      }
+      _mm512_mask_storeu_ps(dst, mmserve_cpu::first_lanes(len - t0), sums);
     }
   }
 }

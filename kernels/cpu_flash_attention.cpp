@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu_math.h"
 
@@ -28,6 +29,7 @@ namespace {
 #ifdef MMSERVE_BF16_DOT
 
 using mmserve_cpu::exp_nonpositive;
+using mmserve_cpu::first_lanes;
 
 constexpr int64_t kRows = 8;    // query rows per tile, one accumulator register each
 constexpr int64_t kGroup = 16;  // keys per packed K vector (16 float32 lanes)
@@ -92,49 +94,73 @@ void attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t* key
   for (int64_t c0 = 0; c0 < tile_end; c0 += kChunk) {
     const int64_t groups = std::min<int64_t>(kChunk / kGroup, (tile_end - c0 + kGroup - 1) / kGroup);
     const int64_t width = groups * kGroup;
-    // Scores: 16 keys by kRows rows per pass over the head dimension.
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint16_t* kg = k_packed + ((c0 / kGroup + g) * (D / 2)) * (2 * kGroup);
-      __m512 acc[kRows];
-      for (int64_t r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+    // Scores: kGroups x 16 keys by kRows rows per pass over the head dimension, each
+    // broadcast query pair used for every group.
+    const auto score_groups = [&](auto num_groups, int64_t g0) {
+      constexpr int64_t kGroups = decltype(num_groups)::value;
+      const uint16_t* kg = k_packed + ((c0 / kGroup + g0) * (D / 2)) * (2 * kGroup);
+      __m512 acc[kGroups][kRows];
+      for (int64_t i = 0; i < kGroups; ++i)
+        for (int64_t r = 0; r < kRows; ++r) acc[i][r] = _mm512_setzero_ps();
       for (int64_t p = 0; p < D / 2; ++p) {
-        const __m512i keys = _mm512_loadu_si512(kg + p * 2 * kGroup);
-        for (int64_t r = 0; r < kRows; ++r) acc[r] = dot_pairs(acc[r], load_pair(&q[r][2 * p]), keys);
+        __m512i keys[kGroups];
+        for (int64_t i = 0; i < kGroups; ++i)
+          keys[i] = _mm512_loadu_si512(kg + (i * (D / 2) + p) * 2 * kGroup);
+        for (int64_t r = 0; r < kRows; ++r) {
+          const uint32_t pair = load_pair(&q[r][2 * p]);
+          for (int64_t i = 0; i < kGroups; ++i) acc[i][r] = dot_pairs(acc[i][r], pair, keys[i]);
+        }
       }
-      for (int64_t r = 0; r < kRows; ++r)
-        _mm512_store_ps(&scores[r][g * kGroup], _mm512_mul_ps(acc[r], vscale));
-    }
-    // Online softmax, float32; keys past a row's end get probability 0.
+      for (int64_t i = 0; i < kGroups; ++i)
+        for (int64_t r = 0; r < kRows; ++r)
+          _mm512_store_ps(&scores[r][(g0 + i) * kGroup], _mm512_mul_ps(acc[i][r], vscale));
+    };
+    int64_t g = 0;
+    for (; g + 2 <= groups; g += 2) score_groups(std::integral_constant<int64_t, 2>{}, g);
+    if (g < groups) score_groups(std::integral_constant<int64_t, 1>{}, g);
+    // Online softmax, float32, 16 keys per vector; keys past a row's end get probability 0.
     for (int64_t r = 0; r < kRows; ++r) {
       const int64_t n = r < rows ? std::clamp<int64_t>(key_end[r] - c0, 0, width) : 0;
-      float* s = scores[r];
-      float chunk_max = -1e30f;
-      for (int64_t j = 0; j < n; ++j) chunk_max = std::max(chunk_max, s[j]);
-      const float new_max = std::max(row_max[r], chunk_max);
-      rescale[r] = exp_nonpositive(row_max[r] - new_max);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < width; ++j) {
-        const float e = j < n ? exp_nonpositive(s[j] - new_max) : 0.f;
-        s[j] = e;
-        sum += e;
-      }
-      row_sum[r] = row_sum[r] * rescale[r] + sum;
-      row_max[r] = new_max;
+      const float* s = scores[r];
+      __m512 vmax = _mm512_set1_ps(-1e30f);
       for (int64_t j = 0; j < width; j += kGroup)
+        vmax = _mm512_mask_max_ps(vmax, first_lanes(n - j), vmax, _mm512_load_ps(s + j));
+      const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(vmax));
+      rescale[r] = exp_nonpositive(row_max[r] - new_max);
+      const __m512 vnew_max = _mm512_set1_ps(new_max);
+      __m512 vsum = _mm512_setzero_ps();
+      for (int64_t j = 0; j < width; j += kGroup) {
+        const __m512 e = _mm512_maskz_mov_ps(
+            first_lanes(n - j), exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(s + j), vnew_max)));
+        vsum = _mm512_add_ps(vsum, e);
         _mm256_store_si256(reinterpret_cast<__m256i*>(&probs[r][j]),
-                           (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(&s[j])));
-    }
-    // Output += probabilities x values: 16 dimensions by kRows rows per pass over key pairs.
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-      __m512 acc[kRows];
-      for (int64_t r = 0; r < kRows; ++r)
-        acc[r] = _mm512_mul_ps(_mm512_load_ps(&acc_out[r][d0]), _mm512_set1_ps(rescale[r]));
-      for (int64_t t = 0; t < width; t += 2) {
-        const __m512i vals = _mm512_loadu_si512(v_packed + (c0 + t) * D + 2 * d0);
-        for (int64_t r = 0; r < kRows; ++r) acc[r] = dot_pairs(acc[r], load_pair(&probs[r][t]), vals);
+                           (__m256i)_mm512_cvtneps_pbh(e));
       }
-      for (int64_t r = 0; r < kRows; ++r) _mm512_store_ps(&acc_out[r][d0], acc[r]);
+      row_sum[r] = row_sum[r] * rescale[r] + _mm512_reduce_add_ps(vsum);
+      row_max[r] = new_max;
+    }
+    // Output += probabilities x values: 32 dimensions by kRows rows per pass over key pairs,
+    // each broadcast probability pair used for both 16-dimension halves.
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      __m512 acc[kRows][2];
+      for (int64_t r = 0; r < kRows; ++r) {
+        const __m512 scale_r = _mm512_set1_ps(rescale[r]);
+        acc[r][0] = _mm512_mul_ps(_mm512_load_ps(&acc_out[r][d0]), scale_r);
+        acc[r][1] = _mm512_mul_ps(_mm512_load_ps(&acc_out[r][d0 + 16]), scale_r);
+      }
+      for (int64_t t = 0; t < width; t += 2) {
+        const uint16_t* vt = v_packed + (c0 + t) * D + 2 * d0;
+        const __m512i lo = _mm512_loadu_si512(vt), hi = _mm512_loadu_si512(vt + 32);
+        for (int64_t r = 0; r < kRows; ++r) {
+          const uint32_t pair = load_pair(&probs[r][t]);
+          acc[r][0] = dot_pairs(acc[r][0], pair, lo);
+          acc[r][1] = dot_pairs(acc[r][1], pair, hi);
+        }
+      }
+      for (int64_t r = 0; r < kRows; ++r) {
+        _mm512_store_ps(&acc_out[r][d0], acc[r][0]);
+        _mm512_store_ps(&acc_out[r][d0 + 16], acc[r][1]);
+      }
     }
   }
   for (int64_t r = 0; r < rows; ++r) {

@@ -51,10 +51,7 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
     }
   }
-  const auto mask = [](int64_t n) {  // the first n of 16 lanes
-    return static_cast<__mmask16>(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1);
-  };
-  const __mmask16 lo = mask(cols), hi = mask(cols - 16);
+  const __mmask16 lo = mmserve_cpu::first_lanes(cols), hi = mmserve_cpu::first_lanes(cols - 16);
   for (int64_t r = 0; r < R; ++r) {
     uint16_t* dst = out + r * out_stride;
     _mm256_mask_storeu_epi16(dst, lo, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));

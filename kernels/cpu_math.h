@@ -53,4 +53,28 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#ifdef MMSERVE_BF16_DOT
+// The first n of 16 lanes (none for n <= 0, all for n >= 16).
+inline __mmask16 first_lanes(int64_t n) {
+  return static_cast<__mmask16>(n >= 16 ? 0xffff : n <= 0 ? 0 : (1u << n) - 1);
+}
+
+// exp_nonpositive on 16 lanes: the same reduction and polynomial, 2^k applied by vscalefps.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(-0.693359375f), x);
+  r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
 }  // namespace mmserve_cpu
