@@ -1,12 +1,13 @@
 """The compiled CPU kernels against the torch paths they replace, and their use by the CPU
-runner: decode attention (``kernels/cpu_decode_attention.cpp``) and the bfloat16 flash attention
-for prompt chunks and vision towers (``kernels/cpu_flash_attention.cpp``).
+runner: decode attention (``kernels/cpu_decode_attention.cpp``; bfloat16 with head sizes 64 and
+128 takes its AVX512-BF16 path), the bfloat16 flash attention for prompt chunks and vision
+towers (``cpu_flash_attention.cpp``), the fused norm, rotary and activations
+(``cpu_elementwise.cpp``) and the packed linear layers (``cpu_linear.cpp``).
 
 Skipped only where there is no C++ compiler (the runner then uses the torch path); where there
-is one, a build failure fails these tests. The flash attention tests also need a CPU with
-AVX512-BF16 (elsewhere the module reports it unsupported and torch's attention runs).
+is one, a build failure fails these tests. The flash attention and packed linear tests also
+need a CPU with AVX512-BF16 (elsewhere the module reports them unsupported and torch runs).
 """
-
 import functools
 import shutil
 
