@@ -8,6 +8,7 @@ Skipped only where there is no C++ compiler (the runner then uses the torch path
 is one, a build failure fails these tests. The flash attention and packed linear tests also
 need a CPU with AVX512-BF16 (elsewhere the module reports them unsupported and torch runs).
 """
+
 import functools
 import shutil
 
