@@ -152,7 +152,7 @@ void bf16_weighted_values(const float* probs, int64_t group, const PagedRows& va
   for (int64_t g = 0; g < group; ++g) {  // probabilities as bfloat16, zero-padded to even
     for (int64_t t = 0; t < 2 * pairs; ++t)
       prob_bits[g * 2 * pairs + t] =
-          t < len ? c10::BFloat16(probs[g * len + t]).x : static_cast<uint16_t>(0);
+          t < len ? mmserve_cpu::bf16_bits(probs[g * len + t]) : static_cast<uint16_t>(0);
   }
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
     const int64_t heads = std::min(kHeads, group - g0);
@@ -222,11 +222,6 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       const int64_t* table = tables + seq * max_blocks;
       const int64_t head_offset = kv_head * head_dim;
       scores.resize(group * len);
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_ptr + (seq * num_heads + kv_head * group + g) * head_dim;
-        widen_row(src, q.data() + g * head_dim, head_dim);
-        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] *= fscale;
-      }
       // Calls fn(t, row) for every cached token t of this sequence, in order, with the token's
       // K or V row of this KV head (read in place from its block) widened to float32.
       auto for_each_row = [&](const T* cache, auto&& fn) {
@@ -255,7 +250,12 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
         continue;
       }
 #endif
-      // Scores: one pass over the keys.
+      // Scores: one pass over the keys, with the query heads widened and scaled first.
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_ptr + (seq * num_heads + kv_head * group + g) * head_dim;
+        widen_row(src, q.data() + g * head_dim, head_dim);
+        for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] *= fscale;
+      }
       for_each_row(k_ptr, [&](int64_t t, const float* kf) {
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = q.data() + g * head_dim;

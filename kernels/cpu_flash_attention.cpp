@@ -253,8 +253,7 @@ at::Tensor flash_attention(const at::Tensor& query, const at::Tensor& key, const
               "flash_attention: needs AVX512-BF16 and a head size of 64 or 128");
   TORCH_CHECK(key.size(1) > 0 || query.size(1) == 0, "flash_attention: no keys");
   TORCH_CHECK(key.strides() == value.strides(), "flash_attention: key and value strides differ");
-  auto out = at::empty({query.size(0), query.size(1), query.size(2), query.size(3)},
-                       query.options());
+  auto out = at::empty(query.sizes(), query.options());  // contiguous, whatever q's strides
 #ifdef MMSERVE_BF16_DOT
   if (query.size(3) == 64)
     flash_attention_impl<64>(query, key, value, scale, causal_offset, out);

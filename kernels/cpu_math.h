@@ -1,5 +1,5 @@
-// What the CPU attention kernels share: the instruction set test, and scalar math written so
-// the compiler vectorizes it.
+// What the CPU kernels share: the instruction set test, bfloat16 bits, lane masks, and exp
+// (scalar, written so the compiler vectorizes it, and on 16 lanes).
 #pragma once
 
 #include <algorithm>
