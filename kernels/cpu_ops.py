@@ -25,18 +25,29 @@ Building takes about 50 s on two cores the first time; torch caches the library 
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) for later starts. Without
 a compiler, or with ``MMSERVE_CPU_KERNELS=0``, ``load()`` returns None and the CPU runner uses
 the torch reference, with one warning saying why.
+
+Builds are serialized by an OS lock (``flock``) on ``<build directory>.mmserve-lock``, which
+the kernel releases when its holder exits, however it exits. A start killed mid-build leaves
+torch's own ``lock`` file in the build directory, on which torch's builder would wait forever;
+the next start, holding the OS lock, knows no other start is building and removes it. A start
+waits at most ``MMSERVE_CPU_KERNELS_BUILD_TIMEOUT`` seconds (default 600) for another
+process's build, then uses the torch reference, with a warning naming the lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import platform
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -48,9 +59,13 @@ from mmserve.kernels.paged_attention import prefill_attention as torch_prefill_a
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "MMSERVE_CPU_KERNELS"
+BUILD_TIMEOUT_ENV = "MMSERVE_CPU_KERNELS_BUILD_TIMEOUT"
+# Ten times a two-core build: a start waits out any real build, but not a hung one.
+DEFAULT_BUILD_TIMEOUT_S = 600.0
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("cpu_ops.cpp", "cpu_decode_attention.cpp", "cpu_flash_attention.cpp",
              "cpu_elementwise.cpp", "cpu_linear.cpp")]
+_HEADERS = [Path(__file__).with_name("cpu_math.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failure: str | None = None
@@ -68,6 +83,126 @@ def _cpu_signature() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
+T = TypeVar("T")
+
+
+class BuildLockTimeout(RuntimeError):
+    """Another process held the build lock longer than this start would wait."""
+
+
+def build_lock_path(build_dir: Path) -> Path:
+    """mmserve's OS lock for ``build_dir``: beside it, not in it, so that clearing the build
+    directory never removes a lock file someone holds."""
+    return build_dir.with_name(build_dir.name + ".mmserve-lock")
+
+
+def build_locked(build_dir: Path, build: Callable[[], T], timeout_s: float,
+                 poll_s: float = 0.1) -> T:
+    """``build()``, run while holding mmserve's lock on ``build_dir``; raises
+    ``BuildLockTimeout`` if another process holds it for more than ``timeout_s``.
+
+    The lock is an ``flock``, which the kernel drops when its holder exits, so a killed build
+    never blocks later starts. Holding it, no other mmserve process is building: a torch
+    ``lock`` file in ``build_dir`` is left by a killed build, and is removed, since torch's
+    builder would otherwise wait on it forever."""
+    lock_path = build_lock_path(build_dir)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    # os.open descriptors are not inherited across exec, so the compilers that torch's builder
+    # starts do not hold the lock after this process is gone.
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # closing the descriptor releases the lock, whether build() returns or raises
+        _acquire(fd, lock_path, timeout_s, poll_s)
+        # The holder's pid, only for the message of a start that gives up waiting.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        torch_lock = build_dir / "lock"
+        if torch_lock.exists():
+            torch_lock.unlink(missing_ok=True)
+            logger.info("Removed %s, left by a CPU kernel build that was interrupted.",
+                        torch_lock)
+        return build()
+    finally:
+        os.close(fd)
+
+
+def _acquire(fd: int, lock_path: Path, timeout_s: float, poll_s: float) -> None:
+    """Take the flock on ``fd``, polling rather than blocking so the wait has a bound."""
+    start = time.monotonic()
+    announced = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        waited = time.monotonic() - start
+        if waited >= timeout_s:
+            raise BuildLockTimeout(
+                f"another process{_lock_holder(lock_path)} has been building the CPU kernels "
+                f"for {waited:.0f} s and holds {lock_path}; restart once it has finished (or "
+                f"stop it if it is stuck), or wait longer with {BUILD_TIMEOUT_ENV} "
+                f"(now {timeout_s:g} s)")
+        if not announced:
+            logger.info("Waiting up to %g s for another process%s that is building the CPU "
+                        "kernels (lock %s).", timeout_s, _lock_holder(lock_path), lock_path)
+            announced = True
+        time.sleep(min(poll_s, timeout_s - waited))
+
+
+def _lock_holder(lock_path: Path) -> str:
+    """`` (pid N)`` as written by the lock's holder, or nothing if it cannot be read."""
+    try:
+        pid = lock_path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+    return f" (pid {pid})" if pid.isdigit() else ""
+
+
+def _build_timeout_s() -> float:
+    raw = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BUILD_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also rejects nan
+        raise ValueError(f"{BUILD_TIMEOUT_ENV}={raw!r}: expected seconds, a number >= 0")
+    return value
+
+
+def _build_directory(name: str) -> Path:
+    """Where torch builds and caches extension ``name``. torch's own (private) rule, so the
+    cache stays where earlier versions built it; ``_build_extension`` passes the directory
+    back explicitly, so the lock and the build agree on it whatever torch's rule becomes."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False))
+
+
+def _build_extension(name: str, build_dir: Path) -> ModuleType:
+    """torch's builder: compiles what is out of date (all of it, the first time), loads it."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    # Only chooses the message; ninja decides what to rebuild (flag changes included).
+    library = build_dir / f"{name}.so"
+    newest_source = max(p.stat().st_mtime for p in _SOURCES + _HEADERS)
+    if not library.exists() or library.stat().st_mtime < newest_source:
+        logger.info("Building the CPU kernels, about a minute the first time (cached in %s).",
+                    build_dir)
+    return load_extension(
+        name=name,
+        sources=[str(p) for p in _SOURCES],
+        # Reassociated float math (vectorized dot products and sums) but IEEE
+        # inf/NaN handling; compile flags only, so the process's FP mode is untouched.
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+                      "-funsafe-math-optimizations"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+
+
 def load() -> ModuleType | None:
     """The compiled module, building it if needed; None when it cannot be had."""
     global _module, _failure
@@ -78,18 +213,10 @@ def load() -> ModuleType | None:
             _failure = f"{DISABLE_ENV}=0"
             return None
         try:
-            from torch.utils.cpp_extension import load as load_extension
-
-            _module = load_extension(
-                name=f"mmserve_cpu_ops_{_cpu_signature()}",
-                sources=[str(p) for p in _SOURCES],
-                # Reassociated float math (vectorized dot products and sums) but IEEE
-                # inf/NaN handling; compile flags only, so the process's FP mode is untouched.
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
-                              "-funsafe-math-optimizations"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            name = f"mmserve_cpu_ops_{_cpu_signature()}"
+            build_dir = _build_directory(name)
+            _module = build_locked(build_dir, lambda: _build_extension(name, build_dir),
+                                   _build_timeout_s())
         except Exception as e:  # no compiler, no ninja, a build error: fall back, say why
             _failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"
             logger.warning("CPU attention kernels unavailable (%s); using the torch reference "
