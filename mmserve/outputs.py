@@ -18,7 +18,8 @@ class RequestOutput:
     token_ids: list[int]
     num_prompt_tokens: int
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
     new_text: str = ""
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None  # finish_reason "error": why the engine failed this request

@@ -15,7 +15,7 @@ import pytest
 from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from mmserve.engine.request import ImageInput, Request, RequestStatus
-from mmserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from mmserve.engine.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from mmserve.sampling_params import SamplingParams
 
 PLACEHOLDER = 9
@@ -131,8 +131,8 @@ def step(
     out = sched.schedule()
     check_step(sched, out)
     sample = sampler or (lambda rid, i: TOKEN)
-    sched.update(out, {r.request_id: sample(r.request_id, step_no)
-                       for r in out.requests if r.sample})
+    sched.update(out, ModelOutput({r.request_id: sample(r.request_id, step_no)
+                                   for r in out.requests if r.sample}))
     return out
 
 
@@ -395,7 +395,7 @@ def test_preemption_when_kv_blocks_run_out() -> None:
             assert victim.num_preemptions >= 1
             assert "r1" not in counts(out)
             assert victim.request_id not in sched.kv_cache.req_blocks
-        sched.update(out, {r.request_id: 10 + i for r in out.requests if r.sample})
+        sched.update(out, ModelOutput({r.request_id: 10 + i for r in out.requests if r.sample}))
     assert seen_preemption
     assert sched.num_preemptions > 0
     for r in reqs:
@@ -534,7 +534,7 @@ def test_abort_running_request_frees_blocks_and_encoder_refs() -> None:
     assert req not in sched.running
     assert sched.encoder_cache.num_referenced_entries() == 0
     assert "r" not in sched.kv_cache.req_blocks
-    sched.update(out, {s.request_id: TOKEN for s in out.requests if s.sample})
+    sched.update(out, ModelOutput({s.request_id: TOKEN for s in out.requests if s.sample}))
     assert req.num_output_tokens == 0
     assert req.status == RequestStatus.FINISHED_ABORTED
     drain(sched)
@@ -672,7 +672,7 @@ def stress_run(seed: int, encoder_cache_size: int | None) -> Scheduler:
                   for r in out.requests if r.sample}
         for rid, tok in tokens.items():
             sampled[rid].append(tok)
-        sched.update(out, tokens)
+        sched.update(out, ModelOutput(tokens))
     assert not sched.has_unfinished(), f"seed {seed}: did not drain: {sched.running}"
     assert next_id >= 20
     for rid, req in reqs.items():

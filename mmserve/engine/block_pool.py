@@ -87,9 +87,13 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached.setdefault(block_hash, block)
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            if block.ref_cnt == 0 and block.block_hash is not None:
+    def uncache(self, blocks: list[KVBlock]) -> None:
+        """Withdraw blocks from the prefix cache: no later request will find them."""
+        for block in blocks:
+            if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
                 block.block_hash = None
+
+    def reset_prefix_cache(self) -> None:
+        self.uncache([b for b in self.blocks if b.ref_cnt == 0])

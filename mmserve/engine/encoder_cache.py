@@ -159,6 +159,17 @@ class EncoderCacheManager:
         for i in range(len(req.images)):
             self.release(req, i)
 
+    def discard(self, image_hash: str) -> None:
+        """Forget an entry whose embeddings were never made (its encoding failed): a later
+        request showing the image encodes it again instead of reading nothing."""
+        entry = self.entries.pop(image_hash, None)
+        if entry is None:
+            return
+        if image_hash in self._unreferenced:
+            del self._unreferenced[image_hash]
+            self._num_unreferenced_tokens -= entry.num_tokens
+        self.num_free_tokens += entry.num_tokens
+
     def evict_unreferenced(self) -> int:
         """Evict every entry no request references (the cache starts cold for the next
         requests); returns how many. Not counted in ``num_evictions``, which counts evictions

@@ -100,10 +100,16 @@ class KVCacheManager:
                 self._num_published[req.request_id] = num_full
         return blocks
 
-    def free(self, req: Request) -> None:
-        """Release the request's blocks, tail first, so shared prefixes stay cached longest."""
+    def free(self, req: Request, keep_cached: bool = True) -> None:
+        """Release the request's blocks, tail first, so shared prefixes stay cached longest.
+
+        ``keep_cached=False`` (a step failed for the request, so its blocks may hold wrong
+        values) also withdraws the blocks only it holds from the prefix cache.
+        """
         blocks = self.req_blocks.pop(req.request_id, [])
         self._num_published.pop(req.request_id, None)
+        if not keep_cached:
+            self.pool.uncache([b for b in blocks if b.ref_cnt == 1])
         self.pool.free(list(reversed(blocks)))
 
     def block_ids(self, req: Request) -> list[int]:

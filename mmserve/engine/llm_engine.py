@@ -23,16 +23,25 @@ from mmserve.engine.memory_plan import (
     plan_memory,
 )
 from mmserve.engine.request import Request, RequestStatus
-from mmserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from mmserve.engine.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
-from mmserve.processing.images import InvalidInputError
 from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker import memory_profiler
+from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import runner_class
 from mmserve.worker.dry_run import dry_run_peak, meta_model, profile_blocks
 
 logger = logging.getLogger(__name__)
+
+# How often steps may fail in a row. A step that fails for a request which has not generated a
+# token yet finishes it with an error at once: it is the likely cause (hostile input). One that
+# had generated tokens ran fine before, so it is retried, up to this many failed steps in a
+# row. And when this many steps in a row fail for every request they run, requests that ran
+# fine before among them, the device or engine is broken: the engine stops.
+MAX_FAILED_STEPS = 3
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -82,6 +91,13 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_failed_requests = 0
+        self.preprocess_peak_bytes = 0  # the largest preprocessing peak seen (an estimate)
+        self.num_memory_releases = 0
+        # Preprocessing above this (and the step's peak activations) gives memory back.
+        self._release_threshold = max(64 << 20, self.plan.activation_bytes)
+        self._failed_steps_in_a_row = 0
+        self._dead: str | None = None
         self.schedule_time = 0.0
         self.last_scheduler_output: SchedulerOutput | None = None
         logger.info("mmserve engine ready, dtype=%s, encoder compute budget %d tokens per "
@@ -140,16 +156,12 @@ class LLMEngine:
         """Validate and tokenize a prompt into a ``Request`` without queueing it.
 
         Reads no scheduler state, so a server may run it beside the thread that steps the
-        engine (one call at a time: the Hugging Face processor is not thread-safe).
+        engine, from several threads at once. Preprocessing that touched much more memory than
+        a step gives its freed heap back to the operating system afterwards.
         """
         params = sampling_params or SamplingParams()
-        processed = self.processor.process(prompt)
-        n_images = len(processed.images)
-        limit = self.config.limit_mm_per_prompt
-        if n_images > limit:
-            raise InvalidInputError(
-                f"the prompt has {n_images} images but limit_mm_per_prompt is {limit}; send "
-                f"fewer images or raise limit_mm_per_prompt.", param="images")
+        processed = self.processor.process(prompt, self.config.limit_mm_per_prompt)
+        self._note_preprocessing(processed.preprocess_peak_bytes)
         for img in processed.images:
             if img.length > self.encoder_budget.cache_tokens:
                 raise InvalidInputError(
@@ -170,6 +182,15 @@ class LLMEngine:
         return Request(request_id, processed.token_ids, params, processed.images,
                        eos_token_id=self.processor.eos_token_id, arrival_time=time.time())
 
+    def _note_preprocessing(self, peak_bytes: int) -> None:
+        """Record preprocessing's memory peak; return the heap's free memory to the operating
+        system after one above ``_release_threshold``. The CPU runner asks glibc to keep freed
+        memory for the steps (``keep_freed_memory``), which would otherwise keep what a large
+        image's preprocessing freed for the life of the process."""
+        self.preprocess_peak_bytes = max(self.preprocess_peak_bytes, peak_bytes)
+        if peak_bytes > self._release_threshold and release_free_memory():
+            self.num_memory_releases += 1
+
     def add_processed_request(self, req: Request) -> str:
         """Queue a request made by ``process_request``."""
         if req.request_id in self.scheduler.requests:
@@ -188,16 +209,32 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests it changed.
+
+        A step never fails for more requests than it must: the runner reruns a failed batch
+        request by request, and the requests that fail alone are finished with
+        ``finish_reason="error"`` (their blocks and encoder references released) while the
+        others go on. Raises ``EngineDeadError`` only once steps keep failing for every
+        request, old ones included (``MAX_FAILED_STEPS``): then nothing can be served.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
         t0 = time.perf_counter()
-        so = self.scheduler.schedule()
+        try:
+            so = self.scheduler.schedule()
+        except Exception as e:  # a bug in the books: fail what is in flight, keep the engine
+            logger.exception("scheduling failed; failing every request in flight")
+            return self._fail_all(f"scheduling failed: {type(e).__name__}: {e}")
         self.schedule_time += time.perf_counter() - t0
         self.last_scheduler_output = so  # read by `mmserve bench` for its per-step timeline
-        sampled = self.runner.execute(so)
+        result = self.runner.execute(so)
         t1 = time.perf_counter()
-        changed = self.scheduler.update(so, sampled)
+        failed = self._handle_failures(so, result)
+        changed = self.scheduler.update(so, result)
         self.num_steps += 1
-        outputs = []
+        outputs = [self._error_output(req) for req in failed]
         for req in changed:
+            req.num_failed_steps = 0
             detok = self._detokenizers[req.request_id]
             detok.add(req.all_token_ids[-1])
             if detok.stopped and not req.finished:
@@ -205,6 +242,57 @@ class LLMEngine:
             outputs.append(self._output(req, detok))
         self.schedule_time += time.perf_counter() - t1
         return outputs
+
+    def _handle_failures(self, so: SchedulerOutput, result: ModelOutput) -> list[Request]:
+        """Fail or retry the requests the step failed for (see ``MAX_FAILED_STEPS``); returns
+        those finished with an error. Raises ``EngineDeadError`` when the device is gone."""
+        if not result.errors:
+            self._failed_steps_in_a_row = 0
+            return []
+        failed, old = [], False
+        for sched in so.requests:
+            reason = result.errors.get(sched.request_id)
+            req = self.scheduler.requests.get(sched.request_id)
+            if reason is None or req is None:
+                continue
+            req.num_failed_steps += 1
+            old = old or req.num_output_tokens > 0
+            if req.num_output_tokens > 0 and req.num_failed_steps < MAX_FAILED_STEPS:
+                self.scheduler.retry_request(req.request_id, sched.start_pos)
+            else:
+                self.scheduler.fail_request(req.request_id, reason)
+                failed.append(req)
+        self.num_failed_requests += len(failed)
+        everyone = len(result.errors) == len(so.requests)
+        self._failed_steps_in_a_row = self._failed_steps_in_a_row + 1 if everyone and old else 0
+        if self._failed_steps_in_a_row >= MAX_FAILED_STEPS:
+            self._dead = (f"the last {MAX_FAILED_STEPS} engine steps failed for every request, "
+                          f"requests that had run fine before among them "
+                          f"({next(iter(result.errors.values()))}); the device or the engine "
+                          "is broken, restart it.")
+            logger.critical(self._dead)
+            self._fail_all(self._dead)
+            raise EngineDeadError(self._dead)
+        return failed
+
+    def _fail_all(self, reason: str) -> list[RequestOutput]:
+        """Finish every live request with an error (what is left after a failure that no
+        request can be blamed for)."""
+        outputs = []
+        for req in [*self.scheduler.running, *self.scheduler.waiting]:
+            req.error = reason
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._error_output(req))
+        self.num_failed_requests += len(outputs)
+        return outputs
+
+    def _error_output(self, req: Request) -> RequestOutput:
+        detok = self._detokenizers.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id, text=detok.text if detok else "",
+            token_ids=req.output_token_ids, num_prompt_tokens=req.num_prompt_tokens,
+            finished=True, finish_reason="error", error=req.error,
+            num_cached_tokens=req.num_cached_tokens or 0)
 
     def _output(self, req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
         finished = req.finished
@@ -249,4 +337,7 @@ class LLMEngine:
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "num_steps": self.num_steps,
+            "num_failed_requests": self.num_failed_requests,
+            "preprocess_peak_bytes": self.preprocess_peak_bytes,
+            "num_memory_releases": self.num_memory_releases,
         }

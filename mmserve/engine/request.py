@@ -18,6 +18,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # a step failed for this request; the others went on
 
     @property
     def finished(self) -> bool:
@@ -29,6 +30,7 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 
@@ -69,6 +71,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        self.error: str | None = None  # why a step failed for it (status FINISHED_ERROR)
+        self.num_failed_steps = 0  # steps in a row that failed for it
         # Prompt tokens found in the prefix cache when first admitted (None until then).
         self.num_cached_tokens: int | None = None
         # Prefix-cache hashes of this request's full blocks, filled by the KV cache manager.

@@ -52,6 +52,27 @@ class SchedulerOutput:
     def num_scheduled_tokens(self) -> int:
         return sum(len(r.token_ids) for r in self.requests)
 
+    def only(self, req: ScheduledRequest) -> SchedulerOutput:
+        """This step cut down to one of its requests and the images that request encodes
+        (frees and finished ids were carried out with the whole step)."""
+        hashes = {s.image_hash for s in req.image_slices}
+        return SchedulerOutput(requests=[req], encoder_inputs={
+            h: image for h, image in self.encoder_inputs.items() if h in hashes})
+
+
+@dataclass
+class ModelOutput:
+    """What the runner hands back for one step.
+
+    ``sampled``: the next token of every request whose chunk completed. ``errors``: requests
+    the step failed for, with the reason; their tokens were not computed. ``failed_images``:
+    hashes scheduled for encoding whose embeddings do not exist (their encoding failed).
+    """
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    failed_images: list[str] = field(default_factory=list)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -103,7 +124,8 @@ class Scheduler:
 
     def _free(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv_cache.free(req)
+        # A failed step may have left the request's blocks half written: never share them.
+        self.kv_cache.free(req, keep_cached=status != RequestStatus.FINISHED_ERROR)
         self.encoder_cache.release_all(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
@@ -263,11 +285,33 @@ class Scheduler:
             if image.hash not in still_needed:
                 self.encoder_cache.release(req, i)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append sampled tokens and apply stop conditions. Returns requests that got a token."""
+    def fail_request(self, request_id: str, reason: str) -> None:
+        """A step failed for this request: finish it with an error and release what it holds
+        (its blocks leave the prefix cache, since they may be half written)."""
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            req.error = reason
+            self.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+
+    def retry_request(self, request_id: str, start_pos: int) -> None:
+        """A step failed for this request but it may succeed again: forget the tokens the
+        step was to compute (``start_pos``: the step's first), so the next step redoes them."""
+        req = self.requests.get(request_id)
+        if req is not None and req.status == RequestStatus.RUNNING:
+            req.num_computed_tokens = min(req.num_computed_tokens, start_pos)
+
+    def update(self, out: SchedulerOutput, result: ModelOutput) -> list[Request]:
+        """Append sampled tokens and apply stop conditions. Returns requests that got a token.
+
+        Requests in ``result.errors`` are the engine's to fail or retry (``fail_request``,
+        ``retry_request``); images whose encoding failed are forgotten here, so that a later
+        request showing them encodes them again instead of reading nothing.
+        """
+        for image_hash in result.failed_images:
+            self.encoder_cache.discard(image_hash)
         changed = []
         for sched in out.requests:
-            token = sampled.get(sched.request_id)
+            token = result.sampled.get(sched.request_id)
             req = self.requests.get(sched.request_id)
             if token is None or req is None or req.status != RequestStatus.RUNNING:
                 continue

@@ -45,6 +45,9 @@ class LLM:
 
         A prompt is ``{"prompt": str, "images": [...]}`` (text in the model's own format, one
         image token per image) or ``{"messages": [...], "images": [...]}`` in OpenAI chat form.
+        Bad input raises ``InvalidInputError`` before anything runs. A request the engine fails
+        on while running comes back with ``finish_reason == "error"`` and the reason in
+        ``error``; the other requests are unaffected.
         """
         if isinstance(prompts, (dict, str)):
             prompts = [prompts]
@@ -102,12 +105,25 @@ class LLM:
         return self.engine.plan
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request in ``ids`` finished. Whatever stops the loop early (an
+        engine that died, Ctrl-C) aborts the requests still in flight first, so the engine
+        is left with every KV block free and can be used again."""
         done: dict[str, RequestOutput] = {}
         wanted = set(ids)
-        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while len(done) < len(ids) and self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while len(done) < len(ids) and self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in wanted:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            for rid in wanted - done.keys():
+                self.engine.abort_request(rid)
+            raise
+        missing = wanted - done.keys()
+        if missing:  # the engine lost track of them: a bug, not a state to hang in
+            for rid in missing:
+                self.engine.abort_request(rid)
+            raise RuntimeError(f"the engine stopped without finishing requests {sorted(missing)}")
         return [done[rid] for rid in ids]

@@ -1,12 +1,17 @@
 """Prompts and chat messages -> token ids, placeholder ranges and pixel values.
 
-Rendering and preprocessing go through the checkpoint's own Hugging Face processor, so the
-tokens and pixels are exactly those transformers would produce.
+Rendering and preprocessing follow the checkpoint's own Hugging Face processor, so the tokens
+and pixels are exactly those transformers would produce (``test_image_limits.py`` compares
+them with a direct processor call). The processor's work is split in two so that requests can
+be preprocessed on several threads at once: images are decoded and run through the image
+processor (resize, crop, normalize: the expensive part) in the calling thread with no lock, and
+only the tokenizer, which is not thread-safe, runs under a lock of this class.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,31 +23,70 @@ from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, 
 
 logger = logging.getLogger(__name__)
 
+IMAGE_PART_HINT = ("send images as image parts ({\"type\": \"image_url\", \"image_url\": "
+                   "{\"url\": ...}}, or {\"type\": \"image\"} with 'images' in the Python API)")
+
 
 @dataclass
 class ProcessedPrompt:
     token_ids: list[int]
     images: list[ImageInput]
+    # Estimated peak of the memory this request's preprocessing touched, in bytes: for the
+    # costliest image, its decoded RGB pixels, the image processor's copies of them and its
+    # resized intermediate; plus every image's pixel values (see _preprocess_peak_bytes). With
+    # ``keep_freed_memory()`` in effect glibc keeps about that much in the process afterwards;
+    # the engine may call ``cpu_allocator.release_free_memory()`` when it is large next to a
+    # step's activations, and report it.
+    preprocess_peak_bytes: int = 0
+
+
+@dataclass
+class _PreprocessedImage:
+    hash: str
+    pixel_values: torch.Tensor  # [1, channels, height, width], what the processor makes
+    num_tokens: int  # placeholder tokens this image expands to, by the processor's rule
+    peak_bytes: int  # estimated memory touched while preprocessing it
 
 
 class InputProcessor:
+    """Turns prompts into token ids and encoder inputs. ``process()`` is safe to call from
+    several threads at once; only its tokenizer call is serialized."""
+
     def __init__(self, model_dir: str, hf_config, max_image_pixels: int) -> None:
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
         self.tokenizer = self.processor.tokenizer
+        self.image_processor = self.processor.image_processor
         self.image_token_id: int = hf_config.image_token_id
         self.image_token: str = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.max_image_pixels = max_image_pixels
         self.eos_token_id = _eos_token_id(model_dir, hf_config, self.tokenizer)
+        # Hugging Face fast tokenizers are not thread-safe (concurrent calls can fail with
+        # "Already borrowed"); the image work before them needs no lock.
+        self._tokenizer_lock = threading.Lock()
         # LLaVA processors resize every image to one size: probe the placeholder count once.
         probe = self.processor(text=self.image_token, images=[Image.new("RGB", (64, 64))],
                                return_tensors="pt")
         self.tokens_per_image = int((probe["input_ids"][0] == self.image_token_id).sum())
+        # process() expands image tokens itself (outside the processor): it must count as the
+        # processor does.
+        by_rule = _num_image_tokens(self.processor, probe["pixel_values"])
+        if by_rule != self.tokens_per_image:
+            raise ValueError(
+                f"{type(self.processor).__name__} of {model_dir} expands an image to "
+                f"{self.tokens_per_image} tokens, not the {by_rule} of LlavaProcessor's rule; "
+                "mmserve serves LlavaProcessor checkpoints (patch_size, "
+                "num_additional_image_tokens and vision_feature_select_strategy in "
+                "processor_config.json).")
 
     # ----------------------------------------------------------------- public
-    def process(self, prompt: dict[str, Any] | str) -> ProcessedPrompt:
-        """``{"prompt": str, "images": [...]}`` or ``{"messages": [...], "images": [...]}``."""
+    def process(self, prompt: dict[str, Any] | str,
+                max_images: int | None = None) -> ProcessedPrompt:
+        """``{"prompt": str, "images": [...]}`` or ``{"messages": [...], "images": [...]}``.
+
+        Thread-safe. Raises ``InvalidInputError`` saying what to change; a prompt with more
+        than ``max_images`` images is refused before any image is decoded."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
@@ -57,6 +101,7 @@ class InputProcessor:
             text = prompt["prompt"]
             if not isinstance(text, str):
                 raise InvalidInputError("'prompt' must be a string", param="prompt")
+            _check_unicode(text, "prompt")
             n = text.count(self.image_token)
             if n != len(images):
                 raise InvalidInputError(
@@ -65,7 +110,12 @@ class InputProcessor:
                     param="prompt")
         else:
             raise InvalidInputError("a prompt dict needs a 'prompt' or a 'messages' key")
-        return self.tokenize(text, [load_image(im, self.max_image_pixels) for im in images])
+        if max_images is not None and len(images) > max_images:
+            raise InvalidInputError(
+                f"the prompt has {len(images)} images but limit_mm_per_prompt is {max_images}; "
+                "send fewer images or raise limit_mm_per_prompt.", param="images")
+        # One image at a time, so only one decoded image and its resize are alive at once.
+        return self._tokenize(text, [self._preprocess_image(im) for im in images])
 
     def render_chat(self, messages: Any, images: list[ImageLike]) -> tuple[str, list[ImageLike]]:
         """Render OpenAI-style messages with the chat template; returns text and images in
@@ -90,6 +140,7 @@ class InputProcessor:
             if content is None:
                 content = ""
             if isinstance(content, str):
+                self._check_text(content, f"messages[{i}].content")
                 rendered.append({"role": role, "content": [{"type": "text", "text": content}]})
                 continue
             if not isinstance(content, list):
@@ -102,6 +153,7 @@ class InputProcessor:
                 if kind == "text":
                     if not isinstance(part.get("text"), str):
                         raise InvalidInputError(f"{where}.text must be a string", param=where)
+                    self._check_text(part["text"], f"{where}.text")
                     parts.append({"type": "text", "text": part["text"]})
                 elif kind in ("image", "image_url"):
                     if kind == "image_url":
@@ -129,20 +181,61 @@ class InputProcessor:
             raise InvalidInputError(
                 f"{len(pending)} image(s) in 'images' have no {{'type': 'image'}} part in the "
                 "messages; add one part per image.", param="images")
+        # Pure text rendering (jinja): no lock needed.
         text = self.processor.apply_chat_template(
             rendered, add_generation_prompt=rendered[-1]["role"] != "assistant", tokenize=False)
+        n = text.count(self.image_token)
+        if n != len(ordered):  # e.g. the placeholder split across two text parts
+            raise InvalidInputError(
+                f"the rendered prompt has {n} {self.image_token} placeholder(s) for "
+                f"{len(ordered)} image(s); {IMAGE_PART_HINT}, and do not write "
+                f"{self.image_token!r} in text.", param="messages")
         return text, ordered
 
-    def tokenize(self, text: str, images: list[Image.Image]) -> ProcessedPrompt:
-        out = self.processor(text=text, images=images or None, return_tensors="pt")
-        ids: list[int] = out["input_ids"][0].tolist()
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ----------------------------------------------------------------- steps
+    def _check_text(self, text: str, where: str) -> None:
+        _check_unicode(text, where)
+        if self.image_token in text:
+            raise InvalidInputError(
+                f"{where} contains {self.image_token!r}, the model's image placeholder; "
+                f"{IMAGE_PART_HINT}, not as placeholder text, and remove {self.image_token!r} "
+                "from the text.", param=where)
+
+    def _preprocess_image(self, image: ImageLike) -> _PreprocessedImage:
+        """Decode, hash and run the image processor on one image. No lock: PIL, numpy and torch
+        release the GIL in their heavy loops, so other requests proceed meanwhile."""
+        img = load_image(image, self.max_image_pixels)
+        digest = image_hash(img)
+        # The same call LlavaProcessor makes (its images kwargs are return_tensors alone), on one
+        # image: the processor treats images independently, so the values equal a batch call's.
+        pixel_values = self.image_processor([img], return_tensors="pt")["pixel_values"]
+        peak = _preprocess_peak_bytes(self.image_processor, img.size, pixel_values)
+        return _PreprocessedImage(digest, pixel_values,
+                                  _num_image_tokens(self.processor, pixel_values), peak)
+
+    def _tokenize(self, text: str, images: list[_PreprocessedImage]) -> ProcessedPrompt:
+        """Expand each image token and tokenize, as ``LlavaProcessor.__call__`` does: the k-th
+        image token in the text becomes ``num_tokens`` of image k, then the tokenizer runs on
+        the expanded text (it maps each copy to ``image_token_id``)."""
+        pieces = text.split(self.image_token)
+        assert len(pieces) == len(images) + 1  # counted in process() and render_chat()
+        expanded = [pieces[0]]
+        for img, piece in zip(images, pieces[1:], strict=True):
+            expanded += [self.image_token * img.num_tokens, piece]
+        with self._tokenizer_lock:
+            ids: list[int] = self.tokenizer(["".join(expanded)])["input_ids"][0]
+        pixel_bytes = sum(img.pixel_values.nelement() * img.pixel_values.element_size()
+                          for img in images)
+        peak = max((img.peak_bytes for img in images), default=0) + pixel_bytes
         if not images:
-            return ProcessedPrompt(ids, [])
-        pixel_values: torch.Tensor = out["pixel_values"]
+            return ProcessedPrompt(ids, [], peak)
         # Placeholders of consecutive images may touch; split the run by the per-image count.
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         n = self.tokens_per_image
-        if len(positions) != n * len(images):
+        if len(positions) != n * len(images) or any(img.num_tokens != n for img in images):
             raise InvalidInputError(
                 f"the processor made {len(positions)} image placeholder tokens for "
                 f"{len(images)} image(s); expected {n} per image. Do not write the image "
@@ -152,12 +245,65 @@ class InputProcessor:
             offset = positions[k * n]
             if positions[k * n + n - 1] != offset + n - 1:
                 raise InvalidInputError("image placeholder tokens are not contiguous")
-            inputs.append(ImageInput(hash=image_hash(img), offset=offset, length=n,
-                                     pixel_values=pixel_values[k:k + 1]))
-        return ProcessedPrompt(ids, inputs)
+            inputs.append(ImageInput(hash=img.hash, offset=offset, length=n,
+                                     pixel_values=img.pixel_values))
+        return ProcessedPrompt(ids, inputs, peak)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+def _preprocess_peak_bytes(image_processor, size: tuple[int, int],
+                           pixel_values: torch.Tensor) -> int:
+    """Estimated memory that preprocessing one image of ``size`` touches at its peak.
+
+    Fitted to peak RSS measured around ``_preprocess_image`` with transformers' PIL-backend
+    CLIP processor, within 25% from 1000 x 1000 to 8000 x 6000 and for 200:1 images: five
+    copies of the decoded RGB pixels (Pillow's decode, the RGB conversion and the processor's
+    own conversion, array and resize input), four of the resized uint8 image before the crop
+    (PIL's output and its array copies: what makes thin images expensive), and the float
+    output. Torchvision-backed processors differ in detail, not in kind.
+    """
+    w, h = size
+    resized = _resized_pixels(image_processor, w, h)
+    return 5 * w * h * 3 + 4 * resized * 3 + 2 * pixel_values.nelement() * 4
+
+
+def _resized_pixels(image_processor, w: int, h: int) -> int:
+    """Pixels of the image processor's resize output (before cropping) for a w x h input."""
+    size = getattr(image_processor, "size", None)
+
+    def get(key: str) -> int | None:
+        return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+
+    if size is None or not getattr(image_processor, "do_resize", True):
+        return w * h
+    if get("shortest_edge"):  # short side to the edge, long side in proportion
+        edge = get("shortest_edge")
+        return edge * int(edge * max(w, h) / min(w, h))
+    if get("height") and get("width"):
+        return get("height") * get("width")
+    return w * h  # another rule: assume no shrinking
+
+
+def _num_image_tokens(processor, pixel_values: torch.Tensor) -> int:
+    """Placeholder tokens for one image, by ``LlavaProcessor``'s rule: one per vision patch of
+    the processed image, plus ``num_additional_image_tokens`` (a CLS token), minus one when
+    ``vision_feature_select_strategy`` is "default" (the model drops the CLS feature)."""
+    height, width = pixel_values.shape[-2:]
+    patch = processor.patch_size
+    num = (height // patch) * (width // patch) + (processor.num_additional_image_tokens or 0)
+    if processor.vision_feature_select_strategy == "default":
+        num -= 1
+    return num
+
+
+def _check_unicode(text: str, where: str) -> None:
+    """Refuse lone UTF-16 surrogates (JSON allows "\\ud800" escapes; they are not text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInputError(
+            f"{where} contains a lone UTF-16 surrogate {text[e.start]!r} at character "
+            f"{e.start}, which is not text; send valid Unicode (a \\ud83d-style JSON escape "
+            "must be followed by its low surrogate, such as \\ude00).", param=where) from None
 
 
 def _eos_token_id(model_dir: str, hf_config, tokenizer) -> int | None:

@@ -7,13 +7,14 @@ turns a SchedulerOutput into a forward pass is here.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from mmserve.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from mmserve.kernels.cpu_ops import cpu_attention_backend, pack_linear_layers
 from mmserve.kernels.paged_attention import (
     AttentionMetadata,
@@ -25,6 +26,7 @@ from mmserve.worker.cpu_allocator import keep_freed_memory
 from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import sample
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class StepTimes:
@@ -61,12 +63,43 @@ class ModelRunner:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns the sampled token of every request whose chunk completed."""
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        """Run one step: the sampled token of every request whose chunk completed.
+
+        A step that raises is contained: each of its requests runs again alone, so that only
+        the requests that fail by themselves come back in ``errors`` and the others get their
+        tokens. Rerunning is safe because a request's chunk writes the same K/V values to the
+        same slots each time, and its images are encoded with it.
+        """
         for h in so.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
         for rid in so.finished_request_ids:
             self.generators.pop(rid, None)
+        try:
+            return ModelOutput(sampled=self._execute(so))
+        except Exception as e:  # noqa: BLE001 (contained below, and logged)
+            if len(so.requests) <= 1:
+                out = ModelOutput(errors={r.request_id: _reason(e) for r in so.requests})
+                logger.error("engine step failed for request %s: %s",
+                             ", ".join(out.errors) or "(none)", _reason(e), exc_info=e)
+                return self._with_failed_images(so, out)
+            logger.warning("an engine step of %d requests failed (%s); running each alone to "
+                           "find the ones responsible", len(so.requests), _reason(e))
+        out = ModelOutput()
+        for req in so.requests:
+            try:
+                out.sampled.update(self._execute(so.only(req)))
+            except Exception as e:  # noqa: BLE001
+                out.errors[req.request_id] = _reason(e)
+                logger.error("engine step failed for request %s: %s", req.request_id,
+                             _reason(e), exc_info=e)
+        return self._with_failed_images(so, out)
+
+    def _with_failed_images(self, so: SchedulerOutput, out: ModelOutput) -> ModelOutput:
+        out.failed_images = [h for h in so.encoder_inputs if h not in self.encoder_outputs]
+        return out
+
+    def _execute(self, so: SchedulerOutput) -> dict[str, int]:
         t0 = time.perf_counter()
         self._run_encoder(so)
         t1 = time.perf_counter()
@@ -242,3 +275,8 @@ class CPUModelRunner(ModelRunner):
         keep_freed_memory()  # steps reuse their activations' pages instead of faulting them in
         super().__init__(*args, **kwargs)
         self.attention = cpu_attention_backend()  # compiled kernels when they build
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__

@@ -1,0 +1,18 @@
+"""Errors every layer may raise: a leaf module, so sampling parameters, processing, the engine
+and the front doors share one class without importing each other."""
+
+from __future__ import annotations
+
+
+class InvalidInputError(ValueError):
+    """A request the engine refuses, with a message that says what to change. ``param`` names
+    the offending field (OpenAI's error body carries it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve any more (its steps keep failing for requests that had run
+    fine, or it was shut down); in-flight requests cannot finish."""
