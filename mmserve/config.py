@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,8 +37,12 @@ class EngineConfig:
     # RAM available at start-up. None: 0.9 on a GPU, 0.8 on the CPU (see memory_plan.py).
     gpu_memory_utilization: float | None = None
     single_user_mode: bool = False  # max_num_seqs = 1; the KV cache for that one sequence
-    # Multimodal.
-    limit_mm_per_prompt: int = 4
+    # Multimodal. ``limit_mm_per_prompt`` is taken in vLLM's forms: an image count, or
+    # ``{"image": N}`` or ``{"image": {"count": N, "width": W, "height": H}}`` (also as JSON
+    # text); it is stored as the count, and the size, the largest image the memory plan must
+    # provision for, as ``max_image_size`` (width, height).
+    limit_mm_per_prompt: int | dict | str = 4
+    max_image_size: tuple[int, int] | None = None
     encoder_cache_size: int | None = None
     max_image_pixels: int = 50_000_000
 
@@ -61,9 +67,10 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory", "encoder_cache_size", "max_image_pixels"):
             positive(name, getattr(self, name))
-        if self.limit_mm_per_prompt < 0:
-            raise ValueError(
-                f"limit_mm_per_prompt must be >= 0, got {self.limit_mm_per_prompt}.")
+        count, size = parse_mm_limit(self.limit_mm_per_prompt)
+        object.__setattr__(self, "limit_mm_per_prompt", count)
+        if size is not None:
+            object.__setattr__(self, "max_image_size", size)
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}.")
@@ -100,3 +107,45 @@ def cpu_supports_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def parse_mm_limit(value: Any) -> tuple[int, tuple[int, int] | None]:
+    """``limit_mm_per_prompt`` in any of vLLM's forms -> (images per prompt, largest image's
+    (width, height) or None)."""
+    usage = ('limit_mm_per_prompt must be an image count or JSON such as \'{"image": 2}\' or '
+             '\'{"image": {"count": 2, "width": 1024, "height": 1024}}\'')
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{usage}, got {value!r}.") from None
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"image"})
+        if unknown:
+            what = "video is not supported yet" if "video" in unknown else "unknown modality"
+            raise ValueError(f"limit_mm_per_prompt: {what} ({', '.join(unknown)}); mmserve "
+                             'takes images only: \'{"image": N}\'.')
+        value = value.get("image", 0)
+    size = None
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {"count", "width", "height"})
+        if unknown or "count" not in value:
+            raise ValueError(f'{usage}; the "image" object takes "count", "width" and '
+                             f'"height", got {sorted(value)}.')
+        if ("width" in value) != ("height" in value):
+            raise ValueError('limit_mm_per_prompt: give both "width" and "height" of the '
+                             "largest image, or neither.")
+        if "width" in value:
+            width, height = value["width"], value["height"]
+            if not all(_is_int(v) and v > 0 for v in (width, height)):
+                raise ValueError("limit_mm_per_prompt: width and height must be positive "
+                                 f"integers, got {width!r} x {height!r}.")
+            size = (width, height)
+        value = value["count"]
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{usage}; the count must be an integer >= 0, got {value!r}.")
+    return value, size
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

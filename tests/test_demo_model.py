@@ -152,6 +152,7 @@ def test_demo_model_sees_unseen_scenes(demo_llm: LLM, unseen) -> None:
         assert accuracy[task] >= BAR, f"{task} accuracy {accuracy[task]:.1%} is under {BAR:.0%}"
 
 
+@pytest.mark.slow
 def test_demo_model_matches_transformers(demo_llm: LLM, unseen) -> None:
     """The same greedy tokens as transformers, one unbatched request at a time."""
     images, items, outputs = unseen

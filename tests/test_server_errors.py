@@ -154,11 +154,11 @@ BAD_REQUESTS = {
     "unknown part type": ({"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "audio"}]}]}, "has type 'audio'", "messages[0].content[0].type"),
     "max_tokens wrong type": (chat(max_tokens="ten"), "must be an integer", "max_tokens"),
-    "max_tokens zero": (chat(max_tokens=0), "at least 1", "max_tokens"),
+    "max_tokens zero": (chat(max_tokens=0), "between 1 and", "max_tokens"),
     "temperature wrong type": (chat(temperature="hot"), "must be a number", "temperature"),
     "top_p out of range": (chat(top_p=0), "top_p must be in (0, 1]", "top_p"),
     "stream not a bool": (chat(stream="yes"), "must be a boolean", "stream"),
-    "stop wrong type": (chat(stop=[1]), "'stop' must be", "stop"),
+    "stop wrong type": (chat(stop=[1]), "stop must be", "stop"),
     "n=2": (chat(n=2), "n=2 is not supported", "n"),
     "stream_options without stream": (chat(stream_options={"include_usage": True}),
                                       "only allowed when 'stream' is true", "stream_options"),

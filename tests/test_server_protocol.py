@@ -58,7 +58,7 @@ def test_defaults() -> None:
     ({"temperature": 3}, "temperature", "between 0 and 2"),
     ({"top_k": -2}, "top_k", "top_k must be"),
     ({"seed": "1"}, "seed", "must be an integer"),
-    ({"stop": ["a", 2]}, "stop", "'stop' must be"),
+    ({"stop": ["a", 2]}, "stop", "stop must be"),
     ({"logprobs": True}, "logprobs", "not supported"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"response_format": {"type": "json_object"}}, "response_format", "only response_format"),

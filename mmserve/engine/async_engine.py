@@ -7,8 +7,14 @@ thread drains between steps, and gets outputs back through ``loop.call_soon_thre
 call per step, which fans them out to per-request asyncio queues. No lock guards engine state
 because only one thread ever touches it; the stats the server reads are a snapshot the thread
 publishes after each step. A request's prompt processing (chat template, tokenizer, image
-processor) runs in a worker thread, one request at a time, while the engine keeps stepping;
-the engine thread only queues the finished ``Request``.
+processor) runs on a small pool of preprocessing threads of its own while the engine keeps
+stepping (the processor serialises only its tokenizer call, so one large image does not stall
+the small ones); the engine thread only queues the finished ``Request``.
+
+A step that fails for some requests finishes those with ``finish_reason="error"`` and goes on
+(``LLMEngine.step``). Only a broken engine (``EngineDeadError``, or an exception that escapes
+a step) stops the loop: every in-flight request fails, ``is_alive`` turns False and
+``on_dead`` is called, so the server can report it and exit for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -16,23 +22,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.request import Request
+from mmserve.errors import EngineDeadError
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (a crash or a shutdown); in-flight requests cannot finish."""
+__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
 
 
 class QueueFullError(RuntimeError):
@@ -91,11 +98,15 @@ class AsyncEngine:
     """Runs ``engine`` in a background thread once ``start()`` is called from the event loop.
 
     ``max_waiting`` bounds the requests admitted beyond the ``max_num_seqs`` that run at once;
-    ``add_request`` refuses more with ``QueueFullError``.
+    ``add_request`` refuses more with ``QueueFullError``. ``preprocess_workers`` threads turn
+    prompts into requests (default: the CPU count, between 2 and 4). ``on_dead`` is called on
+    the event loop if the engine loop stops by itself.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 observer: RequestObserver | None = None) -> None:
+                 observer: RequestObserver | None = None,
+                 preprocess_workers: int | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.observer = observer
@@ -104,7 +115,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._processing = threading.Lock()  # the HF processor is not thread-safe
+        self.on_dead = on_dead
+        workers = preprocess_workers or max(2, min(4, os.cpu_count() or 2))
+        self._preprocess = ThreadPoolExecutor(workers, thread_name_prefix="mmserve-preprocess")
         self._stats: dict[str, Any] = engine.stats()
 
     # ----------------------------------------------------------------- lifecycle
@@ -122,10 +135,16 @@ class AsyncEngine:
             return
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join)
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the engine loop stopped by itself, if it did."""
+        return self._error
 
     @property
     def num_in_flight(self) -> int:
@@ -158,7 +177,8 @@ class AsyncEngine:
         self._streams[request_id] = stream
         added: asyncio.Future[None] = self._loop.create_future()
         try:
-            request = await asyncio.to_thread(self._process, request_id, prompt, params)
+            request = await self._loop.run_in_executor(
+                self._preprocess, self.engine.process_request, prompt, params, request_id)
             self._commands.put(_Add(request, self._resolver(added)))
             await added
         except asyncio.CancelledError:
@@ -178,11 +198,6 @@ class AsyncEngine:
             if self.observer is not None:
                 self.observer.on_finished("abort", stream.num_prompt_tokens,
                                           stream.num_generation_tokens)
-
-    def _process(self, request_id: str, prompt: dict[str, Any],
-                 params: SamplingParams) -> Request:
-        with self._processing:
-            return self.engine.process_request(prompt, params, request_id)
 
     def _resolver(self, fut: asyncio.Future[None]) -> Callable[[BaseException | None], None]:
         def resolve(error: BaseException | None) -> None:
@@ -218,10 +233,13 @@ class AsyncEngine:
                         self._post(self._dispatch, outputs, now)
                 else:
                     self._stats = engine.stats()
-        except BaseException as e:  # a bug in a step: fail every request, loudly
-            logger.exception("the engine loop crashed; failing all in-flight requests")
+        except BaseException as e:  # the engine is broken: fail every request, loudly
+            logger.critical("the engine loop stopped; failing all in-flight requests",
+                            exc_info=e)
             self._error = e
             self._post(self._fail_all, e)
+            if self.on_dead is not None:
+                self._post(self.on_dead, e)
             return
         self._post(self._fail_all, None)
 
@@ -270,7 +288,8 @@ class AsyncEngine:
             stream._queue.put_nowait(out)
 
     def _fail_all(self, error: BaseException | None) -> None:
-        reason = f"the engine loop stopped: {error!r}" if error else "the server is shutting down"
+        reason = (f"the engine stopped: {error}" if error is not None
+                  else "the server is shutting down")
         for stream in self._streams.values():
             stream._queue.put_nowait(EngineDeadError(reason))
         self._streams.clear()

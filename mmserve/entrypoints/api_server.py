@@ -4,7 +4,15 @@
 Endpoints: ``POST /v1/chat/completions`` (plain or streamed as server-sent events),
 ``GET /v1/models``, ``GET /health`` (200 while the engine loop lives; never needs a key),
 ``GET /metrics`` (Prometheus text) and ``GET /stats`` (the engine's counters as JSON, for
-operators and tests). Every error is OpenAI's JSON error body.
+operators and tests). Every error is OpenAI's JSON error body; every response carries an
+``X-Request-Id`` that the server's log lines about it quote.
+
+No single client can stall the service: request headers and bodies have deadlines, image
+fetches have a total deadline on a pool of their own, a request the engine fails on is
+answered with an error while the others go on, and SIGTERM drains for at most
+``--shutdown-timeout`` seconds. If the engine breaks for good (its steps fail for every
+request), ``/health`` turns 503 and the process exits with status 1 so that a supervisor
+restarts it.
 """
 
 from __future__ import annotations
@@ -31,19 +39,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mmserve.engine.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    QueueFullError,
-    RequestStream,
-)
+from mmserve.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints import openai_protocol as proto
-from mmserve.entrypoints.media import MediaPolicy, load_image_from_url
+from mmserve.entrypoints.media import MediaLoader, MediaPolicy
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
+from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
-from mmserve.processing.images import InvalidInputError
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,9 @@ class ServerConfig:
     max_queue: int | None = 1024  # requests waiting beyond the max_num_seqs running ones
     max_request_body_bytes: int = 32 * 1024 * 1024
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    header_timeout_s: float = 10.0  # from a request's first byte to its last header
+    body_timeout_s: float = 60.0  # to read a whole request body
+    shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long, then abort what is left
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -68,6 +74,10 @@ class ServerConfig:
                 f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}.")
         if self.api_key == "":
             raise ValueError("the API key must not be empty; leave it out to disable auth.")
+        for name in ("header_timeout_s", "body_timeout_s", "shutdown_timeout_s"):
+            if not getattr(self, name) > 0:
+                flag = "--" + name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"{flag} must be positive, got {getattr(self, name)}.")
 
 
 class ApiKeyMiddleware:
@@ -90,6 +100,50 @@ class ApiKeyMiddleware:
         await _error_response(err)(scope, receive, send)
 
 
+class RequestIdMiddleware:
+    """Gives every HTTP request an id (``scope["state"]["request_id"]``, echoed in the
+    ``X-Request-Id`` response header), counts every response by status code, and answers an
+    exception that escapes a handler (a bug) with a JSON 500 that quotes the id and tells no
+    internals; the log gets the traceback under the same id."""
+
+    def __init__(self, app: ASGIApp, count: Any) -> None:
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        started = False
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-request-id", request_id.encode())]
+                self.count(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # noqa: BLE001 (answered and logged)
+            logger.error("internal error on %s %s (request id %s)", scope.get("method"),
+                         scope.get("path"), request_id, exc_info=exc)
+            if started:  # a stream already under way: all we can do is end it
+                return
+            err = ApiError(500, f"internal server error (request id {request_id}); the server "
+                           "log has the details.", type="server_error", code="internal_error")
+            await _error_response(err)(scope, receive, send_with_id)
+
+
+def _request_id(request: Request) -> str:
+    return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
+
+
 def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
@@ -102,10 +156,19 @@ class OpenAIServer:
         self.model = config.served_model_name
         self.max_model_len = engine.config.max_model_len
         self.max_images = engine.config.limit_mm_per_prompt
-        self.max_pixels = engine.config.max_image_pixels
+        self.media = MediaLoader(config.media, engine.config.max_image_pixels)
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model, self._stats)
-        self.engine = AsyncEngine(engine, config.max_queue, observer=self.metrics)
+        self.engine = AsyncEngine(engine, config.max_queue, observer=self.metrics,
+                                  on_dead=self._engine_died)
+        # Set by ``serve``: the uvicorn server to stop if the engine dies.
+        self.http_server: Any = None
+
+    def _engine_died(self, error: BaseException) -> None:
+        logger.critical("the engine is broken (%s); stopping the server so that it can be "
+                        "restarted", error)
+        if self.http_server is not None:
+            self.http_server.should_exit = True
 
     def _stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -127,12 +190,10 @@ class OpenAIServer:
 
     # ----------------------------------------------------------------- chat
     async def chat(self, request: Request) -> Response:
+        request_id = f"chatcmpl-{_request_id(request)}"
         try:
             chat = await self._parse(request)
-            images = await asyncio.gather(*(
-                asyncio.to_thread(load_image_from_url, url, self.config.media, self.max_pixels)
-                for url in chat.image_urls))
-            request_id = f"chatcmpl-{uuid.uuid4().hex}"
+            images = await asyncio.gather(*(self.media.load(url) for url in chat.image_urls))
             prompt = {"messages": chat.messages, "images": list(images)}
             stream = await self.engine.add_request(request_id, prompt, chat.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
@@ -153,6 +214,9 @@ class OpenAIServer:
             raise proto.bad_request(f"the request body is not valid JSON: {e}") from None
         except RecursionError:
             raise proto.bad_request("the request body is nested too deeply") from None
+        except ValueError:  # Python refuses to convert integers of over 4300 digits
+            raise proto.bad_request("the request body has a number with thousands of digits; "
+                                    "send numbers of ordinary size.") from None
         chat = proto.parse_chat_request(data, self.max_model_len, self.max_images)
         if chat.model is not None and chat.model != self.model:
             raise ApiError(404, f"the model {chat.model!r} does not exist; this server serves "
@@ -170,15 +234,25 @@ class OpenAIServer:
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > cap:
             raise too_big
-        chunks, size = [], 0
-        try:
+        chunks: list[bytes] = []
+
+        async def read() -> None:
+            size = 0
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > cap:
                     raise too_big
                 chunks.append(chunk)
+
+        timeout = self.config.body_timeout_s
+        try:
+            await asyncio.wait_for(read(), timeout)
         except ClientDisconnect:
             raise proto.bad_request("the client disconnected while sending the body") from None
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body took longer than {timeout:g} s to arrive "
+                           "(--body-timeout); send it faster or in a smaller request.",
+                           code="request_timeout", headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
     async def _complete(self, request: Request, stream: RequestStream) -> Response:
@@ -206,6 +280,8 @@ class OpenAIServer:
         except EngineDeadError as e:
             self.metrics.count("error")
             return _error_response(_as_api_error(e))
+        if out.finish_reason == "error":
+            return _error_response(_failed(out))
         body = proto.completion(stream.request_id, self.model, out.text, out.finish_reason,
                                 out.num_prompt_tokens, len(out.token_ids),
                                 out.num_cached_tokens)
@@ -222,6 +298,9 @@ class OpenAIServer:
         try:
             yield event({"role": "assistant", "content": ""})
             async for out in stream:
+                if out.finish_reason == "error":
+                    yield f"data: {json.dumps(_failed(out).body())}\n\n"
+                    break
                 if out.new_text:
                     yield event({"content": out.new_text})
                 if out.finished:
@@ -248,6 +327,7 @@ class OpenAIServer:
             yield
             # uvicorn has drained in-flight requests (SIGTERM) before this point.
             await self.engine.shutdown()
+            self.media.close()
 
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -258,8 +338,9 @@ class OpenAIServer:
         ]
         return Starlette(
             routes=routes, lifespan=lifespan,
-            middleware=[Middleware(ApiKeyMiddleware, api_key=self.config.api_key)],
-            exception_handlers={HTTPException: _http_exception, Exception: _internal_error})
+            middleware=[Middleware(RequestIdMiddleware, count=self.metrics.count_response),
+                        Middleware(ApiKeyMiddleware, api_key=self.config.api_key)],
+            exception_handlers={HTTPException: _http_exception})
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
@@ -289,9 +370,11 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
                                     if exc.status_code == 404 else None))
 
 
-async def _internal_error(request: Request, exc: Exception) -> Response:
-    logger.exception("internal error on %s %s", request.method, request.url.path)
-    return _error_response(ApiError(500, f"internal server error: {exc!r}", type="server_error"))
+def _failed(out: RequestOutput) -> ApiError:
+    """The engine failed this request (and only this one: the others went on)."""
+    return ApiError(500, f"the engine failed while generating this request's answer "
+                    f"({out.error}); other requests are unaffected, retrying may work.",
+                    type="server_error", code="generation_failed")
 
 
 # --------------------------------------------------------------------- mmserve serve
@@ -316,7 +399,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="serve file:// image URLs under DIR")
     p.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_bytes)
     p.add_argument("--media-fetch-timeout", type=float, default=MediaPolicy.fetch_timeout_s,
-                   help="seconds to fetch one image URL")
+                   help="seconds to fetch one image URL, from connecting to the last byte")
+    p.add_argument("--header-timeout", type=float, default=ServerConfig.header_timeout_s,
+                   help="seconds a client has to send a request's headers")
+    p.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout_s,
+                   help="seconds a client has to send a request's body")
+    p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
+                   help="on SIGTERM, seconds to let requests in flight finish before "
+                   "aborting them")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
@@ -324,11 +414,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT (status 0) or until the engine breaks (status 1,
+    for a supervisor to restart it)."""
     import uvicorn
 
     from mmserve.config import EngineConfig
     from mmserve.demo.checkpoint import demo_model_path
     from mmserve.entrypoints.cli import engine_kwargs
+    from mmserve.entrypoints.http_protocol import with_header_timeout
 
     model = args.model_path or args.model
     try:
@@ -341,14 +434,25 @@ def serve(args: argparse.Namespace) -> int:
             max_request_body_bytes=args.max_request_body_bytes,
             media=MediaPolicy(tuple(args.allowed_media_domains), args.allowed_local_media_path,
                               args.max_image_bytes, args.media_fetch_timeout),
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            shutdown_timeout_s=args.shutdown_timeout,
         )
         engine = LLMEngine(EngineConfig(model=model, **engine_kwargs(args)))
     except (FileNotFoundError, ValueError) as e:
         print(f"mmserve serve: {e}", file=sys.stderr)
         return 2
-    app = build_app(engine, config)
-    # uvicorn's SIGTERM handling stops accepting connections, lets in-flight requests finish,
-    # then runs the lifespan shutdown that stops the engine loop.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_keep_alive=5)
+    server = OpenAIServer(engine, config)
+    # On SIGTERM uvicorn stops accepting connections and lets the requests in flight finish
+    # for up to --shutdown-timeout seconds, cancels what is left, then runs the lifespan
+    # shutdown that stops the engine loop (failing any request still in it).
+    http = uvicorn.Server(uvicorn.Config(
+        server.app(), host=args.host, port=args.port, log_level=args.log_level,
+        timeout_keep_alive=5, http=with_header_timeout(config.header_timeout_s),
+        timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s))))
+    server.http_server = http
+    http.run()
+    if server.engine.error is not None:
+        print(f"mmserve serve: the engine stopped: {server.engine.error}", file=sys.stderr)
+        return 1
     return 0

@@ -34,8 +34,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                    action="store_false")
     g.add_argument("--kv-cache-memory", type=int, help="bytes of KV cache")
-    g.add_argument("--limit-mm-per-prompt", type=int, default=EngineConfig.limit_mm_per_prompt,
-                   help="most images in one prompt")
+    g.add_argument("--limit-mm-per-prompt", type=_mm_limit,
+                   default=EngineConfig.limit_mm_per_prompt,
+                   help='most images in one prompt: N, or JSON as in vLLM: \'{"image": N}\' or '
+                   '\'{"image": {"count": N, "width": W, "height": H}}\' (W x H: the largest '
+                   "image to provision memory for)")
     g.add_argument("--encoder-cache-size", type=int, help="embedding tokens (default: auto)")
     g.add_argument("--max-image-pixels", type=int, default=EngineConfig.max_image_pixels)
     g.add_argument("--seed", type=int, default=0)
@@ -51,6 +54,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "encoder_cache_size", "max_image_pixels", "seed", "device", "enforce_eager",
             "gpu_memory_utilization", "single_user_mode")
     return {k: getattr(args, k) for k in keys}
+
+
+def _mm_limit(value: str) -> int | dict:
+    """``--limit-mm-per-prompt``: an integer, or vLLM's JSON form (checked here so that a
+    typo is a usage error, not a traceback)."""
+    from mmserve.config import parse_mm_limit
+
+    parsed = int(value) if value.strip().lstrip("-").isdigit() else value
+    try:
+        parse_mm_limit(parsed)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return json.loads(value) if isinstance(parsed, str) else parsed
 
 
 def _int_or_auto(value: str) -> int | None:

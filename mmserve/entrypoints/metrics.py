@@ -44,6 +44,9 @@ class ServerMetrics:
         self.itl = Histogram(
             "mmserve_inter_token_latency_seconds", "Between consecutive generated tokens.",
             ["model_name"], buckets=_ITL_BUCKETS, registry=self.registry).labels(**labels)
+        self.responses = Counter(
+            "mmserve_http_responses", "HTTP responses by status code, on every path.",
+            ["model_name", "code"], registry=self.registry)
         self._model_name = model_name
         self.registry.register(_EngineCollector(model_name, engine_stats))
 
@@ -62,6 +65,9 @@ class ServerMetrics:
 
     def count(self, status: str) -> None:
         self.requests.labels(model_name=self._model_name, status=status).inc()
+
+    def count_response(self, code: int) -> None:
+        self.responses.labels(model_name=self._model_name, code=str(code)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -106,6 +112,14 @@ class _EngineCollector(Collector):
                       s["encoder_cache_misses"])
         yield counter("mmserve_encoder_cache_evictions", "Encoder cache entries evicted.",
                       s["encoder_cache_evictions"])
+        yield counter("mmserve_num_failed_requests", "Requests an engine step failed for "
+                      "(finished with an error while the others went on).",
+                      s["num_failed_requests"])
+        yield gauge("mmserve_preprocess_peak_bytes", "The largest memory peak of one request's "
+                    "preprocessing so far (estimated from its images' sizes).",
+                    s["preprocess_peak_bytes"])
+        yield counter("mmserve_memory_releases", "Times preprocessing's freed memory was "
+                      "returned to the operating system.", s["num_memory_releases"])
         yield counter("mmserve_num_preemptions", "Requests preempted for lack of KV blocks.",
                       s["num_preemptions"])
         yield counter("mmserve_prefix_cache_hit_tokens", "Prompt tokens found in the prefix "

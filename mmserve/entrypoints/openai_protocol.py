@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -85,8 +86,9 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRe
         max_tokens = _get(body, "max_tokens", int, None)
     if max_tokens is None:
         max_tokens = max_model_len  # the engine stops at max_model_len anyway
-    elif max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+    elif not 1 <= max_tokens <= max_model_len:
+        raise bad_request(f"max_tokens must be between 1 and the model's max_model_len "
+                          f"({max_model_len}), got {_short_int(max_tokens)}", "max_tokens")
     temperature = _get(body, "temperature", float, 1.0)
     if not 0 <= temperature <= 2:
         raise bad_request(f"temperature must be between 0 and 2, got {temperature}",
@@ -95,15 +97,14 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRe
     if not 0 < top_p <= 1:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
     top_k = _get(body, "top_k", int, 0)
-    if top_k < -1:
-        raise bad_request(f"top_k must be -1 or 0 (disabled) or positive, got {top_k}", "top_k")
     seed = _get(body, "seed", int, None)
     stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list)
-                             or not all(isinstance(s, str) for s in stop)):
-        raise bad_request("'stop' must be a string or a list of strings", "stop")
+    if isinstance(stop, list):
+        for s in stop:
+            if isinstance(s, str):
+                _check_text(s, "stop")
+    elif isinstance(stop, str):
+        _check_text(stop, "stop")
     ignore_eos = _get(body, "ignore_eos", bool, False)  # vLLM's extension, for benchmarks
 
     stream = _get(body, "stream", bool, False)
@@ -117,8 +118,11 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRe
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = _get(options, "include_usage", bool, False, "stream_options.")
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=max(top_k, 0), seed=seed, stop=stop, ignore_eos=ignore_eos)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos)
+    except InvalidInputError as e:
+        raise bad_request(str(e), e.param) from None
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
                        model=model)
 
@@ -130,12 +134,37 @@ def _get(obj: dict[str, Any], name: str, kind: type, default: Any, prefix: str =
         return default
     ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        ok, value = True, float(value)
+        try:
+            ok, value = True, float(value)
+        except OverflowError:  # an integer with hundreds of digits
+            ok = False
     if not ok:
         names = {int: "an integer", float: "a number", bool: "a boolean"}
-        raise bad_request(f"'{prefix}{name}' must be {names[kind]}, got {value!r}",
+        shown = _short_int(value) if isinstance(value, int) else _short(repr(value))
+        raise bad_request(f"'{prefix}{name}' must be {names[kind]}, got {shown}",
                           prefix + name)
     return value
+
+
+def _short_int(value: int) -> str:
+    """An integer as text, abridged when it is too long to quote (or even to convert)."""
+    if abs(value) < 10**30:
+        return str(value)
+    return f"an integer of {value.bit_length()} bits"
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _check_text(text: str, where: str) -> None:
+    """Text must be encodable: JSON escapes can carry lone UTF-16 surrogates ("\\ud800")
+    that no tokenizer accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{where} contains an invalid character (a lone UTF-16 surrogate "
+                          f"at position {e.start}); send valid Unicode text.", where) from None
 
 
 def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -155,6 +184,7 @@ def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, str):
+            _check_text(content, f"{where}.content")
             out.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
@@ -167,6 +197,7 @@ def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
             if kind == "text":
                 if not isinstance(part.get("text"), str):
                     raise bad_request(f"{pwhere}.text must be a string", f"{pwhere}.text")
+                _check_text(part["text"], f"{pwhere}.text")
                 parts.append({"type": "text", "text": part["text"]})
             elif kind == "image_url":
                 image_url = part.get("image_url")

@@ -86,7 +86,9 @@ def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None
     inputs = plan_inputs(config, hf_config, device, memory_bytes, weights, peak, method,
                          budget, estimated=tuple(sorted(estimated)))
     facts = {"checkpoint_tensors": num_tensors, "checkpoint_bytes": file_bytes,
-             "dtype": str(dtype).removeprefix("torch."), "tokens_per_image": tokens_per_image}
+             "dtype": str(dtype).removeprefix("torch."), "tokens_per_image": tokens_per_image,
+             "limit_mm_per_prompt": config.limit_mm_per_prompt,
+             "max_image_size": config.max_image_size}
     return plan_memory(inputs), facts
 
 
@@ -130,6 +132,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"  checkpoint: {facts['checkpoint_tensors']} tensors, "
           f"{facts['checkpoint_bytes']} bytes on disk (headers only; no weight was loaded), "
           f"served as {facts['dtype']}; {facts['tokens_per_image']} tokens per image")
+    size = config.max_image_size
+    print(f"  images: at most {config.limit_mm_per_prompt} per prompt"
+          + (f", the largest {size[0]}x{size[1]}" if size else ""))
     print("  estimates: " + (", ".join(plan.estimated) or "none")
           + "; everything else is what the engine computes for the same settings")
     print("\nfeasible pairs: max_num_seqs sequences of max_model_len fit in the KV cache at once")
