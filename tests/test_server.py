@@ -47,13 +47,14 @@ def image_message(text: str, *urls: str) -> list[dict]:
 class Server:
     """``mmserve serve`` in a subprocess; ``url`` is its base URL once /health answers."""
 
-    def __init__(self, model: str, *args: str, log: Path, env: dict | None = None) -> None:
+    def __init__(self, model: str, *args: str, log: Path, env: dict | None = None,
+                 launcher: tuple[str, ...] = ("-m", "mmserve.entrypoints.cli")) -> None:
         with socket.socket() as s:  # a free loopback port
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", model, "--host",
+        cmd = [sys.executable, *launcher, "serve", model, "--host",
                "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
                "--log-level", "warning", *args]
         self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT,

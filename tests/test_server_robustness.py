@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import signal
 import socket
-import subprocess
-import sys
 import textwrap
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -226,70 +225,81 @@ def test_sigterm_drains_for_at_most_the_shutdown_timeout(clip_llama: str,
 
 
 HARNESS = textwrap.dedent("""
-    # The server with a decoder that breaks for good once FLAG exists, as on a lost device:
-    # every step fails from then on, for old and new requests alike.
+    # mmserve serve with two faults injected below the engine. Sampling fails for requests
+    # whose seed is POISON_SEED (as a request that slipped past validation would). Once the
+    # file FLAG exists the decoder fails for good, as on a lost device: every step fails from
+    # then on, for old and new requests alike.
     import os, sys
     from mmserve.worker import model_runner
 
     flag = sys.argv[1]
-    real = model_runner.ModelRunner._forward
+    real_forward, real_sample = model_runner.ModelRunner._forward, model_runner.sample
 
     def forward(self, *args, **kwargs):
         if os.path.exists(flag):
             raise RuntimeError("CUDA error: device lost (simulated)")
-        return real(self, *args, **kwargs)
+        return real_forward(self, *args, **kwargs)
+
+    def sample(logits, params, generators):
+        if any(p.seed == POISON_SEED for p in params):
+            raise RuntimeError("probability tensor contains inf or nan (simulated)")
+        return real_sample(logits, params, generators)
 
     model_runner.ModelRunner._forward = forward
+    model_runner.sample = sample
     from mmserve.entrypoints.cli import main
     sys.exit(main(sys.argv[2:]))
-""")
+""").replace("POISON_SEED", "424242")
 
 
 @pytest.mark.slow
-def test_broken_engine_exits_nonzero(clip_llama: str, tmp_path: Path) -> None:
-    """When every step fails for every request, requests that ran fine before among them,
-    the engine is broken: in-flight requests get an error, /health turns 503 and the process
-    exits with status 1 so that a supervisor restarts it (it used to stay up, unhealthy)."""
+def test_failures_inside_steps(clip_llama: str, tmp_path: Path) -> None:
+    """A request that fails inside a step gets a 500 (in a stream: an error event) for
+    itself alone, while a request running beside it finishes with its usual text and /health
+    stays 200. When every step fails for every request, requests that ran fine before among
+    them, the engine is broken: in-flight requests get an error and the process exits with
+    status 1 so that a supervisor restarts it (it used to stay up with /health 503 for ever).
+    """
     flag = tmp_path / "broken"
     script = tmp_path / "harness.py"
     script.write_text(HARNESS)
-    port_holder = Server.__new__(Server)  # only for a free port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port_holder.port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port_holder.port}"
-    log = (tmp_path / "server.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(flag), "serve", clip_llama, "--port",
-         str(port_holder.port), "--dtype", "float32", "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT)
+    srv = Server(clip_llama, "--max-model-len", "128", log=tmp_path / "server.log",
+                 launcher=(str(script), str(flag)))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        body = {"max_tokens": 100, "temperature": 0, "ignore_eos": True, "stream": True,
-                "messages": [{"role": "user", "content": "count"}]}
-        events = []
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    if len(events) == 4:  # tokens are flowing: now the device goes
-                        flag.touch()
-        assert any('"error"' in e for e in events), events
-        assert proc.wait(timeout=60) == 1
+        good = {"max_tokens": 30, "temperature": 0, "ignore_eos": True,
+                "messages": image_message("what is this?", data_url(IMAGE))}
+        with httpx.Client(base_url=srv.url, timeout=60) as api:
+            expected = api.post("/v1/chat/completions", json=good).json()
+            poisoned = {**good, "temperature": 1.0, "seed": 424242}
+            with ThreadPoolExecutor(3) as pool:
+                beside = pool.submit(api.post, "/v1/chat/completions", json=good)
+                plain = pool.submit(api.post, "/v1/chat/completions", json=poisoned)
+                streamed = pool.submit(api.post, "/v1/chat/completions",
+                                       json={**poisoned, "stream": True})
+            assert beside.result().json()["choices"] == expected["choices"]
+            error = plain.result().json()["error"]
+            assert plain.result().status_code == 500 and error["code"] == "generation_failed"
+            assert "nan (simulated)" in error["message"]
+            events = [line[6:] for line in streamed.result().text.splitlines()
+                      if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["code"] == "generation_failed"
+            assert api.get("/health").status_code == 200
+            assert api.get("/stats").json()["num_failed_requests"] == 2
+
+            body = {**good, "max_tokens": 100, "stream": True}
+            events = []
+            with api.stream("POST", "/v1/chat/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 4:  # tokens are flowing: now the device goes
+                            flag.touch()
+        assert events[-1] == "[DONE]", events[-3:]
+        assert "device lost" in json.loads(events[-2])["error"]["message"], events[-3:]
+        assert srv.proc.wait(timeout=60) == 1
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+        srv.stop()
     text = (tmp_path / "server.log").read_text()
     assert "device lost" in text and "restart" in text
 

@@ -295,24 +295,27 @@ class OpenAIServer:
             body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
+        # A failure mid-stream is an event with OpenAI's error body (the openai client raises
+        # it), then the end of the stream as usual.
         try:
             yield event({"role": "assistant", "content": ""})
-            async for out in stream:
-                if out.finish_reason == "error":
-                    yield f"data: {json.dumps(_failed(out).body())}\n\n"
-                    break
-                if out.new_text:
-                    yield event({"content": out.new_text})
-                if out.finished:
-                    yield event({}, out.finish_reason)
-                    if include_usage:
-                        yield event(None, usage=proto.usage(
-                            out.num_prompt_tokens, len(out.token_ids), out.num_cached_tokens))
+            try:
+                async for out in stream:
+                    if out.finish_reason == "error":
+                        yield f"data: {json.dumps(_failed(out).body())}\n\n"
+                        break
+                    if out.new_text:
+                        yield event({"content": out.new_text})
+                    if out.finished:
+                        yield event({}, out.finish_reason)
+                        if include_usage:
+                            yield event(None, usage=proto.usage(out.num_prompt_tokens,
+                                                                len(out.token_ids),
+                                                                out.num_cached_tokens))
+            except EngineDeadError as e:
+                self.metrics.count("error")
+                yield f"data: {json.dumps(_as_api_error(e).body())}\n\n"
             yield "data: [DONE]\n\n"
-        except EngineDeadError as e:
-            self.metrics.count("error")
-            body = _as_api_error(e).body()
-            yield f"data: {json.dumps(body)}\n\n"
         finally:
             # The client went away (this generator was cancelled or closed) or we are done;
             # aborting a finished request is a no-op.
