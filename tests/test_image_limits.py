@@ -467,3 +467,13 @@ def test_engine_gives_preprocessing_memory_back(clip_llama: str, tmp_path) -> No
     # Two threads each preprocessed 12-megapixel images (~180 MB peaks); what stays is at
     # most a small remainder, not a peak per thread.
     assert after - before < 60, (before, after)
+
+
+def test_a_side_over_the_limit_is_refused_from_the_header() -> None:
+    """Each side is bounded too: 40,000 x 1,000 is under the pixel cap and 40:1."""
+    from mmserve.processing.images import MAX_IMAGE_SIDE
+
+    with pytest.raises(InvalidInputError, match="MAX_IMAGE_SIDE"):
+        load_image(_png_header(MAX_IMAGE_SIDE + 1, 1_000), 50_000_000)
+    assert load_image(Image.new("L", (MAX_IMAGE_SIDE, 200)), 50_000_000).size == (
+        MAX_IMAGE_SIDE, 200)

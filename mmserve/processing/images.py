@@ -1,7 +1,8 @@
 """Loading user images safely: PIL images, file paths, raw bytes or data URLs.
 
 Every image is checked from its header, before any pixel is decoded or resized: at most
-``max_image_pixels`` pixels (``--max-image-pixels``) and at most ``MAX_IMAGE_ASPECT_RATIO``:1.
+``max_image_pixels`` pixels (``--max-image-pixels``), at most ``MAX_IMAGE_SIDE`` pixels on each
+side and at most ``MAX_IMAGE_ASPECT_RATIO``:1.
 mmserve's pixel limit is the only one a user meets: Pillow's own decompression-bomb limit is
 raised to match it when it is higher (see ``match_pillow_pixel_limit``).
 """
@@ -24,10 +25,14 @@ from PIL import Image
 # here because callers have always imported it from this module.
 from mmserve.errors import InvalidInputError
 
-__all__ = ["MAX_IMAGE_ASPECT_RATIO", "ImageLike", "InvalidInputError", "check_image",
+__all__ = ["MAX_IMAGE_ASPECT_RATIO", "MAX_IMAGE_SIDE", "ImageLike", "InvalidInputError", "check_image",
            "decode_data_url", "image_hash", "load_image", "match_pillow_pixel_limit"]
 
 ImageLike = Image.Image | str | os.PathLike | bytes
+
+MAX_IMAGE_SIDE = 32_768
+"""Pixels on the longest side (JPEG and WebP cannot even encode more). With the pixel limit
+and the aspect ratio below, it bounds the resize intermediate of any accepted image."""
 
 MAX_IMAGE_ASPECT_RATIO = 200
 """Longest side over shortest side that an image may have (200:1, as in Qwen2-VL's processor).
@@ -161,3 +166,7 @@ def _check_size(size: tuple[int, int], max_pixels: int, what: str) -> None:
             "mmserve/processing/images.py; the image processor would first scale the short side "
             "up to the encoder's input size). Crop the image, or pad its short side, to at most "
             f"{MAX_IMAGE_ASPECT_RATIO}:1.")
+    if max(w, h) > MAX_IMAGE_SIDE:
+        raise InvalidInputError(
+            f"{what}: {w}x{h} has a side over mmserve's limit of {MAX_IMAGE_SIDE} pixels "
+            "(MAX_IMAGE_SIDE in mmserve/processing/images.py); resize it.")
