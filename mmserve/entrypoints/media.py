@@ -2,11 +2,10 @@
 
 - ``data:image/...;base64,`` URLs are always accepted.
 - ``http(s)://`` URLs only for hosts listed in ``allowed_domains`` (exact host names), fetched
-  with a byte cap and one total deadline (``fetch_timeout_s``, ``--media-fetch-timeout``) that
-  covers the whole fetch: connect, TLS handshake, status line, headers and body, chunked or not.
-  Each socket operation gets the time left as its timeout, and a watchdog shuts the connection
-  down when the time is up, so a host that drips one byte at a time cannot hold a fetch longer.
-  Redirects are refused, since following one could lead to a host that is not allowed.
+  (``http_fetch.py``) with a byte cap and one total deadline (``fetch_timeout_s``,
+  ``--media-fetch-timeout``) that covers the whole fetch: connect, TLS handshake, status line,
+  headers and body. Redirects are refused, since following one could lead to a host that is
+  not allowed.
 - ``file://`` URLs only when ``allowed_local_path`` is set, and only if the resolved path (after
   symlinks and ``..``) stays inside it.
 
@@ -22,32 +21,20 @@ hosts hold at most its ``max_workers`` threads and never the event loop's defaul
 from __future__ import annotations
 
 import asyncio
-import functools
-import http.client
-import ipaddress
 import os
-import re
-import socket
-import ssl
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 from PIL import Image
 
+from mmserve.entrypoints.http_fetch import fetch
 from mmserve.processing.images import InvalidInputError, decode_data_url, load_image
 
-_CHUNK = 64 * 1024
 # Longer than any server's request-line limit (8 KiB is common); data: URLs are exempt.
 _MAX_URL_CHARS = 8192
-_HOST_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
-# Printable ASCII stays as the client wrote it (escapes included); anything else in a path or
-# query is percent-encoded as UTF-8, as browsers do, since http.client sends ASCII only.
-_PATH_SAFE = "".join(chr(c) for c in range(0x21, 0x7F))
 
 
 @dataclass(frozen=True)
@@ -152,7 +139,7 @@ def _read_url(url: str, policy: MediaPolicy) -> bytes:
         return decode_data_url(url)
     _check_url_text(url)
     if scheme in ("http", "https"):
-        return _fetch(url, policy)
+        return fetch(url, policy.allowed_domains, policy.fetch_timeout_s, policy.max_bytes)
     if scheme == "file":
         return _read_local(url, policy)
     raise InvalidInputError(
@@ -171,234 +158,6 @@ def _check_url_text(url: str) -> None:
         raise InvalidInputError(
             f"the image URL {_short(url)} contains whitespace or a control character ({char!r} "
             f"at position {at}); percent-encode it.")
-
-
-# ---------------------------------------------------------------------------- http(s)
-def _fetch(url: str, policy: MediaPolicy) -> bytes:
-    tls, host, port, target = _parse_http_url(url, policy.allowed_domains)
-    with _Deadline(policy.fetch_timeout_s) as deadline:
-        try:
-            return _get(url, _Connection(host, port, tls, deadline), target, policy.max_bytes)
-        except InvalidInputError:
-            raise
-        except (OSError, http.client.HTTPException, ValueError) as e:
-            if isinstance(e, TimeoutError) or deadline.expired:
-                raise InvalidInputError(
-                    f"fetching {_short(url)} took longer than {policy.fetch_timeout_s} s; raise "
-                    "--media-fetch-timeout, or send the image as a data: URL.") from None
-            # http.client's messages quote what the host sent: name the kind, quote briefly.
-            reason = str(e) if isinstance(e, OSError) else (
-                f"the answer is not valid HTTP ({type(e).__name__}: {_short(str(e))})")
-            raise InvalidInputError(f"fetching {_short(url)} failed: {reason}") from None
-
-
-def _parse_http_url(url: str, allowed_domains: tuple[str, ...]) -> tuple[bool, str, int, str]:
-    """``(tls, host, port, request target)`` of a URL to an allowed host, with the problem
-    named if the URL has one."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as e:  # a bad IPv6 literal, a port out of range or not a number
-        raise InvalidInputError(f"the image URL {_short(url)} is malformed: {e}") from None
-    host = parts.hostname or ""
-    if not host:
-        raise InvalidInputError(f"the image URL {_short(url)} names no host")
-    if not host.isascii():
-        raise InvalidInputError(
-            f"the image URL's host {host!r} is not ASCII; write an international domain name "
-            "in its ASCII (xn--) form.")
-    if len(host) > 253:
-        raise InvalidInputError(
-            f"the image URL's host is {len(host)} characters long; host names have at most 253")
-    if ":" in host:  # urlsplit has checked a bracketed IPv6 literal; this is belt and braces
-        try:
-            ipaddress.IPv6Address(host.split("%", 1)[0])
-        except ValueError as e:
-            raise InvalidInputError(f"the image URL's host {host!r} is malformed: {e}") from None
-    elif not all(_HOST_LABEL.fullmatch(label) for label in host.removesuffix(".").split(".")):
-        raise InvalidInputError(
-            f"the image URL's host {host!r} is not a valid host name (letters, digits and "
-            "hyphens, at most 63 per dot-separated label)")
-    # The host first: in 'http://allowed.com@evil.net/' it is evil.net that matters.
-    if host not in allowed_domains:
-        raise InvalidInputError(
-            f"fetching images from {host!r} is not allowed; start the server with "
-            f"--allowed-media-domains {host} to allow it, or send a data: URL.")
-    if parts.username is not None or parts.password is not None:
-        raise InvalidInputError(
-            f"the image URL {_short(url)} carries a user name or password; mmserve sends no "
-            "credentials, remove them.")
-    if port == 0:
-        raise InvalidInputError(f"the image URL {_short(url)} has port 0; ports are 1-65535")
-    tls = parts.scheme == "https"
-    target = quote(parts.path or "/", safe=_PATH_SAFE)
-    if parts.query:
-        target += "?" + quote(parts.query, safe=_PATH_SAFE)
-    return tls, host, port or (443 if tls else 80), target
-
-
-def _get(url: str, conn: _Connection, target: str, max_bytes: int) -> bytes:
-    """One GET on ``conn`` under its deadline; the response checked and read to the end."""
-    deadline = conn.deadline
-    resp: http.client.HTTPResponse | None = None
-    try:
-        conn.connect()
-        sock = conn.sock
-        sock.settimeout(deadline.remaining())
-        conn.request("GET", target, headers={
-            "Accept": "image/png, image/jpeg, image/webp, image/gif",
-            "Connection": "close", "User-Agent": "mmserve"})
-        sock.settimeout(deadline.remaining())
-        resp = conn.getresponse()  # status line and headers: bounded by the watchdog
-        deadline.remaining()  # a header section cut short by the watchdog is a timeout
-        if 300 <= resp.status < 400:
-            location = resp.getheader("Location")
-            where = f" to {_short(location)}" if location else ""
-            raise InvalidInputError(
-                f"the image URL {_short(url)} redirects{where} (HTTP {resp.status}); mmserve "
-                "does not follow redirects, send the final URL.")
-        if not 200 <= resp.status < 300:
-            raise InvalidInputError(
-                f"fetching {_short(url)} failed with HTTP {resp.status}; check the URL.")
-        if resp.length is not None and resp.length > max_bytes:
-            raise InvalidInputError(
-                f"the image at {_short(url)} is {resp.length} bytes, over the limit of "
-                f"{max_bytes} bytes; send a smaller image, or raise --max-image-bytes.")
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            # read1 returns what one socket read brings instead of looping until the chunk is
-            # full, so each read waits at most the time left.
-            sock.settimeout(deadline.remaining())
-            chunk = resp.read1(_CHUNK)
-            if not chunk:
-                break
-            size += len(chunk)
-            if size > max_bytes:
-                raise InvalidInputError(
-                    f"the image at {_short(url)} is over the limit of {max_bytes} bytes; send "
-                    "a smaller image, or raise --max-image-bytes.")
-            chunks.append(chunk)
-        deadline.remaining()  # an end of body forced by the watchdog is a timeout
-        if resp.length:  # read1 reports a connection closed early as a plain end of body
-            raise InvalidInputError(
-                f"fetching {_short(url)} failed: the host closed the connection after {size} of "
-                f"{size + resp.length} bytes.")
-        return b"".join(chunks)
-    finally:
-        if resp is not None:
-            resp.close()
-        conn.close()
-
-
-class _Deadline:
-    """One fetch's total time limit, from connect to the last byte.
-
-    Each socket operation gets the time left as its timeout. That alone does not bound
-    http.client's own loops (the status line, headers and chunk sizes are read line by line,
-    and every byte that arrives starts a new socket read with a fresh timeout), so a watchdog
-    timer shuts the connection down at the deadline and whatever read is blocked returns at
-    once. It shuts down a duplicate of each socket, which stays valid after TLS takes the
-    original over, and is cancelled on the way out so no timer outlives its fetch.
-    """
-
-    def __init__(self, seconds: float) -> None:
-        self._end = time.monotonic() + seconds
-        self._lock = threading.Lock()
-        self._watched: list[socket.socket] = []
-        self._fired = False
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.name = "mmserve-fetch-deadline"
-        self._timer.daemon = True
-
-    def __enter__(self) -> _Deadline:
-        self._timer.start()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._timer.cancel()
-        with self._lock:
-            for sock in self._watched:
-                sock.close()
-            self._watched.clear()
-
-    @property
-    def expired(self) -> bool:
-        return self._fired or time.monotonic() >= self._end
-
-    def remaining(self) -> float:
-        """Seconds left, for a socket timeout; ``TimeoutError`` when there are none."""
-        left = self._end - time.monotonic()
-        if left <= 0 or self._fired:
-            raise TimeoutError("the fetch deadline has passed")
-        return left
-
-    def watch(self, sock: socket.socket) -> None:
-        with self._lock:
-            if self._fired:
-                raise TimeoutError("the fetch deadline has passed")
-            self._watched.append(sock.dup())
-
-    def _fire(self) -> None:
-        with self._lock:
-            self._fired = True
-            for sock in self._watched:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass  # not connected (yet, or any more): nothing to wake
-
-
-class _Connection(http.client.HTTPConnection):
-    """An HTTP or HTTPS connection whose socket opens under ``deadline``."""
-
-    def __init__(self, host: str, port: int, tls: bool, deadline: _Deadline) -> None:
-        super().__init__(host, port)
-        self.default_port = 443 if tls else 80  # the Host header omits the scheme's own port
-        self.tls = tls
-        self.deadline = deadline
-
-    def connect(self) -> None:
-        sock = _open_socket(self.host, self.port, self.deadline)
-        if self.tls:
-            try:
-                sock.settimeout(self.deadline.remaining())
-                sock = _tls_context().wrap_socket(sock, server_hostname=self.host)
-            except BaseException:
-                sock.close()
-                raise
-        self.sock = sock
-
-
-def _open_socket(host: str, port: int, deadline: _Deadline) -> socket.socket:
-    """Like ``socket.create_connection``, but the addresses share one deadline instead of
-    each getting the whole timeout. Name resolution itself (``getaddrinfo``) cannot be
-    interrupted and is left to the system resolver's timeouts; the hosts are the operator's
-    own --allowed-media-domains."""
-    error: OSError = OSError(f"no address found for {host!r}")
-    for family, kind, proto, _, address in socket.getaddrinfo(host, port,
-                                                               type=socket.SOCK_STREAM):
-        sock = socket.socket(family, kind, proto)
-        try:
-            deadline.watch(sock)
-            sock.settimeout(deadline.remaining())
-            sock.connect(address)
-            return sock
-        except OSError as e:
-            sock.close()
-            if isinstance(e, TimeoutError):
-                raise
-            error = e
-        except BaseException:
-            sock.close()
-            raise
-    raise error
-
-
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    return ssl.create_default_context()  # loading the CA store takes milliseconds: do it once
 
 
 # ---------------------------------------------------------------------------- file://

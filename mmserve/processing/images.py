@@ -25,8 +25,9 @@ from PIL import Image
 # here because callers have always imported it from this module.
 from mmserve.errors import InvalidInputError
 
-__all__ = ["MAX_IMAGE_ASPECT_RATIO", "MAX_IMAGE_SIDE", "ImageLike", "InvalidInputError", "check_image",
-           "decode_data_url", "image_hash", "load_image", "match_pillow_pixel_limit"]
+__all__ = ["MAX_IMAGE_ASPECT_RATIO", "MAX_IMAGE_SIDE", "ImageLike", "InvalidInputError",
+           "check_image", "decode_data_url", "image_hash", "load_image",
+           "match_pillow_pixel_limit"]
 
 ImageLike = Image.Image | str | os.PathLike | bytes
 
