@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,38 +14,88 @@ DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def flag(default: Any, help: str, *, choices: Sequence[str] | None = None,
+         parse: Callable[[str], Any] | None = None) -> Any:
+    """A field that every front door also takes as a flag (``entrypoints/engine_args.py``).
+
+    The flag is the field's name with dashes (``--max-model-len``). Its value is read as the
+    field's type (``int``, ``float`` or ``str``, ``None`` aside), or by ``parse`` (text ->
+    value, a ``ValueError`` telling the user what to write) where the type is a union of
+    those. A ``bool`` field is a switch: ``--NAME`` turns on one that defaults to off,
+    ``--no-NAME`` turns off one that defaults to on (vLLM's ``--no-enable-prefix-caching``).
+    """
+    return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
+
+
+def int_or_auto(text: str) -> int | None:
+    """An integer, or ``auto`` (None: the memory plan decides)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer or 'auto', got {text!r}") from None
+
+
+def mm_limit_text(text: str) -> int | dict:
+    """``limit_mm_per_prompt`` as typed on a command line: an image count, or vLLM's JSON form;
+    checked at once, so that a typo is a usage error, not a traceback at start-up."""
+    value: int | str = int(text) if text.strip().lstrip("-").isdigit() else text
+    parse_mm_limit(value)
+    return json.loads(text) if isinstance(value, str) else value
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every setting of one engine. Fields left as ``None`` are decided at start-up.
 
+    Each setting is declared here once, with its help: the command line, the server, ``bench``
+    and ``plan`` take it as ``--name-with-dashes`` (see ``flag``), the Python API as a keyword.
     Names follow vLLM's engine arguments so that habits carry over.
     """
 
     model: str
-    dtype: str = "auto"
-    device: str = "auto"  # auto = cuda when a CUDA device is visible, else cpu
-    enforce_eager: bool = False  # no CUDA graphs for decode batches
-    seed: int = 0
+    dtype: str = flag("auto", "weights' and activations' dtype; auto: bfloat16 on GPUs and "
+                      "CPUs that have it, else float16 (GPU) or float32 (CPU)",
+                      choices=("auto", *_DTYPES))
+    device: str = flag("auto", "auto = cuda when a CUDA device is visible", choices=DEVICES)
+    enforce_eager: bool = flag(False, "no CUDA graphs for decode batches")
+    seed: int = flag(0, "seed of torch and of the runner's sampling")
     # Scheduling. ``None`` or "auto": sized by the memory plan at start-up.
-    max_model_len: int | str | None = None
-    max_num_seqs: int | str | None = None
-    max_num_batched_tokens: int = 2048
+    max_model_len: int | str | None = flag(
+        None, "longest sequence (prompt + output), or auto (default): what the KV cache "
+        "holds, capped at the model's limit", parse=int_or_auto)
+    max_num_seqs: int | str | None = flag(
+        None, "most requests running at once, or auto (default): 256, or how many sequences "
+        "of --max-model-len fit", parse=int_or_auto)
+    max_num_batched_tokens: int = flag(
+        2048, "token budget of one engine step, decodes and prefill chunks together")
     # KV cache.
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None  # bytes; sets the KV cache size directly
-    # Share of the device's memory the engine may use: a GPU's total memory, or on the CPU the
-    # RAM available at start-up. None: 0.9 on a GPU, 0.8 on the CPU (see memory_plan.py).
-    gpu_memory_utilization: float | None = None
-    single_user_mode: bool = False  # max_num_seqs = 1; the KV cache for that one sequence
+    block_size: int = flag(16, "tokens per KV-cache block")
+    enable_prefix_caching: bool = flag(
+        True, "prefix caching (reuse the KV blocks of a prompt prefix seen before, images "
+        "included)")
+    kv_cache_memory: int | None = flag(
+        None, "bytes of KV cache, set directly instead of sized from the memory budget")
+    gpu_memory_utilization: float | None = flag(
+        None, "share of the device's memory to use: of a GPU's total memory (default 0.9), "
+        "or of the RAM available at start-up on the CPU (default 0.8)")
+    single_user_mode: bool = flag(
+        False, "max-num-seqs 1, and the whole KV cache for that one sequence")
     # Multimodal. ``limit_mm_per_prompt`` is taken in vLLM's forms: an image count, or
     # ``{"image": N}`` or ``{"image": {"count": N, "width": W, "height": H}}`` (also as JSON
     # text); it is stored as the count, and the size, the largest image the memory plan must
-    # provision for, as ``max_image_size`` (width, height).
-    limit_mm_per_prompt: int | dict | str = 4
+    # provision for, as ``max_image_size`` (width, height), which is derived, not a flag.
+    limit_mm_per_prompt: int | dict | str = flag(
+        4, 'most images in one prompt: N, or JSON as in vLLM: \'{"image": N}\' or '
+        '\'{"image": {"count": N, "width": W, "height": H}}\' (W x H: the largest image to '
+        "provision memory for)", parse=mm_limit_text)
     max_image_size: tuple[int, int] | None = None
-    encoder_cache_size: int | None = None
-    max_image_pixels: int = 50_000_000
+    encoder_cache_size: int | None = flag(
+        None, "encoder cache size in embedding tokens (default: auto, from the encoder "
+        "budget)")
+    max_image_pixels: int = flag(50_000_000, "largest image accepted, in pixels: width "
+                                 "times height")
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs"):

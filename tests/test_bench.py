@@ -85,8 +85,8 @@ def test_flop_count_matches_torch_flop_counter(clip_llama: str) -> None:
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-    from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
     from mmserve.sampling_params import SamplingParams
+    from mmserve.step import ScheduledRequest, SchedulerOutput
 
     # Eager attention: plain matmuls that the counter sees.
     model = LlavaForConditionalGeneration.from_pretrained(clip_llama, dtype=torch.float32,
@@ -101,10 +101,11 @@ def test_flop_count_matches_torch_flop_counter(clip_llama: str) -> None:
     config = copy.deepcopy(model.config)
     config.vision_feature_layer = -1
     flops = ModelFlops.from_hf_config(config)
-    so = SchedulerOutput(requests=[ScheduledRequest("r", [0] * n, 0, [], [], True,
-                                                    SamplingParams())],
-                         encoder_inputs={"h": None})
-    decoder, encoder = flops.step(so)
+    image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    scheduled = SchedulerOutput(requests=[ScheduledRequest("r", [0] * n, 0, [], [], True,
+                                                           SamplingParams())],
+                                images_to_encode={"h": image_tokens})
+    decoder, encoder = flops.step(scheduled)
     # transformers applies the LM head to every row, mmserve only to the sampled one.
     ours = decoder + encoder + (n - 1) * flops.lm_head_per_row
     # Eager attention multiplies the full [n, n] score matrix (the causal half is masked, not
@@ -172,6 +173,10 @@ def test_bench_throughput_end_to_end(clip_llama: str, tmp_path, capsys) -> None:
     assert max(s["kv_blocks_used"] for s in steps) == r["peak_kv_blocks_used"]
     assert steps[-1]["running"] == 0 and steps[-1]["kv_blocks_used"] == 0
     assert sum(s["decoder_flops"] for s in steps) == r["model_flops"]["decoder"]
+    # The totals are the sums of the engine's per-step records, which the timeline shows.
+    assert sum(s["prepare_s"] for s in steps) == pytest.approx(r["time_s"]["prepare"])
+    assert sum(s["schedule_s"] for s in steps) == pytest.approx(r["time_s"]["scheduling"])
+    assert r["time_s"]["forward"] > 0 and r["time_s"]["encoder"] > 0
     assert r["matmul_peak_flops_per_s"] > 0
     assert 0.0 < r["share_of_matmul_peak"] < 1.0
     assert r["achieved_flops_per_s"] == pytest.approx(

@@ -151,17 +151,18 @@ def test_triton_runner_matches_cpu_runner(clip_llama: str, cpu_runner_tokens: li
 def test_profile_run_of_the_memory_plan(clip_llama: str):
     """The memory plan's worst-case batch (a prompt chunk with an image and many decodes) runs
     through the CUDA runner's input preparation and kernels, and leaves no encoder output."""
+    from mmserve.engine.profile_batch import profile_batch
     from mmserve.worker.dry_run import profile_blocks
-    from mmserve.worker.memory_profiler import profile_batch
 
     engine = LLM(clip_llama, **ENGINE_ARGS).engine
     tokens_per_image = engine.processor.tokens_per_image
     size = engine.model.config.vision_config.image_size
-    batch = profile_batch(num_tokens=48, max_num_seqs=6, max_positions=2048, block_size=16,
-                          num_images=1, tokens_per_image=tokens_per_image,
-                          pixel_shape=(1, 3, size, size))
+    profile = profile_batch(num_tokens=48, max_num_seqs=6, max_positions=2048, block_size=16,
+                            num_images=1, tokens_per_image=tokens_per_image,
+                            pixel_shape=(1, 3, size, size))
+    batch = profile.scheduler_output
     runner = InterpretedCUDARunner(engine.model, profile_blocks(batch), 16, torch.float32, 0)
-    runner.profile_run(batch)
+    runner.profile_run(batch, profile.encoder_pixels)
     assert not runner.encoder_outputs
     written = [c[0].abs().sum(dim=(1, 2, 3)).nonzero().numel() for c in runner.kv_caches]
     assert written == [profile_blocks(batch)] * len(runner.kv_caches)

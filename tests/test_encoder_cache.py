@@ -9,7 +9,8 @@ from mmserve.engine.encoder_cache import (
     EncoderCacheManager,
     compute_encoder_budget,
 )
-from mmserve.engine.request import ImageInput, Request
+from mmserve.engine.request import Request
+from mmserve.inputs import ImageInput
 from mmserve.sampling_params import SamplingParams
 
 # ----------------------------------------------------------------------------- budget

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mmserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from mmserve.engine.request import ImageInput, Request
+from mmserve.engine.request import Request
+from mmserve.inputs import ImageInput
 from mmserve.sampling_params import SamplingParams
 
 BS = 16

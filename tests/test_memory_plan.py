@@ -6,7 +6,6 @@ pin the machine's memory (``device_memory``) so that budgets are exact and repea
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -23,6 +22,7 @@ from mmserve.engine.memory_plan import (
     plan_memory,
     resolve_limits,
 )
+from mmserve.engine.profile_batch import profile_batch
 from mmserve.entrypoints.plan import make_plan
 from mmserve.worker import memory_profiler
 from mmserve.worker.dry_run import (
@@ -31,7 +31,7 @@ from mmserve.worker.dry_run import (
     meta_model,
     profile_blocks,
 )
-from mmserve.worker.memory_profiler import profile_batch, track_peak_bytes
+from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.model_runner import CPUModelRunner
 from tests.conftest import assert_no_leaks, make_image
 
@@ -234,8 +234,9 @@ def test_tracker_counts_new_tensors_not_views_or_inputs() -> None:
 @pytest.mark.parametrize(("tokens", "seqs", "max_positions"), [(2048, 256, 4096),
                                                                  (100, 1, 64), (8, 20, 64)])
 def test_profile_batch_is_the_worst_step(tokens: int, seqs: int, max_positions: int) -> None:
-    batch = profile_batch(tokens, seqs, max_positions, BS, num_images=3, tokens_per_image=24,
-                          pixel_shape=(1, 3, 8, 8))
+    profile = profile_batch(tokens, seqs, max_positions, BS, num_images=3, tokens_per_image=24,
+                            pixel_shape=(1, 3, 8, 8))
+    batch = profile.scheduler_output
     assert batch.num_scheduled_tokens == tokens
     assert all(r.sample and r.start_pos == 0 for r in batch.requests)
     assert all(len(r.token_ids) <= max_positions for r in batch.requests)
@@ -245,7 +246,9 @@ def test_profile_batch_is_the_worst_step(tokens: int, seqs: int, max_positions: 
     blocks = [b for r in batch.requests for b in r.block_ids]
     assert len(blocks) == len(set(blocks))
     assert all(len(r.block_ids) * BS >= len(r.token_ids) for r in batch.requests)
-    assert len(batch.encoder_inputs) == 3
+    assert batch.images_to_encode == {h: 24 for h in profile.encoder_pixels}
+    assert len(batch.images_to_encode) == 3
+    assert all(p.shape == (1, 3, 8, 8) for p in profile.encoder_pixels.values())
     first = batch.requests[0]
     for sl in first.image_slices:
         assert sl.dst_start + sl.length <= len(first.token_ids)
@@ -273,19 +276,20 @@ def test_profile_run_on_the_cpu_matches_the_dry_run_and_leaves_nothing(clip_llam
     model, _ = CPUModelRunner.load_model(clip_llama, hf_config, dtype)
     size = hf_config.vision_config.image_size
     tpi = 16
-    batch = profile_batch(num_tokens=64, max_num_seqs=4, max_positions=2048, block_size=BS,
-                          num_images=3, tokens_per_image=tpi, pixel_shape=(1, 3, size, size))
+    profile = profile_batch(num_tokens=64, max_num_seqs=4, max_positions=2048, block_size=BS,
+                            num_images=3, tokens_per_image=tpi, pixel_shape=(1, 3, size, size))
+    batch, pixels = profile.scheduler_output, profile.encoder_pixels
     runner = CPUModelRunner(model, profile_blocks(batch), BS, dtype, seed=0)
     rng = torch.get_rng_state()
     gen = runner.default_generator.get_state()
-    times = dataclasses.replace(runner.times)
-    peak = runner.measure_profile_peak(batch)
+    state = dict(vars(runner))
+    peak = runner.measure_profile_peak(batch, pixels)
 
     # The engine's CPU figure is the dry run: never below what the allocator really peaks at
     # for the same step, and above it by at most the index-tensor margin.
-    dry = dry_run_peak(meta_model(hf_config, dtype), batch, BS, dtype)
+    dry = dry_run_peak(meta_model(hf_config, dtype), batch, pixels, BS, dtype)
     margin = INPUT_BYTES_PER_TOKEN * batch.num_scheduled_tokens
-    real = allocator_peak(lambda: runner.profile_run(batch))
+    real = allocator_peak(lambda: runner.profile_run(batch, pixels))
     assert peak <= real <= dry <= real + margin
     text = hf_config.text_config
     logits = 4 * text.vocab_size * 4  # 3 decodes + the prompt chunk sample a row each
@@ -294,7 +298,10 @@ def test_profile_run_on_the_cpu_matches_the_dry_run_and_leaves_nothing(clip_llam
     assert runner.encoder_outputs == {} and runner.generators == {}
     assert torch.equal(torch.get_rng_state(), rng)
     assert torch.equal(runner.default_generator.get_state(), gen)
-    assert runner.times == times
+    # No attribute of the runner was added or replaced (it keeps no step timings: a step
+    # returns them in its ModelOutput).
+    assert vars(runner).keys() == state.keys()
+    assert all(vars(runner)[k] is v for k, v in state.items())
 
 
 # ----------------------------------------------------------------- engine starts

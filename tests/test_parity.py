@@ -96,6 +96,10 @@ def test_parity_chunked_prefill_splits_images(checkpoints: dict[str, str], arch:
     split = [s for out in steps for r in out.requests for s in r.image_slices
              if s.length < tokens_per_image]
     assert split, "no image placeholder range was split across steps"
+    # The scheduler's messages name the images to encode by hash and token count; the pixels
+    # travel apart (ModelRunner.execute's encoder_pixels).
+    encoded = [n for out in steps for n in out.images_to_encode.values()]
+    assert encoded and all(n == tokens_per_image for n in encoded)
     assert all(0 < out.num_scheduled_tokens <= 24 for out in steps if out.requests)
 
 

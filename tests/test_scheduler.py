@@ -14,9 +14,11 @@ import pytest
 
 from mmserve.engine.encoder_cache import compute_encoder_budget
 from mmserve.engine.kv_cache_manager import KVCacheManager, cdiv
-from mmserve.engine.request import ImageInput, Request, RequestStatus
-from mmserve.engine.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from mmserve.engine.request import Request, RequestStatus
+from mmserve.engine.scheduler import Scheduler, SchedulerConfig
+from mmserve.inputs import ImageInput
 from mmserve.sampling_params import SamplingParams
+from mmserve.step import ModelOutput, SchedulerOutput
 
 PLACEHOLDER = 9
 EOS = 2
@@ -74,9 +76,11 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     assert len(sched.running) <= sched.max_num_seqs
     rids = [r.request_id for r in out.requests]
     assert len(rids) == len(set(rids)), rids
-    assert sum(img.length for img in out.encoder_inputs.values()) <= sched.encoder_compute_budget
-    for h, img in out.encoder_inputs.items():
-        assert h == img.hash
+    assert sum(out.images_to_encode.values()) <= sched.encoder_compute_budget
+    scheduled_images = {(img.hash, img.length) for s in out.requests
+                        for img in sched.requests[s.request_id].images}
+    for h, length in out.images_to_encode.items():
+        assert (h, length) in scheduled_images  # an image of a request scheduled this step
         assert h in sched.encoder_cache.entries
     for s in out.requests:
         n = len(s.token_ids)
@@ -233,14 +237,14 @@ def test_image_split_across_chunks_is_encoded_once_and_sliced_in_order() -> None
     sched.add_request(req)
     out1 = step(sched)
     assert counts(out1) == {"r": 64}
-    assert list(out1.encoder_inputs) == ["cat"]
+    assert list(out1.images_to_encode) == ["cat"]
     (s1,) = out1.requests[0].image_slices
     assert (s1.image_hash, s1.src_start, s1.dst_start, s1.length) == ("cat", 0, 50, 14)
     # The image straddles the chunk: it stays referenced until its last placeholder is done.
     assert sched.encoder_cache.holds_reference(req, 0)
     out2 = step(sched)
     assert counts(out2) == {"r": 36}
-    assert out2.encoder_inputs == {}
+    assert out2.images_to_encode == {}
     (s2,) = out2.requests[0].image_slices
     assert (s2.image_hash, s2.src_start, s2.dst_start, s2.length) == ("cat", 14, 0, 26)
     # Together the slices cover the image exactly once, in order.
@@ -260,7 +264,7 @@ def test_shared_image_is_encoded_once_for_two_requests() -> None:
     sched.add_request(a)
     sched.add_request(b)
     outs = drain(sched)
-    encoded = [h for o in outs for h in o.encoder_inputs]
+    encoded = [h for o in outs for h in o.images_to_encode]
     assert encoded == ["cat"]
     assert counts(outs[0]) == {"a": 60, "b": 70}
     assert sched.encoder_cache.num_misses == 1
@@ -276,7 +280,7 @@ def test_two_images_within_the_compute_budget_are_encoded_in_one_step() -> None:
     req = make_req("r", 80, [ImageInput("a", 0, 40), ImageInput("b", 40, 40)])
     sched.add_request(req)
     out = step(sched)
-    assert set(out.encoder_inputs) == {"a", "b"}
+    assert set(out.images_to_encode) == {"a", "b"}
     assert counts(out) == {"r": 80}
     drain(sched)
     assert_no_leaks(sched)
@@ -292,11 +296,11 @@ def test_encoder_compute_budget_stops_the_chunk_before_the_image() -> None:
     sched.add_request(b)
     out1 = step(sched)
     assert counts(out1) == {"a": 45, "b": 5}
-    assert list(out1.encoder_inputs) == ["x"]
+    assert list(out1.images_to_encode) == ["x"]
     assert out1.requests[1].image_slices == []
     out2 = step(sched)
     assert counts(out2) == {"a": 1, "b": 45}
-    assert list(out2.encoder_inputs) == ["y"]
+    assert list(out2.images_to_encode) == ["y"]
     drain(sched)
     assert_no_leaks(sched)
 
@@ -314,11 +318,11 @@ def test_encoder_cache_space_stops_the_chunk_before_the_image() -> None:
     # "a" still needs "x" (placeholders 64..69): no space for "z", so "b" stops at 5 tokens.
     out2 = step(sched)
     assert counts(out2) == {"a": 36, "b": 5}
-    assert out2.encoder_inputs == {}
+    assert out2.images_to_encode == {}
     # "a" passed its image: "x" is unreferenced and evicted for "z".
     out3 = step(sched)
     assert counts(out3) == {"a": 1, "b": 45}
-    assert list(out3.encoder_inputs) == ["z"]
+    assert list(out3.images_to_encode) == ["z"]
     assert out3.freed_encoder_hashes == ["x"]
     drain(sched)
     assert_no_leaks(sched)
@@ -345,7 +349,7 @@ def test_prefix_hit_ending_inside_an_evicted_image_waits_then_reencodes() -> Non
     assert second.status == RequestStatus.WAITING
     out = step(sched)
     assert counts(out) == {"hog": 1, "second": 16}
-    assert list(out.encoder_inputs) == ["x"]
+    assert list(out.images_to_encode) == ["x"]
     assert out.freed_encoder_hashes == ["y"]
     sl = out.requests[1].image_slices
     assert [(s.src_start, s.dst_start, s.length) for s in sl] == [(24, 0, 8)]
@@ -573,7 +577,7 @@ def test_seed_001_shared_prefix_ending_inside_an_image(encoder_cache_size: int |
     sched.add_request(r1)
     out0 = step(sched)
     assert counts(out0) == {"r0": 8192}
-    assert list(out0.encoder_inputs) == ["same-image"]
+    assert list(out0.images_to_encode) == ["same-image"]
     out1 = step(sched)
     # r1 hits every block but the last full one (16016 tokens) and recomputes 16 tokens, four
     # of them placeholders of the image that r0 still references.
@@ -581,7 +585,7 @@ def test_seed_001_shared_prefix_ending_inside_an_image(encoder_cache_size: int |
     s1 = out1.requests[1]
     assert s1.start_pos == 16016
     assert [(s.src_start, s.dst_start, s.length) for s in s1.image_slices] == [(8683, 0, 4)]
-    assert out1.encoder_inputs == {}
+    assert out1.images_to_encode == {}
     assert sched.prefix_cache_hit_tokens == 16016
     outs = drain(sched, max_steps=100)
     assert all(len(r.token_ids) > 0 for o in [out0, out1, *outs] for r in o.requests)

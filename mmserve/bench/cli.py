@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.bench.workload import add_workload_args, build_workload, workload_config
-from mmserve.entrypoints.cli import add_engine_args, engine_kwargs
+from mmserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
 

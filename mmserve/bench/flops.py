@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.engine.scheduler import SchedulerOutput
+from mmserve.step import SchedulerOutput
 
 
 @dataclass(frozen=True)
@@ -51,17 +51,17 @@ class ModelFlops:
             encoder_per_image=patch_embed + vlayers * vlayer + projector,
         )
 
-    def step(self, so: SchedulerOutput) -> tuple[int, int]:
+    def step(self, scheduled: SchedulerOutput) -> tuple[int, int]:
         """(decoder FLOPs, encoder FLOPs) of one scheduled step."""
         decoder = 0
-        for r in so.requests:
+        for r in scheduled.requests:
             n, start = len(r.token_ids), r.start_pos
             # Query at position p attends to p + 1 keys: sum over the chunk's positions.
             context = n * start + n * (n + 1) // 2
             decoder += n * self.decoder_per_token + context * self.attention_per_context_token
             if r.sample:
                 decoder += self.lm_head_per_row
-        return decoder, len(so.encoder_inputs) * self.encoder_per_image
+        return decoder, len(scheduled.images_to_encode) * self.encoder_per_image
 
 
 def measure_matmul_peak(dtype: torch.dtype, seconds: float = 1.0, size: int = 2048) -> float:

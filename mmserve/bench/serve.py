@@ -28,6 +28,7 @@ from typing import Any
 from mmserve.bench.report import section_table, write_json
 from mmserve.bench.stats import summarize
 from mmserve.bench.workload import BenchRequest, Workload, build_workload, workload_config
+from mmserve.entrypoints.engine_args import engine_argv
 
 # Seconds to wait for a server this command started to answer /health.
 SERVER_START_TIMEOUT_S = 300.0
@@ -209,31 +210,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags of ``args`` that differ from their defaults, as command-line text
-    (built from the flag definitions, so new engine flags pass through unchanged)."""
-    from mmserve.entrypoints.cli import add_engine_args
-
-    scratch = argparse.ArgumentParser(add_help=False)
-    add_engine_args(scratch)
-    flags: list[str] = []
-    for action in scratch._actions:  # argparse has no public accessor for its actions
-        if not action.option_strings or action.dest == "model":
-            continue
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
-            continue
-        if action.nargs == 0:  # a switch: store_true / store_false / --x/--no-x
-            names = action.option_strings
-            flags.append(names[0] if len(names) == 1 else
-                         next(n for n in names if n.startswith("--no-") != bool(value)))
-        elif isinstance(value, (list, tuple)):
-            flags += [action.option_strings[0], *map(str, value)]
-        else:
-            flags += [action.option_strings[0], "auto" if value is None else str(value)]
-    return flags
-
-
 class LocalServer:
     """`mmserve serve` in a subprocess on 127.0.0.1, stopped on exit."""
 
@@ -304,7 +280,7 @@ def run_serve_command(args: argparse.Namespace, resolve_model: Callable[..., str
 
     if args.base_url is None:
         model = resolve_model(args)
-        server = LocalServer(model, engine_flags(args), max_queue=args.num_prompts,
+        server = LocalServer(model, engine_argv(args), max_queue=args.num_prompts,
                              torch_threads=args.torch_threads)
     else:
         model, server = args.model, nullcontext()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -21,6 +21,7 @@ from mmserve.bench.workload import Workload
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
+from mmserve.step import StepTimes
 
 # Steps with at least this share of the peak number of running requests count as "full batch"
 # steps for the scheduling-overhead figure (the issue's target is stated at 64 running).
@@ -28,8 +29,8 @@ FULL_BATCH_SHARE = 0.9
 
 
 @dataclass
-class StepRecord:
-    """One engine step of the timeline."""
+class TimelineStep:
+    """One engine step of the timeline (from the engine's ``StepRecord`` and its stats)."""
 
     end_s: float  # seconds since the first request was added
     duration_s: float
@@ -48,7 +49,7 @@ class StepRecord:
 @dataclass
 class ThroughputRun:
     results: dict[str, Any]
-    steps: list[StepRecord]
+    steps: list[TimelineStep]
     outputs: list[RequestOutput]  # in workload order
 
 
@@ -66,8 +67,7 @@ def run_throughput(
 ) -> ThroughputRun:
     """Queue every request of ``workload``, step ``engine`` until all finish, measure."""
     flops = ModelFlops.from_hf_config(engine.model.config)
-    runner_times, stats0 = asdict(engine.runner.times), engine.stats()
-    schedule0 = engine.schedule_time
+    stats0 = engine.stats()
     params = sampling_params_for(workload)
 
     faults0 = _minor_page_faults()
@@ -79,25 +79,31 @@ def run_throughput(
     done: dict[str, RequestOutput] = {}
     first_token_s: dict[str, float] = {}
     finish_s: dict[str, float] = {}
-    steps: list[StepRecord] = []
+    steps: list[TimelineStep] = []
+    # The runner's seconds per part and the engine's scheduling seconds, summed over steps.
+    times = dict.fromkeys([f.name for f in fields(StepTimes)], 0.0)
+    times["scheduling"] = 0.0
     pool_blocks = engine.stats()["kv_blocks_total"]
     bar = tqdm(total=workload.num_output_tokens, desc="output tokens", unit="tok",
                disable=not use_tqdm)
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
-        sched0, prep0 = engine.schedule_time, engine.runner.times.prepare
-        outputs = engine.step()
+        outputs, record = engine.step_with_record()
         t1 = time.perf_counter()
-        so = engine.last_scheduler_output
-        dec, enc = flops.step(so) if so is not None else (0, 0)
+        scheduled = record.scheduler_output
+        dec, enc = flops.step(scheduled)
+        for part, seconds in asdict(record.runner_times).items():
+            times[part] += seconds
+        times["scheduling"] += record.schedule_s
         s = engine.stats()
-        steps.append(StepRecord(
-            end_s=t1 - start, duration_s=t1 - t0, scheduled_tokens=so.num_scheduled_tokens,
+        steps.append(TimelineStep(
+            end_s=t1 - start, duration_s=t1 - t0,
+            scheduled_tokens=scheduled.num_scheduled_tokens,
             running=s["num_running"], waiting=s["num_waiting"],
             kv_blocks_used=pool_blocks - s["kv_blocks_free"],
             encoder_cache_used_tokens=s["encoder_cache_used_tokens"],
-            images_encoded=len(so.encoder_inputs), schedule_s=engine.schedule_time - sched0,
-            prepare_s=engine.runner.times.prepare - prep0, decoder_flops=dec, encoder_flops=enc))
+            images_encoded=len(scheduled.images_to_encode), schedule_s=record.schedule_s,
+            prepare_s=record.runner_times.prepare, decoder_flops=dec, encoder_flops=enc))
         for out in outputs:
             bar.update(len(out.new_token_ids))
             first_token_s.setdefault(out.request_id, t1 - start)
@@ -109,8 +115,6 @@ def run_throughput(
 
     ordered = [done[rid] for rid in ids]
     stats = engine.stats()
-    times = {k: v - runner_times[k] for k, v in asdict(engine.runner.times).items()}
-    times["scheduling"] = engine.schedule_time - schedule0
     times["preprocessing"] = preprocess_s
     results = _results(workload, ordered, steps, stats, stats0, times, elapsed, matmul_peak)
     faults = _minor_page_faults()
@@ -259,7 +263,7 @@ def throughput_table(r: dict[str, Any], title: str = "mmserve bench throughput")
     ])
 
 
-def plot_timeline(steps: list[StepRecord], path: str) -> None:
+def plot_timeline(steps: list[TimelineStep], path: str) -> None:
     """Per-step timeline: tokens scheduled, running requests, KV blocks, encoder-cache tokens."""
     # Each step's value is drawn flat over the step's own interval.
     x = [t for s in steps for t in (s.end_s - s.duration_s, s.end_s)]

@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,12 +23,14 @@ from mmserve.engine.memory_plan import (
     plan_inputs,
     plan_memory,
 )
+from mmserve.engine.profile_batch import ProfileBatch, profile_batch_for
 from mmserve.engine.request import Request, RequestStatus
-from mmserve.engine.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
 from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
+from mmserve.step import ModelOutput, SchedulerOutput, StepTimes
 from mmserve.worker import memory_profiler
 from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import runner_class
@@ -41,6 +44,16 @@ logger = logging.getLogger(__name__)
 # row. And when this many steps in a row fail for every request they run, requests that ran
 # fine before among them, the device or engine is broken: the engine stops.
 MAX_FAILED_STEPS = 3
+
+
+@dataclass
+class StepRecord:
+    """What one engine step did, returned by ``LLMEngine.step_with_record`` (for benchmarks
+    and logs; ``step`` returns only the request outputs)."""
+
+    scheduler_output: SchedulerOutput  # the batch scheduled: ids, token counts, image hashes
+    runner_times: StepTimes = field(default_factory=StepTimes)  # where the runner's time went
+    schedule_s: float = 0.0  # scheduling, state updates and detokenization
 
 
 class LLMEngine:
@@ -63,12 +76,11 @@ class LLMEngine:
             self._check_free_gpu_memory(config, memory_bytes)
         self.model, self.weight_bytes = runner_cls.load_model(config.model, hf_config, dtype)
         self.encoder_budget = encoder_budget_for(config, self.processor.tokens_per_image)
-        batch = memory_profiler.profile_batch_for(
-            config, hf_config, self.encoder_budget,
-            images_per_step(config, self.encoder_budget))
+        batch = profile_batch_for(config, hf_config, self.encoder_budget,
+                                  images_per_step(config, self.encoder_budget))
         # No KV cache until the plan sizes it; a GPU profile run needs the blocks its batch
         # writes (the CPU profile is a dry run on the meta device).
-        scratch_blocks = 0 if device == "cpu" else profile_blocks(batch)
+        scratch_blocks = 0 if device == "cpu" else profile_blocks(batch.scheduler_output)
         self.runner = runner_cls(self.model, scratch_blocks, config.block_size, dtype,
                                  config.seed)
         self.plan = self._plan_memory(config, hf_config, device, memory_bytes, batch)
@@ -98,8 +110,6 @@ class LLMEngine:
         self._release_threshold = max(64 << 20, self.plan.activation_bytes)
         self._failed_steps_in_a_row = 0
         self._dead: str | None = None
-        self.schedule_time = 0.0
-        self.last_scheduler_output: SchedulerOutput | None = None
         logger.info("mmserve engine ready, dtype=%s, encoder compute budget %d tokens per "
                     "step\n%s", dtype, self.encoder_budget.compute_tokens, self.plan.summary())
 
@@ -115,20 +125,22 @@ class LLMEngine:
                 f"rest); lower --gpu-memory-utilization to at most {free / total:.2f}.")
 
     def _plan_memory(self, config: EngineConfig, hf_config, device: str, memory_bytes: int,
-                     batch: SchedulerOutput) -> MemoryPlan:
+                     batch: ProfileBatch) -> MemoryPlan:
         """Measure the profile run's peak and size the KV cache (seed 000, DESIGN.md)."""
         dtype = config.torch_dtype
+        step, pixels = batch.scheduler_output, batch.encoder_pixels
         if device == "cpu":
             # The tracker counts tensor storages, whose sizes depend on shapes alone: a meta
             # dry run of the same batch gives the same figure as running it, at no cost.
-            peak = dry_run_peak(meta_model(hf_config, dtype), batch, config.block_size, dtype)
+            peak = dry_run_peak(meta_model(hf_config, dtype), step, pixels, config.block_size,
+                                dtype)
             method = "measured: tensors of a meta-device dry run of the profile batch"
         else:
-            peak = self.runner.measure_profile_peak(batch)
+            peak = self.runner.measure_profile_peak(step, pixels)
             method = f"measured: {device} allocator peak of the profile run"
-        n_images = len(batch.encoder_inputs)
-        n_tokens = batch.num_scheduled_tokens
-        method += f" ({n_tokens} tokens, {len(batch.requests)} sequences, {n_images} images)"
+        n_images = len(step.images_to_encode)
+        n_tokens = step.num_scheduled_tokens
+        method += f" ({n_tokens} tokens, {len(step.requests)} sequences, {n_images} images)"
         inputs = plan_inputs(config, hf_config, device, memory_bytes, self.weight_bytes, peak,
                              method, self.encoder_budget)
         plan = plan_memory(inputs)
@@ -217,20 +229,26 @@ class LLMEngine:
         others go on. Raises ``EngineDeadError`` only once steps keep failing for every
         request, old ones included (``MAX_FAILED_STEPS``): then nothing can be served.
         """
+        return self.step_with_record()[0]
+
+    def step_with_record(self) -> tuple[list[RequestOutput], StepRecord]:
+        """``step``, and a ``StepRecord`` of what it did: the batch it scheduled, the runner's
+        timings and the time spent scheduling, updating and detokenizing (``mmserve bench``
+        builds its per-step timeline from these)."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         t0 = time.perf_counter()
         try:
-            so = self.scheduler.schedule()
+            scheduler_output = self.scheduler.schedule()
         except Exception as e:  # a bug in the books: fail what is in flight, keep the engine
             logger.exception("scheduling failed; failing every request in flight")
-            return self._fail_all(f"scheduling failed: {type(e).__name__}: {e}")
-        self.schedule_time += time.perf_counter() - t0
-        self.last_scheduler_output = so  # read by `mmserve bench` for its per-step timeline
-        result = self.runner.execute(so)
+            outputs = self._fail_all(f"scheduling failed: {type(e).__name__}: {e}")
+            return outputs, StepRecord(SchedulerOutput(), schedule_s=time.perf_counter() - t0)
+        schedule_s = time.perf_counter() - t0
+        result = self.runner.execute(scheduler_output, self._encoder_pixels(scheduler_output))
         t1 = time.perf_counter()
-        failed = self._handle_failures(so, result)
-        changed = self.scheduler.update(so, result)
+        failed = self._handle_failures(scheduler_output, result)
+        changed = self.scheduler.update(scheduler_output, result)
         self.num_steps += 1
         outputs = [self._error_output(req) for req in failed]
         for req in changed:
@@ -240,17 +258,33 @@ class LLMEngine:
             if detok.stopped and not req.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             outputs.append(self._output(req, detok))
-        self.schedule_time += time.perf_counter() - t1
-        return outputs
+        schedule_s += time.perf_counter() - t1
+        return outputs, StepRecord(scheduler_output, result.times, schedule_s)
 
-    def _handle_failures(self, so: SchedulerOutput, result: ModelOutput) -> list[Request]:
+    def _encoder_pixels(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """The pixels of the images this step encodes, taken from the requests that show them
+        (an image to encode overlaps its request's scheduled tokens, so it has a slice)."""
+        to_encode = scheduler_output.images_to_encode
+        pixels: dict[str, torch.Tensor] = {}
+        if not to_encode:
+            return pixels
+        for sched in scheduler_output.requests:
+            if not sched.image_slices:
+                continue
+            for image in self.scheduler.requests[sched.request_id].images:
+                if image.hash in to_encode:
+                    pixels.setdefault(image.hash, image.pixel_values)
+        return pixels
+
+    def _handle_failures(self, scheduler_output: SchedulerOutput,
+                         result: ModelOutput) -> list[Request]:
         """Fail or retry the requests the step failed for (see ``MAX_FAILED_STEPS``); returns
         those finished with an error. Raises ``EngineDeadError`` when the device is gone."""
         if not result.errors:
             self._failed_steps_in_a_row = 0
             return []
         failed, old = [], False
-        for sched in so.requests:
+        for sched in scheduler_output.requests:
             reason = result.errors.get(sched.request_id)
             req = self.scheduler.requests.get(sched.request_id)
             if reason is None or req is None:
@@ -263,7 +297,7 @@ class LLMEngine:
                 self.scheduler.fail_request(req.request_id, reason)
                 failed.append(req)
         self.num_failed_requests += len(failed)
-        everyone = len(result.errors) == len(so.requests)
+        everyone = len(result.errors) == len(scheduler_output.requests)
         self._failed_steps_in_a_row = self._failed_steps_in_a_row + 1 if everyone and old else 0
         if self._failed_steps_in_a_row >= MAX_FAILED_STEPS:
             self._dead = (f"the last {MAX_FAILED_STEPS} engine steps failed for every request, "

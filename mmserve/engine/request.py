@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any
 
+from mmserve.inputs import ImageInput
 from mmserve.sampling_params import SamplingParams
 
 
@@ -32,20 +31,6 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_ABORTED: "abort",
             RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
-
-
-@dataclass
-class ImageInput:
-    """One image of a request: its content hash, placeholder range and encoder input."""
-
-    hash: str
-    offset: int  # first placeholder token in the prompt
-    length: int  # number of placeholder tokens == number of embeddings
-    pixel_values: Any = None  # processor output for this image alone; None in scheduler tests
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.length
 
 
 class Request:

@@ -8,70 +8,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mmserve.engine.encoder_cache import EncoderBudget, EncoderCacheManager
 from mmserve.engine.kv_cache_manager import KVCacheManager
-from mmserve.engine.request import ImageInput, Request, RequestStatus
-from mmserve.sampling_params import SamplingParams
+from mmserve.engine.request import Request, RequestStatus
+from mmserve.step import ImageSlice, ModelOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ImageSlice:
-    """Copy ``embeddings[image_hash][src_start : src_start + length]`` to ``dst_start``."""
-
-    image_hash: str
-    src_start: int
-    dst_start: int  # position within this request's scheduled tokens
-    length: int
-
-
-@dataclass
-class ScheduledRequest:
-    request_id: str
-    token_ids: list[int]
-    start_pos: int  # num_computed_tokens before this step
-    block_ids: list[int]
-    image_slices: list[ImageSlice]
-    sample: bool  # the chunk reaches the last known token: sample the next one
-    sampling_params: SamplingParams
-
-
-@dataclass
-class SchedulerOutput:
-    """Everything the runner needs for one step, as plain ids, counts and hashes."""
-
-    requests: list[ScheduledRequest] = field(default_factory=list)
-    encoder_inputs: dict[str, ImageInput] = field(default_factory=dict)  # encode these now
-    freed_encoder_hashes: list[str] = field(default_factory=list)  # drop these tensors first
-    finished_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
-
-    def only(self, req: ScheduledRequest) -> SchedulerOutput:
-        """This step cut down to one of its requests and the images that request encodes
-        (frees and finished ids were carried out with the whole step)."""
-        hashes = {s.image_hash for s in req.image_slices}
-        return SchedulerOutput(requests=[req], encoder_inputs={
-            h: image for h, image in self.encoder_inputs.items() if h in hashes})
-
-
-@dataclass
-class ModelOutput:
-    """What the runner hands back for one step.
-
-    ``sampled``: the next token of every request whose chunk completed. ``errors``: requests
-    the step failed for, with the reason; their tokens were not computed. ``failed_images``:
-    hashes scheduled for encoding whose embeddings do not exist (their encoding failed).
-    """
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-    failed_images: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -208,7 +152,7 @@ class Scheduler:
         def commit(req: Request, num_new: int, to_encode: list[int]) -> None:
             for i in to_encode:
                 self.encoder_cache.allocate(req, i)
-                out.encoder_inputs[req.images[i].hash] = req.images[i]
+                out.images_to_encode[req.images[i].hash] = req.images[i].length
             scheduled.append((req, num_new))
 
         # Running requests first, in admission order; the newest is preempted first.

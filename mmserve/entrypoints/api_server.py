@@ -382,7 +382,7 @@ def _failed(out: RequestOutput) -> ApiError:
 
 # --------------------------------------------------------------------- mmserve serve
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from mmserve.entrypoints.cli import add_engine_args
+    from mmserve.entrypoints.engine_args import add_engine_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible image+text chat server")
     p.add_argument("model_path", nargs="?", metavar="MODEL",
@@ -423,7 +423,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from mmserve.config import EngineConfig
     from mmserve.demo.checkpoint import demo_model_path
-    from mmserve.entrypoints.cli import engine_kwargs
+    from mmserve.entrypoints.engine_args import engine_kwargs
     from mmserve.entrypoints.http_protocol import with_header_timeout
 
     model = args.model_path or args.model

@@ -20,11 +20,10 @@ class LLM:
 
     ``model`` is a local Hugging Face checkpoint directory; without one, the bundled demo model
     (`mmserve.demo.checkpoint.demo_model_path`), which describes scenes of coloured shapes.
-    Engine arguments use vLLM's names: ``max_model_len`` and ``max_num_seqs`` (integers or
-    ``"auto"``, the default: sized by the memory plan), ``max_num_batched_tokens``,
-    ``block_size``, ``enable_prefix_caching``, ``limit_mm_per_prompt``, ``encoder_cache_size``
-    (embedding tokens), ``kv_cache_memory`` (bytes), ``gpu_memory_utilization``,
-    ``single_user_mode``, ``dtype``, ``seed``.
+    Engine arguments are the fields of `mmserve.config.EngineConfig`, where each one's type,
+    default and help are declared (the command line's flags are the same names with dashes);
+    they follow vLLM's names, e.g. ``max_model_len`` and ``max_num_seqs`` (integers or
+    ``"auto"``, the default: sized by the memory plan) and ``limit_mm_per_prompt``.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:

@@ -61,6 +61,7 @@ def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None
     """
     from transformers import AutoConfig
 
+    from mmserve.engine.profile_batch import profile_batch_for
     from mmserve.processing.processor import InputProcessor
     from mmserve.worker import memory_profiler
     from mmserve.worker.dry_run import dry_run_peak, meta_model
@@ -73,16 +74,16 @@ def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None
     model = meta_model(hf_config, dtype)
     weights = memory_profiler.tensor_bytes(model)
     budget = encoder_budget_for(config, tokens_per_image)
-    batch = memory_profiler.profile_batch_for(config, hf_config, budget,
-                                              images_per_step(config, budget))
-    peak = dry_run_peak(model, batch, config.block_size, dtype)
+    batch = profile_batch_for(config, hf_config, budget, images_per_step(config, budget))
+    step = batch.scheduler_output
+    peak = dry_run_peak(model, step, batch.encoder_pixels, config.block_size, dtype)
     estimated = ["activation_bytes", "weights_bytes"] if device != "cpu" else []
     if memory_bytes is None:
         memory_bytes = memory_profiler.device_memory(torch.device(device))
         if device == "cpu":
             estimated.append("memory_bytes")  # available RAM moves until the engine starts
-    method = (f"meta-device dry run of the profile batch ({batch.num_scheduled_tokens} tokens, "
-              f"{len(batch.requests)} sequences, {len(batch.encoder_inputs)} images)")
+    method = (f"meta-device dry run of the profile batch ({step.num_scheduled_tokens} tokens, "
+              f"{len(step.requests)} sequences, {len(step.images_to_encode)} images)")
     inputs = plan_inputs(config, hf_config, device, memory_bytes, weights, peak, method,
                          budget, estimated=tuple(sorted(estimated)))
     facts = {"checkpoint_tensors": num_tensors, "checkpoint_bytes": file_bytes,
@@ -93,7 +94,7 @@ def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None
 
 
 def _run(args: argparse.Namespace) -> int:
-    from mmserve.entrypoints.cli import engine_kwargs
+    from mmserve.entrypoints.engine_args import engine_kwargs
 
     model = args.model_path or args.model
     if model is None:
@@ -145,7 +146,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from mmserve.entrypoints.cli import add_engine_args
+    from mmserve.entrypoints.engine_args import add_engine_args
 
     p = sub.add_parser("plan", help="print the memory plan a launch would make (no weights "
                        "are loaded)")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from PIL import Image
 
-from mmserve.engine.request import ImageInput
+from mmserve.inputs import ImageInput
 from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, load_image
 
 logger = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ import time
 import torch
 from torch import nn
 
-from mmserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from mmserve.models.forward_context import forward_context
-from mmserve.worker.model_runner import CPUModelRunner, ModelRunner
+from mmserve.step import ScheduledRequest, SchedulerOutput
+from mmserve.worker.model_runner import CPUModelRunner, EncoderPixels, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,9 @@ class CUDAModelRunner(ModelRunner):
                     torch.cuda.get_device_name())
         return model, weight_bytes
 
-    def measure_profile_peak(self, batch: SchedulerOutput) -> int:
-        """Run ``self.profile_run(batch)``; return the CUDA allocator's peak above its start.
+    def measure_profile_peak(self, batch: SchedulerOutput, encoder_pixels: EncoderPixels) -> int:
+        """Run ``self.profile_run(batch, encoder_pixels)``; return the CUDA allocator's peak
+        above its start.
 
         The memory planner subtracts this from the budget as the activations' worst case. Cached
         but unused allocator blocks are released first so that they are not counted.
@@ -91,7 +92,7 @@ class CUDAModelRunner(ModelRunner):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        self.profile_run(batch)
+        self.profile_run(batch, encoder_pixels)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - start
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmserve.engine.scheduler import SchedulerOutput
 from mmserve.models.registry import get_model_class
-from mmserve.worker.model_runner import ModelRunner
+from mmserve.step import SchedulerOutput
+from mmserve.worker.model_runner import EncoderPixels, ModelRunner
 
 META = torch.device("meta")
 # The step's index tensors built from Python lists (token ids, positions, slots, sample rows:
@@ -55,14 +55,15 @@ def profile_blocks(batch: SchedulerOutput) -> int:
     return 1 + max(b for r in batch.requests for b in r.block_ids)
 
 
-def dry_run_peak(model: nn.Module, batch: SchedulerOutput, block_size: int,
-                 dtype: torch.dtype) -> int:
-    """Peak bytes of tensors that running ``batch`` creates, counted on the meta device.
+def dry_run_peak(model: nn.Module, batch: SchedulerOutput, encoder_pixels: EncoderPixels,
+                 block_size: int, dtype: torch.dtype) -> int:
+    """Peak bytes of tensors that running ``batch`` (whose images have ``encoder_pixels``)
+    creates, counted on the meta device.
 
     At least the peak of the CPU allocator's own events (torch.profiler) for a real run of the
     same batch, and at most ``INPUT_BYTES_PER_TOKEN`` per scheduled token more (a test checks
     both sides).
     """
     runner = MetaModelRunner(model, profile_blocks(batch), block_size, dtype)
-    peak = runner.measure_profile_peak(batch)
+    peak = runner.measure_profile_peak(batch, encoder_pixels)
     return peak + INPUT_BYTES_PER_TOKEN * batch.num_scheduled_tokens

@@ -18,13 +18,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from mmserve.config import EngineConfig
-from mmserve.engine.encoder_cache import EncoderBudget
-from mmserve.engine.memory_plan import max_num_seqs_bound
-from mmserve.engine.request import ImageInput
-from mmserve.engine.scheduler import ImageSlice, ScheduledRequest, SchedulerOutput
-from mmserve.sampling_params import SamplingParams
-
 T = TypeVar("T")
 
 
@@ -101,62 +94,3 @@ def device_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def profile_batch(
-    num_tokens: int,
-    max_num_seqs: int,
-    max_positions: int,
-    block_size: int,
-    num_images: int,
-    tokens_per_image: int,
-    pixel_shape: tuple[int, ...],
-) -> SchedulerOutput:
-    """The worst step the scheduler can produce, as dummy requests.
-
-    ``num_tokens`` tokens in all (``max_num_batched_tokens``): ``max_num_seqs - 1`` decodes,
-    each sampling a row of logits, and the rest as one prompt chunk (split where it would pass
-    ``max_positions``) whose first tokens are image placeholders. ``num_images`` images of
-    ``tokens_per_image`` embeddings are encoded in the step, as many as the encoder budget
-    allows. Token ids are 0 and pixels are zeros: no random numbers are drawn.
-    """
-    num_seqs = max(1, min(max_num_seqs, num_tokens))
-    prompt_tokens = num_tokens - (num_seqs - 1)
-    lengths = [1] * (num_seqs - 1)
-    while prompt_tokens > 0:
-        lengths.insert(0, min(prompt_tokens, max_positions))
-        prompt_tokens -= lengths[0]
-    images = [ImageInput(f"profile-{k}", offset=k * tokens_per_image, length=tokens_per_image,
-                         pixel_values=torch.zeros(pixel_shape)) for k in range(num_images)]
-    greedy = SamplingParams(temperature=0.0)
-    requests = []
-    next_block = 0
-    for i, n in enumerate(lengths):
-        num_blocks = -(-n // block_size)
-        slices = []
-        if i == 0:
-            for img in images:
-                if img.offset >= n:
-                    break
-                slices.append(ImageSlice(img.hash, 0, img.offset, min(img.length, n - img.offset)))
-        requests.append(ScheduledRequest(
-            request_id=f"profile-{i}", token_ids=[0] * n, start_pos=0,
-            block_ids=list(range(next_block, next_block + num_blocks)), image_slices=slices,
-            sample=True, sampling_params=greedy))
-        next_block += num_blocks
-    return SchedulerOutput(requests=requests, encoder_inputs={img.hash: img for img in images})
-
-
-def profile_batch_for(config: EngineConfig, hf_config, encoder_budget: EncoderBudget,
-                      num_images: int) -> SchedulerOutput:
-    """``profile_batch`` for an engine's settings and checkpoint."""
-    size = hf_config.vision_config.image_size
-    return profile_batch(
-        num_tokens=config.max_num_batched_tokens,
-        max_num_seqs=max_num_seqs_bound(config),
-        max_positions=hf_config.text_config.max_position_embeddings,
-        block_size=config.block_size,
-        num_images=num_images,
-        tokens_per_image=encoder_budget.max_tokens_per_item,
-        pixel_shape=(1, 3, size, size),
-    )

@@ -1,20 +1,19 @@
 """Device-agnostic model runner: encoder runs, input preparation, forward, sampling.
 
 Device classes only decide where tensors live and how memory is measured; everything that
-turns a SchedulerOutput into a forward pass is here.
+turns a SchedulerOutput (and the pixels of the images it encodes) into a forward pass is here.
+The runner reads its step messages from ``mmserve/step.py`` and nothing of the engine.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from mmserve.engine.scheduler import ModelOutput, ScheduledRequest, SchedulerOutput
 from mmserve.kernels.cpu_ops import cpu_attention_backend, pack_linear_layers
 from mmserve.kernels.paged_attention import (
     AttentionMetadata,
@@ -22,20 +21,16 @@ from mmserve.kernels.paged_attention import (
     paged_attention,
 )
 from mmserve.models.forward_context import AttentionBackend, forward_context
+from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput, StepTimes
 from mmserve.worker.cpu_allocator import keep_freed_memory
 from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import sample
 
 logger = logging.getLogger(__name__)
 
-@dataclass
-class StepTimes:
-    """Seconds spent in each part of the runner's steps, accumulated."""
-
-    encoder: float = 0.0
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
+# The pixels of the images a step encodes, by image hash; the engine gathers them from the
+# requests that show the images (the scheduler's messages carry only the hashes).
+EncoderPixels = Mapping[str, torch.Tensor]
 
 
 class ModelRunner:
@@ -56,70 +51,81 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.times = StepTimes()
 
     @property
     def kv_cache_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelOutput:
-        """Run one step: the sampled token of every request whose chunk completed.
+    def execute(self, scheduler_output: SchedulerOutput,
+                encoder_pixels: EncoderPixels) -> ModelOutput:
+        """Run one step: the sampled token of every request whose chunk completed, and where
+        the step's time went (``ModelOutput.times``).
 
-        A step that raises is contained: each of its requests runs again alone, so that only
-        the requests that fail by themselves come back in ``errors`` and the others get their
-        tokens. Rerunning is safe because a request's chunk writes the same K/V values to the
-        same slots each time, and its images are encoded with it.
+        ``encoder_pixels`` holds the pixel values of every image in
+        ``scheduler_output.images_to_encode``, by hash. A step that raises is contained: each
+        of its requests runs again alone, so that only the requests that fail by themselves
+        come back in ``errors`` and the others get their tokens. Rerunning is safe because a
+        request's chunk writes the same K/V values to the same slots each time, and its images
+        are encoded with it.
         """
-        for h in so.freed_encoder_hashes:
+        for h in scheduler_output.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
-        for rid in so.finished_request_ids:
+        for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
+        requests = scheduler_output.requests
+        out = ModelOutput()
         try:
-            return ModelOutput(sampled=self._execute(so))
+            out.sampled = self._execute(scheduler_output, encoder_pixels, out.times)
+            return out
         except Exception as e:  # noqa: BLE001 (contained below, and logged)
-            if len(so.requests) <= 1:
-                out = ModelOutput(errors={r.request_id: _reason(e) for r in so.requests})
+            if len(requests) <= 1:
+                out.errors = {r.request_id: _reason(e) for r in requests}
                 logger.error("engine step failed for request %s: %s",
                              ", ".join(out.errors) or "(none)", _reason(e), exc_info=e)
-                return self._with_failed_images(so, out)
+                return self._with_failed_images(scheduler_output, out)
             logger.warning("an engine step of %d requests failed (%s); running each alone to "
-                           "find the ones responsible", len(so.requests), _reason(e))
-        out = ModelOutput()
-        for req in so.requests:
+                           "find the ones responsible", len(requests), _reason(e))
+        for req in requests:
             try:
-                out.sampled.update(self._execute(so.only(req)))
+                out.sampled.update(self._execute(scheduler_output.only(req), encoder_pixels,
+                                                 out.times))
             except Exception as e:  # noqa: BLE001
                 out.errors[req.request_id] = _reason(e)
                 logger.error("engine step failed for request %s: %s", req.request_id,
                              _reason(e), exc_info=e)
-        return self._with_failed_images(so, out)
+        return self._with_failed_images(scheduler_output, out)
 
-    def _with_failed_images(self, so: SchedulerOutput, out: ModelOutput) -> ModelOutput:
-        out.failed_images = [h for h in so.encoder_inputs if h not in self.encoder_outputs]
+    def _with_failed_images(self, scheduler_output: SchedulerOutput,
+                            out: ModelOutput) -> ModelOutput:
+        out.failed_images = [h for h in scheduler_output.images_to_encode
+                             if h not in self.encoder_outputs]
         return out
 
-    def _execute(self, so: SchedulerOutput) -> dict[str, int]:
+    def _execute(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels,
+                 times: StepTimes) -> dict[str, int]:
+        """One attempt at the step; adds the seconds of each part to ``times``."""
+        requests = scheduler_output.requests
         t0 = time.perf_counter()
-        self._run_encoder(so)
+        self._run_encoder(scheduler_output, encoder_pixels)
         t1 = time.perf_counter()
-        self.times.encoder += t1 - t0
-        if not so.requests:
+        times.encoder += t1 - t0
+        if not requests:
             return {}
-        input_ids, positions, meta, sample_rows = self._prepare_inputs(so.requests)
-        embeds = self._embed(input_ids, so.requests)
+        input_ids, positions, meta, sample_rows = self._prepare_inputs(requests)
+        embeds = self._embed(input_ids, requests)
         t2 = time.perf_counter()
-        self.times.prepare += t2 - t1
+        times.prepare += t2 - t1
         hidden = self._forward(positions, embeds, meta)
-        sampled = [r for r in so.requests if r.sample]
+        sampled = [r for r in requests if r.sample]
         logits = self.model.compute_logits(hidden[sample_rows]) if sampled else None
         t3 = time.perf_counter()
-        self.times.forward += t3 - t2
+        times.forward += t3 - t2
         if logits is None:
             return {}
         tokens = sample(logits, [r.sampling_params for r in sampled],
                         [self._generator(r) for r in sampled])
-        self.times.sample += time.perf_counter() - t3
+        times.sample += time.perf_counter() - t3
         return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
 
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
@@ -149,13 +155,14 @@ class ModelRunner:
             self.generators[req.request_id] = gen
         return gen
 
-    def _run_encoder(self, so: SchedulerOutput) -> None:
+    def _run_encoder(self, scheduler_output: SchedulerOutput,
+                     encoder_pixels: EncoderPixels) -> None:
         """Encode this step's new images, batching those of equal shape."""
         by_shape: dict[tuple[int, ...], list[tuple[str, torch.Tensor]]] = {}
-        for h, image in so.encoder_inputs.items():
+        for h in scheduler_output.images_to_encode:
             if h in self.encoder_outputs:
                 continue
-            pv = image.pixel_values
+            pv = encoder_pixels[h]
             by_shape.setdefault(tuple(pv.shape[1:]), []).append((h, pv))
         for items in by_shape.values():
             pixels = torch.cat([pv for _, pv in items]).to(self.device, self.dtype)
@@ -225,35 +232,34 @@ class ModelRunner:
             attn.kv_cache = cache
             self.kv_caches.append(cache)
 
-    def measure_profile_peak(self, batch: SchedulerOutput) -> int:
-        """Peak bytes that ``profile_run(batch)`` allocates above what was already alive.
+    def measure_profile_peak(self, batch: SchedulerOutput, encoder_pixels: EncoderPixels) -> int:
+        """Peak bytes that ``profile_run(batch, encoder_pixels)`` allocates above what was
+        already alive.
 
         Counts the tensors the run creates (``memory_profiler.track_peak_bytes``); runners on
         devices with allocator statistics override this.
         """
-        _, peak = track_peak_bytes(lambda: self.profile_run(batch))
+        _, peak = track_peak_bytes(lambda: self.profile_run(batch, encoder_pixels))
         return peak
 
     @torch.inference_mode()
-    def profile_run(self, batch: SchedulerOutput) -> None:
-        """Run ``batch`` (``memory_profiler.profile_batch``) like a step, without sampling.
+    def profile_run(self, batch: SchedulerOutput, encoder_pixels: EncoderPixels) -> None:
+        """Run ``batch`` (the engine's ``profile_batch``) like a step, without sampling.
 
         Leaves nothing behind but what it wrote into the current KV cache, which the engine
-        replaces afterwards: encoder outputs, generators and step timings are as before, and
-        no random numbers are drawn (the inputs are zeros and nothing is sampled, which also
-        lets the run work on the meta device).
+        replaces afterwards: encoder outputs and generators are as before, and no random
+        numbers are drawn (the inputs are zeros and nothing is sampled, which also lets the
+        run work on the meta device).
         """
-        saved_times = dataclasses.replace(self.times)
         try:
-            self._run_encoder(batch)
+            self._run_encoder(batch, encoder_pixels)
             input_ids, positions, meta, sample_rows = self._prepare_inputs(batch.requests)
             embeds = self._embed(input_ids, batch.requests)
             hidden = self._forward(positions, embeds, meta)
             self.model.compute_logits(hidden[sample_rows])
         finally:
-            for h in batch.encoder_inputs:
+            for h in batch.images_to_encode:
                 self.encoder_outputs.pop(h, None)
-            self.times = saved_times
 
 
 class CPUModelRunner(ModelRunner):

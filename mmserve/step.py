@@ -1,0 +1,84 @@
+"""The messages of one engine step, between the scheduler and the runner.
+
+``SchedulerOutput`` says what to compute (ids, token counts, block ids, image hashes) and
+``ModelOutput`` what came out (sampled tokens, failures, the runner's timings). Both sides
+import this leaf module and nothing of each other: the scheduler never sees a tensor, and the
+runner never sees the scheduler. The pixels of the images to encode travel beside the
+``SchedulerOutput``, as ``ModelRunner.execute``'s second argument (hash -> pixel values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class ImageSlice:
+    """Copy ``embeddings[image_hash][src_start : src_start + length]`` to ``dst_start``."""
+
+    image_hash: str
+    src_start: int
+    dst_start: int  # position within this request's scheduled tokens
+    length: int
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]
+    start_pos: int  # num_computed_tokens before this step
+    block_ids: list[int]
+    image_slices: list[ImageSlice]
+    sample: bool  # the chunk reaches the last known token: sample the next one
+    sampling_params: SamplingParams
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the runner needs for one step, as plain ids, counts and hashes."""
+
+    requests: list[ScheduledRequest] = field(default_factory=list)
+    # Encode these now: image hash -> embedding tokens it makes. Their pixels come separately.
+    images_to_encode: dict[str, int] = field(default_factory=dict)
+    freed_encoder_hashes: list[str] = field(default_factory=list)  # drop these tensors first
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+    def only(self, req: ScheduledRequest) -> SchedulerOutput:
+        """This step cut down to one of its requests and the images that request encodes
+        (frees and finished ids were carried out with the whole step)."""
+        hashes = {s.image_hash for s in req.image_slices}
+        return SchedulerOutput(requests=[req], images_to_encode={
+            h: n for h, n in self.images_to_encode.items() if h in hashes})
+
+
+@dataclass
+class StepTimes:
+    """Seconds the runner spent in each part of one step (summed over its reruns when a
+    failed step is rerun request by request)."""
+
+    encoder: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+
+
+@dataclass
+class ModelOutput:
+    """What the runner hands back for one step.
+
+    ``sampled``: the next token of every request whose chunk completed. ``errors``: requests
+    the step failed for, with the reason; their tokens were not computed. ``failed_images``:
+    hashes scheduled for encoding whose embeddings do not exist (their encoding failed).
+    ``times``: where the runner's time went in this step.
+    """
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    failed_images: list[str] = field(default_factory=list)
+    times: StepTimes = field(default_factory=StepTimes)

@@ -1,0 +1,107 @@
+"""Engine flags are declared once, on ``EngineConfig``'s fields, and every subcommand takes
+the same ones: one flag per field, parsed defaults equal to the dataclass's."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.entrypoints.cli import build_parser
+from mmserve.entrypoints.engine_args import engine_argv, engine_kwargs
+
+# Fields that are not flags: the model (each front door takes it its own way, always also as
+# --model) and what the config derives (max_image_size, from --limit-mm-per-prompt).
+NOT_FLAGS = {"model", "max_image_size"}
+FLAG_FIELDS = [f for f in dataclasses.fields(EngineConfig) if f.name not in NOT_FLAGS]
+
+# Each subcommand that takes the engine flags, and the arguments it requires.
+SUBCOMMANDS = {
+    "serve": [],
+    "plan": [],
+    "caption": ["image.png"],
+    "bench throughput": [],
+    "bench sweep": ["--param", "block_size=16"],
+    "bench serve": [],
+}
+
+
+def argv_of(command: str, *flags: str) -> list[str]:
+    return [*command.split(), *SUBCOMMANDS[command], *flags]
+
+
+def subparser(command: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    for name in command.split():
+        # argparse has no public accessor for a parser's subcommands.
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return parser
+
+
+def spelling(f: dataclasses.Field) -> str:
+    """The flag users know: vLLM's names, ``--no-enable-prefix-caching`` for the one switch
+    that is on by default."""
+    name = f.name.replace("_", "-")
+    return "--no-enable-prefix-caching" if name == "enable-prefix-caching" else f"--{name}"
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_field_is_exactly_one_flag(command: str) -> None:
+    actions = subparser(command)._actions
+    for f in FLAG_FIELDS:
+        options = [o for a in actions if a.dest == f.name for o in a.option_strings]
+        assert options == [spelling(f)], f"{command}: EngineConfig.{f.name} -> {options}"
+    model = [o for a in actions if a.dest == "model" for o in a.option_strings]
+    assert model == ["--model"]
+    for name in NOT_FLAGS - {"model"}:
+        assert not [a for a in actions if a.dest == name], f"{command}: {name} is derived"
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_parsed_defaults_are_the_dataclass_defaults(command: str) -> None:
+    args = build_parser().parse_args(argv_of(command))
+    assert engine_kwargs(args) == {f.name: f.default for f in FLAG_FIELDS}
+    assert EngineConfig(model="m", **engine_kwargs(args)) == EngineConfig(model="m")
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--max-model-len", "auto"], {"max_model_len": None}),
+    (["--max-model-len", "512", "--max-num-seqs", "auto"], {"max_model_len": 512}),
+    (["--max-num-seqs", "3"], {"max_num_seqs": 3}),
+    (["--no-enable-prefix-caching"], {"enable_prefix_caching": False}),
+    (["--limit-mm-per-prompt", '{"image": 2}'], {"limit_mm_per_prompt": 2}),
+    (["--limit-mm-per-prompt", '{"image": {"count": 1, "width": 640, "height": 480}}'],
+     {"limit_mm_per_prompt": 1, "max_image_size": (640, 480)}),
+    (["--limit-mm-per-prompt", "0"], {"limit_mm_per_prompt": 0}),
+    (["--dtype", "bfloat16"], {"dtype": "bfloat16"}),
+    (["--device", "cpu", "--enforce-eager", "--single-user-mode"],
+     {"device": "cpu", "enforce_eager": True, "single_user_mode": True}),
+    (["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1000000"],
+     {"gpu_memory_utilization": 0.5, "kv_cache_memory": 1_000_000}),
+])
+def test_flags_round_trip_into_the_config(argv: list[str], expected: dict) -> None:
+    args = build_parser().parse_args(["serve", *argv])
+    config = EngineConfig(model="m", **engine_kwargs(args))
+    assert config == dataclasses.replace(EngineConfig(model="m"), **expected)
+    if "dtype" in expected:
+        assert config.torch_dtype == torch.bfloat16
+    # What `bench serve` passes on to the server it starts reads back the same.
+    again = build_parser().parse_args(["serve", *engine_argv(args)])
+    assert engine_kwargs(again) == engine_kwargs(args)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-model-len", "long"], "expected an integer or 'auto', got 'long'"),
+    (["--limit-mm-per-prompt", '{"video": 1}'], "video is not supported"),
+    (["--dtype", "int8"], "invalid choice: 'int8'"),
+    (["--block-size", "x"], "invalid int value: 'x'"),
+])
+def test_bad_values_are_usage_errors(argv: list[str], message: str, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
