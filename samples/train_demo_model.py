@@ -72,7 +72,7 @@ from mmserve.demo.scenes import (
     generate_scenes,
     random_scene,
 )
-from mmserve.testing.tiny_checkpoint import EOS_TOKEN
+from mmserve.testing.tokenizer import EOS_TOKEN
 
 IGNORE_INDEX = -100
 # Task shares of the second phase. Answering "what colour is the circle?" means finding the circle

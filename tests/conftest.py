@@ -1,8 +1,9 @@
-"""Shared fixtures: tiny random LLaVA checkpoints built offline, test images, leak checks."""
+"""Shared fixtures: tiny random checkpoints built offline, test images, leak checks."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -14,20 +15,21 @@ from PIL import Image
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from mmserve.testing.tiny_checkpoint import build_tiny_llava  # noqa: E402
+from mmserve.testing import build_tiny_checkpoint  # noqa: E402
 
-# (vision tower, language model) pairs the parity tests cover.
-ARCHS = {
-    "clip-llama": {"vision": "clip", "text": "llama"},
-    "siglip-qwen2": {"vision": "siglip", "text": "qwen2"},
-    "clip-mistral": {"vision": "clip", "text": "mistral"},
+# The checkpoints the parity tests cover: name -> (family, the family builder's options).
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "clip-llama": ("llava", {"vision": "clip", "text": "llama"}),
+    "siglip-qwen2": ("llava", {"vision": "siglip", "text": "qwen2"}),
+    "clip-mistral": ("llava", {"vision": "clip", "text": "mistral"}),
 }
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("checkpoints")
-    return {name: str(build_tiny_llava(root / name, **kw)) for name, kw in ARCHS.items()}
+    return {name: str(build_tiny_checkpoint(family, root / name, **options))
+            for name, (family, options) in ARCHS.items()}
 
 
 @pytest.fixture(scope="session")

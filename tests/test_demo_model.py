@@ -33,7 +33,7 @@ from mmserve.demo.scenes import (
     random_scene,
 )
 from mmserve.entrypoints.cli import main as cli_main
-from mmserve.testing.tiny_checkpoint import hf_greedy_generate
+from mmserve.testing.oracle import hf_greedy_generate
 from tests.conftest import assert_no_leaks
 
 TEST_SEED = 20_261_122  # training uses seed 0, its held-out evaluation 7_000_000

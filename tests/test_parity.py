@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoProcessor
 
 from mmserve import LLM, SamplingParams
-from mmserve.testing.tiny_checkpoint import hf_greedy_generate
+from mmserve.testing.oracle import hf_greedy_generate
 from tests.conftest import ARCHS, assert_no_leaks, make_image
 
 MAX_TOKENS = 12

@@ -28,12 +28,8 @@ from pathlib import Path
 
 import torch
 
-from mmserve.testing.tiny_checkpoint import (
-    CHAT_TEMPLATE,
-    IMAGE_TOKEN,
-    build_tiny_llava,
-    train_bpe_tokenizer,
-)
+from mmserve.testing.llava import CHAT_TEMPLATE, build_tiny_llava
+from mmserve.testing.tokenizer import IMAGE_TOKEN, train_bpe_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -24,16 +24,18 @@ from mmserve.demo.scenes import (
     Scene,
     generate_scenes,
 )
-from mmserve.testing.tiny_checkpoint import (
+from mmserve.testing.llava import (
+    _build_image_processor,
+    _text_config,
+    _vision_config,
+    llava_chat_template,
+)
+from mmserve.testing.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     IMAGE_TOKEN,
     PAD_TOKEN,
     SPECIAL_TOKENS,
-    _build_image_processor,
-    _text_config,
-    _vision_config,
-    llava_chat_template,
     train_bpe_tokenizer,
 )
 
