@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
@@ -43,6 +44,32 @@ def mm_limit_text(text: str) -> int | dict:
     value: int | str = int(text) if text.strip().lstrip("-").isdigit() else text
     parse_mm_limit(value)
     return json.loads(text) if isinstance(value, str) else value
+
+
+_MM_KWARGS_USAGE = ('mm_processor_kwargs must be a JSON object of image-processor settings, '
+                    'such as \'{"do_normalize": false}\'')
+
+
+def mm_processor_kwargs_text(text: str) -> dict[str, Any] | None:
+    """``mm_processor_kwargs`` as typed on a command line: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValueError(f"{_MM_KWARGS_USAGE}, got {text!r} (not JSON).") from None
+    return check_mm_processor_kwargs(value)
+
+
+def check_mm_processor_kwargs(value: Any) -> dict[str, Any] | None:
+    """A copy of ``value`` when it is a dict with string keys (None when empty or None);
+    otherwise a ``ValueError``. Which keys the image processor takes is checked at start-up."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"{_MM_KWARGS_USAGE}, got {type(value).__name__} {value!r}.")
+    bad = [key for key in value if not isinstance(key, str)]
+    if bad:
+        raise ValueError(f"{_MM_KWARGS_USAGE}; its keys must be strings, got {bad!r}.")
+    return copy.deepcopy(value) or None
 
 
 @dataclass(frozen=True)
@@ -96,6 +123,13 @@ class EngineConfig:
         "budget)")
     max_image_pixels: int = flag(50_000_000, "largest image accepted, in pixels: width "
                                  "times height")
+    # Keyword arguments for the checkpoint's image processor on every call, as vLLM's
+    # ``--mm-processor-kwargs``: a dict in the Python API, a JSON object on the command line.
+    # Stored as a dict (a copy; None when empty): the config is compared, never hashed. Keys the
+    # image processor does not take are refused when the engine starts (``InputProcessor``).
+    mm_processor_kwargs: dict[str, Any] | None = flag(
+        None, 'keyword arguments for the image processor, as a JSON object: \'{"do_normalize": '
+        "false}' (each image's cache hash includes them)", parse=mm_processor_kwargs_text)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs"):
@@ -118,6 +152,8 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory", "encoder_cache_size", "max_image_pixels"):
             positive(name, getattr(self, name))
+        object.__setattr__(self, "mm_processor_kwargs",
+                           check_mm_processor_kwargs(self.mm_processor_kwargs))
         count, size = parse_mm_limit(self.limit_mm_per_prompt)
         object.__setattr__(self, "limit_mm_per_prompt", count)
         if size is not None:

@@ -14,18 +14,11 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.kv_cache_manager import KVCacheManager
-from mmserve.engine.memory_plan import (
-    InfeasiblePlanError,
-    MemoryPlan,
-    default_memory_utilization,
-    encoder_budget_for,
-    images_per_step,
-    plan_inputs,
-    plan_memory,
-)
-from mmserve.engine.profile_batch import ProfileBatch, profile_batch_for
+from mmserve.engine.memory_plan import InfeasiblePlanError, default_memory_utilization
+from mmserve.engine.profile_batch import ProfileBatch
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
+from mmserve.engine.startup import plan_for
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
 from mmserve.processing.processor import InputProcessor
@@ -34,7 +27,7 @@ from mmserve.step import ModelOutput, SchedulerOutput, StepTimes
 from mmserve.worker import memory_profiler
 from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import runner_class
-from mmserve.worker.dry_run import dry_run_peak, meta_model, profile_blocks
+from mmserve.worker.dry_run import profile_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -67,23 +60,25 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         dtype = config.torch_dtype
-        self.processor = InputProcessor(config.model, hf_config, config.max_image_pixels)
+        self.processor = InputProcessor(config.model, hf_config, config.max_image_pixels,
+                                        config.mm_processor_kwargs)
         device = config.resolved_device
         runner_cls = runner_class(device)
         # Read before the weights load: on the CPU they come out of the RAM available now.
         memory_bytes = memory_profiler.device_memory(torch.device(device))
         if device == "cuda" and config.kv_cache_memory is None:
             self._check_free_gpu_memory(config, memory_bytes)
-        self.model, self.weight_bytes = runner_cls.load_model(config.model, hf_config, dtype)
-        self.encoder_budget = encoder_budget_for(config, self.processor.tokens_per_image)
-        batch = profile_batch_for(config, hf_config, self.encoder_budget,
-                                  images_per_step(config, self.encoder_budget))
-        # No KV cache until the plan sizes it; a GPU profile run needs the blocks its batch
-        # writes (the CPU profile is a dry run on the meta device).
-        scratch_blocks = 0 if device == "cpu" else profile_blocks(batch.scheduler_output)
-        self.runner = runner_cls(self.model, scratch_blocks, config.block_size, dtype,
-                                 config.seed)
-        self.plan = self._plan_memory(config, hf_config, device, memory_bytes, batch)
+        self.model, weights_bytes = runner_cls.load_model(config.model, hf_config, dtype)
+        # No KV cache until the plan sizes it.
+        self.runner = runner_cls(self.model, 0, config.block_size, dtype, config.seed)
+        # The same planning as `mmserve plan`, with the real weights and, on a GPU, the
+        # allocator's peak; on the CPU the meta-device dry run is what a real run allocates.
+        startup = plan_for(config, hf_config, self.processor.tokens_per_image, device,
+                           memory_bytes, weights_bytes,
+                           None if device == "cpu" else self._measure_profile_peak)
+        self.plan, self.encoder_budget = startup.plan, startup.encoder_budget
+        for warning in self.plan.warnings:
+            logger.warning("memory plan: %s", warning)
         self.config = config.replace(max_model_len=self.plan.max_model_len,
                                      max_num_seqs=self.plan.max_num_seqs)
         self.runner.allocate_kv_cache(self.plan.num_blocks)
@@ -124,29 +119,12 @@ class LLMEngine:
                 f"{free} of {total} bytes are free on the GPU (another process holds the "
                 f"rest); lower --gpu-memory-utilization to at most {free / total:.2f}.")
 
-    def _plan_memory(self, config: EngineConfig, hf_config, device: str, memory_bytes: int,
-                     batch: ProfileBatch) -> MemoryPlan:
-        """Measure the profile run's peak and size the KV cache (seed 000, DESIGN.md)."""
-        dtype = config.torch_dtype
-        step, pixels = batch.scheduler_output, batch.encoder_pixels
-        if device == "cpu":
-            # The tracker counts tensor storages, whose sizes depend on shapes alone: a meta
-            # dry run of the same batch gives the same figure as running it, at no cost.
-            peak = dry_run_peak(meta_model(hf_config, dtype), step, pixels, config.block_size,
-                                dtype)
-            method = "measured: tensors of a meta-device dry run of the profile batch"
-        else:
-            peak = self.runner.measure_profile_peak(step, pixels)
-            method = f"measured: {device} allocator peak of the profile run"
-        n_images = len(step.images_to_encode)
-        n_tokens = step.num_scheduled_tokens
-        method += f" ({n_tokens} tokens, {len(step.requests)} sequences, {n_images} images)"
-        inputs = plan_inputs(config, hf_config, device, memory_bytes, self.weight_bytes, peak,
-                             method, self.encoder_budget)
-        plan = plan_memory(inputs)
-        for warning in plan.warnings:
-            logger.warning("memory plan: %s", warning)
-        return plan
+    def _measure_profile_peak(self, batch: ProfileBatch) -> tuple[int, str]:
+        """Run the profile batch on the device; its allocator's peak (the planned KV cache
+        replaces the blocks the batch writes)."""
+        self.runner.allocate_kv_cache(profile_blocks(batch.scheduler_output))
+        peak = self.runner.measure_profile_peak(batch.scheduler_output, batch.encoder_pixels)
+        return peak, f"measured: {self.runner.device.type} allocator peak of the profile run"
 
     # ----------------------------------------------------------------- requests
     def add_request(

@@ -7,18 +7,15 @@
 then ``max_model_len`` and ``max_num_seqs`` are filled in from the block count (seed 000).
 The activations come from a profile run at ``max_num_batched_tokens`` tokens, never at
 ``max_model_len``, so the block count the memory allows does not move when the user changes
-``max_model_len``. Everything here is arithmetic on plain numbers: the engine and
-``mmserve plan`` measure or estimate the inputs and share this code.
+``max_model_len``. Everything here is arithmetic on plain numbers; ``startup.py`` gathers the
+inputs from the settings and the checkpoint, for the engine and ``mmserve plan`` alike.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
 from mmserve.config import EngineConfig
-from mmserve.engine.encoder_cache import EncoderBudget, compute_encoder_budget
 from mmserve.engine.kv_cache_manager import cdiv
 
 DEFAULT_MAX_NUM_SEQS = 256
@@ -151,68 +148,6 @@ def max_num_seqs_bound(config: EngineConfig) -> int:
     """The most sequences the engine may run, known before the KV cache is sized: an auto
     max_num_seqs counts as its largest auto value (256)."""
     return config.max_num_seqs or (1 if config.single_user_mode else DEFAULT_MAX_NUM_SEQS)
-
-
-def encoder_budget_for(config: EngineConfig, tokens_per_image: int) -> EncoderBudget:
-    """The encoder budget of an engine, decided before the KV cache is sized.
-
-    The cache holds at most ``max_num_seqs x limit_mm_per_prompt`` images, with max_num_seqs
-    at its bound, so the encoder cache never grows after the KV cache has been sized.
-    """
-    return compute_encoder_budget(
-        max_tokens_per_item=tokens_per_image,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=max_num_seqs_bound(config),
-        max_items_per_prompt=max(1, config.limit_mm_per_prompt),
-        encoder_cache_size=config.encoder_cache_size,
-    )
-
-
-def images_per_step(config: EngineConfig, budget: EncoderBudget) -> int:
-    """The most images one step can encode: the profile run's worst case."""
-    if config.limit_mm_per_prompt == 0:
-        return 0
-    return max(1, min(budget.compute_tokens // budget.max_tokens_per_item, budget.cache_items))
-
-
-def plan_inputs(
-    config: EngineConfig,
-    hf_config,
-    device: str,
-    memory_bytes: int,
-    weights_bytes: int,
-    activation_bytes: int,
-    activation_method: str,
-    encoder_budget: EncoderBudget,
-    estimated: tuple[str, ...] = (),
-) -> PlanInputs:
-    """PlanInputs from the engine settings, the checkpoint's config and the measured sizes."""
-    text = hf_config.text_config
-    dtype_bytes = torch.empty((), dtype=config.torch_dtype).element_size()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    util = config.gpu_memory_utilization or default_memory_utilization(device)
-    tokens_per_image = encoder_budget.max_tokens_per_item
-    return PlanInputs(
-        device=device,
-        memory_bytes=memory_bytes,
-        gpu_memory_utilization=util,
-        weights_bytes=weights_bytes,
-        activation_bytes=activation_bytes,
-        activation_method=activation_method,
-        encoder_cache_items=encoder_budget.cache_items,
-        encoder_cache_tokens=encoder_budget.cache_tokens,
-        encoder_bytes_per_token=text.hidden_size * dtype_bytes,
-        kv_bytes_per_token=2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes,
-        block_size=config.block_size,
-        model_max_len=text.max_position_embeddings,
-        max_model_len=config.max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        kv_cache_memory=config.kv_cache_memory,
-        single_user_mode=config.single_user_mode,
-        min_model_len=tokens_per_image + 1 if config.limit_mm_per_prompt else 1,
-        estimated=estimated,
-    )
 
 
 def plan_memory(inp: PlanInputs) -> MemoryPlan:

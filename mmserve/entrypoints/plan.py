@@ -1,8 +1,8 @@
 """``mmserve plan MODEL``: the memory plan a launch would make, without loading any weight.
 
-It reads config.json, the processor files and the safetensors headers, builds the model on
-the meta device (sizes without data) and dry-runs the engine's profile batch there, then runs
-the same planning arithmetic as the engine (``engine/memory_plan.py``).
+It reads config.json, the processor files and the safetensors headers, and calls the engine's
+own start-up planning (``engine/startup.py``: ``plan_for``) with no weights loaded: the model
+is built on the meta device (sizes without data) and the profile batch is dry-run there.
 
 How close it is to a launch: on the CPU the weights and activations are the engine's own
 figures (the engine measures the same dry run), so the block counts agree exactly when the
@@ -23,15 +23,8 @@ from typing import Any
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.engine.memory_plan import (
-    InfeasiblePlanError,
-    MemoryPlan,
-    encoder_budget_for,
-    feasible_pairs,
-    images_per_step,
-    plan_inputs,
-    plan_memory,
-)
+from mmserve.engine.memory_plan import InfeasiblePlanError, MemoryPlan, feasible_pairs
+from mmserve.engine.startup import plan_for
 
 
 def checkpoint_bytes(model_dir: str) -> tuple[int, int]:
@@ -61,36 +54,26 @@ def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None
     """
     from transformers import AutoConfig
 
-    from mmserve.engine.profile_batch import profile_batch_for
     from mmserve.processing.processor import InputProcessor
     from mmserve.worker import memory_profiler
-    from mmserve.worker.dry_run import dry_run_peak, meta_model
 
     hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
     dtype = config.torch_dtype
-    tokens_per_image = InputProcessor(config.model, hf_config,
-                                      config.max_image_pixels).tokens_per_image
+    tokens_per_image = InputProcessor(config.model, hf_config, config.max_image_pixels,
+                                      config.mm_processor_kwargs).tokens_per_image
     num_tensors, file_bytes = checkpoint_bytes(config.model)
-    model = meta_model(hf_config, dtype)
-    weights = memory_profiler.tensor_bytes(model)
-    budget = encoder_budget_for(config, tokens_per_image)
-    batch = profile_batch_for(config, hf_config, budget, images_per_step(config, budget))
-    step = batch.scheduler_output
-    peak = dry_run_peak(model, step, batch.encoder_pixels, config.block_size, dtype)
-    estimated = ["activation_bytes", "weights_bytes"] if device != "cpu" else []
+    estimated: tuple[str, ...] = ()
     if memory_bytes is None:
         memory_bytes = memory_profiler.device_memory(torch.device(device))
         if device == "cpu":
-            estimated.append("memory_bytes")  # available RAM moves until the engine starts
-    method = (f"meta-device dry run of the profile batch ({step.num_scheduled_tokens} tokens, "
-              f"{len(step.requests)} sequences, {len(step.images_to_encode)} images)")
-    inputs = plan_inputs(config, hf_config, device, memory_bytes, weights, peak, method,
-                         budget, estimated=tuple(sorted(estimated)))
+            estimated = ("memory_bytes",)  # available RAM moves until the engine starts
+    plan = plan_for(config, hf_config, tokens_per_image, device, memory_bytes,
+                    estimated=estimated).plan
     facts = {"checkpoint_tensors": num_tensors, "checkpoint_bytes": file_bytes,
              "dtype": str(dtype).removeprefix("torch."), "tokens_per_image": tokens_per_image,
              "limit_mm_per_prompt": config.limit_mm_per_prompt,
              "max_image_size": config.max_image_size}
-    return plan_memory(inputs), facts
+    return plan, facts
 
 
 def _run(args: argparse.Namespace) -> int:

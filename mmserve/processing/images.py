@@ -14,10 +14,12 @@ import binascii
 import contextlib
 import hashlib
 import io
+import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 
@@ -103,11 +105,20 @@ def decode_data_url(url: str) -> bytes:
         raise InvalidInputError(f"the image data URL is not valid base64: {e}") from None
 
 
-def image_hash(img: Image.Image) -> str:
-    """Content hash of the decoded pixels: equal pictures share encoder-cache entries."""
+def image_hash(img: Image.Image, processor_kwargs: Mapping[str, Any] | None = None) -> str:
+    """Content hash of the decoded pixels and of the image processor's keyword arguments
+    (``mm_processor_kwargs``): equal pictures under equal settings share encoder-cache entries
+    and prefix-cache blocks. The same picture under other settings becomes other pixel values,
+    so it must hash apart. Without keyword arguments the hash is that of the pixels alone."""
     h = hashlib.sha256()
     h.update(f"{img.mode}:{img.size[0]}x{img.size[1]}:".encode())
-    h.update(img.tobytes())
+    h.update(img.tobytes())  # its length follows from the mode and size above
+    if processor_kwargs:
+        # Canonical text: key order does not matter; values outside JSON (a resampling enum
+        # is an int to JSON already) by their repr.
+        settings = json.dumps(processor_kwargs, sort_keys=True, separators=(",", ":"),
+                              default=repr)
+        h.update(b"\0mm_processor_kwargs:" + settings.encode())
     return h.hexdigest()
 
 

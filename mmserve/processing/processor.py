@@ -52,12 +52,17 @@ class InputProcessor:
     """Turns prompts into token ids and encoder inputs. ``process()`` is safe to call from
     several threads at once; only its tokenizer call is serialized."""
 
-    def __init__(self, model_dir: str, hf_config, max_image_pixels: int) -> None:
+    def __init__(self, model_dir: str, hf_config, max_image_pixels: int,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
+        """``mm_processor_kwargs`` go to the image processor on every call (the probes below
+        included) and into every image's hash; a key it does not take, or a value it refuses,
+        is a ``ValueError`` here, at start-up."""
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
         self.tokenizer = self.processor.tokenizer
         self.image_processor = self.processor.image_processor
+        self.mm_processor_kwargs: dict[str, Any] = dict(mm_processor_kwargs or {})
         self.image_token_id: int = hf_config.image_token_id
         self.image_token: str = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         self.max_image_pixels = max_image_pixels
@@ -65,10 +70,26 @@ class InputProcessor:
         # Hugging Face fast tokenizers are not thread-safe (concurrent calls can fail with
         # "Already borrowed"); the image work before them needs no lock.
         self._tokenizer_lock = threading.Lock()
-        # LLaVA processors resize every image to one size: probe the placeholder count once.
-        probe = self.processor(text=self.image_token, images=[Image.new("RGB", (64, 64))],
-                               return_tensors="pt")
+        _check_kwarg_names(self.image_processor, self.mm_processor_kwargs)
+        # LLaVA processors resize every image to one size: probe the placeholder count once,
+        # through the processor's own call under the same settings, and the pixels' size on
+        # wide and tall images too (do_center_crop=False makes the size follow the image's
+        # shape, which the vision tower cannot take).
+        images = {size: Image.new("RGB", size, (200, 120, 40))
+                  for size in ((64, 64), (96, 48), (48, 96))}
+        try:
+            probe = self.processor(text=self.image_token, images=[images[64, 64]],
+                                   return_tensors="pt", **self.mm_processor_kwargs)
+            pixels = {size: self._pixel_values(img) for size, img in images.items()}
+        except Exception as e:  # transformers raises TypeError, ValueError and its own
+            if not self.mm_processor_kwargs:
+                raise
+            raise ValueError(
+                f"mm_processor_kwargs {self.mm_processor_kwargs}: "
+                f"{type(self.image_processor).__name__} of {model_dir} refuses them: "
+                f"{type(e).__name__}: {e}") from e
         self.tokens_per_image = int((probe["input_ids"][0] == self.image_token_id).sum())
+        self._check_pixels(model_dir, hf_config, pixels, probe["pixel_values"])
         # process() expands image tokens itself (outside the processor): it must count as the
         # processor does.
         by_rule = _num_image_tokens(self.processor, probe["pixel_values"])
@@ -79,6 +100,32 @@ class InputProcessor:
                 "mmserve serves LlavaProcessor checkpoints (patch_size, "
                 "num_additional_image_tokens and vision_feature_select_strategy in "
                 "processor_config.json).")
+
+    def _check_pixels(self, model_dir: str, hf_config,
+                      pixels: dict[tuple[int, int], torch.Tensor],
+                      processor_pixels: torch.Tensor) -> None:
+        """Every image must become the vision tower's input size (its position embeddings are
+        fixed), and this class's direct image-processor call must make what the processor's own
+        call makes: refused at start-up rather than failing request by request."""
+        shapes = {size: tuple(p.shape[-2:]) for size, p in pixels.items()}
+        side = getattr(getattr(hf_config, "vision_config", None), "image_size", None)
+        want = {(side, side)} if side else set(shapes.values())
+        settings = (f"mm_processor_kwargs {self.mm_processor_kwargs}: "
+                    if self.mm_processor_kwargs else "")
+        if set(shapes.values()) != want or len(want) != 1:
+            made = ", ".join(f"{w}x{h} -> {s[1]}x{s[0]}" for (w, h), s in shapes.items())
+            raise ValueError(
+                f"{settings}the image processor of {model_dir} makes pixel values of "
+                f"{made} (image -> pixel values, width x height), but the vision tower takes "
+                f"{side}x{side} for every image (vision_config.image_size)"
+                + ("; change or drop the settings that resize or crop (do_resize, size, "
+                   "do_center_crop, crop_size)." if settings else "."))
+        if not torch.equal(processor_pixels, pixels[64, 64]):
+            raise ValueError(
+                f"{settings}{type(self.processor).__name__} of {model_dir} makes other pixel "
+                f"values than its image processor {type(self.image_processor).__name__} "
+                "called directly (a setting the processor does not pass on?); mmserve calls the "
+                "image processor directly and must match the processor exactly.")
 
     # ----------------------------------------------------------------- public
     def process(self, prompt: dict[str, Any] | str,
@@ -208,13 +255,19 @@ class InputProcessor:
         """Decode, hash and run the image processor on one image. No lock: PIL, numpy and torch
         release the GIL in their heavy loops, so other requests proceed meanwhile."""
         img = load_image(image, self.max_image_pixels)
-        digest = image_hash(img)
-        # The same call LlavaProcessor makes (its images kwargs are return_tensors alone), on one
-        # image: the processor treats images independently, so the values equal a batch call's.
-        pixel_values = self.image_processor([img], return_tensors="pt")["pixel_values"]
-        peak = _preprocess_peak_bytes(self.image_processor, img.size, pixel_values)
+        digest = image_hash(img, self.mm_processor_kwargs)
+        pixel_values = self._pixel_values(img)
+        peak = _preprocess_peak_bytes(self.image_processor, img.size, pixel_values,
+                                      self.mm_processor_kwargs)
         return _PreprocessedImage(digest, pixel_values,
                                   _num_image_tokens(self.processor, pixel_values), peak)
+
+    def _pixel_values(self, img: Image.Image) -> torch.Tensor:
+        """The same call LlavaProcessor makes (its images kwargs: return_tensors and the
+        ``mm_processor_kwargs``), on one image: the processor treats images independently, so
+        the values equal a batch call's."""
+        return self.image_processor([img], return_tensors="pt",
+                                    **self.mm_processor_kwargs)["pixel_values"]
 
     def _tokenize(self, text: str, images: list[_PreprocessedImage]) -> ProcessedPrompt:
         """Expand each image token and tokenize, as ``LlavaProcessor.__call__`` does: the k-th
@@ -251,7 +304,7 @@ class InputProcessor:
 
 
 def _preprocess_peak_bytes(image_processor, size: tuple[int, int],
-                           pixel_values: torch.Tensor) -> int:
+                           pixel_values: torch.Tensor, kwargs: dict[str, Any]) -> int:
     """Estimated memory that preprocessing one image of ``size`` touches at its peak.
 
     Fitted to peak RSS measured around ``_preprocess_image`` with transformers' PIL-backend
@@ -262,18 +315,22 @@ def _preprocess_peak_bytes(image_processor, size: tuple[int, int],
     output. Torchvision-backed processors differ in detail, not in kind.
     """
     w, h = size
-    resized = _resized_pixels(image_processor, w, h)
+    resized = _resized_pixels(image_processor, w, h, kwargs)
     return 5 * w * h * 3 + 4 * resized * 3 + 2 * pixel_values.nelement() * 4
 
 
-def _resized_pixels(image_processor, w: int, h: int) -> int:
-    """Pixels of the image processor's resize output (before cropping) for a w x h input."""
-    size = getattr(image_processor, "size", None)
+def _resized_pixels(image_processor, w: int, h: int, kwargs: dict[str, Any]) -> int:
+    """Pixels of the image processor's resize output (before cropping) for a w x h input,
+    under ``kwargs`` (``mm_processor_kwargs``) where they set ``size`` or ``do_resize``."""
+    size = kwargs.get("size", getattr(image_processor, "size", None))
+    if isinstance(size, int):  # transformers' reading of a bare edge length
+        square = getattr(image_processor, "default_to_square", True)
+        size = {"height": size, "width": size} if square else {"shortest_edge": size}
 
     def get(key: str) -> int | None:
         return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
 
-    if size is None or not getattr(image_processor, "do_resize", True):
+    if size is None or not kwargs.get("do_resize", getattr(image_processor, "do_resize", True)):
         return w * h
     if get("shortest_edge"):  # short side to the edge, long side in proportion
         edge = get("shortest_edge")
@@ -281,6 +338,41 @@ def _resized_pixels(image_processor, w: int, h: int) -> int:
     if get("height") and get("width"):
         return get("height") * get("width")
     return w * h  # another rule: assume no shrinking
+
+
+# Image-processor keywords that mmserve sets itself: torch tensors, channels first, on the CPU,
+# as the model's encoder takes them.
+_RESERVED_KWARGS = ("return_tensors", "data_format", "input_data_format", "device")
+
+
+def _check_kwarg_names(image_processor, kwargs: dict[str, Any]) -> None:
+    """Refuse keywords the image processor does not take. Hugging Face processors warn about
+    an unknown keyword and ignore it: a misspelt setting would silently change nothing."""
+    name = type(image_processor).__name__
+    for key in kwargs:
+        if key in _RESERVED_KWARGS:
+            raise ValueError(f"mm_processor_kwargs: {key!r} is set by mmserve (pixel values "
+                             "as torch tensors, channels first, on the CPU); remove it.")
+    valid = _image_processor_keys(image_processor)
+    if valid is None:  # not listed: the probe calls in InputProcessor try the keywords
+        return
+    unknown = [key for key in kwargs if key not in valid]
+    if unknown:
+        takes = ", ".join(sorted(k for k in valid if k not in _RESERVED_KWARGS))
+        raise ValueError(
+            f"mm_processor_kwargs: {name} takes no {', '.join(map(repr, unknown))}; "
+            f"it takes {takes}.")
+
+
+def _image_processor_keys(image_processor) -> set[str] | None:
+    """The keywords an image processor's call takes, where it lists them: transformers' typed
+    ``valid_kwargs`` (5.x, and 4.x's fast processors) or ``_valid_processor_keys`` (4.x's slow
+    ones). None for a processor that lists none."""
+    typed = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", None)
+    if typed:
+        return set(typed)
+    keys = getattr(image_processor, "_valid_processor_keys", None)
+    return set(keys) if keys else None
 
 
 def _num_image_tokens(processor, pixel_values: torch.Tensor) -> int:

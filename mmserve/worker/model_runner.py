@@ -222,8 +222,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Give every attention layer a fresh zeroed cache of ``num_blocks`` blocks.
 
-        The engine builds the runner with just the blocks its profile batch needs, measures
-        the profile run, then calls this with the planned count.
+        The engine builds the runner with no blocks; on a GPU the profile run first gets the
+        blocks its batch writes, and once the plan is made this is called with the planned
+        count.
         """
         self.kv_caches = []
         for attn in self.model.attention_layers():
