@@ -5,9 +5,11 @@ from __future__ import annotations
 from torch import nn
 
 from mmserve.models.llava import LlavaForConditionalGeneration
+from mmserve.models.pooled_llava import PooledLlavaForConditionalGeneration
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "PooledLlavaForConditionalGeneration": PooledLlavaForConditionalGeneration,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_REGISTRY))
 

@@ -61,7 +61,7 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         dtype = config.torch_dtype
         self.processor = InputProcessor(config.model, hf_config, config.max_image_pixels,
-                                        config.mm_processor_kwargs)
+                                        config.mm_processor_kwargs, config.max_image_size)
         device = config.resolved_device
         runner_cls = runner_class(device)
         # Read before the weights load: on the CPU they come out of the RAM available now.
@@ -73,7 +73,7 @@ class LLMEngine:
         self.runner = runner_cls(self.model, 0, config.block_size, dtype, config.seed)
         # The same planning as `mmserve plan`, with the real weights and, on a GPU, the
         # allocator's peak; on the CPU the meta-device dry run is what a real run allocates.
-        startup = plan_for(config, hf_config, self.processor.tokens_per_image, device,
+        startup = plan_for(config, hf_config, self.processor.family, device,
                            memory_bytes, weights_bytes,
                            None if device == "cpu" else self._measure_profile_peak)
         self.plan, self.encoder_budget = startup.plan, startup.encoder_budget

@@ -14,6 +14,7 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.engine.encoder_cache import EncoderBudget
 from mmserve.engine.memory_plan import max_num_seqs_bound
+from mmserve.processing.family import MultiModalFamily
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import ImageSlice, ScheduledRequest, SchedulerOutput
 
@@ -74,10 +75,11 @@ def profile_batch(
         {h: torch.zeros(pixel_shape) for h in image_hashes})
 
 
-def profile_batch_for(config: EngineConfig, hf_config, encoder_budget: EncoderBudget,
-                      num_images: int) -> ProfileBatch:
-    """``profile_batch`` for an engine's settings and checkpoint."""
-    size = hf_config.vision_config.image_size
+def profile_batch_for(config: EngineConfig, hf_config, family: MultiModalFamily,
+                      encoder_budget: EncoderBudget, num_images: int) -> ProfileBatch:
+    """``profile_batch`` for an engine's settings and checkpoint: its images are the family's
+    worst-case dummy image, of ``max_tokens_per_item`` tokens."""
+    pixel_shape = tuple(family.pixel_values(family.dummy_image()).shape)
     return profile_batch(
         num_tokens=config.max_num_batched_tokens,
         max_num_seqs=max_num_seqs_bound(config),
@@ -85,5 +87,5 @@ def profile_batch_for(config: EngineConfig, hf_config, encoder_budget: EncoderBu
         block_size=config.block_size,
         num_images=num_images,
         tokens_per_image=encoder_budget.max_tokens_per_item,
-        pixel_shape=(1, 3, size, size),
+        pixel_shape=pixel_shape,
     )

@@ -25,6 +25,7 @@ from mmserve.engine.memory_plan import (
     plan_memory,
 )
 from mmserve.engine.profile_batch import ProfileBatch, profile_batch_for
+from mmserve.processing.family import MultiModalFamily
 from mmserve.worker import memory_profiler
 from mmserve.worker.dry_run import dry_run_peak, meta_model
 
@@ -44,7 +45,7 @@ class StartupPlan:
 def plan_for(
     config: EngineConfig,
     hf_config,
-    tokens_per_image: int,
+    family: MultiModalFamily,
     device: str,
     memory_bytes: int,
     weights_bytes: int | None = None,
@@ -54,6 +55,8 @@ def plan_for(
     """The start-up plan for ``config`` on ``device`` (``"cpu"`` or ``"cuda"``), whose memory
     (GPU total, or the RAM available) is ``memory_bytes``.
 
+    ``family``: the checkpoint's model family, for the most tokens an image becomes and the
+    profile run's worst-case image.
     ``weights_bytes``: the loaded weights' size; None counts them on a meta-device model.
     ``measure_peak``: runs the profile batch for real; None dry-runs it on the meta device.
     A figure taken from the meta device is marked an estimate on a GPU, where the engine
@@ -61,8 +64,9 @@ def plan_for(
     Raises ``InfeasiblePlanError`` when the settings cannot fit.
     """
     dtype = config.torch_dtype
-    budget = encoder_budget_for(config, tokens_per_image)
-    batch = profile_batch_for(config, hf_config, budget, images_per_step(config, budget))
+    budget = encoder_budget_for(config, family.max_tokens_per_item)
+    batch = profile_batch_for(config, hf_config, family, budget,
+                              images_per_step(config, budget))
     step = batch.scheduler_output
     marked = set(estimated)
     if weights_bytes is None or measure_peak is None:

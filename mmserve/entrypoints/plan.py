@@ -54,23 +54,24 @@ def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None
     """
     from transformers import AutoConfig
 
-    from mmserve.processing.processor import InputProcessor
+    from mmserve.processing.registry import family_for
     from mmserve.worker import memory_profiler
 
     hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
     dtype = config.torch_dtype
-    tokens_per_image = InputProcessor(config.model, hf_config, config.max_image_pixels,
-                                      config.mm_processor_kwargs).tokens_per_image
+    family = family_for(config.model, hf_config, config.mm_processor_kwargs,
+                        config.max_image_size)
     num_tensors, file_bytes = checkpoint_bytes(config.model)
     estimated: tuple[str, ...] = ()
     if memory_bytes is None:
         memory_bytes = memory_profiler.device_memory(torch.device(device))
         if device == "cpu":
             estimated = ("memory_bytes",)  # available RAM moves until the engine starts
-    plan = plan_for(config, hf_config, tokens_per_image, device, memory_bytes,
+    plan = plan_for(config, hf_config, family, device, memory_bytes,
                     estimated=estimated).plan
     facts = {"checkpoint_tensors": num_tensors, "checkpoint_bytes": file_bytes,
-             "dtype": str(dtype).removeprefix("torch."), "tokens_per_image": tokens_per_image,
+             "dtype": str(dtype).removeprefix("torch."),
+             "tokens_per_image": family.max_tokens_per_item,
              "limit_mm_per_prompt": config.limit_mm_per_prompt,
              "max_image_size": config.max_image_size}
     return plan, facts

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from PIL import Image
 
 from mmserve.inputs import ImageInput
 from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, load_image
+from mmserve.processing.registry import family_for
 
 logger = logging.getLogger(__name__)
 
@@ -50,82 +50,33 @@ class _PreprocessedImage:
 
 class InputProcessor:
     """Turns prompts into token ids and encoder inputs. ``process()`` is safe to call from
-    several threads at once; only its tokenizer call is serialized."""
+    several threads at once; only its tokenizer call is serialized. What differs between
+    model families (token counts, placeholder expansion, pixels) comes from the checkpoint's
+    ``MultiModalFamily``; this class knows none of it."""
 
     def __init__(self, model_dir: str, hf_config, max_image_pixels: int,
-                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
-        """``mm_processor_kwargs`` go to the image processor on every call (the probes below
-        included) and into every image's hash; a key it does not take, or a value it refuses,
-        is a ``ValueError`` here, at start-up."""
-        from transformers import AutoProcessor
-
-        self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-        self.tokenizer = self.processor.tokenizer
-        self.image_processor = self.processor.image_processor
-        self.mm_processor_kwargs: dict[str, Any] = dict(mm_processor_kwargs or {})
-        self.image_token_id: int = hf_config.image_token_id
-        self.image_token: str = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+                 mm_processor_kwargs: dict[str, Any] | None = None,
+                 max_image_size: tuple[int, int] | None = None) -> None:
+        """``mm_processor_kwargs`` go to the image processor on every call (the family's
+        start-up probes included) and into every image's hash; a key it does not take, or a
+        value it refuses, is a ``ValueError`` here, at start-up."""
+        self.family = family_for(model_dir, hf_config, mm_processor_kwargs, max_image_size)
+        self.processor = self.family.processor
+        self.tokenizer = self.family.tokenizer
+        self.image_processor = self.family.image_processor
+        self.mm_processor_kwargs = self.family.mm_processor_kwargs
+        self.image_token_id: int = self.family.image_token_id
+        self.image_token: str = self.family.image_token
         self.max_image_pixels = max_image_pixels
         self.eos_token_id = _eos_token_id(model_dir, hf_config, self.tokenizer)
         # Hugging Face fast tokenizers are not thread-safe (concurrent calls can fail with
         # "Already borrowed"); the image work before them needs no lock.
         self._tokenizer_lock = threading.Lock()
-        _check_kwarg_names(self.image_processor, self.mm_processor_kwargs)
-        # LLaVA processors resize every image to one size: probe the placeholder count once,
-        # through the processor's own call under the same settings, and the pixels' size on
-        # wide and tall images too (do_center_crop=False makes the size follow the image's
-        # shape, which the vision tower cannot take).
-        images = {size: Image.new("RGB", size, (200, 120, 40))
-                  for size in ((64, 64), (96, 48), (48, 96))}
-        try:
-            probe = self.processor(text=self.image_token, images=[images[64, 64]],
-                                   return_tensors="pt", **self.mm_processor_kwargs)
-            pixels = {size: self._pixel_values(img) for size, img in images.items()}
-        except Exception as e:  # transformers raises TypeError, ValueError and its own
-            if not self.mm_processor_kwargs:
-                raise
-            raise ValueError(
-                f"mm_processor_kwargs {self.mm_processor_kwargs}: "
-                f"{type(self.image_processor).__name__} of {model_dir} refuses them: "
-                f"{type(e).__name__}: {e}") from e
-        self.tokens_per_image = int((probe["input_ids"][0] == self.image_token_id).sum())
-        self._check_pixels(model_dir, hf_config, pixels, probe["pixel_values"])
-        # process() expands image tokens itself (outside the processor): it must count as the
-        # processor does.
-        by_rule = _num_image_tokens(self.processor, probe["pixel_values"])
-        if by_rule != self.tokens_per_image:
-            raise ValueError(
-                f"{type(self.processor).__name__} of {model_dir} expands an image to "
-                f"{self.tokens_per_image} tokens, not the {by_rule} of LlavaProcessor's rule; "
-                "mmserve serves LlavaProcessor checkpoints (patch_size, "
-                "num_additional_image_tokens and vision_feature_select_strategy in "
-                "processor_config.json).")
 
-    def _check_pixels(self, model_dir: str, hf_config,
-                      pixels: dict[tuple[int, int], torch.Tensor],
-                      processor_pixels: torch.Tensor) -> None:
-        """Every image must become the vision tower's input size (its position embeddings are
-        fixed), and this class's direct image-processor call must make what the processor's own
-        call makes: refused at start-up rather than failing request by request."""
-        shapes = {size: tuple(p.shape[-2:]) for size, p in pixels.items()}
-        side = getattr(getattr(hf_config, "vision_config", None), "image_size", None)
-        want = {(side, side)} if side else set(shapes.values())
-        settings = (f"mm_processor_kwargs {self.mm_processor_kwargs}: "
-                    if self.mm_processor_kwargs else "")
-        if set(shapes.values()) != want or len(want) != 1:
-            made = ", ".join(f"{w}x{h} -> {s[1]}x{s[0]}" for (w, h), s in shapes.items())
-            raise ValueError(
-                f"{settings}the image processor of {model_dir} makes pixel values of "
-                f"{made} (image -> pixel values, width x height), but the vision tower takes "
-                f"{side}x{side} for every image (vision_config.image_size)"
-                + ("; change or drop the settings that resize or crop (do_resize, size, "
-                   "do_center_crop, crop_size)." if settings else "."))
-        if not torch.equal(processor_pixels, pixels[64, 64]):
-            raise ValueError(
-                f"{settings}{type(self.processor).__name__} of {model_dir} makes other pixel "
-                f"values than its image processor {type(self.image_processor).__name__} "
-                "called directly (a setting the processor does not pass on?); mmserve calls the "
-                "image processor directly and must match the processor exactly.")
+    @property
+    def tokens_per_image(self) -> int:
+        """The most tokens one image becomes (the family's ``max_tokens_per_item``)."""
+        return self.family.max_tokens_per_item
 
     # ----------------------------------------------------------------- public
     def process(self, prompt: dict[str, Any] | str,
@@ -256,50 +207,41 @@ class InputProcessor:
         release the GIL in their heavy loops, so other requests proceed meanwhile."""
         img = load_image(image, self.max_image_pixels)
         digest = image_hash(img, self.mm_processor_kwargs)
-        pixel_values = self._pixel_values(img)
+        pixel_values = self.family.pixel_values(img)
         peak = _preprocess_peak_bytes(self.image_processor, img.size, pixel_values,
                                       self.mm_processor_kwargs)
         return _PreprocessedImage(digest, pixel_values,
-                                  _num_image_tokens(self.processor, pixel_values), peak)
-
-    def _pixel_values(self, img: Image.Image) -> torch.Tensor:
-        """The same call LlavaProcessor makes (its images kwargs: return_tensors and the
-        ``mm_processor_kwargs``), on one image: the processor treats images independently, so
-        the values equal a batch call's."""
-        return self.image_processor([img], return_tensors="pt",
-                                    **self.mm_processor_kwargs)["pixel_values"]
+                                  self.family.num_image_tokens(*img.size), peak)
 
     def _tokenize(self, text: str, images: list[_PreprocessedImage]) -> ProcessedPrompt:
-        """Expand each image token and tokenize, as ``LlavaProcessor.__call__`` does: the k-th
-        image token in the text becomes ``num_tokens`` of image k, then the tokenizer runs on
-        the expanded text (it maps each copy to ``image_token_id``)."""
-        pieces = text.split(self.image_token)
-        assert len(pieces) == len(images) + 1  # counted in process() and render_chat()
-        expanded = [pieces[0]]
-        for img, piece in zip(images, pieces[1:], strict=True):
-            expanded += [self.image_token * img.num_tokens, piece]
+        """Expand each image placeholder by the family's rule and tokenize the expanded text
+        (the tokenizer maps each placeholder copy to ``image_token_id``)."""
+        expanded = self.family.expand_placeholders(text, [img.num_tokens for img in images])
         with self._tokenizer_lock:
-            ids: list[int] = self.tokenizer(["".join(expanded)])["input_ids"][0]
+            ids: list[int] = self.tokenizer([expanded])["input_ids"][0]
         pixel_bytes = sum(img.pixel_values.nelement() * img.pixel_values.element_size()
                           for img in images)
         peak = max((img.peak_bytes for img in images), default=0) + pixel_bytes
         if not images:
             return ProcessedPrompt(ids, [], peak)
-        # Placeholders of consecutive images may touch; split the run by the per-image count.
+        # Placeholders of consecutive images may touch; split the run by the per-image counts.
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        n = self.tokens_per_image
-        if len(positions) != n * len(images) or any(img.num_tokens != n for img in images):
+        counts = [img.num_tokens for img in images]
+        if len(positions) != sum(counts):
             raise InvalidInputError(
                 f"the processor made {len(positions)} image placeholder tokens for "
-                f"{len(images)} image(s); expected {n} per image. Do not write the image "
-                "token in text except where an image goes.")
+                f"{len(images)} image(s); expected {', '.join(map(str, counts))} per image. Do "
+                "not write the image token in text except where an image goes.")
         inputs = []
-        for k, img in enumerate(images):
-            offset = positions[k * n]
-            if positions[k * n + n - 1] != offset + n - 1:
+        first = 0
+        for img in images:
+            n = img.num_tokens
+            offset = positions[first]
+            if positions[first + n - 1] != offset + n - 1:
                 raise InvalidInputError("image placeholder tokens are not contiguous")
             inputs.append(ImageInput(hash=img.hash, offset=offset, length=n,
                                      pixel_values=img.pixel_values))
+            first += n
         return ProcessedPrompt(ids, inputs, peak)
 
 
@@ -338,53 +280,6 @@ def _resized_pixels(image_processor, w: int, h: int, kwargs: dict[str, Any]) -> 
     if get("height") and get("width"):
         return get("height") * get("width")
     return w * h  # another rule: assume no shrinking
-
-
-# Image-processor keywords that mmserve sets itself: torch tensors, channels first, on the CPU,
-# as the model's encoder takes them.
-_RESERVED_KWARGS = ("return_tensors", "data_format", "input_data_format", "device")
-
-
-def _check_kwarg_names(image_processor, kwargs: dict[str, Any]) -> None:
-    """Refuse keywords the image processor does not take. Hugging Face processors warn about
-    an unknown keyword and ignore it: a misspelt setting would silently change nothing."""
-    name = type(image_processor).__name__
-    for key in kwargs:
-        if key in _RESERVED_KWARGS:
-            raise ValueError(f"mm_processor_kwargs: {key!r} is set by mmserve (pixel values "
-                             "as torch tensors, channels first, on the CPU); remove it.")
-    valid = _image_processor_keys(image_processor)
-    if valid is None:  # not listed: the probe calls in InputProcessor try the keywords
-        return
-    unknown = [key for key in kwargs if key not in valid]
-    if unknown:
-        takes = ", ".join(sorted(k for k in valid if k not in _RESERVED_KWARGS))
-        raise ValueError(
-            f"mm_processor_kwargs: {name} takes no {', '.join(map(repr, unknown))}; "
-            f"it takes {takes}.")
-
-
-def _image_processor_keys(image_processor) -> set[str] | None:
-    """The keywords an image processor's call takes, where it lists them: transformers' typed
-    ``valid_kwargs`` (5.x, and 4.x's fast processors) or ``_valid_processor_keys`` (4.x's slow
-    ones). None for a processor that lists none."""
-    typed = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", None)
-    if typed:
-        return set(typed)
-    keys = getattr(image_processor, "_valid_processor_keys", None)
-    return set(keys) if keys else None
-
-
-def _num_image_tokens(processor, pixel_values: torch.Tensor) -> int:
-    """Placeholder tokens for one image, by ``LlavaProcessor``'s rule: one per vision patch of
-    the processed image, plus ``num_additional_image_tokens`` (a CLS token), minus one when
-    ``vision_feature_select_strategy`` is "default" (the model drops the CLS feature)."""
-    height, width = pixel_values.shape[-2:]
-    patch = processor.patch_size
-    num = (height // patch) * (width // patch) + (processor.num_additional_image_tokens or 0)
-    if processor.vision_feature_select_strategy == "default":
-        num -= 1
-    return num
 
 
 def _check_unicode(text: str, where: str) -> None:

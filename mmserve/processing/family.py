@@ -1,0 +1,102 @@
+"""The model interface, processing side: what differs between model families before encoding.
+
+A family answers, for one checkpoint and the processor settings in force
+(``mm_processor_kwargs``, and the largest image declared with ``--limit-mm-per-prompt``), how
+many tokens an image becomes, the most one image can become (the encoder budget's
+``max_tokens_per_item``), the worst-case dummy image of the profile run, how placeholders are
+expanded in text and how one image becomes pixel values. ``InputProcessor``, the start-up plan
+and the profile batch use nothing else; each family lives in its own module and registers by
+Hugging Face architecture name in ``mmserve/processing/registry.py``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from PIL import Image
+
+
+class MultiModalFamily(ABC):
+    """One model family's processing rules for one checkpoint. Thread-safe to read: nothing
+    here changes after construction, and the image processor keeps no state between calls."""
+
+    def __init__(self, model_dir: str, hf_config, mm_processor_kwargs: dict[str, Any] | None = None,
+                 max_image_size: tuple[int, int] | None = None) -> None:
+        """Loads the checkpoint's processor. ``mm_processor_kwargs`` go to the image processor
+        on every call and into every image's hash; a key it does not take is a ``ValueError``
+        here, at start-up. ``max_image_size`` (width, height) is the largest image the settings
+        declare, for families whose token count depends on the image's size."""
+        from transformers import AutoProcessor
+
+        self.model_dir = model_dir
+        self.hf_config = hf_config
+        self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+        self.tokenizer = self.processor.tokenizer
+        self.image_processor = self.processor.image_processor
+        self.mm_processor_kwargs: dict[str, Any] = dict(mm_processor_kwargs or {})
+        self.max_image_size = max_image_size
+        self.image_token_id: int = hf_config.image_token_id
+        self.image_token: str = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
+        check_kwarg_names(self.image_processor, self.mm_processor_kwargs)
+
+    @abstractmethod
+    def num_image_tokens(self, width: int, height: int) -> int:
+        """Placeholder tokens an image of ``width`` x ``height`` becomes, by the processor's
+        own rules under the settings in force."""
+
+    @property
+    @abstractmethod
+    def max_tokens_per_item(self) -> int:
+        """The most tokens one image can become under the settings in force (exact: no image
+        yields more), the encoder budget's unit."""
+
+    @abstractmethod
+    def dummy_image(self) -> Image.Image:
+        """The worst-case image the profile run encodes: one of ``max_tokens_per_item``."""
+
+    @abstractmethod
+    def pixel_values(self, image: Image.Image) -> torch.Tensor:
+        """The encoder's input for one decoded RGB image, as the processor makes it."""
+
+    @abstractmethod
+    def expand_placeholders(self, text: str, num_tokens: list[int]) -> str:
+        """``text`` with its k-th image placeholder expanded for an image of ``num_tokens[k]``
+        tokens, as the processor does before tokenizing; every expanded placeholder token
+        tokenizes to ``image_token_id``."""
+
+
+# Image-processor keywords that mmserve sets itself: torch tensors, channels first, on the CPU,
+# as the model's encoder takes them.
+_RESERVED_KWARGS = ("return_tensors", "data_format", "input_data_format", "device")
+
+
+def check_kwarg_names(image_processor, kwargs: dict[str, Any]) -> None:
+    """Refuse keywords the image processor does not take. Hugging Face processors warn about
+    an unknown keyword and ignore it: a misspelt setting would silently change nothing."""
+    name = type(image_processor).__name__
+    for key in kwargs:
+        if key in _RESERVED_KWARGS:
+            raise ValueError(f"mm_processor_kwargs: {key!r} is set by mmserve (pixel values "
+                             "as torch tensors, channels first, on the CPU); remove it.")
+    valid = _image_processor_keys(image_processor)
+    if valid is None:  # not listed: a family's start-up probe tries the keywords
+        return
+    unknown = [key for key in kwargs if key not in valid]
+    if unknown:
+        takes = ", ".join(sorted(k for k in valid if k not in _RESERVED_KWARGS))
+        raise ValueError(
+            f"mm_processor_kwargs: {name} takes no {', '.join(map(repr, unknown))}; "
+            f"it takes {takes}.")
+
+
+def _image_processor_keys(image_processor) -> set[str] | None:
+    """The keywords an image processor's call takes, where it lists them: transformers' typed
+    ``valid_kwargs`` (5.x, and 4.x's fast processors) or ``_valid_processor_keys`` (4.x's slow
+    ones). None for a processor that lists none."""
+    typed = getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", None)
+    if typed:
+        return set(typed)
+    keys = getattr(image_processor, "_valid_processor_keys", None)
+    return set(keys) if keys else None
