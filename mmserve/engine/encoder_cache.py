@@ -32,7 +32,7 @@ def compute_encoder_budget(
     max_items_per_prompt: int,
     encoder_cache_size: int | None = None,
 ) -> EncoderBudget:
-    """Size the encoder cache from the scheduler's limits (vLLM PR #11895, seed 001).
+    """Size the encoder cache from the scheduler's limits (the rule of vLLM PR #11895).
 
     ``encoder_cache_size`` (embedding tokens) overrides the derived cache size; it must hold at
     least one item of the largest size.

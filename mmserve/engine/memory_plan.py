@@ -4,7 +4,8 @@
     KV bytes  = budget - weights - peak activations - encoder cache bytes
     KV blocks = KV bytes // (block_size x KV bytes per token)
 
-then ``max_model_len`` and ``max_num_seqs`` are filled in from the block count (seed 000).
+then ``max_model_len`` and ``max_num_seqs`` are filled in from the block count, so that users
+never search for settings that fit by relaunching.
 The activations come from a profile run at ``max_num_batched_tokens`` tokens, never at
 ``max_model_len``, so the block count the memory allows does not move when the user changes
 ``max_model_len``. Everything here is arithmetic on plain numbers; ``startup.py`` gathers the

@@ -1,6 +1,6 @@
 """The profile run's batch: the worst step the scheduler can produce, as dummy requests.
 
-The memory plan subtracts the peak activations of this step from the budget (seed 000). It is
+The memory plan subtracts the peak activations of this step from the budget. It is
 built here, on the engine side, from the engine's settings and the checkpoint; the runner only
 runs it and measures (``ModelRunner.measure_profile_peak``, ``worker/dry_run.py``).
 """

@@ -1,7 +1,7 @@
 """The CUDA runner: Triton paged attention, the CUDA allocator as memory meter, decode graphs.
 
 Everything that turns a SchedulerOutput into a forward pass stays in the device-agnostic base
-(``model_runner.py``); this class only decides what differs on a GPU (seed 002): the attention
+(``model_runner.py``); this class only decides what differs on a GPU: the attention
 backend and its metadata, loading weights while measuring memory, measuring the profile run's
 peak, and capturing CUDA graphs for decode-only batches.
 
