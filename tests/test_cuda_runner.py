@@ -166,3 +166,51 @@ def test_profile_run_of_the_memory_plan(clip_llama: str):
     assert not runner.encoder_outputs
     written = [c[0].abs().sum(dim=(1, 2, 3)).nonzero().numel() for c in runner.kv_caches]
     assert written == [profile_blocks(batch)] * len(runner.kv_caches)
+
+
+class _PositionsModel(torch.nn.Module):
+    """Stands in for a decoder: records the positions it is called with."""
+
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.seen: list[torch.Tensor] = []
+
+    def attention_layers(self) -> list:
+        return []
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.hidden)
+
+    def forward(self, positions: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        self.seen.append(positions.clone())
+        return embeds + 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels in the CPU interpreter")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_graph_buffers_hold_positions_of_any_rows(rows: int) -> None:
+    """The static position buffer is ``[rows, max_batch]``; a padded decode batch copies its
+    ``[rows, n]`` positions in (``[n]`` for one row, as LLaMA's rope takes them), and the
+    graph's decoder reads them with zeros in the padding columns."""
+    from mmserve.sampling_params import SamplingParams as Params
+    from mmserve.step import ScheduledRequest
+
+    model = _PositionsModel()
+    runner = InterpretedCUDARunner(model, 4, 16, torch.float32, 0)
+    runner.allocate_graph_inputs(4, 64, position_rows=rows)
+    assert runner._static["positions"].shape == (rows, 4)
+    runner.graphs[4] = EagerReplay(lambda: runner.graph_forward(4))
+    runner.graph_outputs[4] = runner.graphs[4].output
+    runner.graph_sizes = [4]
+    reqs = [ScheduledRequest(f"r{i}", [5], 3 + i, [i], [], True, Params(),
+                             positions=[[10 * i + row] for row in range(rows)])
+            for i in range(3)]
+    input_ids, positions, meta, _ = runner._prepare_inputs(reqs)
+    assert positions.shape == ((4,) if rows == 1 else (rows, 4))
+    model.seen.clear()
+    runner._forward(positions, runner._embed(input_ids, reqs), meta)
+    assert runner.graphs[4].replays == 1
+    expected = [[10 * i + row for i in range(3)] + [0] for row in range(rows)]
+    (seen,) = model.seen
+    assert seen.tolist() == (expected[0] if rows == 1 else expected)

@@ -83,7 +83,8 @@ class LLMEngine:
                                      max_num_seqs=self.plan.max_num_seqs)
         self.runner.allocate_kv_cache(self.plan.num_blocks)
         if not config.enforce_eager:
-            self.runner.capture_model(self.plan.max_num_seqs, self.plan.max_model_len)
+            self.runner.capture_model(self.plan.max_num_seqs, self.plan.max_model_len,
+                                      self.processor.family.position_rows)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.plan.max_num_seqs,
@@ -170,7 +171,9 @@ class LLMEngine:
                                         param="stop_token_ids")
         request_id = request_id if request_id is not None else str(next(self._ids))
         return Request(request_id, processed.token_ids, params, processed.images,
-                       eos_token_id=self.processor.eos_token_id, arrival_time=time.time())
+                       eos_token_id=self.processor.eos_token_id, arrival_time=time.time(),
+                       prompt_positions=processed.positions,
+                       decode_offset=processed.decode_offset)
 
     def _note_preprocessing(self, peak_bytes: int) -> None:
         """Record preprocessing's memory peak; return the heap's free memory to the operating

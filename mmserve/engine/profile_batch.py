@@ -36,6 +36,7 @@ def profile_batch(
     num_images: int,
     tokens_per_image: int,
     pixel_shape: tuple[int, ...],
+    position_rows: int = 1,
 ) -> ProfileBatch:
     """The worst step the scheduler can produce, as dummy requests.
 
@@ -43,7 +44,8 @@ def profile_batch(
     each sampling a row of logits, and the rest as one prompt chunk (split where it would pass
     ``max_positions``) whose first tokens are image placeholders. ``num_images`` images of
     ``tokens_per_image`` embeddings are encoded in the step, as many as the encoder budget
-    allows. Token ids are 0 and pixels are zeros: no random numbers are drawn.
+    allows. Token ids are 0 and pixels are zeros: no random numbers are drawn. Positions have
+    ``position_rows`` rows (the family's), counting from 0.
     """
     num_seqs = max(1, min(max_num_seqs, num_tokens))
     prompt_tokens = num_tokens - (num_seqs - 1)
@@ -67,7 +69,8 @@ def profile_batch(
         requests.append(ScheduledRequest(
             request_id=f"profile-{i}", token_ids=[0] * n, start_pos=0,
             block_ids=list(range(next_block, next_block + num_blocks)), image_slices=slices,
-            sample=True, sampling_params=greedy))
+            sample=True, sampling_params=greedy,
+            positions=[list(range(n)) for _ in range(position_rows)]))
         next_block += num_blocks
     return ProfileBatch(
         SchedulerOutput(requests=requests,
@@ -88,4 +91,5 @@ def profile_batch_for(config: EngineConfig, hf_config, family: MultiModalFamily,
         num_images=num_images,
         tokens_per_image=encoder_budget.max_tokens_per_item,
         pixel_shape=pixel_shape,
+        position_rows=family.position_rows,
     )

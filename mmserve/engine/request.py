@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+
 from mmserve.inputs import ImageInput
 from mmserve.sampling_params import SamplingParams
 
@@ -44,7 +46,13 @@ class Request:
         images: list[ImageInput] | None = None,
         eos_token_id: int | None = None,
         arrival_time: float = 0.0,
+        prompt_positions: np.ndarray | None = None,
+        decode_offset: int = 0,
     ) -> None:
+        """``prompt_positions``: the prompt's rope positions, ``[rows, len(prompt_token_ids)]``
+        (from processing; None means LLaMA's counter, one row of ``arange``), and
+        ``decode_offset``: a generated token at index ``i`` has position ``i + decode_offset``
+        in every row."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -62,6 +70,14 @@ class Request:
         self.num_cached_tokens: int | None = None
         # Prefix-cache hashes of this request's full blocks, filled by the KV cache manager.
         self.block_hashes: list[bytes] = []
+        if prompt_positions is None:
+            prompt_positions = np.arange(self.num_prompt_tokens, dtype=np.int64)[None, :]
+        if prompt_positions.ndim != 2 or prompt_positions.shape[1] != self.num_prompt_tokens:
+            raise ValueError(f"prompt positions of shape {prompt_positions.shape} for a prompt "
+                             f"of {self.num_prompt_tokens} tokens; expected [rows, "
+                             f"{self.num_prompt_tokens}]")
+        self.prompt_positions = prompt_positions
+        self.decode_offset = decode_offset
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +94,20 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    def positions(self, start: int, end: int) -> list[list[int]]:
+        """Positions of tokens ``[start, end)``, one list per row: prompt tokens from the
+        stored positions, generated ones ``index + decode_offset`` in every row. The only place
+        positions are sliced, so chunked prefill, prefix hits and recomputation after a
+        preemption see the same numbers."""
+        prompt_end = min(end, self.num_prompt_tokens)
+        rows = self.prompt_positions[:, start:prompt_end].tolist()
+        if end > prompt_end:
+            generated = range(max(start, prompt_end) + self.decode_offset,
+                              end + self.decode_offset)
+            for row in rows:
+                row.extend(generated)
+        return rows
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -214,6 +214,7 @@ class Scheduler:
                 image_slices=self._image_slices(req, start, num_new),
                 sample=start + num_new == req.num_tokens,
                 sampling_params=req.sampling_params,
+                positions=req.positions(start, start + num_new),
             ))
             # Tokens count as computed once scheduled: the step runs synchronously.
             req.num_computed_tokens += num_new

@@ -4,9 +4,11 @@ A family answers, for one checkpoint and the processor settings in force
 (``mm_processor_kwargs``, and the largest image declared with ``--limit-mm-per-prompt``), how
 many tokens an image becomes, the most one image can become (the encoder budget's
 ``max_tokens_per_item``), the worst-case dummy image of the profile run, how placeholders are
-expanded in text and how one image becomes pixel values. ``InputProcessor``, the start-up plan
-and the profile batch use nothing else; each family lives in its own module and registers by
-Hugging Face architecture name in ``mmserve/processing/registry.py``.
+expanded in text, how one image becomes pixel values, and a prompt's positions (one row for
+LLaMA rope, three for M-RoPE) with the offset decode positions continue from.
+``InputProcessor``, the start-up plan and the profile batch use nothing else; each family lives
+in its own module and registers by Hugging Face architecture name in
+``mmserve/processing/registry.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
+
+from mmserve.inputs import ImageInput
 
 
 class MultiModalFamily(ABC):
@@ -65,6 +70,21 @@ class MultiModalFamily(ABC):
         """``text`` with its k-th image placeholder expanded for an image of ``num_tokens[k]``
         tokens, as the processor does before tokenizing; every expanded placeholder token
         tokenizes to ``image_token_id``."""
+
+    @property
+    def position_rows(self) -> int:
+        """Rows of a prompt's positions: 1 (LLaMA rope), or 3 for M-RoPE (temporal, height,
+        width). The runner's inputs and the CUDA graph buffers are sized by it."""
+        return 1
+
+    def prompt_positions(self, token_ids: list[int],
+                         images: list[ImageInput]) -> tuple[np.ndarray, int]:
+        """The rope positions of a prompt, computed once in processing: an int64 array of
+        ``[position_rows, len(token_ids)]``, and the offset decode positions continue from
+        (the token at index ``i >= len(token_ids)`` has position ``i + offset`` in every row).
+
+        The default is LLaMA's counter: ``arange(N)`` in one row, offset 0."""
+        return np.arange(len(token_ids), dtype=np.int64)[None, :], 0
 
 
 # Image-processor keywords that mmserve sets itself: torch tensors, channels first, on the CPU,

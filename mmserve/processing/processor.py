@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmserve.inputs import ImageInput
@@ -38,6 +39,10 @@ class ProcessedPrompt:
     # the engine may call ``cpu_allocator.release_free_memory()`` when it is large next to a
     # step's activations, and report it.
     preprocess_peak_bytes: int = 0
+    # The prompt's rope positions, [position_rows, len(token_ids)], and the offset decode
+    # positions continue from: the family's ``prompt_positions``, computed once here.
+    positions: np.ndarray | None = None
+    decode_offset: int = 0
 
 
 @dataclass
@@ -223,7 +228,7 @@ class InputProcessor:
                           for img in images)
         peak = max((img.peak_bytes for img in images), default=0) + pixel_bytes
         if not images:
-            return ProcessedPrompt(ids, [], peak)
+            return self._with_positions(ProcessedPrompt(ids, [], peak))
         # Placeholders of consecutive images may touch; split the run by the per-image counts.
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         counts = [img.num_tokens for img in images]
@@ -242,7 +247,17 @@ class InputProcessor:
             inputs.append(ImageInput(hash=img.hash, offset=offset, length=n,
                                      pixel_values=img.pixel_values))
             first += n
-        return ProcessedPrompt(ids, inputs, peak)
+        return self._with_positions(ProcessedPrompt(ids, inputs, peak))
+
+    def _with_positions(self, prompt: ProcessedPrompt) -> ProcessedPrompt:
+        """``prompt`` with its positions, by the family's rule."""
+        positions, offset = self.family.prompt_positions(prompt.token_ids, prompt.images)
+        rows = self.family.position_rows
+        if positions.shape != (rows, len(prompt.token_ids)):
+            raise ValueError(f"{type(self.family).__name__}.prompt_positions made positions of "
+                             f"shape {positions.shape}, not {(rows, len(prompt.token_ids))}")
+        prompt.positions, prompt.decode_offset = positions, int(offset)
+        return prompt
 
 
 def _preprocess_peak_bytes(image_processor, size: tuple[int, int],

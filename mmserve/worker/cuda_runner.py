@@ -124,7 +124,8 @@ class CUDAModelRunner(ModelRunner):
                 return self.model(positions, embeds)
         n = meta.num_seqs
         static = self._static
-        static["positions"][:n].copy_(positions)
+        # positions: [rows, n], or [n] for one row (viewed as [1, n]).
+        static["positions"][:, :n].copy_(positions.view(-1, n))
         static["embeds"][:n].copy_(embeds)
         static["slot_mapping"][:n].copy_(meta.slot_mapping)
         static["query_start_loc"][:n + 1].copy_(meta.query_start_loc)
@@ -134,8 +135,10 @@ class CUDAModelRunner(ModelRunner):
         return self.graph_outputs[n]
 
     @torch.inference_mode()
-    def capture_model(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture one CUDA graph of the decoder per decode batch size, largest first.
+    def capture_model(self, max_num_seqs: int, max_model_len: int,
+                      position_rows: int = 1) -> None:
+        """Capture one CUDA graph of the decoder per decode batch size, largest first, for
+        positions of ``position_rows`` rows (3 for M-RoPE).
 
         Larger graphs are captured first so that smaller ones reuse their memory pool. Call
         this after the KV cache is allocated: the graphs hold its address.
@@ -143,7 +146,7 @@ class CUDAModelRunner(ModelRunner):
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         sizes = graph_batch_sizes(max_num_seqs)
-        self.allocate_graph_inputs(sizes[-1], max_model_len)
+        self.allocate_graph_inputs(sizes[-1], max_model_len, position_rows)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(sizes):
             self.graph_forward(size)  # warm-up: Triton compiles outside the capture
@@ -158,8 +161,11 @@ class CUDAModelRunner(ModelRunner):
                     len(sizes), sizes[-1], time.perf_counter() - start,
                     (free_before - torch.cuda.mem_get_info()[0]) / 2**30)
 
-    def allocate_graph_inputs(self, max_batch_size: int, max_model_len: int) -> None:
-        """The static input buffers every graph reads, sized for the largest batch.
+    def allocate_graph_inputs(self, max_batch_size: int, max_model_len: int,
+                              position_rows: int = 1) -> None:
+        """The static input buffers every graph reads, sized for the largest batch; positions
+        are ``[position_rows, max_batch_size]`` (the graphs read ``[size]`` of row 0 when there
+        is one row, as LLaMA's rope takes them).
 
         They start as a dummy decode: each sequence has one token at position 0 whose slot is
         -1, so a capture run writes nothing into the KV cache.
@@ -168,7 +174,8 @@ class CUDAModelRunner(ModelRunner):
         dev = self.device
         hidden = self.model.embed_tokens(torch.zeros(1, dtype=torch.long, device=dev)).shape[-1]
         self._static = {
-            "positions": torch.zeros(max_batch_size, dtype=torch.long, device=dev),
+            "positions": torch.zeros(position_rows, max_batch_size, dtype=torch.long,
+                                     device=dev),
             "embeds": torch.zeros(max_batch_size, hidden, dtype=self.dtype, device=dev),
             "slot_mapping": torch.full((max_batch_size,), -1, dtype=torch.long, device=dev),
             "query_start_loc": torch.arange(max_batch_size + 1, dtype=torch.int32, device=dev),
@@ -189,5 +196,8 @@ class CUDAModelRunner(ModelRunner):
             block_tables=static["block_tables"][:size],
             max_query_len=1,
         )
+        positions = static["positions"][:, :size]  # [rows, size]
+        if positions.shape[0] == 1:
+            positions = positions[0]  # [size]
         with forward_context(meta, self.attention):
-            return self.model(static["positions"][:size], static["embeds"][:size])
+            return self.model(positions, static["embeds"][:size])

@@ -142,8 +142,10 @@ class ModelRunner:
         tensors = [*model.parameters(), *model.buffers()]
         return model, sum(t.numel() * t.element_size() for t in tensors)
 
-    def capture_model(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Prepare fast paths for decode batches (CUDA graphs); nothing to do on the CPU."""
+    def capture_model(self, max_num_seqs: int, max_model_len: int,
+                      position_rows: int = 1) -> None:
+        """Prepare fast paths for decode batches (CUDA graphs) whose positions have
+        ``position_rows`` rows; nothing to do on the CPU."""
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator:
         seed = req.sampling_params.seed
@@ -192,23 +194,24 @@ class ModelRunner:
     def _prepare_inputs(
         self, reqs: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The flat batch: token ids, positions, attention metadata and the rows to sample."""
+        """The flat batch: token ids, positions, attention metadata and the rows to sample.
+
+        Positions are ``[rows, num_tokens]`` from the requests' slices (``[3, num_tokens]``
+        for M-RoPE), squeezed to ``[num_tokens]`` when there is one row, as LLaMA's rope
+        takes them."""
         ids: list[int] = []
-        positions: list[int] = []
         sample_rows: list[int] = []
         for r in reqs:
             n = len(r.token_ids)
             if r.sample:
                 sample_rows.append(len(ids) + n - 1)
             ids.extend(r.token_ids)
-            positions.extend(range(r.start_pos, r.start_pos + n))
         meta, num_padding = self._attention_metadata(reqs)
         # Padding rows embed token 0 at position 0; the metadata makes them compute nothing.
         ids.extend([0] * num_padding)
-        positions.extend([0] * num_padding)
         dev = self.device
         return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                flat_positions(reqs, num_padding, dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
 
     def _attention_metadata(self, reqs: list[ScheduledRequest]) -> tuple[AttentionMetadata, int]:
@@ -282,6 +285,28 @@ class CPUModelRunner(ModelRunner):
         keep_freed_memory()  # steps reuse their activations' pages instead of faulting them in
         super().__init__(*args, **kwargs)
         self.attention = cpu_attention_backend()  # compiled kernels when they build
+
+
+def flat_positions(reqs: list[ScheduledRequest], num_padding: int = 0,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """The batch's positions, the requests' slices side by side and ``num_padding`` zero
+    columns after them: ``[rows, num_tokens]``, or ``[num_tokens]`` when there is one row."""
+    per_request = [r.positions_by_row() for r in reqs]
+    num_rows = {len(p) for p in per_request}
+    if len(num_rows) > 1:
+        raise ValueError(f"requests of one step have positions of {sorted(num_rows)} rows")
+    rows = num_rows.pop() if num_rows else 1
+    flat: list[list[int]] = [[] for _ in range(rows)]
+    for positions, r in zip(per_request, reqs, strict=True):
+        for row, values in zip(flat, positions, strict=True):
+            if len(values) != len(r.token_ids):
+                raise ValueError(f"request {r.request_id} has {len(r.token_ids)} tokens but "
+                                 f"{len(values)} positions")
+            row.extend(values)
+    for row in flat:
+        row.extend([0] * num_padding)
+    positions = torch.tensor(flat, dtype=torch.long, device=device)
+    return positions[0] if rows == 1 else positions
 
 
 def _reason(error: BaseException) -> str:
