@@ -144,6 +144,7 @@ def test_a_broken_device_stops_the_engine(clip_llama: str,
     with pytest.raises(EngineDeadError, match="device lost"):
         for _ in range(MAX_FAILED_STEPS + 1):
             errors += [o for o in engine.step() if o.finish_reason == "error"]
+    assert errors == []  # requests that ran fine before are retried, not failed, until then
     assert not engine.has_unfinished_requests()
     stats = engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
@@ -159,3 +160,32 @@ def test_one_new_failing_request_at_a_time_never_stops_the_engine(llm: LLM,
         assert llm.generate(_chat("x", []), _poisoned(temperature=1e-45))[0].finish_reason \
             == "error"
     assert llm.generate(PROMPTS[0], GREEDY)[0].text == alone[0]
+
+
+def test_a_request_that_ran_before_is_retried_after_a_failed_step(
+        llm: LLM, alone: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that fails once for requests that had generated tokens (a transient error) is
+    retried: they finish with the same text as alone, nothing fails, nothing leaks."""
+    engine = llm.engine
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    for _ in range(3):
+        engine.step()
+    real = engine.runner._forward
+    calls = {"n": 0}
+
+    def flaky(*args: object, **kwargs: object):  # noqa: ANN202
+        calls["n"] += 1
+        if calls["n"] <= 1 + len(PROMPTS):  # the batch and each request rerun alone
+            raise RuntimeError("transient")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, "_forward", flaky)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert calls["n"] > 1 + len(PROMPTS)
+    assert [done[i].text for i in ids] == alone
+    assert all(done[i].finish_reason in ("stop", "length") for i in ids)
+    assert_no_leaks(engine)

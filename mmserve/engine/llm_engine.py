@@ -233,7 +233,6 @@ class LLMEngine:
         self.num_steps += 1
         outputs = [self._error_output(req) for req in failed]
         for req in changed:
-            req.num_failed_steps = 0
             detok = self._detokenizers[req.request_id]
             detok.add(req.all_token_ids[-1])
             if detok.stopped and not req.finished:
@@ -261,6 +260,12 @@ class LLMEngine:
                          result: ModelOutput) -> list[Request]:
         """Fail or retry the requests the step failed for (see ``MAX_FAILED_STEPS``); returns
         those finished with an error. Raises ``EngineDeadError`` when the device is gone."""
+        # "In a row": a request the step ran without error starts counting anew.
+        for sched in scheduler_output.requests:
+            if sched.request_id not in result.errors:
+                req = self.scheduler.requests.get(sched.request_id)
+                if req is not None:
+                    req.num_failed_steps = 0
         if not result.errors:
             self._failed_steps_in_a_row = 0
             return []
