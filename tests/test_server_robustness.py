@@ -233,20 +233,20 @@ HARNESS = textwrap.dedent("""
     from mmserve.worker import model_runner
 
     flag = sys.argv[1]
-    real_forward, real_sample = model_runner.ModelRunner._forward, model_runner.sample
+    real_forward, real_sample = model_runner.ModelRunner._forward, model_runner.sample_each
 
     def forward(self, *args, **kwargs):
         if os.path.exists(flag):
             raise RuntimeError("CUDA error: device lost (simulated)")
         return real_forward(self, *args, **kwargs)
 
-    def sample(logits, params, generators):
-        if any(p.seed == POISON_SEED for p in params):
-            raise RuntimeError("probability tensor contains inf or nan (simulated)")
-        return real_sample(logits, params, generators)
+    def sample_each(logits, params, generator):
+        tokens = real_sample(logits, params, generator)
+        return [RuntimeError("probability tensor contains inf or nan (simulated)")
+                if p.seed == POISON_SEED else t for p, t in zip(params, tokens)]
 
     model_runner.ModelRunner._forward = forward
-    model_runner.sample = sample
+    model_runner.sample_each = sample_each
     from mmserve.entrypoints.cli import main
     sys.exit(main(sys.argv[2:]))
 """).replace("POISON_SEED", "424242")

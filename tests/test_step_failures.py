@@ -189,3 +189,25 @@ def test_a_request_that_ran_before_is_retried_after_a_failed_step(
     assert [done[i].text for i in ids] == alone
     assert all(done[i].finish_reason in ("stop", "length") for i in ids)
     assert_no_leaks(engine)
+
+
+def test_a_sampling_failure_fails_its_row_alone(llm: LLM,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose sampling fails is failed from the logits already computed: the
+    forward pass is not run again, and a seeded neighbour draws exactly what it draws alone
+    (its generator is not advanced twice)."""
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+    expected = llm.generate(PROMPTS[0], seeded)[0].text
+    real = llm.engine.runner._forward
+    calls = {"n": 0}
+
+    def counted(*args: object, **kwargs: object):  # noqa: ANN202
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "_forward", counted)
+    steps_before = llm.stats()["num_steps"]
+    outs = llm.generate([PROMPTS[0], _chat("x", [])], [seeded, _poisoned(temperature=1e-300)])
+    assert outs[0].text == expected and outs[1].finish_reason == "error"
+    assert calls["n"] == llm.stats()["num_steps"] - steps_before  # one forward per step
+    assert_no_leaks(llm.engine)

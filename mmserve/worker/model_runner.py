@@ -24,7 +24,7 @@ from mmserve.models.forward_context import AttentionBackend, forward_context
 from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput, StepTimes
 from mmserve.worker.cpu_allocator import keep_freed_memory
 from mmserve.worker.memory_profiler import track_peak_bytes
-from mmserve.worker.sampler import sample
+from mmserve.worker.sampler import sample_each
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class ModelRunner:
         requests = scheduler_output.requests
         out = ModelOutput()
         try:
-            out.sampled = self._execute(scheduler_output, encoder_pixels, out.times)
+            out.sampled = self._execute(scheduler_output, encoder_pixels, out.times, out.errors)
             return out
         except Exception as e:  # noqa: BLE001 (contained below, and logged)
             if len(requests) <= 1:
@@ -89,7 +89,7 @@ class ModelRunner:
         for req in requests:
             try:
                 out.sampled.update(self._execute(scheduler_output.only(req), encoder_pixels,
-                                                 out.times))
+                                                 out.times, out.errors))
             except Exception as e:  # noqa: BLE001
                 out.errors[req.request_id] = _reason(e)
                 logger.error("engine step failed for request %s: %s", req.request_id,
@@ -103,8 +103,10 @@ class ModelRunner:
         return out
 
     def _execute(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels,
-                 times: StepTimes) -> dict[str, int]:
-        """One attempt at the step; adds the seconds of each part to ``times``."""
+                 times: StepTimes, errors: dict[str, str]) -> dict[str, int]:
+        """One attempt at the step; adds the seconds of each part to ``times``. A request
+        whose sampling fails goes into ``errors`` (the others keep their tokens); anything
+        else that fails raises."""
         requests = scheduler_output.requests
         t0 = time.perf_counter()
         self._run_encoder(scheduler_output, encoder_pixels)
@@ -123,10 +125,18 @@ class ModelRunner:
         times.forward += t3 - t2
         if logits is None:
             return {}
-        tokens = sample(logits, [r.sampling_params for r in sampled],
-                        [self._generator(r) for r in sampled])
+        tokens = sample_each(logits, [r.sampling_params for r in sampled],
+                             lambda i: self._generator(sampled[i]))
         times.sample += time.perf_counter() - t3
-        return {r.request_id: t for r, t in zip(sampled, tokens, strict=True)}
+        out = {}
+        for r, token in zip(sampled, tokens, strict=True):
+            if isinstance(token, Exception):
+                errors[r.request_id] = _reason(token)
+                logger.error("sampling failed for request %s: %s", r.request_id,
+                             _reason(token))
+            else:
+                out[r.request_id] = token
+        return out
 
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
         """The decoder pass over the flat batch; device runners swap the attention backend."""

@@ -1,10 +1,38 @@
-"""Token sampling: one function, with a fast path for all-greedy batches."""
+"""Token sampling: one function, with a fast path for all-greedy batches.
+
+Rows are sampled one by one after the greedy fast path, and a row that fails (a generator
+that cannot take its seed, probabilities that are not finite) fails alone: ``sample_each``
+returns its exception in its place, so the runner fails that request and no other, without
+running the forward pass again or drawing again from the other rows' generators.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from mmserve.sampling_params import SamplingParams
+
+
+def sample_each(
+    logits: torch.Tensor,  # [num_requests, vocab]
+    params: list[SamplingParams],
+    generator: Callable[[int], torch.Generator],  # row -> its generator, made on demand
+) -> list[int | Exception]:
+    """The next token of every row, or the exception its sampling raised."""
+    greedy = logits.argmax(dim=-1).tolist()
+    if all(p.greedy for p in params):
+        return greedy
+    out: list[int | Exception] = list(greedy)
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        try:
+            out[i] = _sample_row(logits[i], p, generator(i))
+        except Exception as e:  # noqa: BLE001 (handed back for this row alone)
+            out[i] = e
+    return out
 
 
 def sample(
@@ -12,23 +40,24 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator],
 ) -> list[int]:
-    greedy = logits.argmax(dim=-1)
-    if all(p.greedy for p in params):
-        return greedy.tolist()
-    out = greedy.tolist()
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i].float() / p.temperature
-        if 0 < p.top_k < row.shape[-1]:
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = sorted_logits.softmax(-1)
-            # Drop a token when the tokens ranked above it already reach top_p.
-            drop = probs.cumsum(-1) - probs >= p.top_p
-            row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = row.softmax(-1)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
-    return out
+    """``sample_each`` for callers that want the first failure raised."""
+    tokens = sample_each(logits, params, generators.__getitem__)
+    for t in tokens:
+        if isinstance(t, Exception):
+            raise t
+    return tokens  # type: ignore[return-value]
+
+
+def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+    row = row.float() / p.temperature
+    if 0 < p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already reach top_p.
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = row.softmax(-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
