@@ -34,14 +34,8 @@ class ScheduledRequest:
     sample: bool  # the chunk reaches the last known token: sample the next one
     sampling_params: SamplingParams
     # Rope positions of ``token_ids``, one list per row ([1][n], or [3][n] for M-RoPE), sliced
-    # from the request's (``Request.positions``). None: one row counting from ``start_pos``.
-    positions: list[list[int]] | None = None
-
-    def positions_by_row(self) -> list[list[int]]:
-        """``positions``, or the one-row counter from ``start_pos`` where they are None."""
-        if self.positions is not None:
-            return self.positions
-        return [list(range(self.start_pos, self.start_pos + len(self.token_ids)))]
+    # from the request's (``Request.positions``).
+    positions: list[list[int]]
 
 
 @dataclass

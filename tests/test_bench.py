@@ -103,7 +103,8 @@ def test_flop_count_matches_torch_flop_counter(clip_llama: str) -> None:
     flops = ModelFlops.from_hf_config(config)
     image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum())
     scheduled = SchedulerOutput(requests=[ScheduledRequest("r", [0] * n, 0, [], [], True,
-                                                           SamplingParams())],
+                                                           SamplingParams(),
+                                                           [list(range(n))])],
                                 images_to_encode={"h": image_tokens})
     decoder, encoder = flops.step(scheduled)
     # transformers applies the LM head to every row, mmserve only to the sampled one.

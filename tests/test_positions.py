@@ -139,7 +139,7 @@ def test_chunked_prefill_prefix_hit_and_preemption_see_one_run_positions() -> No
                for start, cols, _ in chunks)
 
 
-def _sched_req(rid: str, start: int, positions: list[list[int]] | None,
+def _sched_req(rid: str, start: int, positions: list[list[int]],
                num_tokens: int, sample: bool = True) -> ScheduledRequest:
     return ScheduledRequest(rid, [7] * num_tokens, start, [0, 1, 2, 3], [], sample,
                             SamplingParams(), positions=positions)
@@ -161,8 +161,8 @@ def test_runner_flattens_three_row_positions() -> None:
 
 
 def test_runner_squeezes_one_row_positions() -> None:
-    # One row stays [num_tokens], as LLaMA's rope takes it; None is the counter from start_pos.
-    reqs = [_sched_req("a", 0, [[0, 1, 2]], 3), _sched_req("b", 6, None, 2)]
+    # One row stays [num_tokens], as LLaMA's rope takes it.
+    reqs = [_sched_req("a", 0, [[0, 1, 2]], 3), _sched_req("b", 6, [[6, 7]], 2)]
     positions = flat_positions(reqs, num_padding=1)
     assert positions.shape == (6,)
     assert positions.tolist() == [0, 1, 2, 6, 7, 0]

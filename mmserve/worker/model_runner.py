@@ -301,7 +301,7 @@ def flat_positions(reqs: list[ScheduledRequest], num_padding: int = 0,
                    device: torch.device | str = "cpu") -> torch.Tensor:
     """The batch's positions, the requests' slices side by side and ``num_padding`` zero
     columns after them: ``[rows, num_tokens]``, or ``[num_tokens]`` when there is one row."""
-    per_request = [r.positions_by_row() for r in reqs]
+    per_request = [r.positions for r in reqs]
     num_rows = {len(p) for p in per_request}
     if len(num_rows) > 1:
         raise ValueError(f"requests of one step have positions of {sorted(num_rows)} rows")
