@@ -39,6 +39,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -277,6 +278,34 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), scale=scale)
     return out.transpose(1, 2)
+
+
+def packed_encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             boundaries: list[int], scale: float) -> torch.Tensor:
+    """Bidirectional attention within each segment of a packed sequence: ``[tokens, heads,
+    head_dim]`` in and out, segment ``i`` being rows ``boundaries[i]:boundaries[i + 1]`` (images
+    of different sizes, or the windows of one). Never padded: segments of one length run as
+    one batch of ``encoder_attention``, so many equal windows cost one call."""
+    by_length: dict[int, list[int]] = {}
+    for start, end in itertools.pairwise(boundaries):
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
+    if len(by_length) == 1:
+        (length, starts), = by_length.items()
+        if len(starts) * length == query.shape[0]:  # equal segments tile the whole sequence
+            shape = (len(starts), length, *query.shape[1:])
+            out = encoder_attention(query.reshape(shape), key.reshape(shape),
+                                    value.reshape(shape), scale)
+            return out.reshape(query.shape)
+    out = torch.empty_like(query)
+    for length, starts in by_length.items():
+        rows = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).flatten()
+        rows = rows.to(query.device)
+        shape = (len(starts), length, *query.shape[1:])
+        part = encoder_attention(query[rows].reshape(shape), key[rows].reshape(shape),
+                                 value[rows].reshape(shape), scale)
+        out[rows] = part.reshape(-1, *query.shape[1:])
+    return out
 
 
 class PackedLinear(nn.Module):

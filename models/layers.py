@@ -50,8 +50,9 @@ class RMSNorm(nn.Module):
 def rope_theta_of(config) -> float:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} is not supported yet; supported: 'default'")
+    if rope_type not in ("default", "mrope"):
+        raise ValueError(f"rope type {rope_type!r} is not supported yet; supported: 'default' "
+                         "(and M-RoPE's sections over it)")
     theta = (params or {}).get("rope_theta") or getattr(config, "rope_theta", None)
     return float(theta if theta is not None else 10000.0)
 
@@ -83,6 +84,62 @@ class RotaryEmbedding(nn.Module):
         shared by every layer."""
         return (self.cos[positions].to(dtype).unsqueeze(1),
                 self.sin[positions].to(dtype).unsqueeze(1))
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding (Qwen2-VL's M-RoPE): positions have three rows (temporal,
+    height, width), and each frequency takes its angle from one row. ``sections`` splits the
+    ``head_dim / 2`` frequencies into consecutive runs, run ``i`` reading row ``i % 3``; for text
+    the three rows are equal and this is the default rotary embedding."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 sections: list[int]) -> None:
+        super().__init__(head_dim, max_positions, theta)
+        if sum(sections) != head_dim // 2:
+            raise ValueError(f"mrope_section {sections} must add up to head_dim / 2 = "
+                             f"{head_dim // 2}")
+        self.sections = list(sections)
+        self.register_buffer("row_of_dim", torch.empty(head_dim, dtype=torch.long,
+                                                       device=self.cos.device), persistent=False)
+        if not self.cos.is_meta:
+            self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        super().reset_buffers()
+        if hasattr(self, "sections"):  # not yet during the base constructor
+            rows = torch.cat([torch.full((n,), i % 3) for i, n in enumerate(self.sections)])
+            self.row_of_dim = torch.cat([rows, rows]).to(self.cos.device)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` ``[3, num_tokens]`` -> ``[num_tokens, 1, head_dim]`` tables."""
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype)
+        index = self.row_of_dim.view(1, 1, -1).expand(1, positions.shape[1], -1)
+
+        def gather(table: torch.Tensor) -> torch.Tensor:
+            per_row = table[positions]  # [3, num_tokens, head_dim]
+            return per_row.gather(0, index).squeeze(0).to(dtype).unsqueeze(1)
+
+        return gather(self.cos), gather(self.sin)
+
+
+def rotary_embedding_for(config, head_dim: int) -> RotaryEmbedding:
+    """The decoder's rotary embedding: M-RoPE when the config names sections, else default."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    theta = rope_theta_of(config)
+    sections = (params or {}).get("mrope_section")
+    if sections is None and getattr(config, "model_type", "") in MROPE_TEXT_MODELS:
+        sections = [16, 24, 24]  # transformers' default for these models
+    if sections is None:
+        return RotaryEmbedding(head_dim, config.max_position_embeddings, theta)
+    return MRotaryEmbedding(head_dim, config.max_position_embeddings, theta, list(sections))
+
+
+# Decoders whose positions have three rows (and default to M-RoPE's sections).
+MROPE_TEXT_MODELS = ("qwen2_vl_text", "qwen2_5_vl_text")
 
 
 def apply_rotary(

@@ -1,4 +1,5 @@
-"""Llama-family decoders (Llama, Mistral, Qwen2) over the paged KV cache.
+"""Llama-family decoders (Llama, Mistral, Qwen2, and Qwen2-VL's with M-RoPE) over the paged KV
+cache.
 
 Parameter names follow the Hugging Face checkpoints so weights load by name.
 """
@@ -12,13 +13,14 @@ from mmserve.kernels.cpu_ops import bf16_kernels
 from mmserve.models.layers import (
     PagedAttention,
     RMSNorm,
-    RotaryEmbedding,
     apply_rotary,
     get_activation,
-    rope_theta_of,
+    rotary_embedding_for,
 )
 
-SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
+SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+# Qwen2's attention: q/k/v biases always, none on the output projection.
+_QWEN2_ATTENTION = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 def head_dim_of(config) -> int:
@@ -32,8 +34,9 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = head_dim_of(config)
         # Qwen2 always has q/k/v biases; Llama and Mistral only when the config says so.
-        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
-        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        qwen2 = config.model_type in _QWEN2_ATTENTION
+        qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
+        o_bias = not qwen2 and bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
@@ -93,8 +96,7 @@ class LlamaModel(nn.Module):
                 f"sliding-window attention (sliding_window={window}) is not supported yet; "
                 "use a checkpoint without it.")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
-                                      rope_theta_of(config))
+        self.rotary = rotary_embedding_for(config, head_dim_of(config))
         self.layers = nn.ModuleList(DecoderLayer(config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

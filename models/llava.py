@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -10,6 +11,10 @@ from torch import nn
 from mmserve.models.layers import PagedAttention, get_activation
 from mmserve.models.llama import LlamaModel
 from mmserve.models.vision import VisionTransformer
+
+# One image's encoder input: the processor's named tensors for it alone ("pixel_values":
+# [1, 3, H, W]).
+EncoderInput = Mapping[str, torch.Tensor]
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -82,7 +87,20 @@ class LlavaForConditionalGeneration(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return self.model.language_model.attention_layers()
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, items: list[EncoderInput]) -> list[torch.Tensor]:
+        """Each image's ``[tokens_per_image, hidden]`` embeddings; images of one pixel shape
+        (all of them, with the processors LLaVA serves) run as one batch."""
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, item in enumerate(items):
+            by_shape.setdefault(tuple(item["pixel_values"].shape), []).append(i)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        for indices in by_shape.values():
+            pixels = torch.cat([items[i]["pixel_values"] for i in indices])
+            for i, embeds in zip(indices, self.encode_pixels(pixels), strict=True):
+                out[i] = embeds
+        return out
+
+    def encode_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[num_images, 3, H, W]`` -> ``[num_images, tokens_per_image, hidden]``."""
         features = self.model.vision_tower(pixel_values)
         if self.model.drop_cls:

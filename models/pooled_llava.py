@@ -22,7 +22,7 @@ class PooledLlavaForConditionalGeneration(LlavaForConditionalGeneration):
             raise ValueError("PooledLlavaForConditionalGeneration pools a square grid of "
                              "patches: vision_feature_select_strategy must be 'default'")
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def encode_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[num_images, 3, H, W]`` -> ``[num_images, (H/patch/2) * (W/patch/2), hidden]``."""
         features = self.model.vision_tower(pixel_values)
         x = torch.cat([f[:, 1:] for f in features], dim=-1)  # [n, side * side, dim]

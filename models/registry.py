@@ -6,10 +6,16 @@ from torch import nn
 
 from mmserve.models.llava import LlavaForConditionalGeneration
 from mmserve.models.pooled_llava import PooledLlavaForConditionalGeneration
+from mmserve.models.qwen2_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLForConditionalGeneration,
+)
 
 _REGISTRY: dict[str, type[nn.Module]] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "PooledLlavaForConditionalGeneration": PooledLlavaForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
 }
 SUPPORTED_ARCHITECTURES = tuple(sorted(_REGISTRY))
 

@@ -159,7 +159,7 @@ def test_profile_run_of_the_memory_plan(clip_llama: str):
     size = engine.model.config.vision_config.image_size
     profile = profile_batch(num_tokens=48, max_num_seqs=6, max_positions=2048, block_size=16,
                             num_images=1, tokens_per_image=tokens_per_image,
-                            pixel_shape=(1, 3, size, size))
+                            encoder_input={"pixel_values": torch.zeros(1, 3, size, size)})
     batch = profile.scheduler_output
     runner = InterpretedCUDARunner(engine.model, profile_blocks(batch), 16, torch.float32, 0)
     runner.profile_run(batch, profile.encoder_pixels)

@@ -240,7 +240,7 @@ def test_split_processing_equals_the_hugging_face_processor(
             assert len(out.images) == n_images
             ids = ref["input_ids"][0]
             for k, image in enumerate(out.images):
-                assert torch.equal(image.pixel_values, ref["pixel_values"][k:k + 1])
+                assert torch.equal(image.pixel_values["pixel_values"], ref["pixel_values"][k:k + 1])
                 assert image.hash == image_hash(decoded[k])
                 span = ids[image.offset:image.end]
                 assert image.length == proc.tokens_per_image
@@ -292,7 +292,8 @@ def test_tokenizer_calls_are_serialized_and_image_work_is_not(
     assert most["image"] >= 2
     for i, exp in enumerate(expected):
         assert results[i].token_ids == exp.token_ids
-        assert torch.equal(results[i].images[0].pixel_values, exp.images[0].pixel_values)
+        assert torch.equal(results[i].images[0].pixel_values["pixel_values"],
+                           exp.images[0].pixel_values["pixel_values"])
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +337,7 @@ def test_processed_prompt_reports_its_preprocessing_peak(clip_processor: InputPr
     img = make_image(5, (300, 200))
     out = clip_processor.process(_chat("one image", [img]))
     decoded = 300 * 200 * 3
-    pixels = out.images[0].pixel_values.nelement() * 4
+    pixels = out.images[0].pixel_values["pixel_values"].nelement() * 4
     assert out.preprocess_peak_bytes >= decoded + pixels
     two = clip_processor.process(_chat("two", [img, make_image(6, (30, 20))]))
     assert two.preprocess_peak_bytes > out.preprocess_peak_bytes  # one more pixel tensor

@@ -235,7 +235,7 @@ def test_tracker_counts_new_tensors_not_views_or_inputs() -> None:
                                                                  (100, 1, 64), (8, 20, 64)])
 def test_profile_batch_is_the_worst_step(tokens: int, seqs: int, max_positions: int) -> None:
     profile = profile_batch(tokens, seqs, max_positions, BS, num_images=3, tokens_per_image=24,
-                            pixel_shape=(1, 3, 8, 8))
+                            encoder_input={"pixel_values": torch.zeros(1, 3, 8, 8)})
     batch = profile.scheduler_output
     assert batch.num_scheduled_tokens == tokens
     assert all(r.sample and r.start_pos == 0 for r in batch.requests)
@@ -248,7 +248,7 @@ def test_profile_batch_is_the_worst_step(tokens: int, seqs: int, max_positions: 
     assert all(len(r.block_ids) * BS >= len(r.token_ids) for r in batch.requests)
     assert batch.images_to_encode == {h: 24 for h in profile.encoder_pixels}
     assert len(batch.images_to_encode) == 3
-    assert all(p.shape == (1, 3, 8, 8) for p in profile.encoder_pixels.values())
+    assert all(p["pixel_values"].shape == (1, 3, 8, 8) for p in profile.encoder_pixels.values())
     first = batch.requests[0]
     for sl in first.image_slices:
         assert sl.dst_start + sl.length <= len(first.token_ids)
@@ -277,7 +277,8 @@ def test_profile_run_on_the_cpu_matches_the_dry_run_and_leaves_nothing(clip_llam
     size = hf_config.vision_config.image_size
     tpi = 16
     profile = profile_batch(num_tokens=64, max_num_seqs=4, max_positions=2048, block_size=BS,
-                            num_images=3, tokens_per_image=tpi, pixel_shape=(1, 3, size, size))
+                            num_images=3, tokens_per_image=tpi,
+                            encoder_input={"pixel_values": torch.zeros(1, 3, size, size)})
     batch, pixels = profile.scheduler_output, profile.encoder_pixels
     runner = CPUModelRunner(model, profile_blocks(batch), BS, dtype, seed=0)
     rng = torch.get_rng_state()

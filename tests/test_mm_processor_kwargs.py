@@ -181,10 +181,11 @@ def test_tokens_and_pixels_equal_the_processor_called_with_the_settings(
         text, images = proc.render_chat(prompt["messages"], prompt["images"])
         want = _hf_processor(clip_llama)(text=text, images=images, return_tensors="pt", **kwargs)
         assert got.token_ids == want["input_ids"][0].tolist()
-        pixels = torch.cat([im.pixel_values for im in got.images])
+        pixels = torch.cat([im.pixel_values["pixel_values"] for im in got.images])
         assert torch.equal(pixels, want["pixel_values"])
         # The settings changed the pixels (so the comparison above says something).
-        plain = torch.cat([im.pixel_values for im in default.process(prompt).images])
+        plain = torch.cat([im.pixel_values["pixel_values"]
+                           for im in default.process(prompt).images])
         assert not torch.allclose(pixels, plain)
 
 

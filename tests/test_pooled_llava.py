@@ -66,7 +66,7 @@ def test_encoder_pools_llava_features(pooled_llava: str) -> None:
     llava.load_state_dict(pooled.state_dict())
     pixels = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        out = pooled.encode_images(pixels)
+        out = pooled.encode_pixels(pixels)
         features = llava.model.vision_tower(pixels)[0][:, 1:]  # [2, 16, dim], CLS dropped
         grid = features.reshape(2, 2, 2, 2, 2, -1)  # [n, rows/2, 2, cols/2, 2, dim]
         by_hand = llava.model.multi_modal_projector(grid.mean(dim=(2, 4)).reshape(2, 4, -1))

@@ -93,15 +93,15 @@ def test_failed_image_is_encoded_again_later(llm: LLM, alone: list[str],
     """An image whose encoding fails fails its request only; the entry the scheduler
     reserved for it is dropped, so the image is encoded anew when it comes back."""
     model = llm.engine.runner.model
-    real_encode = model.encode_images
+    real_encode = model.encode_pixels
     broken = {"on": True}
 
-    def encode_images(pixels: torch.Tensor) -> torch.Tensor:
+    def encode_pixels(pixels: torch.Tensor) -> torch.Tensor:
         if broken["on"] and bool((pixels.flatten(1).min(dim=1).values > 1.0).any()):
             raise RuntimeError("the vision tower cannot take a white image")
         return real_encode(pixels)
 
-    monkeypatch.setattr(model, "encode_images", encode_images)
+    monkeypatch.setattr(model, "encode_pixels", encode_pixels)
     outs = llm.generate([*PROMPTS, _chat("white?", [WHITE])], GREEDY)
     assert [o.text for o in outs[:-1]] == alone
     assert outs[-1].finish_reason == "error" and "white image" in outs[-1].error

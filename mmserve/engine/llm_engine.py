@@ -20,6 +20,7 @@ from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.engine.startup import plan_for
 from mmserve.errors import EngineDeadError, InvalidInputError
+from mmserve.inputs import EncoderInput
 from mmserve.outputs import RequestOutput
 from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
@@ -241,11 +242,12 @@ class LLMEngine:
         schedule_s += time.perf_counter() - t1
         return outputs, StepRecord(scheduler_output, result.times, schedule_s)
 
-    def _encoder_pixels(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """The pixels of the images this step encodes, taken from the requests that show them
-        (an image to encode overlaps its request's scheduled tokens, so it has a slice)."""
+    def _encoder_pixels(self, scheduler_output: SchedulerOutput) -> dict[str, EncoderInput]:
+        """The encoder inputs of the images this step encodes, taken from the requests that
+        show them (an image to encode overlaps its request's scheduled tokens, so it has a
+        slice)."""
         to_encode = scheduler_output.images_to_encode
-        pixels: dict[str, torch.Tensor] = {}
+        pixels: dict[str, EncoderInput] = {}
         if not to_encode:
             return pixels
         for sched in scheduler_output.requests:

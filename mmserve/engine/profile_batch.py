@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from mmserve.config import EngineConfig
 from mmserve.engine.encoder_cache import EncoderBudget
 from mmserve.engine.memory_plan import max_num_seqs_bound
+from mmserve.inputs import EncoderInput
 from mmserve.processing.family import MultiModalFamily
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import ImageSlice, ScheduledRequest, SchedulerOutput
@@ -21,11 +20,11 @@ from mmserve.step import ImageSlice, ScheduledRequest, SchedulerOutput
 
 @dataclass
 class ProfileBatch:
-    """A step to run for its memory peak: what the scheduler would say, and the pixels of the
-    images it encodes (hash -> pixel values), as the engine hands them to the runner."""
+    """A step to run for its memory peak: what the scheduler would say, and the encoder inputs
+    of the images it encodes (hash -> named tensors), as the engine hands them to the runner."""
 
     scheduler_output: SchedulerOutput
-    encoder_pixels: dict[str, torch.Tensor]
+    encoder_pixels: dict[str, EncoderInput]
 
 
 def profile_batch(
@@ -35,7 +34,7 @@ def profile_batch(
     block_size: int,
     num_images: int,
     tokens_per_image: int,
-    pixel_shape: tuple[int, ...],
+    encoder_input: EncoderInput,
     position_rows: int = 1,
 ) -> ProfileBatch:
     """The worst step the scheduler can produce, as dummy requests.
@@ -44,7 +43,8 @@ def profile_batch(
     each sampling a row of logits, and the rest as one prompt chunk (split where it would pass
     ``max_positions``) whose first tokens are image placeholders. ``num_images`` images of
     ``tokens_per_image`` embeddings are encoded in the step, as many as the encoder budget
-    allows. Token ids are 0 and pixels are zeros: no random numbers are drawn. Positions have
+    allows, each with ``encoder_input`` (the family's worst case, pixels zeroed). Token ids are
+    0: no random numbers are drawn. Positions have
     ``position_rows`` rows (the family's), counting from 0.
     """
     num_seqs = max(1, min(max_num_seqs, num_tokens))
@@ -75,14 +75,13 @@ def profile_batch(
     return ProfileBatch(
         SchedulerOutput(requests=requests,
                         images_to_encode={h: tokens_per_image for h in image_hashes}),
-        {h: torch.zeros(pixel_shape) for h in image_hashes})
+        {h: encoder_input for h in image_hashes})
 
 
 def profile_batch_for(config: EngineConfig, hf_config, family: MultiModalFamily,
                       encoder_budget: EncoderBudget, num_images: int) -> ProfileBatch:
     """``profile_batch`` for an engine's settings and checkpoint: its images are the family's
     worst-case dummy image, of ``max_tokens_per_item`` tokens."""
-    pixel_shape = tuple(family.pixel_values(family.dummy_image()).shape)
     return profile_batch(
         num_tokens=config.max_num_batched_tokens,
         max_num_seqs=max_num_seqs_bound(config),
@@ -90,6 +89,6 @@ def profile_batch_for(config: EngineConfig, hf_config, family: MultiModalFamily,
         block_size=config.block_size,
         num_images=num_images,
         tokens_per_image=encoder_budget.max_tokens_per_item,
-        pixel_shape=pixel_shape,
+        encoder_input=family.dummy_encoder_input(),
         position_rows=family.position_rows,
     )

@@ -18,6 +18,7 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.engine.encoder_cache import EncoderBudget, compute_encoder_budget
 from mmserve.engine.memory_plan import (
+    InfeasiblePlanError,
     MemoryPlan,
     PlanInputs,
     default_memory_utilization,
@@ -61,8 +62,53 @@ def plan_for(
     ``measure_peak``: runs the profile batch for real; None dry-runs it on the meta device.
     A figure taken from the meta device is marked an estimate on a GPU, where the engine
     measures the allocator instead; ``estimated`` names the caller's own estimates.
-    Raises ``InfeasiblePlanError`` when the settings cannot fit.
+    Raises ``InfeasiblePlanError`` when the settings cannot fit; when the family's images can
+    be bounded smaller (dynamic resolution) and a bound would fit, the error names it.
     """
+    try:
+        return _plan(config, hf_config, family, device, memory_bytes, weights_bytes,
+                     measure_peak, estimated)
+    except InfeasiblePlanError as error:
+        hint = _item_bound_that_fits(config, hf_config, family, device, memory_bytes,
+                                     weights_bytes, measure_peak, estimated)
+        if hint is None:
+            raise
+        raise InfeasiblePlanError(f"{error}\n{hint}") from None
+
+
+# Halvings of the largest item tried when looking for a bound that fits.
+_MAX_HALVINGS = 12
+
+
+def _item_bound_that_fits(config: EngineConfig, hf_config, family: MultiModalFamily,
+                          device: str, memory_bytes: int, weights_bytes: int | None,
+                          measure_peak: PeakMeasurement | None,
+                          estimated: tuple[str, ...]) -> str | None:
+    """For a plan that does not fit: the largest item bound (halving the tokens of the
+    largest image) under which it fits, said as the setting to pass; None when the family
+    cannot bound its images or no bound helps."""
+    tokens = family.max_tokens_per_item
+    for _ in range(_MAX_HALVINGS):
+        tokens //= 2
+        if tokens < 1:
+            return None
+        bounded = family.bounded_to(tokens)
+        if bounded is None:
+            return None
+        try:
+            _plan(config, hf_config, bounded, device, memory_bytes, weights_bytes,
+                  measure_peak, estimated)
+        except InfeasiblePlanError:
+            continue
+        return (f"One image can become {family.max_tokens_per_item} tokens under "
+                f"{family.item_bound_setting()}; bounded to {bounded.max_tokens_per_item} "
+                f"tokens the plan fits: {bounded.item_bound_setting()}.")
+    return None
+
+
+def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str,
+          memory_bytes: int, weights_bytes: int | None, measure_peak: PeakMeasurement | None,
+          estimated: tuple[str, ...]) -> StartupPlan:
     dtype = config.torch_dtype
     budget = encoder_budget_for(config, family.max_tokens_per_item)
     batch = profile_batch_for(config, hf_config, family, budget,

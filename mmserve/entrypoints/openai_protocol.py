@@ -207,6 +207,10 @@ def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
                                       f"{pwhere}.image_url")
                 urls.append(url)
                 parts.append({"type": "image"})
+            elif kind in ("video_url", "video", "input_video"):
+                raise bad_request(f"{pwhere} is a video part ({kind!r}); video is not "
+                                  "supported yet: send images (frames as 'image_url' parts) "
+                                  "or text.", f"{pwhere}.type")
             else:
                 raise bad_request(f"{pwhere} has type {kind!r}; supported: 'text', 'image_url'",
                                   f"{pwhere}.type")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmserve.inputs import ImageInput
+from mmserve.inputs import EncoderInput, ImageInput
 
 
 class MultiModalFamily(ABC):
@@ -33,11 +33,9 @@ class MultiModalFamily(ABC):
         on every call and into every image's hash; a key it does not take is a ``ValueError``
         here, at start-up. ``max_image_size`` (width, height) is the largest image the settings
         declare, for families whose token count depends on the image's size."""
-        from transformers import AutoProcessor
-
         self.model_dir = model_dir
         self.hf_config = hf_config
-        self.processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+        self.processor = self.load_processor(model_dir)
         self.tokenizer = self.processor.tokenizer
         self.image_processor = self.processor.image_processor
         self.mm_processor_kwargs: dict[str, Any] = dict(mm_processor_kwargs or {})
@@ -45,6 +43,13 @@ class MultiModalFamily(ABC):
         self.image_token_id: int = hf_config.image_token_id
         self.image_token: str = self.tokenizer.convert_ids_to_tokens(self.image_token_id)
         check_kwarg_names(self.image_processor, self.mm_processor_kwargs)
+
+    @classmethod
+    def load_processor(cls, model_dir: str) -> Any:
+        """The checkpoint's Hugging Face processor (``AutoProcessor``, offline)."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(model_dir, local_files_only=True)
 
     @abstractmethod
     def num_image_tokens(self, width: int, height: int) -> int:
@@ -62,14 +67,44 @@ class MultiModalFamily(ABC):
         """The worst-case image the profile run encodes: one of ``max_tokens_per_item``."""
 
     @abstractmethod
-    def pixel_values(self, image: Image.Image) -> torch.Tensor:
-        """The encoder's input for one decoded RGB image, as the processor makes it."""
+    def encoder_input(self, image: Image.Image) -> EncoderInput:
+        """The encoder's input for one decoded RGB image, as the processor makes it: named
+        tensors ("pixel_values", and what else the family's encoder takes, such as an image
+        grid), the model's ``encode_images`` input for this image alone."""
 
-    @abstractmethod
+    def dummy_encoder_input(self) -> EncoderInput:
+        """The profile run's encoder input: ``encoder_input(dummy_image())`` with its pixel
+        values zeroed (no random numbers, the same shapes)."""
+        return {name: torch.zeros_like(t) if t.is_floating_point() else t
+                for name, t in self.encoder_input(self.dummy_image()).items()}
+
     def expand_placeholders(self, text: str, num_tokens: list[int]) -> str:
         """``text`` with its k-th image placeholder expanded for an image of ``num_tokens[k]``
         tokens, as the processor does before tokenizing; every expanded placeholder token
-        tokenizes to ``image_token_id``."""
+        tokenizes to ``image_token_id``. The default is what LLaVA's and Qwen2-VL's processors
+        do: the k-th image token becomes ``num_tokens[k]`` copies of it."""
+        pieces = text.split(self.image_token)
+        assert len(pieces) == len(num_tokens) + 1  # counted by InputProcessor
+        expanded = [pieces[0]]
+        for n, piece in zip(num_tokens, pieces[1:], strict=True):
+            expanded += [self.image_token * n, piece]
+        return "".join(expanded)
+
+    def bounded_to(self, max_tokens: int) -> MultiModalFamily | None:
+        """This family under settings that make no image more than ``max_tokens`` tokens, or
+        None where the token count is fixed (the start-up plan suggests such a bound when the
+        largest image does not fit)."""
+        return None
+
+    def item_bound_setting(self) -> str:
+        """The settings that bound the largest image, as a user would pass them."""
+        return f"mm_processor_kwargs={self.mm_processor_kwargs}"
+
+    def resized_pixels(self, width: int, height: int) -> int:
+        """Pixels of the image processor's resize output (before any crop) for a ``width`` x
+        ``height`` image, for the estimate of preprocessing's memory. The default reads the
+        processor's ``size`` (and ``mm_processor_kwargs``' ``size`` or ``do_resize``)."""
+        return _resized_pixels(self.image_processor, width, height, self.mm_processor_kwargs)
 
     @property
     def position_rows(self) -> int:
@@ -120,3 +155,24 @@ def _image_processor_keys(image_processor) -> set[str] | None:
         return set(typed)
     keys = getattr(image_processor, "_valid_processor_keys", None)
     return set(keys) if keys else None
+
+
+def _resized_pixels(image_processor, w: int, h: int, kwargs: dict[str, Any]) -> int:
+    """Pixels of the image processor's resize output (before cropping) for a w x h input,
+    under ``kwargs`` (``mm_processor_kwargs``) where they set ``size`` or ``do_resize``."""
+    size = kwargs.get("size", getattr(image_processor, "size", None))
+    if isinstance(size, int):  # transformers' reading of a bare edge length
+        square = getattr(image_processor, "default_to_square", True)
+        size = {"height": size, "width": size} if square else {"shortest_edge": size}
+
+    def get(key: str) -> int | None:
+        return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
+
+    if size is None or not kwargs.get("do_resize", getattr(image_processor, "do_resize", True)):
+        return w * h
+    if get("shortest_edge"):  # short side to the edge, long side in proportion
+        edge = get("shortest_edge")
+        return edge * int(edge * max(w, h) / min(w, h))
+    if get("height") and get("width"):
+        return get("height") * get("width")
+    return w * h  # another rule: assume no shrinking

@@ -97,19 +97,12 @@ class LlavaFamily(MultiModalFamily):
         height, width = self._side
         return Image.new("RGB", (width, height))
 
+    def encoder_input(self, image: Image.Image) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.pixel_values(image)}
+
     def pixel_values(self, image: Image.Image) -> torch.Tensor:
         """The same call LlavaProcessor makes (its images kwargs: return_tensors and the
         ``mm_processor_kwargs``), on one image: the processor treats images independently, so
         the values equal a batch call's."""
         return self.image_processor([image], return_tensors="pt",
                                     **self.mm_processor_kwargs)["pixel_values"]
-
-    def expand_placeholders(self, text: str, num_tokens: list[int]) -> str:
-        """As ``LlavaProcessor.__call__`` does: the k-th image token in the text becomes
-        ``num_tokens[k]`` copies of it."""
-        pieces = text.split(self.image_token)
-        assert len(pieces) == len(num_tokens) + 1  # counted by InputProcessor
-        expanded = [pieces[0]]
-        for n, piece in zip(num_tokens, pieces[1:], strict=True):
-            expanded += [self.image_token * n, piece]
-        return "".join(expanded)

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-from mmserve.inputs import ImageInput
+from mmserve.inputs import EncoderInput, ImageInput, encoder_input_bytes
 from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, load_image
 from mmserve.processing.registry import family_for
 
@@ -48,7 +47,7 @@ class ProcessedPrompt:
 @dataclass
 class _PreprocessedImage:
     hash: str
-    pixel_values: torch.Tensor  # [1, channels, height, width], what the processor makes
+    pixel_values: EncoderInput  # the family's encoder input, what the processor makes
     num_tokens: int  # placeholder tokens this image expands to, by the processor's rule
     peak_bytes: int  # estimated memory touched while preprocessing it
 
@@ -175,6 +174,10 @@ class InputProcessor:
                             f"{where} is an image part but no image is left in 'images'",
                             param=where)
                     parts.append({"type": "image"})
+                elif kind in ("video", "video_url"):
+                    raise InvalidInputError(
+                        f"{where} is a video part ({kind!r}); video is not supported yet: send "
+                        "images (frames as 'image_url' parts) or text.", param=where)
                 else:
                     raise InvalidInputError(
                         f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url'",
@@ -212,9 +215,9 @@ class InputProcessor:
         release the GIL in their heavy loops, so other requests proceed meanwhile."""
         img = load_image(image, self.max_image_pixels)
         digest = image_hash(img, self.mm_processor_kwargs)
-        pixel_values = self.family.pixel_values(img)
-        peak = _preprocess_peak_bytes(self.image_processor, img.size, pixel_values,
-                                      self.mm_processor_kwargs)
+        pixel_values = self.family.encoder_input(img)
+        peak = _preprocess_peak_bytes(img.size, self.family.resized_pixels(*img.size),
+                                      pixel_values)
         return _PreprocessedImage(digest, pixel_values,
                                   self.family.num_image_tokens(*img.size), peak)
 
@@ -224,8 +227,7 @@ class InputProcessor:
         expanded = self.family.expand_placeholders(text, [img.num_tokens for img in images])
         with self._tokenizer_lock:
             ids: list[int] = self.tokenizer([expanded])["input_ids"][0]
-        pixel_bytes = sum(img.pixel_values.nelement() * img.pixel_values.element_size()
-                          for img in images)
+        pixel_bytes = sum(encoder_input_bytes(img.pixel_values) for img in images)
         peak = max((img.peak_bytes for img in images), default=0) + pixel_bytes
         if not images:
             return self._with_positions(ProcessedPrompt(ids, [], peak))
@@ -260,9 +262,10 @@ class InputProcessor:
         return prompt
 
 
-def _preprocess_peak_bytes(image_processor, size: tuple[int, int],
-                           pixel_values: torch.Tensor, kwargs: dict[str, Any]) -> int:
-    """Estimated memory that preprocessing one image of ``size`` touches at its peak.
+def _preprocess_peak_bytes(size: tuple[int, int], resized: int,
+                           pixel_values: EncoderInput) -> int:
+    """Estimated memory that preprocessing one image of ``size`` touches at its peak, when
+    the image processor resizes it to ``resized`` pixels (before any crop).
 
     Fitted to peak RSS measured around ``_preprocess_image`` with transformers' PIL-backend
     CLIP processor, within 25% from 1000 x 1000 to 8000 x 6000 and for 200:1 images: five
@@ -272,29 +275,7 @@ def _preprocess_peak_bytes(image_processor, size: tuple[int, int],
     output. Torchvision-backed processors differ in detail, not in kind.
     """
     w, h = size
-    resized = _resized_pixels(image_processor, w, h, kwargs)
-    return 5 * w * h * 3 + 4 * resized * 3 + 2 * pixel_values.nelement() * 4
-
-
-def _resized_pixels(image_processor, w: int, h: int, kwargs: dict[str, Any]) -> int:
-    """Pixels of the image processor's resize output (before cropping) for a w x h input,
-    under ``kwargs`` (``mm_processor_kwargs``) where they set ``size`` or ``do_resize``."""
-    size = kwargs.get("size", getattr(image_processor, "size", None))
-    if isinstance(size, int):  # transformers' reading of a bare edge length
-        square = getattr(image_processor, "default_to_square", True)
-        size = {"height": size, "width": size} if square else {"shortest_edge": size}
-
-    def get(key: str) -> int | None:
-        return size.get(key) if isinstance(size, dict) else getattr(size, key, None)
-
-    if size is None or not kwargs.get("do_resize", getattr(image_processor, "do_resize", True)):
-        return w * h
-    if get("shortest_edge"):  # short side to the edge, long side in proportion
-        edge = get("shortest_edge")
-        return edge * int(edge * max(w, h) / min(w, h))
-    if get("height") and get("width"):
-        return get("height") * get("width")
-    return w * h  # another rule: assume no shrinking
+    return 5 * w * h * 3 + 4 * resized * 3 + 2 * encoder_input_bytes(pixel_values)
 
 
 def _check_unicode(text: str, where: str) -> None:

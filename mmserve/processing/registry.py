@@ -8,10 +8,13 @@ from typing import Any
 from mmserve.processing.family import MultiModalFamily
 from mmserve.processing.llava import LlavaFamily
 from mmserve.processing.pooled_llava import PooledLlavaFamily
+from mmserve.processing.qwen2_vl import Qwen2VLFamily
 
 _REGISTRY: dict[str, type[MultiModalFamily]] = {
     "LlavaForConditionalGeneration": LlavaFamily,
     "PooledLlavaForConditionalGeneration": PooledLlavaFamily,
+    "Qwen2VLForConditionalGeneration": Qwen2VLFamily,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2VLFamily,
 }
 
 

@@ -28,9 +28,11 @@ from mmserve.worker.sampler import sample_each
 
 logger = logging.getLogger(__name__)
 
-# The pixels of the images a step encodes, by image hash; the engine gathers them from the
-# requests that show the images (the scheduler's messages carry only the hashes).
-EncoderPixels = Mapping[str, torch.Tensor]
+# The encoder inputs of the images a step encodes, by image hash: each image's named tensors as
+# its family's processing made them ("pixel_values", and e.g. "image_grid_thw"); the engine
+# gathers them from the requests that show the images (the scheduler's messages carry only the
+# hashes).
+EncoderPixels = Mapping[str, Mapping[str, torch.Tensor]]
 
 
 class ModelRunner:
@@ -169,18 +171,25 @@ class ModelRunner:
 
     def _run_encoder(self, scheduler_output: SchedulerOutput,
                      encoder_pixels: EncoderPixels) -> None:
-        """Encode this step's new images, batching those of equal shape."""
-        by_shape: dict[tuple[int, ...], list[tuple[str, torch.Tensor]]] = {}
-        for h in scheduler_output.images_to_encode:
-            if h in self.encoder_outputs:
-                continue
-            pv = encoder_pixels[h]
-            by_shape.setdefault(tuple(pv.shape[1:]), []).append((h, pv))
-        for items in by_shape.values():
-            pixels = torch.cat([pv for _, pv in items]).to(self.device, self.dtype)
-            embeds = self.model.encode_images(pixels)  # [num_images, tokens, hidden]
-            for (h, _), e in zip(items, embeds, strict=True):
-                self.encoder_outputs[h] = e
+        """Encode this step's new images in one call of the model's ``encode_images``, which
+        packs images of different sizes (never padding them to the largest)."""
+        hashes = [h for h in scheduler_output.images_to_encode if h not in self.encoder_outputs]
+        if not hashes:
+            return
+        items = [self._encoder_input(encoder_pixels[h]) for h in hashes]
+        embeds = self.model.encode_images(items)  # one [tokens, hidden] per image
+        for h, e in zip(hashes, embeds, strict=True):
+            expected = scheduler_output.images_to_encode[h]
+            if e.shape[0] != expected:
+                raise RuntimeError(f"image {h[:12]} became {e.shape[0]} embeddings, but its "
+                                   f"prompt has {expected} placeholder tokens")
+            self.encoder_outputs[h] = e
+
+    def _encoder_input(self, item: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pixel tensors on this runner's device in its dtype; integer tensors (image grids,
+        which the model reads into Python) stay on the CPU."""
+        return {name: t.to(self.device, self.dtype) if t.is_floating_point() else t
+                for name, t in item.items()}
 
     def _embed(self, input_ids: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """Token embeddings with image embeddings scattered over their placeholders."""
