@@ -49,7 +49,8 @@ def test_entry_point_and_command_build_what_the_family_builder_builds(
 
 def test_unknown_family_and_option_are_errors(tmp_path: Path) -> None:
     assert "llava" in FAMILIES
-    with pytest.raises(ValueError, match="unknown checkpoint family 'nope'; families: llava"):
+    with pytest.raises(ValueError, match="unknown checkpoint family 'nope'; families: llava, "
+                       "qwen2_5_vl, qwen2_vl"):
         build_tiny_checkpoint("nope", tmp_path)
     with pytest.raises(TypeError, match="num_layers"):
         build_tiny_checkpoint("llava", tmp_path, num_layers=2)

@@ -159,8 +159,9 @@ class Qwen2VLFamily(MultiModalFamily):
 
         - Resized images the rule keeps as they are: ``a x b`` squares of ``factor`` pixels
           with ``a * b * factor^2`` within the bounds; the best for each ``a``.
-        - Images at the extreme aspect ratio, scaled down: the short side cannot go below one
-          square, so the long side may keep more than ``max_pixels`` allows.
+        - Images at the extreme aspect ratio, at every scale: scaled down, the short side
+          cannot go below one square, so the long side may keep more than ``max_pixels``
+          allows.
         - Small images scaled up to ``min_pixels``: rounding up each side can overshoot, and
           by most at extreme aspect ratios (all thin images of a short side under half a
           square, whose rounded area is zero).
@@ -172,19 +173,18 @@ class Qwen2VLFamily(MultiModalFamily):
             b = squares // a
             if b <= a * MAX_ASPECT_RATIO:
                 sizes += [(a * f, b * f), (b * f, a * f)]
-        long_side = 1 << 20
-        short_side = long_side // MAX_ASPECT_RATIO
-        sizes += [(long_side, short_side), (short_side, long_side)]
+        for short in (1 << k for k in range(13)):  # the extreme ratio at every scale
+            sizes += [(short * MAX_ASPECT_RATIO, short), (short, short * MAX_ASPECT_RATIO)]
         for short in range(1, f // 2):
             for long in range(short, short * MAX_ASPECT_RATIO + 1, max(1, short // 4)):
                 sizes += [(long, short), (short, long)]
-        best = max(sizes, key=lambda s: self.num_image_tokens(*s))
+        # The most tokens; of the images that make them, the fewest pixels.
+        best = max(sizes, key=lambda s: (self.num_image_tokens(*s), -s[0] * s[1]))
         return self.num_image_tokens(*best), best
 
     def dummy_image(self) -> Image.Image:
-        """An image of ``max_tokens_per_item`` tokens, as small as the rule allows."""
-        rows, cols = self._worst_grid()
-        return Image.new("RGB", (cols * self.patch_size, rows * self.patch_size))
+        """An image of ``max_tokens_per_item`` tokens (of those, the one of fewest pixels)."""
+        return Image.new("RGB", self._worst_size)
 
     def _worst_grid(self) -> tuple[int, int]:
         return self.grid(*self._worst_size)

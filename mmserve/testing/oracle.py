@@ -2,7 +2,10 @@
 
 `hf_greedy_generate` loads a checkpoint directory with the transformers class named in its
 ``config.json`` (``architectures``) and its ``AutoProcessor``, in float32, so it serves every
-family the fixtures build.
+family the fixtures build. Qwen2-VL's and Qwen2.5-VL's ``AutoProcessor`` needs torchvision (for
+its video processor); without it the oracle uses the same processor less the video processor
+(`mmserve.processing.hf_processors.load_qwen2_vl_processor`), which is what the serving code
+uses too.
 """
 
 from __future__ import annotations
@@ -17,9 +20,26 @@ import torch
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["hf_greedy_generate"]
+__all__ = ["hf_greedy_generate", "load_hf_processor"]
 
 _HF_CACHE: dict[str, tuple[Any, Any]] = {}
+_QWEN2_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def load_hf_processor(path: str | os.PathLike[str]) -> Any:
+    """The checkpoint's ``AutoProcessor``; for Qwen2-VL and Qwen2.5-VL where it cannot be built
+    (no torchvision), `load_qwen2_vl_processor`."""
+    import transformers
+
+    try:
+        return transformers.AutoProcessor.from_pretrained(path, local_files_only=True)
+    except ImportError:
+        config = json.loads((pathlib.Path(path) / "config.json").read_text(encoding="utf-8"))
+        if config.get("model_type") not in _QWEN2_VL_TYPES:
+            raise
+    from mmserve.processing.hf_processors import load_qwen2_vl_processor
+
+    return load_qwen2_vl_processor(path)
 
 
 def _load_hf(path: str | os.PathLike[str]) -> tuple[Any, Any]:
@@ -32,7 +52,7 @@ def _load_hf(path: str | os.PathLike[str]) -> tuple[Any, Any]:
         model_class = getattr(transformers, config["architectures"][0])
         model = model_class.from_pretrained(key, dtype=torch.float32)
         model.eval()
-        _HF_CACHE[key] = (model, transformers.AutoProcessor.from_pretrained(key))
+        _HF_CACHE[key] = (model, load_hf_processor(key))
     return _HF_CACHE[key]
 
 
@@ -42,16 +62,21 @@ def hf_greedy_generate(
     prompt_text: str,
     images: list[Image.Image],
     max_new_tokens: int,
+    **processor_kwargs: Any,
 ) -> list[int]:
     """Greedily generate with the reference Hugging Face model and return the new token ids.
 
     ``prompt_text`` is the already-templated prompt with one image placeholder per image (LLaVA:
-    ``<image>``); the processor expands the placeholders and adds what the tokenizer adds (LLaVA:
-    a leading ``<s>``). Generation stops at the eos token (included in the result) or after
-    ``max_new_tokens`` tokens.
+    ``<image>``; Qwen2-VL: ``<|image_pad|>``, inside ``<|vision_start|>...<|vision_end|>``); the
+    processor expands the placeholders and adds what the tokenizer adds (LLaVA: a leading
+    ``<s>``; Qwen2-VL: nothing). All the processor's outputs go to ``generate`` (Qwen2-VL: the
+    image grids and token types its M-RoPE positions are computed from). Generation stops at the
+    eos token (included in the result) or after ``max_new_tokens`` tokens. ``processor_kwargs``
+    go to the processor's call (image-processor settings such as Qwen2-VL's ``max_pixels``).
     """
     model, processor = _load_hf(path)
-    inputs = processor(text=prompt_text, images=images or None, return_tensors="pt")
+    inputs = processor(text=prompt_text, images=images or None, return_tensors="pt",
+                       **processor_kwargs)
     output = model.generate(
         **inputs,
         do_sample=False,
