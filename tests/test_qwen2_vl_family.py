@@ -146,3 +146,22 @@ def test_two_largest_images_in_a_small_step_budget(qwen2_vl: str) -> None:
                                                           tokenize=False)
     want = hf_greedy_generate(qwen2_vl, text, images, 6)
     assert out[0].token_ids == want and out[1].token_ids == want
+
+
+def test_profile_batch_spends_the_whole_encoder_budget(qwen2_vl: str) -> None:
+    """Items of any size: after the largest items that fit, the profile run encodes one more
+    that spends the rest of the step's encoder budget, as a real step could."""
+    from mmserve.config import EngineConfig
+    from mmserve.engine.profile_batch import profile_batch_for
+    from mmserve.engine.startup import encoder_budget_for, images_per_step
+
+    config = EngineConfig(model=qwen2_vl, dtype="float32", max_num_batched_tokens=300)
+    family = _family(qwen2_vl)
+    budget = encoder_budget_for(config, family.max_tokens_per_item)
+    batch = profile_batch_for(config, AutoConfig.from_pretrained(qwen2_vl), family, budget,
+                              images_per_step(config, budget))
+    tokens = list(batch.scheduler_output.images_to_encode.values())
+    assert tokens[:-1] == [family.max_tokens_per_item] * (300 // family.max_tokens_per_item)
+    assert sum(tokens) == budget.compute_tokens == 300
+    for h, n in batch.scheduler_output.images_to_encode.items():
+        assert int(batch.encoder_pixels[h]["image_grid_thw"].prod()) == 4 * n

@@ -25,10 +25,10 @@ from mmserve.demo.scenes import (
     generate_scenes,
 )
 from mmserve.testing.llava import (
-    _build_image_processor,
-    _text_config,
-    _vision_config,
+    build_image_processor,
     llava_chat_template,
+    llava_text_config,
+    llava_vision_config,
 )
 from mmserve.testing.tokenizer import (
     BOS_TOKEN,
@@ -102,10 +102,10 @@ def build_config(vocab_size: int, shape: ModelShape) -> Any:
 
     ids = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
     config = LlavaConfig(
-        vision_config=_vision_config(
+        vision_config=llava_vision_config(
             "clip", image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, hidden=shape.vision_hidden,
             layers=shape.vision_layers, heads=shape.vision_heads),
-        text_config=_text_config(
+        text_config=llava_text_config(
             "llama", vocab_size=vocab_size, hidden=shape.text_hidden,
             layers=shape.text_layers, heads=shape.text_heads, kv_heads=shape.text_kv_heads,
             intermediate_size=shape.intermediate_size,
@@ -129,7 +129,7 @@ def build_processor(tokenizer: Any) -> Any:
     from transformers import LlavaProcessor
 
     return LlavaProcessor(
-        image_processor=_build_image_processor("clip", IMAGE_SIZE), tokenizer=tokenizer,
+        image_processor=build_image_processor("clip", IMAGE_SIZE), tokenizer=tokenizer,
         patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
         chat_template=CHAT_TEMPLATE, image_token=IMAGE_TOKEN, num_additional_image_tokens=1)
 

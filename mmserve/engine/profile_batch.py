@@ -36,6 +36,7 @@ def profile_batch(
     tokens_per_image: int,
     encoder_input: EncoderInput,
     position_rows: int = 1,
+    extra_image: tuple[int, EncoderInput] | None = None,
 ) -> ProfileBatch:
     """The worst step the scheduler can produce, as dummy requests.
 
@@ -43,9 +44,10 @@ def profile_batch(
     each sampling a row of logits, and the rest as one prompt chunk (split where it would pass
     ``max_positions``) whose first tokens are image placeholders. ``num_images`` images of
     ``tokens_per_image`` embeddings are encoded in the step, as many as the encoder budget
-    allows, each with ``encoder_input`` (the family's worst case, pixels zeroed). Token ids are
-    0: no random numbers are drawn. Positions have
-    ``position_rows`` rows (the family's), counting from 0.
+    allows, each with ``encoder_input`` (the family's worst case, pixels zeroed), and after
+    them ``extra_image`` (tokens, encoder input), a smaller item that fills the rest of the
+    encoder's budget where the family has items of any size. Token ids are 0: no random
+    numbers are drawn. Positions have ``position_rows`` rows (the family's), counting from 0.
     """
     num_seqs = max(1, min(max_num_seqs, num_tokens))
     prompt_tokens = num_tokens - (num_seqs - 1)
@@ -53,19 +55,21 @@ def profile_batch(
     while prompt_tokens > 0:
         lengths.insert(0, min(prompt_tokens, max_positions))
         prompt_tokens -= lengths[0]
-    image_hashes = [f"profile-{k}" for k in range(num_images)]
+    images = [(f"profile-{k}", tokens_per_image, encoder_input) for k in range(num_images)]
+    if extra_image is not None:
+        images.append((f"profile-{num_images}", *extra_image))
     greedy = SamplingParams(temperature=0.0)
     requests = []
     next_block = 0
     for i, n in enumerate(lengths):
         num_blocks = -(-n // block_size)
         slices = []
-        if i == 0:
-            for k, image_hash in enumerate(image_hashes):
-                offset = k * tokens_per_image
-                if offset >= n:
-                    break
-                slices.append(ImageSlice(image_hash, 0, offset, min(tokens_per_image, n - offset)))
+        offset = 0
+        for image_hash, tokens, _ in images if i == 0 else ():
+            if offset >= n:
+                break
+            slices.append(ImageSlice(image_hash, 0, offset, min(tokens, n - offset)))
+            offset += tokens
         requests.append(ScheduledRequest(
             request_id=f"profile-{i}", token_ids=[0] * n, start_pos=0,
             block_ids=list(range(next_block, next_block + num_blocks)), image_slices=slices,
@@ -74,14 +78,21 @@ def profile_batch(
         next_block += num_blocks
     return ProfileBatch(
         SchedulerOutput(requests=requests,
-                        images_to_encode={h: tokens_per_image for h in image_hashes}),
-        {h: encoder_input for h in image_hashes})
+                        images_to_encode={h: tokens for h, tokens, _ in images}),
+        {h: item for h, _, item in images})
 
 
 def profile_batch_for(config: EngineConfig, hf_config, family: MultiModalFamily,
                       encoder_budget: EncoderBudget, num_images: int) -> ProfileBatch:
     """``profile_batch`` for an engine's settings and checkpoint: its images are the family's
-    worst-case dummy image, of ``max_tokens_per_item`` tokens."""
+    worst-case dummy image, of ``max_tokens_per_item`` tokens, and where the family has items
+    of any size and the cache has room, one more that spends the rest of the step's encoder
+    budget."""
+    extra = None
+    rest = encoder_budget.compute_tokens - num_images * encoder_budget.max_tokens_per_item
+    if 0 < num_images < encoder_budget.cache_items and rest > 0:
+        item = family.dummy_encoder_input_of(rest)
+        extra = (rest, item) if item is not None else None
     return profile_batch(
         num_tokens=config.max_num_batched_tokens,
         max_num_seqs=max_num_seqs_bound(config),
@@ -91,4 +102,5 @@ def profile_batch_for(config: EngineConfig, hf_config, family: MultiModalFamily,
         tokens_per_image=encoder_budget.max_tokens_per_item,
         encoder_input=family.dummy_encoder_input(),
         position_rows=family.position_rows,
+        extra_image=extra,
     )

@@ -66,6 +66,11 @@ class MultiModalFamily(ABC):
     def dummy_image(self) -> Image.Image:
         """The worst-case image the profile run encodes: one of ``max_tokens_per_item``."""
 
+    def dummy_encoder_input_of(self, num_tokens: int) -> EncoderInput | None:
+        """A zero encoder input of ``num_tokens`` tokens, for a profile run that fills the
+        encoder's budget with a smaller item; None where every image is the same size."""
+        return None
+
     @abstractmethod
     def encoder_input(self, image: Image.Image) -> EncoderInput:
         """The encoder's input for one decoded RGB image, as the processor makes it: named

@@ -191,9 +191,14 @@ class Qwen2VLFamily(MultiModalFamily):
 
     def dummy_encoder_input(self) -> EncoderInput:
         """Zero pixels of the worst-case grid, built without resizing an image."""
-        rows, cols = self._worst_grid()
-        ip = self.image_processor
-        patch_dim = 3 * ip.temporal_patch_size * self.patch_size ** 2
+        return self._zero_input(*self._worst_grid())
+
+    def dummy_encoder_input_of(self, num_tokens: int) -> EncoderInput:
+        """One row of ``num_tokens`` tokens: the same patches, so the same encoder work."""
+        return self._zero_input(self.merge_size, self.merge_size * num_tokens)
+
+    def _zero_input(self, rows: int, cols: int) -> EncoderInput:
+        patch_dim = 3 * self.image_processor.temporal_patch_size * self.patch_size ** 2
         return {"pixel_values": torch.zeros(rows * cols, patch_dim),
                 "image_grid_thw": torch.tensor([[1, rows, cols]])}
 

@@ -19,7 +19,14 @@ import torch
 from mmserve.testing.checkpoint import random_model, save_checkpoint
 from mmserve.testing.tokenizer import IMAGE_TOKEN, build_tokenizer
 
-__all__ = ["CHAT_TEMPLATE", "build_tiny_llava", "llava_chat_template"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "build_image_processor",
+    "build_tiny_llava",
+    "llava_chat_template",
+    "llava_text_config",
+    "llava_vision_config",
+]
 
 _TEXT_ARCHS = ("llama", "qwen2", "mistral")
 _VISION_ARCHS = ("clip", "siglip")
@@ -61,7 +68,7 @@ def llava_chat_template(header_end: str = " ", generation_prompt: str = "ASSISTA
 CHAT_TEMPLATE = llava_chat_template()
 
 
-def _build_image_processor(vision: str, image_size: int) -> Any:
+def build_image_processor(vision: str, image_size: int) -> Any:
     """Return the image processor matching ``vision`` (PIL backend when torchvision is missing)."""
     from transformers.utils import is_torchvision_available
 
@@ -87,7 +94,7 @@ def _build_image_processor(vision: str, image_size: int) -> Any:
     return siglip_cls(size=square, crop_size=dict(square), do_resize=True, do_center_crop=False)
 
 
-def _vision_config(
+def llava_vision_config(
     vision: str,
     *,
     image_size: int,
@@ -120,7 +127,7 @@ def _vision_config(
     )
 
 
-def _text_config(
+def llava_text_config(
     text: str,
     *,
     vocab_size: int,
@@ -245,7 +252,7 @@ def build_tiny_llava(
         num_image_tokens -= 1
 
     config = LlavaConfig(
-        vision_config=_vision_config(
+        vision_config=llava_vision_config(
             vision,
             image_size=image_size,
             patch_size=patch_size,
@@ -253,7 +260,7 @@ def build_tiny_llava(
             layers=vision_layers,
             heads=vision_heads,
         ),
-        text_config=_text_config(
+        text_config=llava_text_config(
             text,
             vocab_size=vocab_size,
             hidden=text_hidden,
@@ -284,7 +291,7 @@ def build_tiny_llava(
         projector="multi_modal_projector",
     )
     processor = LlavaProcessor(
-        image_processor=_build_image_processor(vision, image_size),
+        image_processor=build_image_processor(vision, image_size),
         tokenizer=tokenizer,
         patch_size=patch_size,
         vision_feature_select_strategy=vision_feature_select_strategy,
