@@ -8,8 +8,8 @@ from mmserve.engine.block_pool import BlockPool, KVBlock
 
 
 def free_queue(pool: BlockPool) -> list[int]:
-    """The free queue, front (next to be handed out) first."""
-    return list(pool._free)
+    """The free blocks in the order they are handed out: empty ones, then prefix-cached."""
+    return pool.free_block_ids()
 
 
 def ids(blocks: list[KVBlock]) -> list[int]:
@@ -175,3 +175,51 @@ def test_reset_prefix_cache_keeps_the_entry_of_a_block_in_use_with_a_free_duplic
     pool.reset_prefix_cache()
     assert dup.block_hash is None
     assert pool.get_cached(b"h") is used
+
+
+def test_empty_blocks_are_handed_out_before_prefix_cached_ones() -> None:
+    """A freed block nobody can find again (no hash) goes before any prefix-cache block, even
+    one freed earlier: keeping a cached prefix costs nothing while empty blocks remain."""
+    pool = BlockPool(4, enable_caching=True)
+    full, partial, _, _ = pool.allocate(4)
+    pool.cache_block(full, b"prefix")
+    pool.free([full])
+    pool.free([partial])
+    assert free_queue(pool) == [partial.block_id, full.block_id]
+    assert ids(pool.allocate(1)) == [partial.block_id]
+    assert pool.get_cached(b"prefix") is full and pool.num_evictions == 0
+
+
+def test_lent_blocks_are_free_and_given_back_before_prefix_blocks_are_evicted() -> None:
+    pool = BlockPool(6, enable_caching=True)
+    cached = pool.allocate(2)
+    for i, block in enumerate(cached):
+        pool.cache_block(block, f"h{i}".encode())
+    pool.free(cached)
+    lent = pool.lend(3)
+    assert lent == [2, 3, 4] and pool.num_lent == 3
+    assert pool.lend(2) is None  # one empty block left; prefix blocks are never lent
+    assert pool.num_free_blocks == 6  # lent blocks count as free
+    asked = []
+
+    def reclaim(n: int) -> None:
+        asked.append(n)
+        pool.give_back(lent)  # the lender drops its whole entry
+
+    pool.set_lender(reclaim)
+    got = pool.allocate(3)
+    assert asked == [2]  # one empty block was there; two more were needed
+    assert ids(got) == [5, 2, 3] and pool.num_lent == 0
+    assert pool.num_evictions == 0
+    assert pool.get_cached(b"h0") is cached[0] and pool.get_cached(b"h1") is cached[1]
+    assert free_queue(pool) == [4, 0, 1]
+
+
+def test_uncache_moves_a_free_block_to_the_empty_queue() -> None:
+    pool = BlockPool(3, enable_caching=True)
+    (block,) = pool.allocate(1)
+    pool.cache_block(block, b"h")
+    pool.free([block])
+    pool.uncache([block])
+    assert free_queue(pool) == [1, 2, 0]
+    assert pool.num_cached_free_blocks == 0 and pool.num_free_blocks == 3

@@ -34,7 +34,7 @@ def admit(kv: KVCacheManager, req: Request) -> list[int]:
 
 
 def free_queue(kv: KVCacheManager) -> list[int]:
-    return list(kv.pool._free)
+    return kv.pool.free_block_ids()
 
 
 def test_cdiv() -> None:

@@ -112,7 +112,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         ids = [b.block_id for b in blocks]
         assert len(ids) == len(set(ids)), (rid, ids)
         owners.update(ids)
-    free = set(kv.pool._free)
+    free = set(kv.pool.free_block_ids())
     for bid, k in owners.items():
         block = kv.pool.blocks[bid]
         assert block.ref_cnt == k, (bid, block.ref_cnt, k)

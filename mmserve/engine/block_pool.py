@@ -1,8 +1,10 @@
-"""KV block pool: ref counts, an LRU free list and the prefix-cache hash map."""
+"""KV block pool: ref counts, the free queues, lending to the encoder cache and the prefix-cache
+hash map."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -18,8 +20,13 @@ class KVBlock:
 class BlockPool:
     """Owns every KV block. Bookkeeping only: the runner holds the tensors.
 
-    Free blocks wait in an LRU queue. A freed block that carries a hash stays findable through
-    ``cached`` until it is handed out again (evicted); a block is only ever evicted at ref count 0.
+    A free block is in one of three places, handed out in this order when the KV cache needs
+    blocks: the empty queue (nothing worth keeping), lent out (holding encoder outputs that
+    no running request needs; the lender gives them back on demand, see ``set_lender``), and
+    the prefix-cache queue (a full block findable through ``cached`` until it is handed out
+    again, least recently freed first). All three count as free: a request never waits, and is
+    never preempted, for a block another cache keeps. A block is only ever evicted or lent at
+    ref count 0.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
@@ -28,14 +35,30 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Oldest-freed first; values unused (an ordered set).
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Oldest-freed first; values unused (ordered sets).
+        self._empty: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
         self.cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        self.num_lent = 0
+        self._reclaim: Callable[[int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: empty, lent and prefix-cached ones."""
+        return len(self._empty) + self.num_lent + len(self._cached_free)
+
+    @property
+    def num_empty_blocks(self) -> int:
+        return len(self._empty)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self._cached_free)
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks that are not lent, in the order ``allocate`` hands them out."""
+        return [*self._empty, *self._cached_free]
 
     @property
     def usage(self) -> float:
@@ -44,13 +67,38 @@ class BlockPool:
     def get_cached(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
 
+    # ----------------------------------------------------------------- lending
+    def set_lender(self, reclaim: Callable[[int], None]) -> None:
+        """``reclaim(n)``: give back (``give_back``) lent blocks, at least ``n`` of them or all,
+        when an allocation needs more than the empty queue holds."""
+        self._reclaim = reclaim
+
+    def lend(self, n: int) -> list[int] | None:
+        """Lend ``n`` empty blocks (never a prefix-cached one), or None when fewer are empty."""
+        if n > len(self._empty):
+            return None
+        self.num_lent += n
+        return [self._empty.popitem(last=False)[0] for _ in range(n)]
+
+    def give_back(self, block_ids: list[int]) -> None:
+        """Lent blocks return to the empty queue (their content is not worth keeping)."""
+        self.num_lent -= len(block_ids)
+        assert self.num_lent >= 0, "gave back more blocks than were lent"
+        for block_id in block_ids:
+            self._empty[block_id] = None
+
+    # ----------------------------------------------------------------- allocation
     def allocate(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks from the front of the free queue, evicting their old hashes."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} KV blocks with only {len(self._free)} free")
+        """Take ``n`` blocks: empty ones first, then lent ones (given back), then the least
+        recently freed prefix-cache blocks (evicting their hashes)."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} KV blocks with only {self.num_free_blocks} free")
+        if n > len(self._empty) and self.num_lent and self._reclaim is not None:
+            self._reclaim(n - len(self._empty))
         out = []
         for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
+            queue = self._empty if self._empty else self._cached_free
+            block_id, _ = queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
@@ -65,11 +113,12 @@ class BlockPool:
         """Take a reference on prefix-cache hits, pulling free ones out of the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                del self._cached_free[block.block_id]
             block.ref_cnt += 1
 
     def free(self, blocks: list[KVBlock]) -> None:
-        """Drop one reference from each block; blocks reaching 0 join the back of the LRU queue.
+        """Drop one reference from each block; blocks reaching 0 join the back of their queue
+        (the prefix-cache queue when findable by hash, the empty queue otherwise).
 
         Callers pass a request's blocks in reverse order so that the tail of a sequence, the part
         least likely to be shared, is evicted first.
@@ -78,7 +127,14 @@ class BlockPool:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"KV block {block.block_id} freed twice"
             if block.ref_cnt == 0:
-                self._free[block.block_id] = None
+                self._enqueue(block)
+
+    def _enqueue(self, block: KVBlock) -> None:
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            self._cached_free[block.block_id] = None
+        else:
+            block.block_hash = None  # a duplicate nobody can find: nothing worth keeping
+            self._empty[block.block_id] = None
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Publish a full block under its content hash (first writer wins on duplicates)."""
@@ -94,6 +150,8 @@ class BlockPool:
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
                 block.block_hash = None
+                if block.ref_cnt == 0 and self._cached_free.pop(block.block_id, 0) is None:
+                    self._empty[block.block_id] = None
 
     def reset_prefix_cache(self) -> None:
-        self.uncache([b for b in self.blocks if b.ref_cnt == 0])
+        self.uncache([self.blocks[i] for i in list(self._cached_free)])
