@@ -119,8 +119,12 @@ class EngineConfig:
         "provision memory for)", parse=mm_limit_text)
     max_image_size: tuple[int, int] | None = None
     encoder_cache_size: int | None = flag(
-        None, "encoder cache size in embedding tokens (default: auto, from the encoder "
-        "budget)")
+        None, "encoder cache reserve in embedding tokens (default: auto, from the encoder "
+        "budget); beyond it, image embeddings no request needs may stay in free KV blocks")
+    encoder_cache_borrowing: bool = flag(
+        True, "let image embeddings no running request needs stay cached in KV blocks that "
+        "are free (given back the moment the KV cache needs them); off: drop them when the "
+        "encoder cache reserve is full")
     max_image_pixels: int = flag(50_000_000, "largest image accepted, in pixels: width "
                                  "times height")
     # Keyword arguments for the checkpoint's image processor on every call, as vLLM's

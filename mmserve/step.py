@@ -46,6 +46,11 @@ class SchedulerOutput:
     # Encode these now: image hash -> embedding tokens it makes. Their pixels come separately.
     images_to_encode: dict[str, int] = field(default_factory=dict)
     freed_encoder_hashes: list[str] = field(default_factory=list)  # drop these tensors first
+    # Encoder outputs moving between the encoder cache's reserve and KV blocks it borrows,
+    # done before anything else in the step, restores first: hash -> (tokens, block ids) to
+    # rebuild from KV blocks, and hash -> block ids to copy a tensor into (then drop it).
+    encoder_restores: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    encoder_spills: dict[str, list[int]] = field(default_factory=dict)
     finished_request_ids: list[str] = field(default_factory=list)
 
     @property

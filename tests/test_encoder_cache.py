@@ -144,7 +144,7 @@ def test_unreferenced_entry_stays_cached_and_can_be_hit_again() -> None:
     assert cache.num_hits == 2
     assert cache.num_misses == 1
     assert cache.num_reclaimable_tokens == 200
-    assert cache.take_freed() == []
+    assert cache.take_ops().freed == []
     assert cache.num_evictions == 0
 
 
@@ -167,7 +167,7 @@ def test_eviction_only_when_space_is_needed() -> None:
     cache.release(a, 0)
     cache.allocate(b, 0)  # 100 tokens still free: "x" stays
     assert set(cache.entries) == {"x", "y"}
-    assert cache.take_freed() == []
+    assert cache.take_ops().freed == []
     assert cache.num_evictions == 0
 
 
@@ -180,11 +180,11 @@ def test_eviction_is_oldest_unreferenced_first_and_never_referenced() -> None:
     cache.release(reqs["a"], 0)  # unreferenced order: c, then a; b stays referenced
     cache.allocate(reqs["d"], 0)
     assert set(cache.entries) == {"a", "b", "d"}
-    assert cache.take_freed() == ["c"]
-    assert cache.take_freed() == []  # reported once
+    assert cache.take_ops().freed == ["c"]
+    assert cache.take_ops().freed == []  # reported once
     cache.allocate(reqs["e"], 0)
     assert set(cache.entries) == {"b", "d", "e"}
-    assert cache.take_freed() == ["a"]
+    assert cache.take_ops().freed == ["a"]
     assert cache.num_evictions == 2
     assert cache.num_free_tokens == 0
     assert cache.num_reclaimable_tokens == 0
@@ -200,7 +200,7 @@ def test_eviction_frees_as_many_entries_as_needed() -> None:
     big = make_req("big", ("big", 250))
     assert cache.num_reclaimable_tokens == 300
     cache.allocate(big, 0)
-    assert cache.take_freed() == ["s0", "s1", "s2"]
+    assert cache.take_ops().freed == ["s0", "s1", "s2"]
     assert cache.num_free_tokens == 50
 
 
@@ -214,7 +214,7 @@ def test_rehit_moves_entry_to_the_back_of_the_eviction_order() -> None:
     assert hit(cache, c, 0)  # "x" is used again and released after "y"
     cache.release(c, 0)
     cache.allocate(make_req("d", ("z", 100)), 0)
-    assert cache.take_freed() == ["y"]
+    assert cache.take_ops().freed == ["y"]
     assert "x" in cache.entries
 
 
@@ -261,7 +261,7 @@ def test_evict_unreferenced_keeps_what_requests_still_use() -> None:
     cache.allocate(b, 0)
     cache.release(a, 0)
     assert cache.evict_unreferenced() == 1
-    assert cache.take_freed() == ["x"]
+    assert cache.take_ops().freed == ["x"]
     assert not cache.is_cached("x") and cache.is_cached("y")
     assert cache.num_free_tokens == 200 and cache.num_reclaimable_tokens == 200
     assert cache.num_evictions == 0  # not an eviction forced by a lack of space

@@ -43,10 +43,10 @@ def subparser(command: str) -> argparse.ArgumentParser:
 
 
 def spelling(f: dataclasses.Field) -> str:
-    """The flag users know: vLLM's names, ``--no-enable-prefix-caching`` for the one switch
-    that is on by default."""
+    """The flag users know: vLLM's names, ``--no-NAME`` for a switch that is on by default
+    (``--no-enable-prefix-caching``)."""
     name = f.name.replace("_", "-")
-    return "--no-enable-prefix-caching" if name == "enable-prefix-caching" else f"--{name}"
+    return f"--no-{name}" if f.default is True else f"--{name}"
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS)

@@ -159,3 +159,27 @@ def _kv_bytes_per_token(path: str) -> int:
     text = AutoConfig.from_pretrained(path).text_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4
+
+
+def test_parity_with_borrowed_encoder_outputs_under_kv_pressure(qwen: dict[str, str]) -> None:
+    """The encoder cache's reserve holds the largest item (113 tokens); three 56-token images
+    take turns, so one not in use waits in free KV blocks (10 blocks in all, a request needs
+    8), is taken back on a hit, or is given back as the KV cache fills: the same tokens."""
+    path = qwen["qwen2_5_vl-published"]
+    large = [make_image(10 + k, (300, 260)) for k in range(3)]
+
+    def ask(text: str, k: int) -> dict:
+        return {"messages": [{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": text}]}], "images": [large[k]]}
+
+    prompts = [ask("what is this?", 0), ask("and this?", 1), ask("this one?", 2),
+               ask("again?", 0), ask("the second again", 1),
+               ask("a long question about the colours and the shapes in this picture", 2),
+               ask("last", 0)]
+    llm = LLM(path, dtype="float32", max_num_seqs=1, enable_prefix_caching=False,
+              encoder_cache_size=113, block_size=16,
+              kv_cache_memory=10 * 16 * _kv_bytes_per_token(path))
+    assert run(llm, prompts) == reference(path, prompts)
+    stats = llm.stats()
+    assert stats["encoder_cache_spills"] > 0 and stats["encoder_cache_restores"] > 0
+    assert stats["encoder_cache_kv_pressure_evictions"] > 0

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from mmserve.engine.encoder_cache import compute_encoder_budget
+from mmserve.engine.encoder_cache import KVLending, compute_encoder_budget
 from mmserve.engine.kv_cache_manager import KVCacheManager, cdiv
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -39,12 +39,18 @@ def make_sched(
     max_tokens_per_item: int = 32,
     max_items_per_prompt: int = 2,
     encoder_cache_size: int | None = None,
+    borrowing: bool = False,
 ) -> Scheduler:
+    """``borrowing``: encoder outputs may borrow free KV blocks, one embedding token per
+    block slot (an entry of n tokens takes cdiv(n, block_size) blocks)."""
+    kv = KVCacheManager(num_blocks, block_size, enable_caching)
     return Scheduler(
         SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, block_size),
-        KVCacheManager(num_blocks, block_size, enable_caching),
+        kv,
         compute_encoder_budget(max_tokens_per_item, max_num_batched_tokens, max_num_seqs,
                                max_items_per_prompt, encoder_cache_size),
+        KVLending(kv.pool, block_elements=2 * block_size, token_elements=2)
+        if borrowing else None,
     )
 
 
@@ -119,7 +125,12 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert bid not in free
         if k > 1:
             assert block.block_hash is not None
-    assert len(free) + len(owners) == kv.pool.num_blocks
+    # Borrowed entries hold the lent blocks, which are neither owned nor in a free queue.
+    lent = [b for _, blocks in sched.encoder_cache.borrowed.values() for b in blocks]
+    assert len(lent) == len(set(lent)) == kv.pool.num_lent
+    assert not set(lent) & (free | set(owners))
+    assert not set(sched.encoder_cache.borrowed) & set(sched.encoder_cache.entries)
+    assert len(free) + len(owners) + len(lent) == kv.pool.num_blocks
     # Waiting (and preempted) requests hold no KV blocks.
     for req in sched.waiting:
         assert req.request_id not in kv.req_blocks
@@ -614,7 +625,34 @@ def test_seed_001_second_request_arrives_later(
 # ----------------------------------------------------------------------------- stress
 
 
-def stress_run(seed: int, encoder_cache_size: int | None) -> Scheduler:
+class SimulatedEncoderOutputs:
+    """The runner's encoder outputs as hashes: held as tensors, or copied into borrowed KV
+    blocks. Applies each step's messages in the runner's order and checks that every slice
+    reads an output that exists and every restore reads blocks no request has written since."""
+
+    def __init__(self) -> None:
+        self.tensors: set[str] = set()
+        self.in_blocks: dict[str, list[int]] = {}
+
+    def apply(self, out: SchedulerOutput) -> None:
+        self.tensors -= set(out.freed_encoder_hashes)
+        for h, (_, blocks) in out.encoder_restores.items():
+            assert self.in_blocks.pop(h, None) == blocks, f"{h} restored from lost blocks"
+            self.tensors.add(h)
+        for h, blocks in out.encoder_spills.items():
+            assert h in self.tensors, h
+            self.tensors.discard(h)
+            self.in_blocks[h] = blocks
+        self.tensors |= set(out.images_to_encode)
+        written = {b for r in out.requests for b in r.block_ids}
+        for h in [h for h, blocks in self.in_blocks.items() if written & set(blocks)]:
+            del self.in_blocks[h]  # overwritten: a restore of it would read garbage
+        for r in out.requests:
+            for sl in r.image_slices:
+                assert sl.image_hash in self.tensors, sl.image_hash
+
+
+def stress_run(seed: int, encoder_cache_size: int | None, borrowing: bool = False) -> Scheduler:
     """Random arrivals, shared prefixes and images, aborts and a small KV pool.
 
     Checks the per-step invariants and, at the end, that every request finished with the
@@ -624,7 +662,9 @@ def stress_run(seed: int, encoder_cache_size: int | None) -> Scheduler:
     bs, num_blocks, max_model_len = 8, 20, 160  # one request needs at most 19 blocks
     sched = make_sched(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=max_model_len,
                        block_size=bs, num_blocks=num_blocks, max_tokens_per_item=24,
-                       max_items_per_prompt=2, encoder_cache_size=encoder_cache_size)
+                       max_items_per_prompt=2, encoder_cache_size=encoder_cache_size,
+                       borrowing=borrowing)
+    runner = SimulatedEncoderOutputs()
     # An image hash always comes with the same number of embeddings.
     image_lengths = {f"h{i}": rng.randint(4, 24) for i in range(5)}
 
@@ -672,6 +712,7 @@ def stress_run(seed: int, encoder_cache_size: int | None) -> Scheduler:
             continue
         out = sched.schedule()
         check_step(sched, out)
+        runner.apply(out)
         tokens = {r.request_id: (EOS if rng.random() < 0.03 else rng.randint(10, 60))
                   for r in out.requests if r.sample}
         for rid, tok in tokens.items():
@@ -698,8 +739,9 @@ def stress_run(seed: int, encoder_cache_size: int | None) -> Scheduler:
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("encoder_cache_size", [None, 24], ids=["auto-cache", "one-item-cache"])
-def test_randomized_stress(seed: int, encoder_cache_size: int | None) -> None:
-    stress_run(seed, encoder_cache_size)
+@pytest.mark.parametrize("borrowing", [False, True], ids=["", "borrowing"])
+def test_randomized_stress(seed: int, encoder_cache_size: int | None, borrowing: bool) -> None:
+    stress_run(seed, encoder_cache_size, borrowing)
 
 
 def test_randomized_stress_exercises_preemption_and_both_caches() -> None:
@@ -711,3 +753,15 @@ def test_randomized_stress_exercises_preemption_and_both_caches() -> None:
     small = stress_run(3, 24)
     assert small.encoder_cache.num_evictions > 0
     assert small.num_preemptions > 0
+
+
+def test_randomized_stress_exercises_borrowing() -> None:
+    """With borrowing, the stress workload spills entries to free KV blocks and gives blocks
+    back under KV pressure, and still drains with nothing leaked (restores:
+    tests/test_encoder_borrowing.py)."""
+    totals: Counter[str] = Counter()
+    for seed in range(5):
+        enc = stress_run(seed, 24, borrowing=True).encoder_cache
+        totals.update(spills=enc.num_spills, restores=enc.num_restores,
+                      pressure=enc.num_kv_pressure_evictions)
+    assert totals["spills"] > 0 and totals["pressure"] > 0, totals

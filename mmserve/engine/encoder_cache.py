@@ -1,11 +1,13 @@
-"""Global cache of vision-encoder outputs: bookkeeping by image hash, and its budget."""
+"""Global cache of vision-encoder outputs: bookkeeping by image hash, its budget, and the KV
+blocks it borrows."""
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mmserve.engine.block_pool import BlockPool
 from mmserve.engine.kv_cache_manager import cdiv
 from mmserve.engine.request import Request
 
@@ -75,25 +77,63 @@ class _Entry:
     refs: set[str]
 
 
-class EncoderCacheManager:
-    """Which image embeddings live in the runner's encoder cache, and who still needs them.
+@dataclass(frozen=True)
+class KVLending:
+    """How encoder outputs fit in KV blocks: a block holds ``block_elements`` values of the
+    model's dtype (all layers' keys and values), an embedding token ``token_elements``."""
 
-    Entries are keyed by image content hash and shared by every request with that image. An
-    entry nobody references stays cached (a later request may reuse it) until its space is
-    needed; the oldest such entry goes first. Evicted hashes are reported so the runner drops
-    the tensors.
+    pool: BlockPool
+    block_elements: int
+    token_elements: int
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens * self.token_elements, self.block_elements)
+
+
+@dataclass
+class EncoderCacheOps:
+    """What the runner does to its encoder outputs before a step, in this order: drop
+    ``freed``; rebuild each of ``restores`` (hash -> (tokens, KV block ids)) from its blocks;
+    copy each of ``spills`` (hash -> KV block ids) into those blocks and drop the tensor.
+    Restores go first because their blocks return to the pool at once and a spill, or a
+    request's keys and values in the forward pass, may reuse them in the same step."""
+
+    freed: list[str] = field(default_factory=list)
+    spills: dict[str, list[int]] = field(default_factory=dict)
+    restores: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+
+
+class EncoderCacheManager:
+    """Which image embeddings the encoder cache holds, and who still needs them.
+
+    Entries are keyed by image content hash and shared by every request with that image. The
+    reserve (``cache_size`` tokens, the seed-001 budget: the items a step needs plus one) holds
+    the embeddings running requests read. An entry nobody references stays cached until its
+    reserve space is needed; then, with ``lending`` (borrowing on), it moves into KV blocks the
+    pool lends while they are free (the runner copies it there), and comes back into the
+    reserve on a hit. Borrowed entries give their blocks back the moment the KV cache needs
+    them, which is bookkeeping only: the embeddings are simply gone. Without lending, or when
+    no empty block is free, an entry leaving the reserve is dropped.
     """
 
-    def __init__(self, cache_size: int) -> None:
+    def __init__(self, cache_size: int, lending: KVLending | None = None) -> None:
         self.cache_size = cache_size
         self.num_free_tokens = cache_size
         self.entries: dict[str, _Entry] = {}
         self._unreferenced: OrderedDict[str, None] = OrderedDict()  # oldest first
         self._num_unreferenced_tokens = 0
-        self._freed: list[str] = []
+        self.lending = lending
+        # Entries in borrowed KV blocks, oldest first: hash -> (tokens, block ids).
+        self.borrowed: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
+        self._ops = EncoderCacheOps()
+        if lending is not None:
+            lending.pool.set_lender(self._give_back)
         self.num_hits = 0
         self.num_misses = 0
-        self.num_evictions = 0
+        self.num_evictions = 0  # entries dropped because the reserve was full (capacity)
+        self.num_kv_pressure_evictions = 0  # borrowed entries dropped for the KV cache
+        self.num_spills = 0
+        self.num_restores = 0
 
     @property
     def num_reclaimable_tokens(self) -> int:
@@ -104,11 +144,23 @@ class EncoderCacheManager:
     def num_used_tokens(self) -> int:
         return self.cache_size - self.num_free_tokens
 
+    @property
+    def num_borrowed_tokens(self) -> int:
+        return sum(tokens for tokens, _ in self.borrowed.values())
+
+    @property
+    def num_borrowed_blocks(self) -> int:
+        return sum(len(blocks) for _, blocks in self.borrowed.values())
+
     def is_cached(self, image_hash: str) -> bool:
-        return image_hash in self.entries
+        return image_hash in self.entries or image_hash in self.borrowed
+
+    def is_borrowed(self, image_hash: str) -> bool:
+        return image_hash in self.borrowed
 
     def evictable_tokens(self, image_hash: str) -> int:
-        """Tokens the entry would give back if evicted now (0 while it is referenced)."""
+        """Reserve tokens the entry would give back if evicted now (0 while it is referenced,
+        and for a borrowed entry, which takes none)."""
         return self.entries[image_hash].num_tokens if image_hash in self._unreferenced else 0
 
     def add_reference(self, req: Request, input_idx: int) -> None:
@@ -128,21 +180,60 @@ class EncoderCacheManager:
         return entry is not None and req.request_id in entry.refs
 
     def allocate(self, req: Request, input_idx: int) -> None:
-        """Reserve space for an image the runner will encode this step, evicting if needed."""
+        """Reserve space for an image the runner will encode this step, making room if
+        needed (the oldest unreferenced entries leave the reserve: borrowed, or dropped)."""
         image = req.images[input_idx]
-        if image.length > self.num_reclaimable_tokens:
-            raise RuntimeError(f"encoder cache cannot hold {image.length} more tokens: "
-                               f"{self.num_reclaimable_tokens} reclaimable")
-        while self.num_free_tokens < image.length:
-            victim, _ = self._unreferenced.popitem(last=False)
-            num_tokens = self.entries.pop(victim).num_tokens
-            self._num_unreferenced_tokens -= num_tokens
-            self.num_free_tokens += num_tokens
-            self._freed.append(victim)
-            self.num_evictions += 1
+        self._make_room(image.length)
         self.num_free_tokens -= image.length
         self.entries[image.hash] = _Entry(image.length, {req.request_id})
         self.num_misses += 1
+
+    def restore(self, req: Request, input_idx: int) -> None:
+        """A hit on a borrowed entry: back into the reserve (the runner rebuilds it from its
+        KV blocks this step), referenced by ``req``."""
+        image = req.images[input_idx]
+        num_tokens, blocks = self.borrowed.pop(image.hash)
+        self._make_room(num_tokens)
+        if self._ops.spills.pop(image.hash, None) is not None:
+            self.lending.pool.give_back(blocks)  # spilled this very step: the tensor is there
+        else:
+            self._ops.restores[image.hash] = (num_tokens, blocks)
+            self.lending.pool.give_back(blocks)  # read before anything writes them
+            self.num_restores += 1
+        self.num_free_tokens -= num_tokens
+        self.entries[image.hash] = _Entry(num_tokens, {req.request_id})
+        self.num_hits += 1
+
+    def _make_room(self, num_tokens: int) -> None:
+        if num_tokens > self.num_reclaimable_tokens:
+            raise RuntimeError(f"encoder cache cannot hold {num_tokens} more tokens: "
+                               f"{self.num_reclaimable_tokens} reclaimable")
+        while self.num_free_tokens < num_tokens:
+            victim, _ = self._unreferenced.popitem(last=False)
+            tokens = self.entries.pop(victim).num_tokens
+            self._num_unreferenced_tokens -= tokens
+            self.num_free_tokens += tokens
+            blocks = self.lending.pool.lend(self.lending.blocks_for(tokens)) \
+                if self.lending is not None else None
+            if blocks is None:
+                self._ops.freed.append(victim)
+                self.num_evictions += 1
+            else:
+                self.borrowed[victim] = (tokens, blocks)
+                self._ops.spills[victim] = blocks
+                self.num_spills += 1
+
+    def _give_back(self, num_blocks: int) -> None:
+        """The KV cache needs ``num_blocks`` more blocks: drop borrowed entries, oldest first,
+        until that many are given back (or none is left)."""
+        given = 0
+        while given < num_blocks and self.borrowed:
+            victim, (_, blocks) = self.borrowed.popitem(last=False)
+            if self._ops.spills.pop(victim, None) is not None:
+                self._ops.freed.append(victim)  # never copied: the runner drops the tensor
+            self.lending.pool.give_back(blocks)
+            given += len(blocks)
+            self.num_kv_pressure_evictions += 1
 
     def release(self, req: Request, input_idx: int) -> None:
         """``req`` no longer needs this image; the entry stays cached until evicted."""
@@ -171,21 +262,26 @@ class EncoderCacheManager:
         self.num_free_tokens += entry.num_tokens
 
     def evict_unreferenced(self) -> int:
-        """Evict every entry no request references (the cache starts cold for the next
-        requests); returns how many. Not counted in ``num_evictions``, which counts evictions
-        forced by a lack of space."""
-        count = len(self._unreferenced)
+        """Evict every entry no request references, borrowed ones too (the cache starts cold
+        for the next requests); returns how many. Not counted in the eviction counters, which
+        count evictions forced by a lack of space."""
+        count = len(self._unreferenced) + len(self.borrowed)
         for victim in self._unreferenced:
             self.num_free_tokens += self.entries.pop(victim).num_tokens
-            self._freed.append(victim)
+            self._ops.freed.append(victim)
         self._unreferenced.clear()
         self._num_unreferenced_tokens = 0
+        for victim, (_, blocks) in self.borrowed.items():
+            if self._ops.spills.pop(victim, None) is not None:
+                self._ops.freed.append(victim)
+            self.lending.pool.give_back(blocks)
+        self.borrowed.clear()
         return count
 
-    def take_freed(self) -> list[str]:
-        """Hashes evicted since the last call: the runner must drop these tensors."""
-        freed, self._freed = self._freed, []
-        return freed
+    def take_ops(self) -> EncoderCacheOps:
+        """What the runner must do before this step (see ``EncoderCacheOps``)."""
+        ops, self._ops = self._ops, EncoderCacheOps()
+        return ops
 
     def num_referenced_entries(self) -> int:
         return sum(1 for e in self.entries.values() if e.refs)

@@ -13,6 +13,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.engine.detokenizer import IncrementalDetokenizer
+from mmserve.engine.encoder_cache import KVLending
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.memory_plan import InfeasiblePlanError, default_memory_utilization
 from mmserve.engine.profile_batch import ProfileBatch
@@ -86,6 +87,8 @@ class LLMEngine:
         if not config.enforce_eager:
             self.runner.capture_model(self.plan.max_num_seqs, self.plan.max_model_len,
                                       self.processor.family.position_rows)
+        kv_cache = KVCacheManager(self.plan.num_blocks, config.block_size,
+                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.plan.max_num_seqs,
@@ -93,9 +96,10 @@ class LLMEngine:
                 max_model_len=self.plan.max_model_len,
                 block_size=config.block_size,
             ),
-            KVCacheManager(self.plan.num_blocks, config.block_size,
-                           config.enable_prefix_caching),
+            kv_cache,
             self.encoder_budget,
+            KVLending(kv_cache.pool, self.runner.kv_block_elements, self.model.hidden_size)
+            if config.encoder_cache_borrowing else None,
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -349,8 +353,15 @@ class LLMEngine:
             "encoder_cache_misses": enc.num_misses,
             "encoder_items_computed": enc.num_misses,
             "encoder_cache_evictions": enc.num_evictions,
+            "encoder_cache_kv_pressure_evictions": enc.num_kv_pressure_evictions,
             "encoder_cache_tokens": enc.cache_size,
             "encoder_cache_used_tokens": enc.num_used_tokens,
+            "encoder_cache_borrowed_entries": len(enc.borrowed),
+            "encoder_cache_borrowed_tokens": enc.num_borrowed_tokens,
+            "encoder_cache_borrowed_bytes": (enc.num_borrowed_blocks * self.config.block_size
+                                             * self.plan.kv_bytes_per_token),
+            "encoder_cache_spills": enc.num_spills,
+            "encoder_cache_restores": enc.num_restores,
             "encoder_cache_referenced_entries": enc.num_referenced_entries(),
             "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
             "prefix_cache_queried_tokens": s.prefix_cache_queried_tokens,

@@ -10,7 +10,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from mmserve.engine.encoder_cache import EncoderBudget, EncoderCacheManager
+from mmserve.engine.encoder_cache import EncoderBudget, EncoderCacheManager, KVLending
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.step import ImageSlice, ModelOutput, ScheduledRequest, SchedulerOutput
@@ -32,12 +32,15 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
         encoder_budget: EncoderBudget,
+        lending: KVLending | None = None,
     ) -> None:
+        """``lending``: how encoder outputs fit in the KV cache's blocks, to let them borrow
+        free ones (None: they never do)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.kv_cache = kv_cache
-        self.encoder_cache = EncoderCacheManager(encoder_budget.cache_tokens)
+        self.encoder_cache = EncoderCacheManager(encoder_budget.cache_tokens, lending)
         self.encoder_compute_budget = encoder_budget.compute_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -94,10 +97,11 @@ class Scheduler:
         """Decide the images the tokens ``[num_computed, num_computed + num_new)`` need.
 
         Cached images are referenced at once. An image that is neither cached nor affordable
-        (compute budget or cache space) cuts the chunk short just before it. Returns the images
-        to encode, the possibly shrunk token count (never negative), the remaining compute
-        budget and the images newly referenced here (to roll back if the request is not
-        scheduled after all).
+        (compute budget or cache space) cuts the chunk short just before it; so does one in
+        borrowed KV blocks that the reserve has no room to take back. Returns the images to
+        encode or to take back from borrowed blocks (no compute), the possibly shrunk token
+        count (never negative), the remaining compute budget and the images newly referenced
+        here (to roll back if the request is not scheduled after all).
         """
         to_encode: list[int] = []
         referenced: list[int] = []
@@ -112,7 +116,13 @@ class Scheduler:
                 continue
             if cache.holds_reference(req, i):
                 continue
-            if cache.is_cached(image.hash):
+            if cache.is_borrowed(image.hash):
+                if reserved + image.length <= cache.num_reclaimable_tokens:
+                    to_encode.append(i)  # taken back by ``commit``, not encoded
+                    pending_hashes.add(image.hash)
+                    reserved += image.length
+                    continue
+            elif cache.is_cached(image.hash):
                 # Referencing a cached entry takes it off the evictable list: only do so if the
                 # space already promised to this chunk's new images stays reclaimable.
                 if reserved <= cache.num_reclaimable_tokens - cache.evictable_tokens(image.hash):
@@ -151,8 +161,12 @@ class Scheduler:
 
         def commit(req: Request, num_new: int, to_encode: list[int]) -> None:
             for i in to_encode:
-                self.encoder_cache.allocate(req, i)
-                out.images_to_encode[req.images[i].hash] = req.images[i].length
+                image = req.images[i]
+                if self.encoder_cache.is_borrowed(image.hash):
+                    self.encoder_cache.restore(req, i)
+                else:
+                    self.encoder_cache.allocate(req, i)
+                    out.images_to_encode[image.hash] = image.length
             scheduled.append((req, num_new))
 
         # Running requests first, in admission order; the newest is preempted first.
@@ -219,7 +233,9 @@ class Scheduler:
             # Tokens count as computed once scheduled: the step runs synchronously.
             req.num_computed_tokens += num_new
             self._release_passed_images(req)
-        out.freed_encoder_hashes = self.encoder_cache.take_freed()
+        ops = self.encoder_cache.take_ops()
+        out.freed_encoder_hashes = ops.freed
+        out.encoder_restores, out.encoder_spills = ops.restores, ops.spills
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
 

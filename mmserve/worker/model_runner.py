@@ -73,6 +73,10 @@ class ModelRunner:
         """
         for h in scheduler_output.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
+        for h, (num_tokens, block_ids) in scheduler_output.encoder_restores.items():
+            self.encoder_outputs[h] = self._read_kv_blocks(block_ids, num_tokens)
+        for h, block_ids in scheduler_output.encoder_spills.items():
+            self._write_kv_blocks(block_ids, self.encoder_outputs.pop(h))
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
         requests = scheduler_output.requests
@@ -239,6 +243,47 @@ class ModelRunner:
             [len(r.token_ids) for r in reqs], [r.start_pos + len(r.token_ids) for r in reqs],
             [r.block_ids for r in reqs], self.block_size, self.device)
         return meta, 0
+
+    # ----------------------------------------------------------------- borrowed blocks
+    @property
+    def kv_block_elements(self) -> int:
+        """Values one KV block holds over every layer, keys and values."""
+        return sum(c.numel() // c.shape[1] for c in self.kv_caches)
+
+    def _block_pieces(self) -> list[tuple[torch.Tensor, int]]:
+        """The blocks' memory as ``(layer cache viewed [2, blocks, values], keys or values)``
+        pieces in a fixed order: where an encoder output borrowing them is laid out."""
+        return [(c.view(2, c.shape[1], -1), kv) for c in self.kv_caches for kv in (0, 1)]
+
+    @torch.inference_mode()
+    def _write_kv_blocks(self, block_ids: list[int], embeds: torch.Tensor) -> None:
+        """Copy an encoder output into borrowed KV blocks (free ones: no request reads them)."""
+        flat = embeds.reshape(-1)
+        index = torch.tensor(block_ids, device=self.device)
+        start = 0
+        for cache, kv in self._block_pieces():
+            if start >= flat.numel():
+                break
+            capacity = len(block_ids) * cache.shape[2]
+            chunk = flat[start:start + capacity]
+            if chunk.numel() < capacity:
+                chunk = torch.cat([chunk, chunk.new_zeros(capacity - chunk.numel())])
+            cache[kv].index_copy_(0, index, chunk.view(len(block_ids), -1))
+            start += capacity
+
+    @torch.inference_mode()
+    def _read_kv_blocks(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """The ``[num_tokens, hidden]`` encoder output ``_write_kv_blocks`` put there."""
+        total = num_tokens * self.model.hidden_size
+        index = torch.tensor(block_ids, device=self.device)
+        parts, count = [], 0
+        for cache, kv in self._block_pieces():
+            if count >= total:
+                break
+            part = cache[kv].index_select(0, index).reshape(-1)
+            parts.append(part)
+            count += part.numel()
+        return torch.cat(parts)[:total].view(num_tokens, -1)
 
     # ----------------------------------------------------------------- memory plan
     def allocate_kv_cache(self, num_blocks: int) -> None:

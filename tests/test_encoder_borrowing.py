@@ -1,0 +1,155 @@
+"""Encoder outputs borrowing free KV blocks: scheduler bookkeeping with mock requests, no model.
+
+Beyond its reserve (seed 001's budget), the encoder cache keeps entries no running request
+needs in KV blocks that are free; a hit takes them back; the KV cache takes the blocks back the
+moment it needs them, before evicting any prefix-cache block and before preempting anyone.
+"""
+
+from __future__ import annotations
+
+from mmserve.engine.block_pool import BlockPool
+from mmserve.engine.encoder_cache import EncoderCacheManager, KVLending
+from mmserve.engine.request import RequestStatus
+from mmserve.inputs import ImageInput
+from mmserve.step import ModelOutput
+from tests.test_scheduler import (
+    SimulatedEncoderOutputs,
+    assert_no_leaks,
+    check_step,
+    make_req,
+    make_sched,
+)
+
+BS = 16
+
+
+def image_request(rid: str, image: str, text: int = 8, **params):
+    """An image of 32 tokens at the start, then ``text`` tokens."""
+    return make_req(rid, 32 + text, [ImageInput(image, 0, 32)], seed=hash(rid) % 97, **params)
+
+
+def run(sched, runner: SimulatedEncoderOutputs | None = None, max_steps: int = 50) -> list:
+    runner = runner or SimulatedEncoderOutputs()
+    outs = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        check_step(sched, out)
+        runner.apply(out)
+        sched.update(out, ModelOutput({r.request_id: 5 for r in out.requests if r.sample}))
+        outs.append(out)
+    assert not sched.has_unfinished()
+    return outs
+
+
+def one_item_sched(**kwargs):
+    """A reserve of one 32-token image; 64 KV blocks of 16 tokens."""
+    options = {"max_num_seqs": 1, "block_size": BS, "num_blocks": 64, "max_tokens_per_item": 32,
+               "encoder_cache_size": 32, "enable_caching": False, "borrowing": True}
+    return make_sched(**{**options, **kwargs})
+
+
+def test_an_entry_leaving_the_reserve_borrows_free_blocks_and_comes_back_on_a_hit() -> None:
+    sched = one_item_sched()
+    runner = SimulatedEncoderOutputs()
+    sched.add_request(image_request("a", "img-a"))
+    run(sched, runner)
+    sched.add_request(image_request("b", "img-b"))
+    outs = run(sched, runner)
+    spills = {h: b for out in outs for h, b in out.encoder_spills.items()}
+    assert list(spills) == ["img-a"] and len(spills["img-a"]) == 2  # 32 tokens, 16 per block
+    enc = sched.encoder_cache
+    assert enc.is_borrowed("img-a") and sched.kv_cache.pool.num_lent == 2
+    assert sched.kv_cache.num_free_blocks == 64  # lent blocks still count as free
+    sched.add_request(image_request("c", "img-a"))
+    outs = run(sched, runner)
+    assert "img-a" not in {h for out in outs for h in out.images_to_encode}  # not re-encoded
+    assert outs[0].encoder_restores == {"img-a": (32, spills["img-a"])}
+    assert "img-b" in outs[0].encoder_spills  # made room for it in the reserve
+    assert enc.num_restores == 1 and enc.num_hits == 1 and enc.num_misses == 2
+    assert enc.num_evictions == 0
+    assert_no_leaks(sched)
+
+
+def test_without_borrowing_the_entry_is_dropped_and_encoded_again() -> None:
+    sched = one_item_sched(borrowing=False)
+    runner = SimulatedEncoderOutputs()
+    for rid, image in (("a", "img-a"), ("b", "img-b"), ("c", "img-a")):
+        sched.add_request(image_request(rid, image))
+        run(sched, runner)
+    enc = sched.encoder_cache
+    assert enc.num_misses == 3 and enc.num_evictions == 2 and not enc.borrowed
+
+
+def test_kv_cache_takes_borrowed_blocks_before_prefix_blocks_and_without_preempting() -> None:
+    sched = one_item_sched(num_blocks=12, enable_caching=True, max_num_seqs=2,
+                           max_num_batched_tokens=256)
+    pool = sched.kv_cache.pool
+    runner = SimulatedEncoderOutputs()
+    for rid, image in (("a", "img-a"), ("b", "img-b"), ("c", "img-c")):
+        sched.add_request(image_request(rid, image))
+        run(sched, runner)
+    enc = sched.encoder_cache
+    assert set(enc.borrowed) == {"img-a", "img-b"} and pool.num_lent == 4
+    prefix_blocks = pool.num_cached_free_blocks
+    assert prefix_blocks > 0 and pool.num_empty_blocks == 12 - 4 - prefix_blocks
+    # A long text prompt needs every block but the prefix-cached ones, and one more.
+    long = make_req("long", BS * (12 - prefix_blocks) - 4, seed=7, max_tokens=2)
+    sched.add_request(long)
+    run(sched, runner)
+    assert enc.num_kv_pressure_evictions == 2 and not enc.borrowed and pool.num_lent == 0
+    assert pool.num_evictions == 0  # every prefix block is still cached
+    assert sched.num_preemptions == 0
+    assert_no_leaks(sched)
+
+
+def test_abort_and_preemption_leave_nothing_borrowed_behind() -> None:
+    sched = one_item_sched(num_blocks=10, max_num_seqs=3, max_num_batched_tokens=256)
+    for i in range(6):
+        sched.add_request(image_request(f"r{i}", f"img-{i % 4}", text=30, max_tokens=40))
+    runner = SimulatedEncoderOutputs()
+    for step_no in range(200):
+        if not sched.has_unfinished():
+            break
+        if step_no == 3:
+            sched.finish_request(sorted(sched.requests)[0], RequestStatus.FINISHED_ABORTED)
+        out = sched.schedule()
+        check_step(sched, out)
+        runner.apply(out)
+        sched.update(out, ModelOutput({r.request_id: 5 for r in out.requests if r.sample}))
+    assert sched.num_preemptions > 0
+    assert_no_leaks(sched)
+    enc = sched.encoder_cache
+    assert sched.kv_cache.pool.num_lent == enc.num_borrowed_blocks
+    enc.evict_unreferenced()  # a cold start gives every borrowed block back
+    assert sched.kv_cache.pool.num_lent == 0 and not enc.borrowed
+
+
+def test_a_spill_taken_back_in_the_same_step_is_dropped_not_copied() -> None:
+    pool = BlockPool(8, enable_caching=False)
+    cache = EncoderCacheManager(32, KVLending(pool, block_elements=BS, token_elements=1))
+    a, b = image_request("a", "img-a"), image_request("b", "img-b")
+    cache.allocate(a, 0)
+    cache.release(a, 0)
+    cache.allocate(b, 0)  # img-a leaves the reserve for two lent blocks
+    assert cache.is_borrowed("img-a") and pool.num_lent == 2
+    pool.allocate(7)  # the KV cache needs all but one block: img-a gives its two back
+    ops = cache.take_ops()
+    assert ops.spills == {} and ops.freed == ["img-a"] and not cache.borrowed
+    assert cache.num_kv_pressure_evictions == 1
+
+
+def test_a_hit_on_an_entry_spilled_in_the_same_step_keeps_the_tensor() -> None:
+    pool = BlockPool(8, enable_caching=False)
+    cache = EncoderCacheManager(64, KVLending(pool, block_elements=BS, token_elements=1))
+    a, b, c = (image_request(r, f"img-{r}") for r in "abc")
+    for req in (a, b):
+        cache.allocate(req, 0)
+        cache.release(req, 0)
+    cache.allocate(c, 0)  # the oldest, img-a, spills
+    again = image_request("a2", "img-a")
+    cache.restore(again, 0)  # and is wanted at once: img-b spills to make room
+    ops = cache.take_ops()
+    assert ops.restores == {} and set(ops.spills) == {"img-b"} and ops.freed == []
+    assert "img-a" in cache.entries and pool.num_lent == 2
