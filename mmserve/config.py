@@ -121,6 +121,10 @@ class EngineConfig:
     encoder_cache_size: int | None = flag(
         None, "encoder cache reserve in embedding tokens (default: auto, from the encoder "
         "budget); beyond it, image embeddings no request needs may stay in free KV blocks")
+    encoder_cache_eviction: str = flag(
+        "queue-aware", "which cached image embeddings go first when space is needed: "
+        "'queue-aware' (those no waiting request shows, then the rest; oldest first in each) "
+        "or 'lru' (oldest first)", choices=("queue-aware", "lru"))
     encoder_cache_borrowing: bool = flag(
         True, "let image embeddings no running request needs stay cached in KV blocks that "
         "are free (given back the moment the KV cache needs them); off: drop them when the "

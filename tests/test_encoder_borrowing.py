@@ -153,3 +153,77 @@ def test_a_hit_on_an_entry_spilled_in_the_same_step_keeps_the_tensor() -> None:
     ops = cache.take_ops()
     assert ops.restores == {} and set(ops.spills) == {"img-b"} and ops.freed == []
     assert "img-a" in cache.entries and pool.num_lent == 2
+
+
+def test_eviction_keeps_what_waiting_requests_show() -> None:
+    """Queue-aware: of the unreferenced entries, the one a waiting request shows goes last,
+    even though it is the oldest; plain LRU evicts it first."""
+    def waiting() -> set[str]:
+        return {"img-a"}
+
+    for wanted, evicted in ((waiting, "img-b"), (None, "img-a")):
+        cache = EncoderCacheManager(64, wanted=wanted)
+        for rid in "ab":
+            req = image_request(rid, f"img-{rid}")
+            cache.allocate(req, 0)
+            cache.release(req, 0)
+        cache.allocate(image_request("c", "img-c"), 0)
+        assert cache.take_ops().freed == [evicted]
+
+
+def test_kv_pressure_gives_back_entries_nobody_waits_for_first() -> None:
+    pool = BlockPool(8, enable_caching=False)
+    waiting = {"img-a"}
+    cache = EncoderCacheManager(32, KVLending(pool, block_elements=BS, token_elements=1),
+                                wanted=lambda: waiting)
+    for rid in "abc":
+        req = image_request(rid, f"img-{rid}")
+        cache.allocate(req, 0)
+        cache.release(req, 0)
+    assert list(cache.borrowed) == ["img-a", "img-b"]  # oldest first, two blocks each
+    pool.allocate(5)  # the KV cache needs one lent block's pair back
+    assert list(cache.borrowed) == ["img-a"]  # img-b went, though img-a is older
+
+
+def test_a_full_prefix_hit_over_an_image_neither_encodes_nor_pins_it() -> None:
+    """Image tokens wholly inside prefix-cache blocks need no embeddings: a second request
+    with the same image-and-text prefix schedules no encoder work and holds no entry."""
+    sched = one_item_sched(enable_caching=True, max_num_batched_tokens=128)
+    runner = SimulatedEncoderOutputs()
+    first = make_req("first", 70, [ImageInput("img-a", 0, 32)], seed=3)
+    sched.add_request(first)
+    run(sched, runner)
+    sched.encoder_cache.evict_unreferenced()  # the embeddings are gone; the KV blocks stay
+    second = make_req("second", 70, [ImageInput("img-a", 0, 32)], seed=3)
+    sched.add_request(second)
+    outs = run(sched, runner)
+    assert outs[0].requests[0].start_pos == 64  # 4 blocks hit: the image and beyond
+    assert all(not out.images_to_encode and not out.encoder_restores for out in outs)
+    assert sched.encoder_cache.num_hits == 0 and sched.encoder_cache.num_misses == 1
+
+
+def test_lending_may_take_prefix_blocks_only_when_told() -> None:
+    pool = BlockPool(4, enable_caching=True)
+    blocks = pool.allocate(4)
+    for i, block in enumerate(blocks):
+        pool.cache_block(block, f"h{i}".encode())
+    pool.free(blocks[:2])  # two prefix-cached free blocks, no empty one
+    assert pool.lend(1) is None
+    assert pool.lend(1, take_prefix_blocks=True) == [0]
+    assert pool.get_cached(b"h0") is None and pool.num_evictions == 1
+    assert pool.get_cached(b"h1") is blocks[1]
+
+
+def test_plan_says_what_borrowing_does_and_the_flag_turns_it_off(clip_llama: str) -> None:
+    from mmserve import LLM
+
+    on = LLM(clip_llama, dtype="float32").engine
+    plan = on.plan
+    assert plan.encoder_borrowing and plan.encoder_flops_per_byte > 0
+    assert plan.prefill_flops_per_byte > 0
+    assert "stay in free KV blocks" in plan.summary()
+    assert on.scheduler.encoder_cache.lending.take_prefix_blocks == (
+        plan.encoder_flops_per_byte > plan.prefill_flops_per_byte)
+    off = LLM(clip_llama, dtype="float32", encoder_cache_borrowing=False).engine
+    assert not off.plan.encoder_borrowing and off.scheduler.encoder_cache.lending is None
+    assert "borrowing         off" in off.plan.summary()

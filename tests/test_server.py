@@ -231,8 +231,13 @@ def test_32_concurrent_streams_with_images(server: Server) -> None:
                  "mmserve_kv_cache_usage_perc", "mmserve_encoder_cache_usage_perc",
                  "mmserve_encoder_cache_hits_total", "mmserve_encoder_cache_misses_total",
                  "mmserve_encoder_cache_evictions_total", "mmserve_num_preemptions_total",
+                 "mmserve_encoder_cache_borrowed_entries", "mmserve_encoder_cache_borrowed_bytes",
+                 "mmserve_encoder_cache_reserve_tokens", "mmserve_encoder_cache_hit_rate",
                  "mmserve_prompt_tokens_total"):
         assert re.search(rf"^{name}{{", after, re.M), name
+    for reason in ("capacity", "kv_pressure"):
+        assert re.search(rf'^mmserve_encoder_cache_evictions_total{{.*reason="{reason}"', after,
+                         re.M), reason
 
 
 def _long_request(stream: bool) -> dict:

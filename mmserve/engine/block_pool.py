@@ -73,12 +73,14 @@ class BlockPool:
         when an allocation needs more than the empty queue holds."""
         self._reclaim = reclaim
 
-    def lend(self, n: int) -> list[int] | None:
-        """Lend ``n`` empty blocks (never a prefix-cached one), or None when fewer are empty."""
-        if n > len(self._empty):
+    def lend(self, n: int, take_prefix_blocks: bool = False) -> list[int] | None:
+        """Lend ``n`` empty blocks, or None when fewer are empty. ``take_prefix_blocks``: make
+        up the difference from the least recently freed prefix-cache blocks (evicting them)."""
+        available = len(self._empty) + (len(self._cached_free) if take_prefix_blocks else 0)
+        if n > available:
             return None
         self.num_lent += n
-        return [self._empty.popitem(last=False)[0] for _ in range(n)]
+        return [self._take().block_id for _ in range(n)]
 
     def give_back(self, block_ids: list[int]) -> None:
         """Lent blocks return to the empty queue (their content is not worth keeping)."""
@@ -95,19 +97,22 @@ class BlockPool:
             raise RuntimeError(f"asked for {n} KV blocks with only {self.num_free_blocks} free")
         if n > len(self._empty) and self.num_lent and self._reclaim is not None:
             self._reclaim(n - len(self._empty))
-        out = []
-        for _ in range(n):
-            queue = self._empty if self._empty else self._cached_free
-            block_id, _ = queue.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
-                self.num_evictions += 1
+        out = [self._take() for _ in range(n)]
+        for block in out:
             block.ref_cnt = 1
-            out.append(block)
         return out
+
+    def _take(self) -> KVBlock:
+        """The next free block: empty first, else the least recently freed prefix-cache block,
+        its hash evicted."""
+        queue = self._empty if self._empty else self._cached_free
+        block = self.blocks[queue.popitem(last=False)[0]]
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_evictions += 1
+        return block
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take a reference on prefix-cache hits, pulling free ones out of the free queue."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mmserve.engine.block_pool import BlockPool
@@ -80,11 +81,14 @@ class _Entry:
 @dataclass(frozen=True)
 class KVLending:
     """How encoder outputs fit in KV blocks: a block holds ``block_elements`` values of the
-    model's dtype (all layers' keys and values), an embedding token ``token_elements``."""
+    model's dtype (all layers' keys and values), an embedding token ``token_elements``.
+    ``take_prefix_blocks``: with no empty block left, borrow the prefix cache's least recently
+    used free blocks too (when a byte of embeddings saves more compute than a byte of KV)."""
 
     pool: BlockPool
     block_elements: int
     token_elements: int
+    take_prefix_blocks: bool = False
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens * self.token_elements, self.block_elements)
@@ -116,8 +120,12 @@ class EncoderCacheManager:
     no empty block is free, an entry leaving the reserve is dropped.
     """
 
-    def __init__(self, cache_size: int, lending: KVLending | None = None) -> None:
+    def __init__(self, cache_size: int, lending: KVLending | None = None,
+                 wanted: Callable[[], set[str]] | None = None) -> None:
+        """``wanted()``: the image hashes waiting requests show, for queue-aware eviction
+        (None: plain LRU)."""
         self.cache_size = cache_size
+        self.wanted = wanted
         self.num_free_tokens = cache_size
         self.entries: dict[str, _Entry] = {}
         self._unreferenced: OrderedDict[str, None] = OrderedDict()  # oldest first
@@ -208,13 +216,17 @@ class EncoderCacheManager:
         if num_tokens > self.num_reclaimable_tokens:
             raise RuntimeError(f"encoder cache cannot hold {num_tokens} more tokens: "
                                f"{self.num_reclaimable_tokens} reclaimable")
+        wanted = self._wanted() if self.num_free_tokens < num_tokens else set()
         while self.num_free_tokens < num_tokens:
-            victim, _ = self._unreferenced.popitem(last=False)
+            victim = _victim(self._unreferenced, wanted)
+            del self._unreferenced[victim]
             tokens = self.entries.pop(victim).num_tokens
             self._num_unreferenced_tokens -= tokens
             self.num_free_tokens += tokens
-            blocks = self.lending.pool.lend(self.lending.blocks_for(tokens)) \
-                if self.lending is not None else None
+            blocks = None
+            if self.lending is not None:
+                blocks = self.lending.pool.lend(self.lending.blocks_for(tokens),
+                                                self.lending.take_prefix_blocks)
             if blocks is None:
                 self._ops.freed.append(victim)
                 self.num_evictions += 1
@@ -223,12 +235,17 @@ class EncoderCacheManager:
                 self._ops.spills[victim] = blocks
                 self.num_spills += 1
 
+    def _wanted(self) -> set[str]:
+        return self.wanted() if self.wanted is not None else set()
+
     def _give_back(self, num_blocks: int) -> None:
         """The KV cache needs ``num_blocks`` more blocks: drop borrowed entries, oldest first,
         until that many are given back (or none is left)."""
         given = 0
+        wanted = self._wanted()
         while given < num_blocks and self.borrowed:
-            victim, (_, blocks) = self.borrowed.popitem(last=False)
+            victim = _victim(self.borrowed, wanted)
+            _, blocks = self.borrowed.pop(victim)
             if self._ops.spills.pop(victim, None) is not None:
                 self._ops.freed.append(victim)  # never copied: the runner drops the tensor
             self.lending.pool.give_back(blocks)
@@ -285,3 +302,17 @@ class EncoderCacheManager:
 
     def num_referenced_entries(self) -> int:
         return sum(1 for e in self.entries.values() if e.refs)
+
+
+def _victim(entries: OrderedDict[str, object], wanted: set[str]) -> str:
+    """The entry to evict: the oldest that no waiting request shows, else the oldest.
+
+    Why this order: an entry a waiting request shows will be read again soon, for certain, and
+    evicting it costs a whole encoder run when that request is admitted; an entry nobody has
+    asked for again may never be read. Age still orders each class, since among entries no one
+    is waiting for, the most recently used is the likeliest to come back (LRU's bet)."""
+    if wanted:
+        for image_hash in entries:
+            if image_hash not in wanted:
+                return image_hash
+    return next(iter(entries))

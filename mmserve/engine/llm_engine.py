@@ -98,8 +98,10 @@ class LLMEngine:
             ),
             kv_cache,
             self.encoder_budget,
-            KVLending(kv_cache.pool, self.runner.kv_block_elements, self.model.hidden_size)
-            if config.encoder_cache_borrowing else None,
+            KVLending(kv_cache.pool, self.runner.kv_block_elements, self.model.hidden_size,
+                      take_prefix_blocks=self.plan.encoder_displaces_prefix)
+            if self.plan.encoder_borrowing else None,
+            queue_aware_eviction=config.encoder_cache_eviction == "queue-aware",
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()

@@ -57,6 +57,11 @@ class PlanInputs:
     single_user_mode: bool = False
     min_model_len: int = 1  # an auto max_model_len below this (one image + one token) fails
     estimated: tuple[str, ...] = ()  # names of the figures above that are estimates
+    # Encoder outputs beyond the reserve may borrow free KV blocks; what each cache saves per
+    # byte it holds (model FLOPs), which decides whether they may displace prefix blocks.
+    encoder_borrowing: bool = False
+    encoder_flops_per_byte: float = 0.0
+    prefill_flops_per_byte: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,15 @@ class MemoryPlan:
     max_num_seqs_source: str
     estimated: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    encoder_borrowing: bool = False
+    encoder_flops_per_byte: float = 0.0
+    prefill_flops_per_byte: float = 0.0
+
+    @property
+    def encoder_displaces_prefix(self) -> bool:
+        """Whether borrowed encoder outputs may take free blocks from the prefix cache: when
+        keeping a byte of image embeddings saves more compute than a byte of KV does."""
+        return self.encoder_borrowing and self.encoder_flops_per_byte > self.prefill_flops_per_byte
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -111,6 +125,17 @@ class MemoryPlan:
         return {**asdict(self), "kv_cache_tokens": self.kv_cache_tokens,
                 "kv_cache_bytes": self.kv_cache_bytes,
                 "max_concurrency": round(self.max_concurrency, 2)}
+
+    def _borrowing_text(self) -> str:
+        if not self.encoder_borrowing:
+            return "off: image embeddings leaving the encoder cache are dropped"
+        saves = (f"a byte of image embeddings saves {self.encoder_flops_per_byte:,.0f} FLOPs, "
+                 f"a byte of KV {self.prefill_flops_per_byte:,.0f}")
+        rule = ("so they may also take the prefix cache's least recently used free blocks"
+                if self.encoder_displaces_prefix
+                else "so they never displace prefix-cached blocks")
+        return ("image embeddings beyond the encoder cache stay in free KV blocks, given back "
+                f"the moment the KV cache needs them; {saves}, {rule}")
 
     def summary(self) -> str:
         """The report as a few lines of text (logged at start-up, printed by ``mmserve plan``)."""
@@ -131,8 +156,10 @@ class MemoryPlan:
             f"  weights           {_size(self.weights_bytes):>11}{est('weights_bytes')}",
             f"  peak activations  {_size(self.activation_bytes):>11}"
             f"{est('activation_bytes')}: {self.activation_method}",
-            f"  encoder cache     {_size(self.encoder_cache_bytes):>11}: "
-            f"{self.encoder_cache_items} images, {self.encoder_cache_tokens} embedding tokens",
+            f"  encoder reserve   {_size(self.encoder_cache_bytes):>11}: "
+            f"{self.encoder_cache_items} images, {self.encoder_cache_tokens} embedding tokens "
+            "(the encoder cache's own memory)",
+            f"  borrowing         {self._borrowing_text()}",
             f"  KV cache          {_size(self.kv_cache_bytes):>11}: {self.num_blocks} blocks x "
             f"{self.block_size} tokens = {self.kv_cache_tokens} tokens at "
             f"{self.kv_bytes_per_token} B/token ({kv_note})",
@@ -238,6 +265,9 @@ def plan_memory(inp: PlanInputs) -> MemoryPlan:
         max_model_len_source=limits.max_model_len_source,
         max_num_seqs=limits.max_num_seqs,
         max_num_seqs_source=limits.max_num_seqs_source,
+        encoder_borrowing=inp.encoder_borrowing,
+        encoder_flops_per_byte=inp.encoder_flops_per_byte,
+        prefill_flops_per_byte=inp.prefill_flops_per_byte,
         estimated=inp.estimated,
         warnings=tuple(warnings),
     )

@@ -33,14 +33,18 @@ class Scheduler:
         kv_cache: KVCacheManager,
         encoder_budget: EncoderBudget,
         lending: KVLending | None = None,
+        queue_aware_eviction: bool = True,
     ) -> None:
         """``lending``: how encoder outputs fit in the KV cache's blocks, to let them borrow
-        free ones (None: they never do)."""
+        free ones (None: they never do). ``queue_aware_eviction``: cached image embeddings
+        that waiting requests show are evicted last (else plain LRU)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
         self.kv_cache = kv_cache
-        self.encoder_cache = EncoderCacheManager(encoder_budget.cache_tokens, lending)
+        self.encoder_cache = EncoderCacheManager(
+            encoder_budget.cache_tokens, lending,
+            self._waiting_image_hashes if queue_aware_eviction else None)
         self.encoder_compute_budget = encoder_budget.compute_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -89,6 +93,9 @@ class Scheduler:
             "Request %s was preempted (recomputed later) because the KV cache is full; "
             "give the KV cache more memory or lower max_num_seqs. Preemptions so far: %d.",
             req.request_id, self.num_preemptions)
+
+    def _waiting_image_hashes(self) -> set[str]:
+        return {image.hash for req in self.waiting for image in req.images}
 
     # ----------------------------------------------------------------- images
     def _schedule_images(

@@ -11,7 +11,7 @@ storages, whose sizes depend on shapes alone), so there both plans are the same.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -28,7 +28,12 @@ from mmserve.engine.memory_plan import (
 from mmserve.engine.profile_batch import ProfileBatch, profile_batch_for
 from mmserve.processing.family import MultiModalFamily
 from mmserve.worker import memory_profiler
-from mmserve.worker.dry_run import dry_run_peak, meta_model
+from mmserve.worker.dry_run import (
+    decoder_flops_per_token,
+    dry_run_peak,
+    encoder_flops_per_token,
+    meta_model,
+)
 
 # Runs the profile batch on the device; returns its peak bytes and how they were measured.
 PeakMeasurement = Callable[[ProfileBatch], tuple[int, str]]
@@ -115,8 +120,7 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
                               images_per_step(config, budget))
     step = batch.scheduler_output
     marked = set(estimated)
-    if weights_bytes is None or measure_peak is None:
-        model = meta_model(hf_config, dtype)
+    model = meta_model(hf_config, dtype)  # shapes only: sizes, dry runs, FLOPs
     if weights_bytes is None:
         weights_bytes = memory_profiler.tensor_bytes(model)
         if device != "cpu":
@@ -132,6 +136,15 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
                f"{len(step.images_to_encode)} images)")
     inputs = plan_inputs(config, hf_config, device, memory_bytes, weights_bytes, peak, method,
                          budget, estimated=tuple(sorted(marked)))
+    if config.encoder_cache_borrowing and config.limit_mm_per_prompt:
+        text = hf_config.text_config
+        dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        encoder = encoder_flops_per_token(model, family.dummy_encoder_input(),
+                                          family.max_tokens_per_item)
+        inputs = replace(
+            inputs, encoder_borrowing=True,
+            encoder_flops_per_byte=encoder / (text.hidden_size * dtype_bytes),
+            prefill_flops_per_byte=decoder_flops_per_token(model) / inputs.kv_bytes_per_token)
     return StartupPlan(plan_memory(inputs), budget, batch)
 
 

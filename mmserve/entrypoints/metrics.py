@@ -110,8 +110,24 @@ class _EngineCollector(Collector):
                       s["encoder_cache_hits"])
         yield counter("mmserve_encoder_cache_misses", "Images that had to be encoded.",
                       s["encoder_cache_misses"])
-        yield counter("mmserve_encoder_cache_evictions", "Encoder cache entries evicted.",
-                      s["encoder_cache_evictions"])
+        evictions = CounterMetricFamily(
+            "mmserve_encoder_cache_evictions", "Encoder cache entries dropped, by reason: "
+            "capacity (the reserve was full and no free KV block could take them), kv_pressure "
+            "(the KV cache took back the blocks they borrowed).", labels=["model_name", "reason"])
+        evictions.add_metric([self.model_name, "capacity"], s["encoder_cache_evictions"])
+        evictions.add_metric([self.model_name, "kv_pressure"],
+                             s["encoder_cache_kv_pressure_evictions"])
+        yield evictions
+        yield gauge("mmserve_encoder_cache_reserve_tokens", "The encoder cache's own memory, in "
+                    "embedding tokens.", s["encoder_cache_tokens"])
+        yield gauge("mmserve_encoder_cache_borrowed_entries", "Image embeddings kept in free KV "
+                    "blocks.", s["encoder_cache_borrowed_entries"])
+        yield gauge("mmserve_encoder_cache_borrowed_bytes", "Bytes of KV blocks lent to image "
+                    "embeddings.", s["encoder_cache_borrowed_bytes"])
+        lookups = s["encoder_cache_hits"] + s["encoder_cache_misses"]
+        yield gauge("mmserve_encoder_cache_hit_rate", "Share of image lookups found in the "
+                    "encoder cache (reserve or borrowed blocks), 0 to 1.",
+                    s["encoder_cache_hits"] / lookups if lookups else 0.0)
         yield counter("mmserve_num_failed_requests", "Requests an engine step failed for "
                       "(finished with an error while the others went on).",
                       s["num_failed_requests"])

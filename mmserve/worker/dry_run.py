@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmserve.inputs import EncoderInput
 from mmserve.models.registry import get_model_class
 from mmserve.step import SchedulerOutput
 from mmserve.worker.model_runner import EncoderPixels, ModelRunner
@@ -67,3 +68,22 @@ def dry_run_peak(model: nn.Module, batch: SchedulerOutput, encoder_pixels: Encod
     runner = MetaModelRunner(model, profile_blocks(batch), block_size, dtype)
     peak = runner.measure_profile_peak(batch, encoder_pixels)
     return peak + INPUT_BYTES_PER_TOKEN * batch.num_scheduled_tokens
+
+
+def encoder_flops_per_token(model: nn.Module, item: EncoderInput, num_tokens: int) -> float:
+    """Model FLOPs the encoder spends per embedding token, counted on the meta device while
+    ``model`` (a ``meta_model``) encodes ``item``, an image of ``num_tokens`` tokens."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    item = {name: t.to(META) if t.is_floating_point() else t for name, t in item.items()}
+    with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+        model.encode_images([item])
+    return counter.get_total_flops() / num_tokens
+
+
+def decoder_flops_per_token(model: nn.Module) -> float:
+    """Model FLOPs of prefilling one token: two per weight of the decoder's layers (its
+    matrix products; the token embedding is a lookup, and attention's own FLOPs, which grow
+    with the context, are left out)."""
+    layers = model.model.language_model.layers
+    return 2.0 * sum(p.numel() for p in layers.parameters() if p.dim() == 2)
