@@ -765,3 +765,22 @@ def test_randomized_stress_exercises_borrowing() -> None:
         totals.update(spills=enc.num_spills, restores=enc.num_restores,
                       pressure=enc.num_kv_pressure_evictions)
     assert totals["spills"] > 0 and totals["pressure"] > 0, totals
+
+
+def test_a_schedule_that_raises_forgets_the_images_it_reserved(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine fails the requests in flight when scheduling raises; the encoder-cache entry
+    reserved for an image that was never encoded must not survive as a hit for later."""
+    sched = make_sched()
+    req = make_req("a", 40, [ImageInput("img", 0, 32)])
+    sched.add_request(req)
+
+    def broken(_req: Request) -> list[int]:
+        raise RuntimeError("a bug in the books")
+
+    with monkeypatch.context() as m:
+        m.setattr(sched.kv_cache, "block_ids", broken)
+        with pytest.raises(RuntimeError, match="bug in the books"):
+            sched.schedule()
+    assert not sched.encoder_cache.is_cached("img")
+    assert sched.encoder_cache.num_free_tokens == sched.encoder_cache.cache_size

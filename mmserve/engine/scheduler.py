@@ -160,7 +160,18 @@ class Scheduler:
 
     # ----------------------------------------------------------------- step
     def schedule(self) -> SchedulerOutput:
+        """The next step. If scheduling raises (a bug in the books; the engine then fails
+        the requests in flight), the encoder-cache entries it reserved are forgotten: their
+        images were never encoded, and a later hit must not read nothing."""
         out = SchedulerOutput()
+        try:
+            return self._schedule(out)
+        except Exception:
+            for image_hash in out.images_to_encode:
+                self.encoder_cache.discard(image_hash)
+            raise
+
+    def _schedule(self, out: SchedulerOutput) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
         compute_budget = self.encoder_compute_budget
         scheduled: list[tuple[Request, int]] = []
