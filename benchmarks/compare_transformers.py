@@ -9,7 +9,9 @@ preprocessing (the HF processor) in their time.
 
 Workloads (as in issue 5): ``mixed`` has K = N/2 distinct images each used twice, a shared
 system prompt and output lengths drawn from 16..96; ``uniform`` has N distinct images and 64
-output tokens each.
+output tokens each. Both draw their images at ``--image-sizes`` (one size, several, or the preset
+``mixed``: small, medium, large and wide images, which a Qwen2.5-VL checkpoint makes 4 to 999
+tokens each).
 
 Texts are compared for the requests both completed: in bfloat16, two correct implementations
 can drift apart after some tokens (different reduction orders round differently and greedy
@@ -18,6 +20,8 @@ lengths. ``--fp32-check M`` re-runs the first M mixed requests in float32 on bot
 where the outputs must be identical token for token.
 
     python benchmarks/compare_transformers.py            # builds the bench checkpoint if needed
+    python benchmarks/compare_transformers.py --bench-checkpoint qwen2_5_vl \
+        --image-sizes mixed --max-model-len 2048
 """
 
 from __future__ import annotations
@@ -36,11 +40,20 @@ from typing import Any
 
 import torch
 
-from mmserve.bench.checkpoint import ensure_bench_checkpoint
-from mmserve.bench.cli import default_bench_model
+from mmserve.bench.checkpoint import (
+    BENCH_CHECKPOINTS,
+    DEFAULT_BENCH_CHECKPOINT,
+    ensure_bench_checkpoint,
+)
 from mmserve.bench.report import grid_table
 from mmserve.bench.throughput import run_throughput
-from mmserve.bench.workload import Workload, WorkloadConfig, build_workload, parse_size
+from mmserve.bench.workload import (
+    Workload,
+    WorkloadConfig,
+    build_workload,
+    format_sizes,
+    parse_sizes,
+)
 from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.worker.cpu_allocator import keep_freed_memory
@@ -48,27 +61,45 @@ from mmserve.worker.cpu_allocator import keep_freed_memory
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def workload_configs(n: int, image_size: tuple[int, int], shared_prefix_len: int,
+Sizes = tuple[tuple[int, int], ...]
+
+
+def workload_configs(n: int, image_sizes: Sizes, shared_prefix_len: int,
                      seed: int) -> dict[str, WorkloadConfig]:
     return {
-        "mixed": WorkloadConfig(num_prompts=n, image_size=image_size, unique_images=n // 2,
+        "mixed": WorkloadConfig(num_prompts=n, image_sizes=image_sizes, unique_images=n // 2,
                                 output_len=(16, 96), shared_prefix_len=shared_prefix_len,
                                 seed=seed),
-        "uniform": WorkloadConfig(num_prompts=n, image_size=image_size, output_len=(64, 64),
+        "uniform": WorkloadConfig(num_prompts=n, image_sizes=image_sizes, output_len=(64, 64),
                                   seed=seed + 1),
     }
 
 
+def warm_up_workload(image_sizes: Sizes, tokenizer) -> Workload:
+    """Short requests with images of their own, one of each size (at least two), so that
+    first-call costs are not timed."""
+    return build_workload(WorkloadConfig(num_prompts=max(2, len(image_sizes)),
+                                         image_sizes=image_sizes, output_len=(2, 2),
+                                         seed=10_000), tokenizer)
+
+
 # ----------------------------------------------------------------- transformers
 class HFRunner:
-    """transformers' LlavaForConditionalGeneration with batched, left-padded greedy generate."""
+    """transformers' own model class of the checkpoint (``architectures`` in its config, e.g.
+    ``LlavaForConditionalGeneration``) with batched, left-padded greedy generate."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
-        from transformers import AutoProcessor, LlavaForConditionalGeneration
+        import transformers
 
-        self.model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=dtype)
+        from mmserve.testing.oracle import load_hf_processor
+
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        model_class = getattr(transformers, config.architectures[0])
+        self.model = model_class.from_pretrained(model_dir, dtype=dtype)
         self.model.eval()
-        self.processor = AutoProcessor.from_pretrained(model_dir)
+        # AutoProcessor, or for Qwen2-VL the same processor less its video processor (which
+        # needs torchvision).
+        self.processor = load_hf_processor(model_dir)
         self.processor.tokenizer.padding_side = "left"
 
     @torch.inference_mode()
@@ -124,7 +155,7 @@ _hf: HFRunner | None = None
 
 
 def hf_start(model_dir: str, dtype: str, threads: int | None, keep_heap: bool,
-             image_size: tuple[int, int]) -> None:
+             image_sizes: Sizes) -> None:
     global _hf
     if threads:
         torch.set_num_threads(threads)
@@ -134,10 +165,8 @@ def hf_start(model_dir: str, dtype: str, threads: int | None, keep_heap: bool,
 
     hf_logging.disable_progress_bar()
     _hf = HFRunner(model_dir, _DTYPES[dtype])
-    warm = build_workload(WorkloadConfig(num_prompts=1, image_size=image_size,
-                                         output_len=(2, 2), seed=10_000),
-                          _hf.processor.tokenizer)
-    _hf.generate(warm, [0])
+    warm = warm_up_workload(image_sizes, _hf.processor.tokenizer)
+    _hf.generate(warm, list(range(len(warm.requests))))
 
 
 def hf_fastest_batch_size(workload: Workload, sizes: list[int]) -> dict[int, float]:
@@ -157,12 +186,9 @@ def mmserve_engine(model_dir: str, dtype: str, max_model_len: int,
                                   encoder_cache_size=encoder_cache_size))
 
 
-def warm_up_mmserve(engine: LLMEngine, image_size: tuple[int, int]) -> None:
-    """Two short requests with images of their own, so first-call costs are not timed."""
-    warm = build_workload(WorkloadConfig(num_prompts=2, image_size=image_size,
-                                         output_len=(2, 2), seed=10_000),
-                          engine.processor.tokenizer)
-    run_throughput(engine, warm, use_tqdm=False)
+def warm_up_mmserve(engine: LLMEngine, image_sizes: Sizes) -> None:
+    run_throughput(engine, warm_up_workload(image_sizes, engine.processor.tokenizer),
+                   use_tqdm=False)
     engine.reset_caches()
 
 
@@ -185,7 +211,8 @@ def agreement(a: list[list[int]], b: list[list[int]], tokenizer) -> dict[str, An
             "tokens_agreeing": sum(prefixes) / sum(lengths)}
 
 
-def fp32_check(model_dir: str, workload: Workload, count: int, max_len: int) -> dict[str, Any]:
+def fp32_check(model_dir: str, workload: Workload, count: int, max_len: int,
+               max_model_len: int) -> dict[str, Any]:
     """The first ``count`` requests, outputs cut to ``max_len`` tokens, in float32 on both
     sides; transformers runs each request alone (no padding) as the oracle."""
     reqs = [dataclasses.replace(r, output_len=min(r.output_len, max_len))
@@ -196,7 +223,7 @@ def fp32_check(model_dir: str, workload: Workload, count: int, max_len: int) -> 
     tokenizer = hf.processor.tokenizer
     del hf
     gc.collect()
-    engine = mmserve_engine(model_dir, "float32", max_model_len=1024)
+    engine = mmserve_engine(model_dir, "float32", max_model_len=max_model_len)
     got = [o.token_ids for o in run_throughput(engine, sub, use_tqdm=False).outputs]
     return agreement(expected, got, tokenizer)
 
@@ -218,9 +245,15 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint (default: the bench checkpoint, built if needed)")
+    p.add_argument("--bench-checkpoint", choices=sorted(BENCH_CHECKPOINTS),
+                   help="without --model: the benchmark checkpoint (mmserve/bench/checkpoint.py), "
+                   "'llava' (the default) or 'qwen2_5_vl'")
     p.add_argument("--workloads", default="mixed,uniform")
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--image-size", type=parse_size, default=(256, 200), metavar="WxH")
+    p.add_argument("--image-sizes", "--image-size", dest="image_sizes", type=parse_sizes,
+                   default=((256, 200),), metavar="WxH[,WxH...]|mixed",
+                   help="size of the drawn images, or several they take in turn; 'mixed': "
+                   "small, medium, large and wide (default: 256x200)")
     p.add_argument("--shared-prefix-len", type=int, default=64,
                    help="tokens of the mixed workload's shared system prompt")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
@@ -230,10 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp32-check", type=int, default=4, metavar="M",
                    help="float32 exactness check on the first M mixed requests (0: skip)")
     p.add_argument("--fp32-max-tokens", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=1024,
+                   help="mmserve's longest sequence (default: 1024); the qwen2_5_vl checkpoint "
+                   "makes up to 1024 tokens of an image: give 2048 with --image-sizes mixed")
     p.add_argument("--encoder-cache-size", type=int,
                    help="mmserve's encoder cache in embedding tokens (default: derived from the "
-                   "scheduler limits, 12 images of this checkpoint)")
+                   "scheduler limits: 12 images of the llava bench checkpoint)")
     p.add_argument("--repeats", type=int, default=1,
                    help="turns per workload (transformers, then mmserve); medians reported")
     p.add_argument("--hf-keep-heap", action="store_true",
@@ -251,10 +286,13 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
 
-    model_dir = args.model or str(ensure_bench_checkpoint(default_bench_model()))
+    if args.model and args.bench_checkpoint:
+        p.error("give --model or --bench-checkpoint, not both")
+    model_dir = args.model or str(ensure_bench_checkpoint(
+        name=args.bench_checkpoint or DEFAULT_BENCH_CHECKPOINT))
     print(f"machine: {machine()}")
-    print(f"model: {model_dir}, dtype {args.dtype}")
-    configs = workload_configs(args.num_prompts, args.image_size, args.shared_prefix_len,
+    print(f"model: {model_dir}, dtype {args.dtype}, images {format_sizes(args.image_sizes)}")
+    configs = workload_configs(args.num_prompts, args.image_sizes, args.shared_prefix_len,
                                args.seed)
     from transformers import AutoTokenizer
 
@@ -269,9 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     # so that a change in the machine's speed moves both figures of one ratio alike.
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     pool.submit(hf_start, model_dir, args.dtype, args.threads, args.hf_keep_heap,
-                args.image_size).result()
+                args.image_sizes).result()
     engine = mmserve_engine(model_dir, args.dtype, args.max_model_len, args.encoder_cache_size)
-    warm_up_mmserve(engine, args.image_size)
+    warm_up_mmserve(engine, args.image_sizes)
     rows, details = [], []
     best = args.hf_batch_size
     for name in names:
@@ -320,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['encoder_items_requested']}, prefix-cache hit tokens "
               f"{r['prefix_cache_hit_tokens']}, peak running {r['peak_running']}, "
               f"preemptions {r['num_preemptions']}")
+        t = r["tokens_per_image"]
+        print(f"{name}: mmserve tokens per image min / median / max {t['min']} / "
+              f"{t['median']:g} / {t['max']}, image tokens encoded {r['encoder_tokens_computed']}, "
+              f"peak encoder cache {r['peak_encoder_cache_used_tokens']} of "
+              f"{r['encoder_cache_tokens']} tokens ({r['peak_encoder_cache_usage']:.0%}) + "
+              f"{r['peak_encoder_cache_borrowed_tokens']} borrowed, vision encoder "
+              f"{r['encoder_share_of_step_time']:.1%} of step time")
         print(f"{name}: mmserve time shares: " + ", ".join(
             f"{k} {v:.1%}" for k, v in share.items()))
         print(f"{name}: mmserve sched+prep share at ~{r['full_batch_mean_running']:.0f} running: "
@@ -329,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         del engine
         gc.collect()
         check = fp32_check(model_dir, build_workload(configs["mixed"], tokenizer),
-                           args.fp32_check, args.fp32_max_tokens)
+                           args.fp32_check, args.fp32_max_tokens, args.max_model_len)
         print(f"\nfloat32 check ({check['requests']} mixed requests, up to "
               f"{args.fp32_max_tokens} tokens, transformers one request at a time): "
               f"{check['token_exact']}/{check['requests']} identical token for token")

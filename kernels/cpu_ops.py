@@ -274,6 +274,8 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     out, any strides. The compiled flash attention once the CPU runner has loaded it (bfloat16
     on AVX512-BF16), torch's fused attention otherwise (other devices, dtypes, CPUs)."""
     if _flash_supported(query):
+        if key.stride() != value.stride():  # the kernel packs k and v with one set of strides
+            key, value = key.contiguous(), value.contiguous()
         return _module.flash_attention(query, key, value, scale, -1)
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), scale=scale)

@@ -40,7 +40,7 @@ def tokenizer(clip_llama: str):
 
 
 def test_workload_is_seeded_and_reuses_images_evenly(tokenizer) -> None:
-    config = WorkloadConfig(num_prompts=10, image_size=(40, 30), unique_images=4,
+    config = WorkloadConfig(num_prompts=10, image_sizes=((40, 30),), unique_images=4,
                             images_per_prompt=2, output_len=(5, 9), shared_prefix_len=12,
                             seed=3)
     a, b = build_workload(config, tokenizer), build_workload(config, tokenizer)
@@ -114,7 +114,7 @@ def test_flop_count_matches_torch_flop_counter(clip_llama: str) -> None:
     ours += flops.attention_per_context_token * (n * n - n * (n + 1) // 2)
     assert ours == counter.get_total_flops()
     feature_layer_only = ModelFlops.from_hf_config(model.config)
-    assert feature_layer_only.encoder_per_image < flops.encoder_per_image
+    assert feature_layer_only.encoder(image_tokens) < flops.encoder(image_tokens)
 
 
 def test_summarize_percentiles() -> None:
@@ -220,7 +220,7 @@ def test_serve_client_counts_failures(tokenizer) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    workload = build_workload(WorkloadConfig(num_prompts=3, image_size=(40, 30)), tokenizer)
+    workload = build_workload(WorkloadConfig(num_prompts=3, image_sizes=((40, 30),)), tokenizer)
     results, duration = asyncio.run(run_load(f"http://127.0.0.1:{port}", "m", workload,
                                              use_tqdm=False, timeout_s=5))
     summary = serve_results(results, duration)
@@ -237,7 +237,7 @@ def test_bench_serve_against_real_server(clip_llama: str, tmp_path, capsys) -> N
     assert rc == 0, r["errors"]
     assert r["completed"] == 8 and r["failed"] == 0
     workload = build_workload(WorkloadConfig(
-        num_prompts=8, unique_images=3, image_size=(40, 30), output_len=(3, 9),
+        num_prompts=8, unique_images=3, image_sizes=((40, 30),), output_len=(3, 9),
         shared_prefix_len=40, prompt_len=6), None)
     assert r["output_tokens"] == workload.num_output_tokens
     assert r["prompt_tokens"] > 8 * 16  # each prompt holds an image's 16 tokens

@@ -10,6 +10,7 @@ need a CPU with AVX512-BF16 (elsewhere the module reports them unsupported and t
 """
 
 import functools
+import itertools
 import shutil
 
 import pytest
@@ -205,6 +206,27 @@ def test_encoder_attention_uses_the_kernel_for_bfloat16_only(flash, monkeypatch)
     got = cpu_ops.encoder_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)
     assert calls == [torch.bfloat16]
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_packed_encoder_attention_with_rotated_query_and_key(flash):
+    """Qwen2-VL's vision attention rotates q and k (fresh tensors) and passes v as a view of the
+    fused projection: strides that differ between key and value still take the kernel."""
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(70, 3, 4, 64, generator=g).bfloat16()
+    q, k, v = qkv.unbind(1)
+    q, k = q * 1, k * 1
+    assert k.stride() != v.stride()
+    boundaries = [0, 16, 32, 48, 70]  # three equal windows and a longer one
+    got = cpu_ops.packed_encoder_attention(q, k, v, boundaries, 0.125)
+    for start, end in itertools.pairwise(boundaries):
+        expected = _reference(q[None, start:end], k[None, start:end], v[None, start:end],
+                              0.125, -1)
+        torch.testing.assert_close(got[start:end].float(), expected[0], atol=2e-2, rtol=2e-2)
+    q, k, v = (t[:64] for t in (q, k, v))  # equal segments tiling the sequence: one call
+    got = cpu_ops.packed_encoder_attention(q, k, v, [0, 16, 32, 48, 64], 0.125)
+    expected = _reference(q.view(4, 16, 4, 64), k.view(4, 16, 4, 64), v.reshape(4, 16, 4, 64),
+                          0.125, -1)
+    torch.testing.assert_close(got.float(), expected.reshape(64, 4, 64), atol=2e-2, rtol=2e-2)
 
 
 def test_cpu_runner_uses_the_flash_kernel(flash, clip_llama):

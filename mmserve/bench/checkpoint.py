@@ -1,121 +1,228 @@
-"""The benchmark checkpoint: real LLaVA-1.5-like shapes, random weights, built offline.
+"""The benchmark checkpoints: real model shapes, random weights, built offline.
 
-Shapes (212M parameters, 86M of them in the vision tower; 423 MB in bfloat16):
+Two, chosen by name (``mmserve bench --bench-checkpoint NAME``); on two CPU cores both cost
+about the same per request of a small image (a 256 x 200 image: 33 GFLOP in LLaVA's vision
+tower, 42 in Qwen2.5-VL's).
+
+``llava`` (the default; 212M parameters, 86M of them in the vision tower; 423 MB in bfloat16):
 
 | part | shape |
 | --- | --- |
 | vision tower | CLIP ViT-B/16 at 224 px: 12 layers, hidden 768, MLP 3072, 12 heads, patch 16 |
-| image tokens | (224 / 16)^2 = 196 per image (CLS dropped, features of layer -2) |
+| image tokens | (224 / 16)^2 = 196 per image, whatever its size (CLS dropped, layer -2) |
 | projector | 768 -> 768 -> 768, GELU |
 | decoder | Llama: 12 layers, hidden 768, MLP 2048 (SiLU), 12 query heads, 4 KV heads, head 64 |
-| vocabulary | 32000, byte-level BPE; every id decodes to text |
-| context | 4096 positions |
 
-The weights are drawn by the tiny-checkpoint builder (`build_tiny_llava`), so the scheme that
-makes greedy outputs varied is the same. Its tokenizer would pad a vocabulary this large with
-special tokens that decode to nothing; here the tokenizer is trained on a larger synthetic corpus
-until all 32000 ids are real text pieces, so detokenization costs what it costs on a real model.
+``qwen2_5_vl`` (Qwen2.5-VL's layer types at widths near LLaVA's; 210.5M parameters, 88M of them
+in the vision tower and merger; 421 MB in bfloat16):
+
+| part | shape |
+| --- | --- |
+| vision tower | Qwen2.5-VL's: 16 layers, hidden 640, gated SiLU MLP 1712, 10 heads, RMSNorm |
+| patches | 14 x 14 pixels x 2 frames (an image is repeated) |
+| attention | in 112 px windows, but over the whole image in layers 3, 7, 11, 15 |
+| image tokens | 2 x 2 patches each: 4 to 1024 by the image's size (56 x 56 to 28 x 28 x 1024 px) |
+| merger | RMSNorm, 2560 -> 2560 -> 768, GELU |
+| decoder | Qwen2: 12 layers, hidden 768, MLP 2048 (SiLU), 12 query heads, 2 KV heads, head 64 |
+| positions | M-RoPE, sections 8 / 12 / 12 (temporal, height, width), theta 1e6 |
+
+Both: a 32000-piece byte-level BPE vocabulary in which every id decodes to text, and 4096
+positions. The weights are drawn by the family's tiny-checkpoint builder (`build_tiny_llava`,
+`build_tiny_qwen2_vl`), so the scheme that makes greedy outputs varied is the same. Those
+builders would pad a vocabulary this large with special tokens that decode to nothing; here the
+tokenizer is trained on a larger synthetic corpus until all 32000 ids are real text pieces (the
+family's special tokens first, at the ids the builder gave them), so detokenization costs what it
+costs on a real model.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from mmserve.testing.llava import CHAT_TEMPLATE, build_tiny_llava
-from mmserve.testing.tokenizer import IMAGE_TOKEN, train_bpe_tokenizer
+from mmserve.testing import build_tiny_checkpoint
+from mmserve.testing import llava as llava_fixture
+from mmserve.testing import qwen2_vl as qwen2_vl_fixture
+from mmserve.testing.tokenizer import LLAVA_SPECIAL_TOKENS, SpecialTokens, train_bpe_tokenizer
 
 logger = logging.getLogger(__name__)
 
-BENCH_SHAPES = {
-    "image_size": 224,
-    "patch_size": 16,
-    "vision_hidden": 768,
-    "vision_layers": 12,
-    "vision_heads": 12,
-    "text_hidden": 768,
-    "text_layers": 12,
-    "text_heads": 12,
-    "text_kv_heads": 4,
-    "intermediate_size": 2048,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
+
+@dataclass(frozen=True)
+class BenchCheckpoint:
+    """A benchmark checkpoint: a tiny-checkpoint family's builder at real shapes, with a
+    tokenizer whose every id is text."""
+
+    family: str  # the `build_tiny_checkpoint` family
+    shapes: dict[str, Any]  # the family builder's keywords
+    special_tokens: SpecialTokens  # at ids 0.., as the builder's tokenizer has them
+    chat_template: str
+    sample_prompt: str  # one rendered chat, in the tokenizer's training corpus
+
+
+BENCH_CHECKPOINTS: dict[str, BenchCheckpoint] = {
+    "llava": BenchCheckpoint(
+        family="llava",
+        shapes={
+            "image_size": 224,
+            "patch_size": 16,
+            "vision_hidden": 768,
+            "vision_layers": 12,
+            "vision_heads": 12,
+            "text_hidden": 768,
+            "text_layers": 12,
+            "text_heads": 12,
+            "text_kv_heads": 4,
+            "intermediate_size": 2048,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+        },
+        special_tokens=LLAVA_SPECIAL_TOKENS,
+        chat_template=llava_fixture.CHAT_TEMPLATE,
+        sample_prompt="SYSTEM: You are a helpful assistant.\nUSER: What is in this picture?\n"
+                      "ASSISTANT:",
+    ),
+    "qwen2_5_vl": BenchCheckpoint(
+        family="qwen2_5_vl",
+        shapes={
+            "vision_hidden": 640,
+            "vision_layers": 16,
+            "vision_heads": 10,
+            "vision_intermediate_size": 1712,
+            "patch_size": 14,
+            "temporal_patch_size": 2,
+            "spatial_merge_size": 2,
+            "window_size": 112,
+            "fullatt_block_indexes": (3, 7, 11, 15),
+            "text_hidden": 768,
+            "text_layers": 12,
+            "text_heads": 12,
+            "text_kv_heads": 2,
+            "mrope_section": (8, 12, 12),
+            "rope_theta": 1e6,
+            "intermediate_size": 2048,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+            "min_pixels": 56 * 56,
+            "max_pixels": 28 * 28 * 1024,
+        },
+        special_tokens=qwen2_vl_fixture.QWEN_SPECIAL_TOKENS,
+        chat_template=qwen2_vl_fixture.CHAT_TEMPLATE,
+        sample_prompt="<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                      "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is in "
+                      "this picture?<|im_end|>\n<|im_start|>assistant\n",
+    ),
 }
+DEFAULT_BENCH_CHECKPOINT = "llava"
 
 # Written last: a directory holding it is complete and was built with these shapes.
 _MARKER = "mmserve_bench_checkpoint.json"
+# Lines of synthetic text per vocabulary entry: enough distinct pieces for every merge.
+_CORPUS_LINES_PER_ID = 6.25
 
 _SYLLABLES = ("ba be bi bo bu ka ke ki ko ku la le li lo lu ma me mi mo mu na ne ni no nu ra re "
               "ri ro ru sa se si so su ta te ti to tu va ve vi vo vu za ze zi zo zu qua pre pro "
               "con dis ing tion ment able ous ive ly er est ed").split()
 
 
-def _corpus(seed: int, num_lines: int) -> Iterator[str]:
-    """Words made of random syllables: enough distinct pieces for 32000 BPE merges."""
+def _corpus(checkpoint: BenchCheckpoint, seed: int, num_lines: int) -> Iterator[str]:
+    """The chat format, then words made of random syllables."""
     rng = random.Random(seed)
-    yield CHAT_TEMPLATE
-    yield "SYSTEM: You are a helpful assistant.\nUSER: What is in this picture?\nASSISTANT:"
+    yield checkpoint.chat_template
+    yield checkpoint.sample_prompt
     for _ in range(num_lines):
         yield " ".join("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4)))
                        for _ in range(8))
 
 
-def build_bench_tokenizer(vocab_size: int, model_max_length: int, seed: int = 0):
-    """A byte-level BPE tokenizer whose ``vocab_size`` ids are all text, specials at ids 0..4."""
-    tokenizer = train_bpe_tokenizer(_corpus(seed, num_lines=200_000), vocab_size,
-                                    model_max_length)
+def build_bench_tokenizer(checkpoint: BenchCheckpoint, vocab_size: int, model_max_length: int,
+                          seed: int = 0):
+    """A byte-level BPE tokenizer whose ``vocab_size`` ids are all text but the checkpoint's
+    special tokens, which come first."""
+    num_lines = max(1000, int(vocab_size * _CORPUS_LINES_PER_ID))
+    tokenizer = train_bpe_tokenizer(_corpus(checkpoint, seed, num_lines), vocab_size,
+                                    model_max_length, checkpoint.special_tokens)
     if len(tokenizer) != vocab_size:
         raise RuntimeError(f"the tokenizer reached {len(tokenizer)} ids, not {vocab_size}; "
                            "train on a larger corpus")
     return tokenizer
 
 
-def build_bench_checkpoint(path: str | Path, seed: int = 0) -> Path:
-    """Write the benchmark checkpoint to ``path`` (bfloat16 weights) and return the path."""
-    from transformers import AutoImageProcessor, LlavaProcessor
+def bench_checkpoint(name: str) -> BenchCheckpoint:
+    if name not in BENCH_CHECKPOINTS:
+        raise ValueError(f"unknown bench checkpoint {name!r}; choose one of "
+                         f"{', '.join(BENCH_CHECKPOINTS)}")
+    return BENCH_CHECKPOINTS[name]
 
+
+def default_bench_dir(name: str = DEFAULT_BENCH_CHECKPOINT) -> Path:
+    """Where the bench checkpoint ``name`` is cached: ``$XDG_CACHE_HOME/mmserve/bench-NAME``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "mmserve" / f"bench-{name}"
+
+
+def build_bench_checkpoint(path: str | Path, name: str = DEFAULT_BENCH_CHECKPOINT,
+                           seed: int = 0, **shapes: Any) -> Path:
+    """Write the bench checkpoint ``name`` to ``path`` (bfloat16 weights) and return the path.
+
+    ``shapes`` replace some of its shapes (tests build it scaled down).
+    """
+    from mmserve.testing.oracle import load_hf_processor
+
+    checkpoint = bench_checkpoint(name)
+    shapes = {**checkpoint.shapes, **shapes}
     out = Path(path)
     start = time.perf_counter()
-    # The tiny builder draws the weights and writes config, image processor and a placeholder
-    # tokenizer; the tokenizer and processor files are then replaced by the full-text ones.
-    build_tiny_llava(out, **BENCH_SHAPES, dtype=torch.bfloat16, seed=seed)
-    tokenizer = build_bench_tokenizer(BENCH_SHAPES["vocab_size"],
-                                      BENCH_SHAPES["max_position_embeddings"], seed)
-    processor = LlavaProcessor(
-        image_processor=AutoImageProcessor.from_pretrained(out, local_files_only=True),
-        tokenizer=tokenizer, patch_size=BENCH_SHAPES["patch_size"],
-        vision_feature_select_strategy="default", chat_template=CHAT_TEMPLATE,
-        image_token=IMAGE_TOKEN, num_additional_image_tokens=1)
+    # The builder draws the weights and writes config, processor and a padded tokenizer; the
+    # processor is then saved again with the full-text tokenizer (same special-token ids).
+    build_tiny_checkpoint(checkpoint.family, out, **shapes, dtype=torch.bfloat16, seed=seed)
+    processor = load_hf_processor(out)
+    processor.tokenizer = build_bench_tokenizer(checkpoint, shapes["vocab_size"],
+                                                shapes["max_position_embeddings"], seed)
     processor.save_pretrained(out)
-    (out / _MARKER).write_text(json.dumps({"seed": seed, **BENCH_SHAPES}, indent=1))
-    logger.info("built the bench checkpoint in %s in %.0f s", out, time.perf_counter() - start)
+    (out / _MARKER).write_text(json.dumps(_marker(name, seed, shapes), indent=1))
+    logger.info("built the %s bench checkpoint in %s in %.0f s", name, out,
+                time.perf_counter() - start)
     return out
 
 
-def ensure_bench_checkpoint(path: str | Path, seed: int = 0) -> Path:
-    """The checkpoint at ``path``, built first unless a complete one with these shapes is there.
+def _marker(name: str, seed: int, shapes: dict[str, Any]) -> dict[str, Any]:
+    # Through JSON, so that tuples compare equal to the lists read back.
+    return json.loads(json.dumps({"checkpoint": name, "seed": seed, **shapes}))
+
+
+def ensure_bench_checkpoint(path: str | Path | None = None,
+                            name: str = DEFAULT_BENCH_CHECKPOINT, seed: int = 0) -> Path:
+    """The bench checkpoint ``name`` at ``path`` (default: `default_bench_dir`), built first
+    unless a complete one with these shapes is there.
 
     Building takes about a minute on two cores; keep the directory between runs.
     """
-    out = Path(path)
+    out = Path(path) if path is not None else default_bench_dir(name)
     marker = out / _MARKER
-    if marker.is_file() and json.loads(marker.read_text()) == {"seed": seed, **BENCH_SHAPES}:
+    expected = _marker(name, seed, bench_checkpoint(name).shapes)
+    if marker.is_file() and json.loads(marker.read_text()) == expected:
         return out
-    return build_bench_checkpoint(out, seed)
+    return build_bench_checkpoint(out, name, seed)
 
 
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="Build the benchmark checkpoint offline.")
-    parser.add_argument("path", help="output directory")
+    parser = argparse.ArgumentParser(description="Build a benchmark checkpoint offline.")
+    parser.add_argument("path", nargs="?", help="output directory (default: the cache)")
+    parser.add_argument("--bench-checkpoint", default=DEFAULT_BENCH_CHECKPOINT,
+                        choices=sorted(BENCH_CHECKPOINTS))
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    print(ensure_bench_checkpoint(args.path, args.seed))
+    print(ensure_bench_checkpoint(args.path, args.bench_checkpoint, args.seed))

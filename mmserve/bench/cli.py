@@ -3,34 +3,41 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
-import os
 import sys
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from mmserve.bench.workload import add_workload_args, build_workload, workload_config
+from mmserve.bench.checkpoint import BENCH_CHECKPOINTS, DEFAULT_BENCH_CHECKPOINT
+from mmserve.bench.workload import (
+    add_workload_args,
+    build_workload,
+    format_sizes,
+    workload_config,
+)
 from mmserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
 
-def default_bench_model() -> Path:
-    """Where the benchmark checkpoint is cached when ``--model`` is not given."""
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "mmserve" / "bench-llava"
+class BenchUsageError(ValueError):
+    """Flags that contradict each other; the message says which."""
 
 
 def resolve_model(args: argparse.Namespace) -> str:
-    """``--model``, or the benchmark checkpoint (built on first use) when it is not given."""
+    """``--model``, or the bench checkpoint ``--bench-checkpoint`` names (built on first use)."""
     if args.model is not None:
+        if args.bench_checkpoint is not None:
+            raise BenchUsageError("give --model or --bench-checkpoint, not both")
         return args.model
-    from mmserve.bench.checkpoint import ensure_bench_checkpoint
+    from mmserve.bench.checkpoint import default_bench_dir, ensure_bench_checkpoint
 
-    path = default_bench_model()
-    logger.info("no --model given: using the benchmark checkpoint (random weights) at %s; "
-                "building it takes about a minute the first time", path)
-    return str(ensure_bench_checkpoint(path))
+    name = args.bench_checkpoint or DEFAULT_BENCH_CHECKPOINT
+    path = default_bench_dir(name)
+    logger.info("no --model given: using the %s bench checkpoint (random weights) at %s; "
+                "building it takes under a minute the first time", name, path)
+    return str(ensure_bench_checkpoint(path, name))
 
 
 def _make_engine(model: str, args: argparse.Namespace, overrides: dict[str, Any] | None = None):
@@ -75,8 +82,7 @@ def _sweep(args: argparse.Namespace) -> int:
     try:
         name, values = parse_param(args.param)
     except ValueError as e:
-        print(f"mmserve bench sweep: {e}", file=sys.stderr)
-        return 2
+        raise BenchUsageError(str(e)) from None
     _set_threads(args)
     model = resolve_model(args)
     state: dict[str, Any] = {}
@@ -118,7 +124,7 @@ def _engine_summary(engine) -> dict[str, Any]:
 
 def _workload_summary(workload) -> dict[str, Any]:
     c = workload.config
-    return {"num_prompts": c.num_prompts, "image_size": f"{c.image_size[0]}x{c.image_size[1]}",
+    return {"num_prompts": c.num_prompts, "image_sizes": format_sizes(c.image_sizes),
             "unique_images": c.unique_images, "images_per_prompt": c.images_per_prompt,
             "output_len": list(c.output_len), "shared_prefix_len": c.shared_prefix_len,
             "prompt_len": c.prompt_len, "image_dir": c.image_dir, "seed": c.seed}
@@ -132,6 +138,11 @@ def _threads() -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
+    p.add_argument("--bench-checkpoint", choices=sorted(BENCH_CHECKPOINTS),
+                   help="without --model: the benchmark checkpoint to run, built offline with "
+                   "random weights on first use (mmserve/bench/checkpoint.py): 'llava' "
+                   "(LLaVA-1.5 shapes, 196 tokens per image; the default) or 'qwen2_5_vl' "
+                   "(Qwen2.5-VL's layers, 4 to 1024 tokens per image by its size)")
     add_workload_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--torch-threads", type=int, metavar="N",
@@ -154,23 +165,35 @@ def _set_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.torch_threads)
 
 
+def _usage_errors_exit_2(run: Callable[[argparse.Namespace], int]):
+    """``run``, with a `BenchUsageError` printed as ``mmserve bench CMD: message`` and exit 2."""
+    @functools.wraps(run)
+    def checked(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except BenchUsageError as e:
+            print(f"mmserve bench {args.bench_command}: {e}", file=sys.stderr)
+            return 2
+    return checked
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmark the engine (throughput, sweep, serve)")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
     tp = kinds.add_parser("throughput", help="offline: the engine in this process")
     _offline(tp, "per-step timeline plot")
-    tp.set_defaults(func=_throughput)
+    tp.set_defaults(func=_usage_errors_exit_2(_throughput))
 
     sw = kinds.add_parser("sweep", help="one workload across values of one engine setting")
     _offline(sw, "throughput/hit rate/latency plot")
     sw.add_argument("--param", required=True, metavar="NAME=V1,V2,...",
                     help="e.g. encoder_cache_size=196,392,784 (auto lets the engine decide)")
-    sw.set_defaults(func=_sweep)
+    sw.set_defaults(func=_usage_errors_exit_2(_sweep))
 
     sv = kinds.add_parser("serve", help="online: an OpenAI-compatible server over HTTP")
     _common(sv)
     from mmserve.bench.serve import add_serve_args
 
     add_serve_args(sv)
-    sv.set_defaults(func=_serve)
+    sv.set_defaults(func=_usage_errors_exit_2(_serve))

@@ -66,6 +66,7 @@ _COLUMNS = (
     ("enc hit rate", lambda r: r["encoder_cache_hit_rate"]),
     ("images encoded", lambda r: r["encoder_items_computed"]),
     ("evictions", lambda r: r["encoder_cache_evictions"]),
+    ("enc cache peak", lambda r: f"{r['peak_encoder_cache_usage']:.0%}"),
     ("preemptions", lambda r: r["num_preemptions"]),
     ("peak KV", lambda r: f"{r['peak_kv_usage']:.0%}"),
     ("TTFT p50 s", lambda r: r["ttft_s"]["median"]),

@@ -1,12 +1,15 @@
 """`mmserve bench throughput`: the engine in this process, every request queued at once.
 
 Reports what people compare engines by (requests/s, tokens/s) and what only an engine with an
-encoder cache can show (images requested vs encoded, prefix-cache hits), plus where the wall time
-goes and how far the achieved model FLOP/s are from the machine's measured matmul peak.
+encoder cache can show (images requested vs encoded, tokens per image, the encoder cache's peak
+occupancy, prefix-cache hits), plus where the wall time goes (the vision encoder's share of the
+step time among it) and how far the achieved model FLOP/s are from the machine's measured matmul
+peak.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, fields
@@ -38,8 +41,11 @@ class TimelineStep:
     running: int
     waiting: int
     kv_blocks_used: int
-    encoder_cache_used_tokens: int
+    encoder_cache_used_tokens: int  # in the encoder cache's reserve
+    encoder_cache_borrowed_tokens: int  # beyond it, in free KV blocks the pool lent
     images_encoded: int
+    image_tokens_encoded: int  # embedding tokens of the images encoded
+    encoder_s: float  # the runner's vision encoder
     schedule_s: float  # scheduling, state updates and detokenization
     prepare_s: float  # input preparation in the runner
     decoder_flops: int
@@ -72,8 +78,12 @@ def run_throughput(
 
     faults0 = _minor_page_faults()
     start = time.perf_counter()
-    ids = [engine.add_request(r.prompt(), p) for r, p in zip(workload.requests, params,
-                                                              strict=True)]
+    ids: list[str] = []
+    image_tokens: list[int] = []  # placeholder tokens of every requested image, by the model
+    for r, p in zip(workload.requests, params, strict=True):
+        req = engine.process_request(r.prompt(), p)
+        image_tokens += [image.length for image in req.images]
+        ids.append(engine.add_processed_request(req))
     preprocess_s = time.perf_counter() - start
 
     done: dict[str, RequestOutput] = {}
@@ -102,7 +112,10 @@ def run_throughput(
             running=s["num_running"], waiting=s["num_waiting"],
             kv_blocks_used=pool_blocks - s["kv_blocks_free"],
             encoder_cache_used_tokens=s["encoder_cache_used_tokens"],
-            images_encoded=len(scheduled.images_to_encode), schedule_s=record.schedule_s,
+            encoder_cache_borrowed_tokens=s["encoder_cache_borrowed_tokens"],
+            images_encoded=len(scheduled.images_to_encode),
+            image_tokens_encoded=sum(scheduled.images_to_encode.values()),
+            encoder_s=record.runner_times.encoder, schedule_s=record.schedule_s,
             prepare_s=record.runner_times.prepare, decoder_flops=dec, encoder_flops=enc))
         for out in outputs:
             bar.update(len(out.new_token_ids))
@@ -116,7 +129,8 @@ def run_throughput(
     ordered = [done[rid] for rid in ids]
     stats = engine.stats()
     times["preprocessing"] = preprocess_s
-    results = _results(workload, ordered, steps, stats, stats0, times, elapsed, matmul_peak)
+    results = _results(workload, ordered, steps, stats, stats0, times, elapsed, matmul_peak,
+                       image_tokens)
     faults = _minor_page_faults()
     results["minor_page_faults"] = None if faults is None else faults - faults0
     # Every request was queued at time 0, so these are latencies under a full backlog.
@@ -138,7 +152,8 @@ def _minor_page_faults() -> int | None:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _results(workload, outputs, steps, stats, stats0, times, elapsed, matmul_peak) -> dict:
+def _results(workload, outputs, steps, stats, stats0, times, elapsed, matmul_peak,
+             image_tokens) -> dict:
     def delta(key: str) -> int:
         return stats[key] - stats0[key]
 
@@ -158,6 +173,8 @@ def _results(workload, outputs, steps, stats, stats0, times, elapsed, matmul_pea
     decoder_flops = sum(s.decoder_flops for s in steps)
     encoder_flops = sum(s.encoder_flops for s in steps)
     achieved = (decoder_flops + encoder_flops) / elapsed
+    step_s = sum(s.duration_s for s in steps)
+    peak_encoder_used = max((s.encoder_cache_used_tokens for s in steps), default=0)
     return {
         "num_requests": len(workload.requests),
         "completed": sum(n for reason, n in finish.items() if reason in ("length", "stop")),
@@ -173,6 +190,9 @@ def _results(workload, outputs, steps, stats, stats0, times, elapsed, matmul_pea
         "encoder_items_requested": requested,
         "encoder_items_distinct": workload.num_distinct_images,
         "encoder_items_computed": misses,
+        "encoder_tokens_computed": sum(s.image_tokens_encoded for s in steps),
+        "tokens_per_image": {"min": min(image_tokens), "median": statistics.median(image_tokens),
+                             "max": max(image_tokens)} if image_tokens else None,
         # Requested images served without running the encoder, from the encoder cache or
         # because a prefix-cache hit covered their placeholders (then no lookup happens).
         "encoder_cache_hit_rate": max(0.0, 1 - misses / requested) if requested else 0.0,
@@ -186,14 +206,18 @@ def _results(workload, outputs, steps, stats, stats0, times, elapsed, matmul_pea
         "peak_kv_blocks_used": max((s.kv_blocks_used for s in steps), default=0),
         "peak_kv_usage": (max((s.kv_blocks_used for s in steps), default=0)
                           / stats["kv_blocks_total"]),
-        "peak_encoder_cache_used_tokens": max((s.encoder_cache_used_tokens for s in steps),
-                                              default=0),
+        "peak_encoder_cache_used_tokens": peak_encoder_used,
         "encoder_cache_tokens": stats["encoder_cache_tokens"],
+        "peak_encoder_cache_usage": peak_encoder_used / stats["encoder_cache_tokens"],
+        "peak_encoder_cache_borrowed_tokens": max(
+            (s.encoder_cache_borrowed_tokens for s in steps), default=0),
         "peak_running": peak_running,
         "num_preemptions": delta("num_preemptions"),
         "num_steps": len(steps),
         "time_s": time_s,
         "time_share": {k: v / elapsed for k, v in time_s.items()},
+        # The runner's vision encoder against the engine steps' wall time (no preprocessing).
+        "encoder_share_of_step_time": times["encoder"] / step_s if step_s else 0.0,
         "full_batch_steps": len(full),
         "full_batch_mean_running": (sum(s.running for s in full) / len(full)) if full else 0.0,
         "full_batch_mean_step_ms": 1e3 * full_time / len(full) if full else 0.0,
@@ -225,7 +249,14 @@ def throughput_table(r: dict[str, Any], title: str = "mmserve bench throughput")
             ("images requested / distinct / encoded",
              f"{r['encoder_items_requested']} / {r['encoder_items_distinct']} / "
              f"{r['encoder_items_computed']}"),
+            ("tokens per image (min / median / max)", _tokens_per_image(r)),
+            ("image tokens encoded", r["encoder_tokens_computed"]),
             ("encoder cache hit rate", r["encoder_cache_hit_rate"]),
+            ("peak encoder cache used (tokens)",
+             f"{r['peak_encoder_cache_used_tokens']:,} of {r['encoder_cache_tokens']:,} "
+             f"({r['peak_encoder_cache_usage']:.1%})"),
+            ("peak borrowed by the encoder cache (tokens)",
+             r["peak_encoder_cache_borrowed_tokens"]),
             ("encoder cache evictions", r["encoder_cache_evictions"]),
             ("prefix cache hit tokens", f"{r['prefix_cache_hit_tokens']:,} of "
                                         f"{r['prefix_cache_queried_tokens']:,}"),
@@ -244,6 +275,7 @@ def throughput_table(r: dict[str, Any], title: str = "mmserve bench throughput")
                                 ("sampling", "sample"),
                                 ("scheduling + update + detok", "scheduling"),
                                 ("other", "other"))),
+            ("vision encoder share of step time", f"{r['encoder_share_of_step_time']:.1%}"),
             ("minor page faults", "not measured" if r["minor_page_faults"] is None
              else f"{r['minor_page_faults']:,}"),
             (f"sched + prep share, {r['full_batch_steps']} steps at "
@@ -263,8 +295,14 @@ def throughput_table(r: dict[str, Any], title: str = "mmserve bench throughput")
     ])
 
 
+def _tokens_per_image(r: dict[str, Any]) -> str:
+    t = r["tokens_per_image"]
+    return "no images" if t is None else f"{t['min']:,} / {t['median']:,g} / {t['max']:,}"
+
+
 def plot_timeline(steps: list[TimelineStep], path: str) -> None:
-    """Per-step timeline: tokens scheduled, running requests, KV blocks, encoder-cache tokens."""
+    """Per-step timeline: tokens scheduled, running requests, KV blocks, encoder-cache tokens,
+    image tokens encoded, step time."""
     # Each step's value is drawn flat over the step's own interval.
     x = [t for s in steps for t in (s.end_s - s.duration_s, s.end_s)]
 
@@ -276,5 +314,6 @@ def plot_timeline(steps: list[TimelineStep], path: str) -> None:
         ("running requests", series([s.running for s in steps])),
         ("KV blocks in use", series([s.kv_blocks_used for s in steps])),
         ("encoder-cache tokens in use", series([s.encoder_cache_used_tokens for s in steps])),
+        ("image tokens encoded", series([s.image_tokens_encoded for s in steps])),
         ("step time (ms)", series([1e3 * s.duration_s for s in steps])),
     ], x_label="seconds since start", title="mmserve bench throughput: engine steps")

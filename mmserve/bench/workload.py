@@ -2,6 +2,9 @@
 
 Every subcommand (and `benchmarks/compare_transformers.py`) builds the same `Workload` from the
 same `WorkloadConfig`, so a seed names one exact set of prompts, images and output lengths.
+Images are drawn at one size or several (``--image-sizes``, e.g. the preset ``mixed``): a model
+with dynamic resolution (Qwen2-VL) makes each size a different number of tokens, LLaVA makes them
+all the same.
 """
 
 from __future__ import annotations
@@ -23,13 +26,21 @@ _WORDS = ("the a this that some many one two small large red green blue yellow d
 
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
+# Named lists of image sizes (width, height). "mixed": small, medium, large and wide; with the
+# Qwen2.5-VL bench checkpoint 4, 256, 999 and 798 tokens.
+IMAGE_SIZE_PRESETS: dict[str, tuple[tuple[int, int], ...]] = {
+    "mixed": ((64, 64), (448, 448), (1024, 768), (1600, 400)),
+}
+
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """What the benchmark sends. ``output_len`` is ``(low, high)``, inclusive."""
+    """What the benchmark sends. ``output_len`` is ``(low, high)``, inclusive. The image pool
+    cycles through ``image_sizes`` (its images in turn take the next size), so every size is
+    drawn about as often."""
 
     num_prompts: int = 64
-    image_size: tuple[int, int] = (256, 200)
+    image_sizes: tuple[tuple[int, int], ...] = ((256, 200),)
     unique_images: int | None = None  # pool size; None: one distinct image per slot
     images_per_prompt: int = 1
     output_len: tuple[int, int] = (64, 64)
@@ -41,9 +52,11 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}.")
-        w, h = self.image_size
-        if w < 1 or h < 1:
-            raise ValueError(f"image size must be positive, got {w}x{h}.")
+        if not self.image_sizes:
+            raise ValueError("image_sizes must name at least one size.")
+        for w, h in self.image_sizes:
+            if w < 1 or h < 1:
+                raise ValueError(f"image size must be positive, got {w}x{h}.")
         if self.unique_images is not None and self.unique_images < 1:
             raise ValueError(f"unique_images must be >= 1, got {self.unique_images}.")
         if self.images_per_prompt < 0:
@@ -144,7 +157,8 @@ def build_workload(config: WorkloadConfig, tokenizer: Any | None = None) -> Work
     if config.image_dir is not None:
         pool = _load_folder(config.image_dir, pool_size)
     else:
-        pool = [synthesize_image(rng, config.image_size) for _ in range(pool_size)]
+        sizes = config.image_sizes
+        pool = [synthesize_image(rng, sizes[i % len(sizes)]) for i in range(pool_size)]
     # Every pool image is used as evenly as possible; the order is shuffled so that repeats come
     # at varied distances, as in multi-turn chat traffic.
     assignment = [i % pool_size for i in range(slots)] if pool_size else []
@@ -172,6 +186,25 @@ def parse_size(text: str) -> tuple[int, int]:
     return w, h
 
 
+def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """``WxH[,WxH...]`` or a preset name (`IMAGE_SIZE_PRESETS`)."""
+    if text.strip().lower() in IMAGE_SIZE_PRESETS:
+        return IMAGE_SIZE_PRESETS[text.strip().lower()]
+    return tuple(parse_size(part) for part in text.split(","))
+
+
+def format_sizes(sizes: tuple[tuple[int, int], ...]) -> str:
+    """The inverse of `parse_sizes`: a preset's name, or the sizes as ``WxH,WxH``."""
+    for name, preset in IMAGE_SIZE_PRESETS.items():
+        if sizes == preset:
+            return name
+    return _join_sizes(sizes)
+
+
+def _join_sizes(sizes: tuple[tuple[int, int], ...]) -> str:
+    return ",".join(f"{w}x{h}" for w, h in sizes)
+
+
 def parse_range(text: str) -> tuple[int, int]:
     try:
         parts = [int(v) for v in text.split(":")]
@@ -186,7 +219,11 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every bench subcommand."""
     g = parser.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=64)
-    g.add_argument("--image-size", type=parse_size, default=(256, 200), metavar="WxH")
+    g.add_argument("--image-sizes", "--image-size", dest="image_sizes", type=parse_sizes,
+                   default=((256, 200),), metavar="WxH[,WxH...]|mixed",
+                   help="size of the drawn images, or several that the images take in turn; "
+                   "'mixed' is " + _join_sizes(IMAGE_SIZE_PRESETS["mixed"])
+                   + " (small, medium, large, wide; default: 256x200)")
     g.add_argument("--unique-images", type=int, metavar="K",
                    help="distinct images; requests reuse them beyond K (default: all distinct)")
     g.add_argument("--images-per-prompt", type=int, default=1)
@@ -202,7 +239,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
 def workload_config(args: argparse.Namespace) -> WorkloadConfig:
     """The workload of the command line; ``--seed`` (an engine flag) seeds it too."""
     return WorkloadConfig(
-        num_prompts=args.num_prompts, image_size=args.image_size,
+        num_prompts=args.num_prompts, image_sizes=args.image_sizes,
         unique_images=args.unique_images, images_per_prompt=args.images_per_prompt,
         output_len=args.output_len, shared_prefix_len=args.shared_prefix_len,
         prompt_len=args.prompt_len, image_dir=args.image_dir, seed=args.seed)
