@@ -3,9 +3,10 @@
 
 Endpoints: ``POST /v1/chat/completions`` (plain or streamed as server-sent events),
 ``GET /v1/models``, ``GET /health`` (200 while the engine loop lives; never needs a key),
-``GET /metrics`` (Prometheus text) and ``GET /stats`` (the engine's counters as JSON, for
-operators and tests). Every error is OpenAI's JSON error body; every response carries an
-``X-Request-Id`` that the server's log lines about it quote.
+``GET /metrics`` (Prometheus text), ``GET /stats`` (the engine's counters as JSON, for
+operators, tests and the chat page) and ``GET /`` (the chat page, ``chat_page.py``; its page
+and assets never need a key, the API calls it makes do). Every error is OpenAI's JSON error
+body; every response carries an ``X-Request-Id`` that the server's log lines about it quote.
 
 No single client can stall the service: request headers and bodies have deadlines, image
 fetches have a total deadline on a pool of their own, a request the engine fails on is
@@ -41,6 +42,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmserve.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from mmserve.engine.llm_engine import LLMEngine
+from mmserve.entrypoints import chat_page
 from mmserve.entrypoints import openai_protocol as proto
 from mmserve.entrypoints.media import MediaLoader, MediaPolicy
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
@@ -81,14 +83,16 @@ class ServerConfig:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every path but /health, compared in constant time."""
+    """``Authorization: Bearer <key>`` on every path but /health and the chat page (which asks
+    for the key and sends it on its API calls), compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is None or scope["type"] != "http" or scope["path"] == "/health":
+        if (self.expected is None or scope["type"] != "http" or scope["path"] == "/health"
+                or chat_page.is_public(scope["path"])):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
@@ -338,6 +342,7 @@ class OpenAIServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
+            *chat_page.routes(),
         ]
         return Starlette(
             routes=routes, lifespan=lifespan,
