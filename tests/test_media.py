@@ -284,7 +284,7 @@ HOSTILE_URLS: list[tuple[str, str]] = [
     ("data:image/png;base64,%%%not-base64", "not valid base64"),
     ("data:image/png;base64,aGVs\nbG8=", "not valid base64"),
     ("data:image/png;base64,aGVsbG8=\u00e9", "not valid base64"),
-    ("data:text/plain;base64,aGk=", "must look like 'data:image/"),
+    ("data:text/plain;base64,aGk=", "holds 'text/plain', not an image; an image data URL must"),
     ("data:image/png,rawbytes", "must look like 'data:image/"),
     ("data:", "must look like 'data:image/"),
     ("data:image/png;base64,", "not a PNG, JPEG, WebP or GIF"),

@@ -97,8 +97,11 @@ def check_image(image: ImageLike, max_pixels: int) -> tuple[int, int]:
 def decode_data_url(url: str) -> bytes:
     header, sep, payload = url.partition(",")
     if not sep or not header.startswith("data:image/") or not header.endswith(";base64"):
+        kind = header.removeprefix("data:").split(";")[0] if sep else ""
+        what = (f"this data URL holds {kind!r}, not an image; "
+                if kind and not kind.startswith("image/") else "")
         raise InvalidInputError(
-            "an image data URL must look like 'data:image/<format>;base64,<data>'")
+            f"{what}an image data URL must look like 'data:image/<format>;base64,<data>'")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:

@@ -174,7 +174,7 @@ class InputProcessor:
                             f"{where} is an image part but no image is left in 'images'",
                             param=where)
                     parts.append({"type": "image"})
-                elif kind in ("video", "video_url"):
+                elif kind in ("video", "video_url", "input_video"):
                     raise InvalidInputError(
                         f"{where} is a video part ({kind!r}); video is not supported yet: send "
                         "images (frames as 'image_url' parts) or text.", param=where)
