@@ -16,7 +16,9 @@ from mmserve.bench.cli import add_bench_parser
 from mmserve.bench.flops import ModelFlops
 from mmserve.bench.serve import run_load, serve_results
 from mmserve.bench.stats import summarize
+from mmserve.bench.sweep import parse_param, run_sweep
 from mmserve.bench.workload import WorkloadConfig, build_workload
+from tests.test_bench_plots import assert_plot
 
 # Tiny checkpoint: 32 px images, patch 8 -> 16 image tokens.
 WORKLOAD_FLAGS = ["--num-prompts", "8", "--unique-images", "3", "--image-size", "40x30",
@@ -182,8 +184,7 @@ def test_bench_throughput_end_to_end(clip_llama: str, tmp_path, capsys) -> None:
     assert 0.0 < r["share_of_matmul_peak"] < 1.0
     assert r["achieved_flops_per_s"] == pytest.approx(
         sum(r["model_flops"].values()) / r["elapsed_s"])
-    with Image.open(plot) as im:
-        assert im.size[0] > 100 and im.size[1] > 100
+    assert_plot(plot)
 
 
 def test_bench_sweep_encoder_cache_size(clip_llama: str, tmp_path, capsys) -> None:
@@ -193,8 +194,7 @@ def test_bench_sweep_encoder_cache_size(clip_llama: str, tmp_path, capsys) -> No
                "--param", "encoder_cache_size=16,64", "--json", str(out),
                "--plot", str(tmp_path / "sweep.png")])
     assert rc == 0
-    with Image.open(tmp_path / "sweep.png") as im:
-        assert im.size[0] > 100 and im.size[1] > 100
+    assert_plot(tmp_path / "sweep.png")
     table = capsys.readouterr().out
     assert "encoder_cache_size" in table and "enc hit rate" in table
     data = json.loads(out.read_text())
@@ -210,7 +210,60 @@ def test_bench_sweep_encoder_cache_size(clip_llama: str, tmp_path, capsys) -> No
 
 def test_bench_sweep_rejects_unknown_param(clip_llama: str, capsys) -> None:
     assert bench(["sweep", "--model", clip_llama, "--param", "max_nun_seqs=1,2"]) == 2
-    assert "not a numeric engine setting" in capsys.readouterr().err
+    assert "'max_nun_seqs' is not an engine setting a sweep can vary" in capsys.readouterr().err
+
+
+def test_sweep_params_take_switches_and_choices() -> None:
+    assert parse_param("encoder-cache-eviction=queue-aware,lru") == (
+        "encoder_cache_eviction", ["queue-aware", "lru"])
+    assert parse_param("encoder_cache_borrowing=on,off,true,0") == (
+        "encoder_cache_borrowing", [True, False, True, False])
+    assert parse_param("encoder_cache_size=auto,392") == ("encoder_cache_size", [None, 392])
+    for text, message in [("encoder_cache_eviction=fifo", "'fifo' is not one of queue-aware, lru"),
+                          ("encoder_cache_borrowing=maybe", "'maybe' is not true or false"),
+                          ("max_num_seqs=many", "'many' is not a number or 'auto'"),
+                          ("mm_processor_kwargs=1", "not an engine setting a sweep can vary"),
+                          ("model=x", "not an engine setting a sweep can vary")]:
+        with pytest.raises(ValueError, match=message):
+            parse_param(text)
+
+
+def test_sweep_turns_alternate_and_report_the_median_turn() -> None:
+    calls, rates = [], iter([3.0, 10.0, 1.0, 20.0, 2.0, 30.0])
+
+    class Run:
+        def __init__(self, value) -> None:
+            self.results = {"output_tokens_per_s": next(rates), "value_seen": value}
+
+    def run_one(overrides):
+        calls.append(overrides["encoder_cache_eviction"])
+        return Run(overrides["encoder_cache_eviction"])
+
+    rows = run_sweep("encoder_cache_eviction", ["queue-aware", "lru"], run_one, repeats=3)
+    assert calls == ["queue-aware", "lru"] * 3  # turns over all the values, in order
+    assert [r["turns_output_tokens_per_s"] for r in rows] == [[3.0, 1.0, 2.0],
+                                                             [10.0, 20.0, 30.0]]
+    assert [r["output_tokens_per_s"] for r in rows] == [2.0, 20.0]  # each value's median turn
+    assert [r["value_seen"] for r in rows] == ["queue-aware", "lru"]
+    with pytest.raises(ValueError, match="repeats"):
+        run_sweep("x", [1], run_one, repeats=0)
+
+
+def test_bench_sweep_over_the_eviction_order(clip_llama: str, tmp_path, capsys) -> None:
+    out = tmp_path / "sweep.json"
+    rc = bench(["sweep", "--model", clip_llama, *WORKLOAD_FLAGS, "--no-peak",
+                "--no-encoder-cache-borrowing", "--encoder-cache-size", "32",
+                "--param", "encoder_cache_eviction=queue-aware,lru", "--repeats", "2",
+                "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "median of 2 turns" in table and "lru: " in table
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["value"] for r in rows] == ["queue-aware", "lru"]
+    for row in rows:
+        _check_throughput(row, 8)
+        assert len(row["turns_output_tokens_per_s"]) == 2
+        assert row["peak_encoder_cache_borrowed_tokens"] == 0  # borrowing off, as asked
 
 
 def test_serve_client_counts_failures(tokenizer) -> None:
@@ -230,9 +283,9 @@ def test_serve_client_counts_failures(tokenizer) -> None:
 
 def test_bench_serve_against_real_server(clip_llama: str, tmp_path, capsys) -> None:
     pytest.importorskip("mmserve.entrypoints.api_server")
-    out = tmp_path / "serve.json"
+    out, plot = tmp_path / "serve.json", tmp_path / "cdf.png"
     rc = bench(["serve", "--model", clip_llama, *WORKLOAD_FLAGS,
-               "--max-concurrency", "4", "--json", str(out)])
+               "--max-concurrency", "4", "--json", str(out), "--plot", str(plot)])
     r = json.loads(out.read_text())
     assert rc == 0, r["errors"]
     assert r["completed"] == 8 and r["failed"] == 0
@@ -247,3 +300,4 @@ def test_bench_serve_against_real_server(clip_llama: str, tmp_path, capsys) -> N
     assert r["ttft_ms"]["median"] <= r["e2e_ms"]["median"]
     assert r["requests_per_s"] > 0 and r["output_tokens_per_s"] > 0
     assert "TTFT" in capsys.readouterr().out
+    assert_plot(plot)  # TTFT and ITL CDFs

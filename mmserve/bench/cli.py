@@ -55,8 +55,9 @@ def _peak(args: argparse.Namespace, engine) -> float | None:
 
 def _throughput(args: argparse.Namespace) -> int:
     from mmserve.bench.report import write_json
-    from mmserve.bench.throughput import plot_timeline, run_throughput, throughput_table
+    from mmserve.bench.throughput import run_throughput, throughput_table
 
+    _check_plot(args)
     _set_threads(args)
     model = resolve_model(args)
     engine = _make_engine(model, args)
@@ -70,19 +71,22 @@ def _throughput(args: argparse.Namespace) -> int:
             "engine": _engine_summary(engine), "workload": _workload_summary(workload),
             **run.results, "steps": [vars(s) for s in run.steps]})
     if args.plot:
+        from mmserve.bench.plots import plot_timeline
+
         plot_timeline(run.steps, args.plot)
     return 0 if run.results["failed"] == 0 else 1
 
 
 def _sweep(args: argparse.Namespace) -> int:
     from mmserve.bench.report import write_json
-    from mmserve.bench.sweep import parse_param, plot_sweep, run_sweep, sweep_table
+    from mmserve.bench.sweep import parse_param, run_sweep, sweep_table
     from mmserve.bench.throughput import run_throughput
 
     try:
         name, values = parse_param(args.param)
     except ValueError as e:
         raise BenchUsageError(str(e)) from None
+    _check_plot(args)
     _set_threads(args)
     model = resolve_model(args)
     state: dict[str, Any] = {}
@@ -96,13 +100,17 @@ def _sweep(args: argparse.Namespace) -> int:
         return run_throughput(engine, state["workload"], state["peak"],
                               use_tqdm=not args.no_progress)
 
-    rows = run_sweep(name, values, run_one)
+    if args.repeats < 1:
+        raise BenchUsageError(f"--repeats must be >= 1, got {args.repeats}")
+    rows = run_sweep(name, values, run_one, args.repeats)
     print(sweep_table(rows))
     if args.json_path:
         write_json(args.json_path, {"model": model, "param": name, "values": values,
                                     "workload": _workload_summary(state["workload"]),
                                     "rows": rows})
     if args.plot:
+        from mmserve.bench.plots import plot_sweep
+
         plot_sweep(rows, args.plot)
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
@@ -110,7 +118,33 @@ def _sweep(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from mmserve.bench.serve import run_serve_command
 
-    return run_serve_command(args, resolve_model)
+    _check_plot(args)
+    on_results = None
+    if args.plot:
+        from mmserve.bench.plots import plot_latency_cdf
+
+        def on_results(results) -> None:
+            ok = [r for r in results if r.ok]
+            rate = ("all at once" if args.request_rate == float("inf")
+                    else f"{args.request_rate:g} requests/s")
+            title = (f"mmserve bench serve: {len(ok)} requests ({rate}"
+                     + (f", at most {args.max_concurrency} in flight"
+                        if args.max_concurrency else "") + ")")
+            plot_latency_cdf([1e3 * r.ttft_s for r in ok],
+                             [1e3 * x for r in ok for x in r.itl_s], args.plot, title=title)
+
+    return run_serve_command(args, resolve_model, on_results=on_results)
+
+
+def _check_plot(args: argparse.Namespace) -> None:
+    """Before any benchmark runs: ``--plot`` needs matplotlib and a format it writes."""
+    if args.plot:
+        from mmserve.bench.plots import check_plot_path
+
+        try:
+            check_plot_path(args.plot)
+        except ValueError as e:
+            raise BenchUsageError(str(e)) from None
 
 
 def _engine_summary(engine) -> dict[str, Any]:
@@ -153,7 +187,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _offline(p: argparse.ArgumentParser, plot_help: str) -> None:
     """Flags of the subcommands that run the engine in this process."""
     _common(p)
-    p.add_argument("--plot", metavar="PATH.png", help=plot_help)
+    p.add_argument("--plot", metavar="PATH.png", help=plot_help + " (.svg or .pdf by the "
+                   "suffix; needs matplotlib: pip install \"mmserve[bench]\")")
     p.add_argument("--no-peak", action="store_true",
                    help="skip the ~1 s matmul peak measurement")
 
@@ -188,7 +223,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     sw = kinds.add_parser("sweep", help="one workload across values of one engine setting")
     _offline(sw, "throughput/hit rate/latency plot")
     sw.add_argument("--param", required=True, metavar="NAME=V1,V2,...",
-                    help="e.g. encoder_cache_size=196,392,784 (auto lets the engine decide)")
+                    help="e.g. encoder_cache_size=196,392,784 (auto lets the engine decide), "
+                    "encoder_cache_eviction=queue-aware,lru or encoder_cache_borrowing=on,off")
+    sw.add_argument("--repeats", type=int, default=1, metavar="N",
+                    help="turns over all the values, each value in a fresh engine per turn; the "
+                    "table shows each value's median turn and every turn's tokens/s")
     sw.set_defaults(func=_usage_errors_exit_2(_sweep))
 
     sv = kinds.add_parser("serve", help="online: an OpenAI-compatible server over HTTP")

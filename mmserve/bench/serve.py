@@ -271,9 +271,18 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second, Poisson arrivals (default: inf, all at once)")
     g.add_argument("--max-concurrency", type=int, help="most requests in flight")
     g.add_argument("--served-model-name", help="model id to send (default: the server's first)")
+    p.add_argument("--plot", metavar="PATH.png",
+                   help="TTFT and ITL latency CDFs (.svg or .pdf by the suffix; needs "
+                   "matplotlib: pip install \"mmserve[bench]\")")
 
 
-def run_serve_command(args: argparse.Namespace, resolve_model: Callable[..., str]) -> int:
+def run_serve_command(
+    args: argparse.Namespace,
+    resolve_model: Callable[..., str],
+    on_results: Callable[[list[RequestResult]], None] | None = None,
+) -> int:
+    """Run the load, print the table, write ``--json``; ``on_results`` then gets every
+    request's result (workload order), e.g. to plot them."""
     from contextlib import nullcontext
 
     from transformers import AutoTokenizer
@@ -301,4 +310,6 @@ def run_serve_command(args: argparse.Namespace, resolve_model: Callable[..., str
                                     "request_rate": None if math.isinf(args.request_rate)
                                     else args.request_rate,
                                     "max_concurrency": args.max_concurrency, **summary})
+    if on_results is not None:
+        on_results(results)
     return 0 if summary["failed"] == 0 else 1

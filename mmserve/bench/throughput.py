@@ -18,7 +18,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from mmserve.bench.flops import ModelFlops
-from mmserve.bench.report import fmt, plot_panels, section_table
+from mmserve.bench.report import fmt, section_table
 from mmserve.bench.stats import summarize
 from mmserve.bench.workload import Workload
 from mmserve.engine.llm_engine import LLMEngine
@@ -198,7 +198,13 @@ def _results(workload, outputs, steps, stats, stats0, times, elapsed, matmul_pea
         "encoder_cache_hit_rate": max(0.0, 1 - misses / requested) if requested else 0.0,
         "encoder_cache_lookups": hits + misses,
         "encoder_cache_lookup_hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        # Entries dropped because the reserve was full (capacity), and borrowed entries dropped
+        # because the KV cache needed their blocks; spills moved entries out of the reserve
+        # into lent KV blocks, restores brought them back on a hit (no re-encoding).
         "encoder_cache_evictions": delta("encoder_cache_evictions"),
+        "encoder_cache_kv_pressure_evictions": delta("encoder_cache_kv_pressure_evictions"),
+        "encoder_cache_spills": delta("encoder_cache_spills"),
+        "encoder_cache_restores": delta("encoder_cache_restores"),
         "prefix_cache_hit_tokens": prefix_hit,
         "prefix_cache_queried_tokens": prefix_queried,
         "prefix_cache_hit_rate": prefix_hit / prefix_queried if prefix_queried else 0.0,
@@ -252,12 +258,15 @@ def throughput_table(r: dict[str, Any], title: str = "mmserve bench throughput")
             ("tokens per image (min / median / max)", _tokens_per_image(r)),
             ("image tokens encoded", r["encoder_tokens_computed"]),
             ("encoder cache hit rate", r["encoder_cache_hit_rate"]),
-            ("peak encoder cache used (tokens)",
+            ("peak encoder cache reserve used (tokens)",
              f"{r['peak_encoder_cache_used_tokens']:,} of {r['encoder_cache_tokens']:,} "
              f"({r['peak_encoder_cache_usage']:.1%})"),
-            ("peak borrowed by the encoder cache (tokens)",
-             r["peak_encoder_cache_borrowed_tokens"]),
-            ("encoder cache evictions", r["encoder_cache_evictions"]),
+            ("peak borrowed from free KV blocks (tokens)",
+             f"{r['peak_encoder_cache_borrowed_tokens']:,}"),
+            ("encoder cache spills / restores",
+             f"{r['encoder_cache_spills']} / {r['encoder_cache_restores']}"),
+            ("encoder cache evictions (capacity / KV pressure)",
+             f"{r['encoder_cache_evictions']} / {r['encoder_cache_kv_pressure_evictions']}"),
             ("prefix cache hit tokens", f"{r['prefix_cache_hit_tokens']:,} of "
                                         f"{r['prefix_cache_queried_tokens']:,}"),
             ("peak KV blocks used", f"{r['peak_kv_blocks_used']:,} of {r['kv_blocks_total']:,} "
@@ -298,22 +307,3 @@ def throughput_table(r: dict[str, Any], title: str = "mmserve bench throughput")
 def _tokens_per_image(r: dict[str, Any]) -> str:
     t = r["tokens_per_image"]
     return "no images" if t is None else f"{t['min']:,} / {t['median']:,g} / {t['max']:,}"
-
-
-def plot_timeline(steps: list[TimelineStep], path: str) -> None:
-    """Per-step timeline: tokens scheduled, running requests, KV blocks, encoder-cache tokens,
-    image tokens encoded, step time."""
-    # Each step's value is drawn flat over the step's own interval.
-    x = [t for s in steps for t in (s.end_s - s.duration_s, s.end_s)]
-
-    def series(values: list[float]) -> list[float]:
-        return [v for v in values for _ in range(2)]
-
-    plot_panels(path, x, [
-        ("tokens scheduled", series([s.scheduled_tokens for s in steps])),
-        ("running requests", series([s.running for s in steps])),
-        ("KV blocks in use", series([s.kv_blocks_used for s in steps])),
-        ("encoder-cache tokens in use", series([s.encoder_cache_used_tokens for s in steps])),
-        ("image tokens encoded", series([s.image_tokens_encoded for s in steps])),
-        ("step time (ms)", series([1e3 * s.duration_s for s in steps])),
-    ], x_label="seconds since start", title="mmserve bench throughput: engine steps")
