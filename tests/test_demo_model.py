@@ -1,8 +1,9 @@
 """The bundled demo model: scene generator, accuracy on unseen scenes, parity, default model.
 
 The accuracy test is the demo's promise: on 200 freshly generated scenes (a seed used neither by
-training nor by its evaluation), mmserve serving the bundled checkpoint gives the exact reference
-caption, colour answer and count answer for at least 90% of them. Parity with transformers is
+training nor by its evaluation), mmserve serving the bundled checkpoint names the right colours
+and shapes in the caption (in any order, `mmserve.demo.evaluate.score_caption`) and gives the
+exact colour answer and count answer for at least 90% of them. Parity with transformers is
 checked on every one of those prompts; the engine runs them all as one batch, so batching,
 prefix caching and encoder caching are all exercised against the unbatched reference.
 """
@@ -19,17 +20,21 @@ from PIL import Image
 from mmserve import LLM, SamplingParams
 from mmserve.demo import checkpoint
 from mmserve.demo.checkpoint import demo_model_path
+from mmserve.demo.evaluate import caption_shapes, score_caption
 from mmserve.demo.recipe import CHAT_TEMPLATE, user_turn
 from mmserve.demo.scenes import (
     CAPTION_PROMPTS,
-    CELLS,
     COLOUR_QUESTIONS,
     COLOURS,
     COUNT_QUESTIONS,
+    MAX_SIZE,
+    MIN_SIZE,
+    POSITIONS,
     WHERE_QUESTIONS,
     Scene,
     Shape,
     generate_scenes,
+    position_of,
     random_scene,
 )
 from mmserve.entrypoints.cli import main as cli_main
@@ -39,6 +44,7 @@ from tests.conftest import assert_no_leaks
 TEST_SEED = 20_261_122  # training uses seed 0, its held-out evaluation 7_000_000
 NUM_SCENES = 200
 BAR = 0.90
+POSITION_MISSES = 0.25  # most captions of the samples with a position wrong
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
 
 
@@ -52,42 +58,113 @@ def test_scenes_are_seeded_and_vary() -> None:
 
 
 def test_caption_and_answers_follow_the_scene() -> None:
-    shade = COLOURS["red"]
     scene = Scene(shapes=(
-        Shape("circle", "red", "top left", 0.5, 0.5, 0.5, shade),
-        Shape("square", "blue", "top right", 0.5, 0.5, 0.5, COLOURS["blue"]),
-        Shape("triangle", "yellow", "bottom right", 0.5, 0.5, 0.5, COLOURS["yellow"]),
+        Shape("circle", "red", 0.2, 0.2, 0.3, COLOURS["red"]),
+        Shape("square", "blue", 0.5, 0.5, 0.2, COLOURS["blue"]),
+        Shape("triangle", "yellow", 0.85, 0.85, 0.3, COLOURS["yellow"]),
     ), background=(250, 250, 250))
-    assert scene.caption() == ("a red circle at the top left, a blue square at the top right "
+    assert scene.caption() == ("a red circle at the top left, a blue square in the centre "
                                "and a yellow triangle at the bottom right")
     assert scene.count_answer() == "three"
     assert scene.colour_answer("square") == "blue"
     assert scene.where_answer("triangle") == "at the bottom right"
-    solo = Scene(shapes=(scene.shapes[1],), background=(250, 250, 250))
-    assert solo.caption() == "a blue square at the top right"
+    solo = Scene(shapes=(Shape("square", "blue", 0.9, 0.5, 0.2, COLOURS["blue"]),),
+                 background=(250, 250, 250))
+    assert solo.caption() == "a blue square on the right"
     assert solo.colour_answer("circle") == "there is no circle"
 
 
-def test_render_draws_each_shape_in_its_cell() -> None:
+def test_position_words_follow_the_3x3_rule() -> None:
+    # Thirds of the image side; a centre on a boundary reads as the later third.
+    assert position_of(0.0, 0.0) == (0, 0)
+    assert position_of(1 / 3 - 1e-6, 0.5) == (0, 1)
+    assert position_of(1 / 3, 0.5) == (1, 1)
+    assert position_of(2 / 3, 2 / 3) == (2, 2)
+    assert position_of(1.0, 1.0) == (2, 2)
+    assert len(set(POSITIONS.values())) == 9
+
+
+def test_generator_layouts_are_in_bounds_apart_and_varied() -> None:
+    scenes = generate_scenes(400, seed=11)
+    assert scenes == generate_scenes(400, seed=11)
+    sizes, readings, touching, centred = [], set(), 0, 0
+    for scene in scenes:
+        for shape in scene.shapes:
+            half = shape.size / 2
+            assert MIN_SIZE - 1e-9 <= shape.size <= MAX_SIZE + 1e-9
+            assert half - 1e-9 <= shape.x <= 1 - half + 1e-9
+            assert half - 1e-9 <= shape.y <= 1 - half + 1e-9
+            col, row = min(2, int(shape.x * 3)), min(2, int(shape.y * 3))
+            assert shape.position == POSITIONS[(col, row)]
+            assert shape.phrase in scene.caption()
+            assert scene.where_answer(shape.kind) == shape.position
+            sizes.append(shape.size)
+            readings.add(shape.position)
+            touching += min(shape.x - half, shape.y - half, 1 - shape.x - half,
+                            1 - shape.y - half) < 0.02
+        for i, a in enumerate(scene.shapes):
+            for b in scene.shapes[i + 1:]:
+                assert a.apart(b)
+        only = scene.shapes[0]
+        centred += len(scene.shapes) == 1 and abs(only.x - 0.5) < 0.07 and abs(only.y - 0.5) < 0.07
+    assert readings == set(POSITIONS.values())
+    assert min(sizes) < 0.2 and max(sizes) > 0.6
+    assert centred >= 0.1 * len(scenes)
+    assert touching >= 0.05 * len(scenes)
+
+
+def test_render_draws_each_shape_in_its_box() -> None:
     for scene in generate_scenes(30, seed=5):
         image = scene.render(64)
-        for cell, (col, row) in CELLS.items():
-            crop = image.crop((col * 32, row * 32, col * 32 + 32, row * 32 + 32))
-            colours = {c for _, c in crop.getcolors(32 * 32)}
-            shape = next((s for s in scene.shapes if s.cell == cell), None)
-            if shape is None:
-                assert colours == {scene.background}
-            else:
-                assert shape.shade in colours
+        labels = scene.label_map(64)
+        for index, shape in enumerate(scene.shapes, start=1):
+            x0, y0, x1, y1 = (round(v) for v in shape.box(64))
+            crop = image.crop((x0, y0, x1, y1))
+            assert shape.shade in {c for _, c in crop.getcolors(64 * 64)}
+            assert index in {c for _, c in labels.crop((x0, y0, x1, y1)).getcolors(64 * 64)}
+        # Outside every box there is background only.
+        pixels = image.load()
+        for y in range(0, 64, 3):
+            for x in range(0, 64, 3):
+                inside = any(b[0] - 1 <= x <= b[2] + 1 and b[1] - 1 <= y <= b[3] + 1
+                             for b in (s.box(64) for s in scene.shapes))
+                if not inside:
+                    assert pixels[x, y] == scene.background
 
 
 def test_scene_rejects_ambiguous_layouts() -> None:
-    shape = Shape("circle", "red", "top left", 0.5, 0.5, 0.5, COLOURS["red"])
+    shape = Shape("circle", "red", 0.25, 0.25, 0.3, COLOURS["red"])
     with pytest.raises(ValueError, match="different kinds"):
-        Scene(shapes=(shape, Shape("circle", "red", "top right", 0.5, 0.5, 0.5, (0, 0, 0))),
+        Scene(shapes=(shape, Shape("circle", "red", 0.75, 0.25, 0.3, (0, 0, 0))),
               background=(255, 255, 255))
+    with pytest.raises(ValueError, match="overlap"):
+        Scene(shapes=(shape, Shape("square", "red", 0.4, 0.3, 0.3, (0, 0, 0))),
+              background=(255, 255, 255))
+    with pytest.raises(ValueError, match="inside the image"):
+        Shape("circle", "red", 0.1, 0.5, 0.3, (0, 0, 0))
     with pytest.raises(ValueError, match="kind must be one of"):
-        Shape("star", "red", "top left", 0.5, 0.5, 0.5, (0, 0, 0))
+        Shape("star", "red", 0.5, 0.5, 0.5, (0, 0, 0))
+
+
+def test_caption_scoring_ignores_order_and_catches_wrong_colours() -> None:
+    scene = Scene(shapes=(
+        Shape("circle", "red", 0.2, 0.2, 0.3, COLOURS["red"]),
+        Shape("square", "blue", 0.5, 0.5, 0.2, COLOURS["blue"]),
+    ), background=(250, 250, 250))
+    assert score_caption(scene.caption(), scene) == (True, True)
+    swapped = "a blue square in the centre and a red circle at the top left"
+    assert score_caption(swapped, scene) == (True, True)
+    assert score_caption("a blue square on the left and a red circle at the top left",
+                         scene) == (True, False)
+    assert score_caption("a red circle at the top left and a green square in the centre",
+                         scene) == (False, False)
+    assert score_caption("a red circle at the top left", scene) == (False, False)
+    assert score_caption(swapped, scene.caption()) == (True, True)
+    assert score_caption("a red circle at the top left", scene.caption()) == (False, False)
+    assert score_caption("a red circle at the top left, a blue square in the centre and a "
+                         "red circle at the top left", scene) == (False, False)
+    assert caption_shapes("a red circle in the centre and a blue square") == [
+        ("red", "circle", "in the centre"), ("blue", "square", None)]
 
 
 def test_no_model_and_no_demo_is_a_clear_error(tmp_path, monkeypatch) -> None:
@@ -140,15 +217,20 @@ def unseen(demo_llm: LLM) -> tuple[list[Image.Image], list[tuple[str, int, str, 
 
 def test_demo_model_sees_unseen_scenes(demo_llm: LLM, unseen) -> None:
     _, items, outputs = unseen
-    accuracy = {}
-    for task in ("caption", "count", "colour", "where"):
-        hits = [out.text == answer for (t, _, _, answer), out in zip(items, outputs, strict=True)
-                if t == task]
-        accuracy[task] = sum(hits) / len(hits)
-    print("\ndemo model exact-match accuracy on", NUM_SCENES, "unseen scenes:",
+    scenes = generate_scenes(NUM_SCENES, TEST_SEED)
+    hits: dict[str, list[bool]] = {}
+    for (task, i, _, answer), out in zip(items, outputs, strict=True):
+        if task == "caption":
+            shapes_right, positions_right = score_caption(out.text, scenes[i])
+            hits.setdefault("caption shapes", []).append(shapes_right)
+            hits.setdefault("caption positions", []).append(positions_right)
+        else:
+            hits.setdefault(task, []).append(out.text == answer)
+    accuracy = {task: sum(h) / len(h) for task, h in hits.items()}
+    print("\ndemo model accuracy on", NUM_SCENES, "unseen scenes:",
           "  ".join(f"{task} {acc:.1%}" for task, acc in accuracy.items()))
     assert_no_leaks(demo_llm.engine)
-    for task in ("caption", "count", "colour"):
+    for task in ("caption shapes", "count", "colour"):
         assert accuracy[task] >= BAR, f"{task} accuracy {accuracy[task]:.1%} is under {BAR:.0%}"
 
 
@@ -175,8 +257,12 @@ def test_caption_cli_uses_the_demo_model(capsys) -> None:
     assert cli_main(["caption", *map(str, paths), "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert [entry["image"] for entry in printed] == [str(p) for p in paths]
-    assert [entry["caption"] for entry in printed] == [
-        manifest[p.name]["caption"] for p in paths]
+    scores = [score_caption(entry["caption"], manifest[p.name]["caption"])
+              for entry, p in zip(printed, paths, strict=True)]
+    # As on held-out scenes: nearly every caption names the right colours and shapes; positions
+    # miss more often, mostly for shapes whose centre lies near a third's boundary.
+    assert sum(not shapes for shapes, _ in scores) <= (1 - BAR) * len(paths), printed
+    assert sum(not positions for _, positions in scores) <= POSITION_MISSES * len(paths), printed
 
 
 def test_demo_answers_the_sample_questions(demo_llm: LLM) -> None:

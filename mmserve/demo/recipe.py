@@ -45,8 +45,8 @@ from mmserve.testing.tokenizer import (
 # "USER:\n<image>\nDescribe this image.\nASSISTANT:\n" is what a single-image question renders.
 CHAT_TEMPLATE = llava_chat_template(header_end="\n", generation_prompt="ASSISTANT:\n")
 
-IMAGE_SIZE = 64  # the vision tower's input; scenes are rendered larger and resized by the processor
-PATCH_SIZE = 16  # 4x4 patches: each grid cell of a scene is 2x2 patches
+IMAGE_SIZE = 96  # the vision tower's input; scenes are rendered larger and resized by the processor
+PATCH_SIZE = 16  # 6x6 patches: each third of the 3x3 position grid is 2x2 patches
 MAX_POSITION_EMBEDDINGS = 512
 
 

@@ -1,17 +1,35 @@
 """Synthetic scenes for the demo model: coloured shapes on a plain background.
 
-A scene holds one to three shapes, each of a different kind (circle, square, triangle), in the
-cells of a 2x2 grid (top left, top right, bottom left, bottom right). Colours may repeat. Sizes,
-positions inside the cell and the background tint vary; none of them is named by the text, so the
-model has to look at the picture to say which shape sits where.
+A scene holds one to three shapes, each of a different kind (circle, square, triangle), anywhere
+in the picture. Colours may repeat. Each shape is drawn inside a square bounding box whose side
+(``size``, a fraction of the image side) and centre (``x``, ``y``, fractions of the image side
+from the left and top edges) are continuous: sizes range from `MIN_SIZE` to `MAX_SIZE`, boxes
+stay inside the image but may touch its border, and the boxes of two shapes keep at least
+`MIN_GAP` between them (they never overlap, so every shape stays recognisable). A share
+(`CENTRED_SHARE`) of the scenes is a single shape in the middle of the picture. The background
+tint and each shape's shade vary a little; none of that is named by the text.
+
+Position words: the rule
+------------------------
+A shape's position is read from the centre of its bounding box on a 3x3 grid of equal thirds.
+Its column is ``left`` when ``x < 1/3``, ``right`` when ``x >= 2/3`` and the middle otherwise;
+its row is ``top`` when ``y < 1/3``, ``bottom`` when ``y >= 2/3`` and the middle otherwise. The
+nine (column, row) readings are phrased (`POSITIONS`)::
+
+    at the top left     at the top      at the top right
+    on the left         in the centre   on the right
+    at the bottom left  at the bottom   at the bottom right
+
+Two shapes may share a reading (say, both "on the left"); the text is still right. Captions list
+the shapes in reading order: by row of their reading (top first), then by column (left first),
+then, within one reading, by ``y`` and then ``x``.
 
 Every scene knows its reference texts:
 
-- a caption that lists the shapes in reading order (top row first, left to right), e.g.
-  ``"a red circle at the top left and a blue square at the bottom right"``;
+- a caption, e.g. ``"a red circle at the top left and a blue square in the centre"``;
 - answers to the questions ``"How many shapes are there?"`` (``"two"``),
   ``"What colour is the circle?"`` (``"red"``, or ``"there is no circle"``) and
-  ``"Where is the square?"`` (``"at the top left"``, or ``"there is no square"``).
+  ``"Where is the square?"`` (``"in the centre"``, or ``"there is no square"``).
 
 Generation is seeded (`generate_scenes`), so a training run and an evaluation that use
 different seeds see different scenes, and the same seed always gives the same pictures.
@@ -35,12 +53,17 @@ COLOURS: dict[str, tuple[int, int, int]] = {
     "blue": (40, 80, 215),
     "yellow": (235, 200, 30),
 }
-# Reading order: top row first, left to right. (column, row) of each cell in the 2x2 grid.
-CELLS: dict[str, tuple[int, int]] = {
-    "top left": (0, 0),
-    "top right": (1, 0),
-    "bottom left": (0, 1),
-    "bottom right": (1, 1),
+# (column, row) of each reading of the 3x3 grid -> its phrase, in reading order.
+POSITIONS: dict[tuple[int, int], str] = {
+    (0, 0): "at the top left",
+    (1, 0): "at the top",
+    (2, 0): "at the top right",
+    (0, 1): "on the left",
+    (1, 1): "in the centre",
+    (2, 1): "on the right",
+    (0, 2): "at the bottom left",
+    (1, 2): "at the bottom",
+    (2, 2): "at the bottom right",
 }
 NUMBERS = ("zero", "one", "two", "three")
 
@@ -54,28 +77,37 @@ COUNT_QUESTIONS: tuple[str, ...] = ("How many shapes are there?", "How many shap
 COLOUR_QUESTIONS: tuple[str, ...] = ("What colour is the {kind}?", "What color is the {kind}?")
 WHERE_QUESTIONS: tuple[str, ...] = ("Where is the {kind}?",)
 
-# Shape size as a fraction of the cell's side, and the colour jitter per channel. The jitter keeps
-# the model from keying on exact pixel values while every colour stays far from the others.
-_MIN_SIZE, _MAX_SIZE = 0.45, 0.85
+# Side of a shape's bounding box as a fraction of the image side: the range, and the largest
+# for scenes of 1, 2 and 3 shapes (several large shapes would rarely fit).
+MIN_SIZE, MAX_SIZE = 0.16, 0.7
+_MAX_SIZE_FOR = {1: MAX_SIZE, 2: 0.5, 3: 0.42}
+# Least room between the bounding boxes of two shapes (fraction of the image side), along x or y.
+MIN_GAP = 0.02
+# Share of scenes that are one shape in the middle (centre within _CENTRED_JITTER of it).
+CENTRED_SHARE = 0.15
+_CENTRED_JITTER = 0.06
+# Colour jitter per channel: keeps the model from keying on exact pixel values while every
+# colour stays far from the others.
 _COLOUR_JITTER = 20
 _DEFAULT_SIZE = 128
+_EPS = 1e-9
+
+
+def position_of(x: float, y: float) -> tuple[int, int]:
+    """(column, row) of the 3x3 reading of a centre at ``x``, ``y`` (see the module docstring)."""
+    return min(2, max(0, int(x * 3))), min(2, max(0, int(y * 3)))
 
 
 @dataclass(frozen=True)
 class Shape:
-    """One shape: its kind, colour name, grid cell, and where and how big it is drawn.
-
-    ``size`` is the side of the shape's bounding square as a fraction of the cell's side;
-    ``dx`` and ``dy`` place that square inside the cell as a fraction of the free room (0 at the
-    left/top edge, 1 at the right/bottom edge).
-    """
+    """One shape: its kind, colour name, bounding box (centre ``x``, ``y`` and side ``size``,
+    fractions of the image side) and the exact shade it is drawn in."""
 
     kind: str
     colour: str
-    cell: str
+    x: float
+    y: float
     size: float
-    dx: float
-    dy: float
     shade: tuple[int, int, int]
 
     def __post_init__(self) -> None:
@@ -83,19 +115,46 @@ class Shape:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.colour not in COLOURS:
             raise ValueError(f"colour must be one of {tuple(COLOURS)}, got {self.colour!r}")
-        if self.cell not in CELLS:
-            raise ValueError(f"cell must be one of {tuple(CELLS)}, got {self.cell!r}")
-        if not 0.0 < self.size <= 1.0 or not (0.0 <= self.dx <= 1.0 and 0.0 <= self.dy <= 1.0):
-            raise ValueError("size must be in (0, 1] and dx, dy in [0, 1]")
+        if not 0.0 < self.size <= 1.0:
+            raise ValueError(f"size must be in (0, 1], got {self.size}")
+        low, high = self.size / 2 - _EPS, 1 - self.size / 2 + _EPS
+        if not (low <= self.x <= high and low <= self.y <= high):
+            raise ValueError("the shape's bounding box must lie inside the image")
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(column, row) of the shape's reading on the 3x3 grid."""
+        return position_of(self.x, self.y)
+
+    @property
+    def position(self) -> str:
+        """The position phrase, e.g. ``"at the top left"`` or ``"in the centre"``."""
+        return POSITIONS[self.grid]
 
     @property
     def phrase(self) -> str:
-        return f"a {self.colour} {self.kind} at the {self.cell}"
+        return f"a {self.colour} {self.kind} {self.position}"
+
+    def box(self, size: int) -> tuple[float, float, float, float]:
+        """The bounding box in pixels of a ``size`` x ``size`` image."""
+        half = self.size * size / 2
+        return (self.x * size - half, self.y * size - half,
+                self.x * size + half, self.y * size + half)
+
+    def apart(self, other: Shape, gap: float = MIN_GAP) -> bool:
+        """Whether the two bounding boxes are at least ``gap`` apart along x or y."""
+        reach = (self.size + other.size) / 2 + gap - _EPS
+        return abs(self.x - other.x) >= reach or abs(self.y - other.y) >= reach
+
+
+def reading_key(shape: Shape) -> tuple[int, int, float, float]:
+    col, row = shape.grid
+    return row, col, shape.y, shape.x
 
 
 @dataclass(frozen=True)
 class Scene:
-    """One to three shapes of different kinds in different cells, on a plain background."""
+    """One to three shapes of different kinds, apart from each other, on a plain background."""
 
     shapes: tuple[Shape, ...]
     background: tuple[int, int, int]
@@ -105,11 +164,12 @@ class Scene:
             raise ValueError(f"a scene has 1 to 3 shapes, got {len(self.shapes)}")
         if len({s.kind for s in self.shapes}) != len(self.shapes):
             raise ValueError("the shapes of a scene must be of different kinds")
-        if len({s.cell for s in self.shapes}) != len(self.shapes):
-            raise ValueError("the shapes of a scene must sit in different cells")
-        order = [list(CELLS).index(s.cell) for s in self.shapes]
-        if order != sorted(order):
-            raise ValueError("shapes must be listed in reading order of their cells")
+        for i, a in enumerate(self.shapes):
+            for b in self.shapes[i + 1:]:
+                if not a.apart(b):
+                    raise ValueError("the shapes of a scene must not overlap")
+        if list(self.shapes) != sorted(self.shapes, key=reading_key):
+            raise ValueError("shapes must be listed in reading order")
 
     # ------------------------------------------------------------------ texts
     def caption(self) -> str:
@@ -131,7 +191,7 @@ class Scene:
 
     def where_answer(self, kind: str) -> str:
         shape = self.find(kind)
-        return f"at the {shape.cell}" if shape else f"there is no {kind}"
+        return shape.position if shape else f"there is no {kind}"
 
     def qa_pairs(self) -> list[tuple[str, str]]:
         """Every question (first phrasing of each) with its reference answer."""
@@ -142,48 +202,74 @@ class Scene:
         return pairs
 
     # ---------------------------------------------------------------- pixels
-    def render(self, size: int = _DEFAULT_SIZE) -> Image.Image:
-        """Draw the scene as a ``size`` x ``size`` RGB image."""
-        image = Image.new("RGB", (size, size), self.background)
-        draw = ImageDraw.Draw(image)
-        cell = size / 2
-        for shape in self.shapes:
-            col, row = CELLS[shape.cell]
-            side = shape.size * cell
-            x0 = col * cell + shape.dx * (cell - side)
-            y0 = row * cell + shape.dy * (cell - side)
-            box = (x0, y0, x0 + side, y0 + side)
+    def _draw(self, draw: ImageDraw.ImageDraw, size: int, fills: list[Any]) -> None:
+        for shape, fill in zip(self.shapes, fills, strict=True):
+            x0, y0, x1, y1 = shape.box(size)
+            side = x1 - x0
             if shape.kind == "circle":
-                draw.ellipse(box, fill=shape.shade)
+                draw.ellipse((x0, y0, x1, y1), fill=fill)
             elif shape.kind == "square":
                 # Squares are drawn a little smaller than their box so that their area is close
                 # to a circle's of the same size: the kind must be told by outline, not by mass.
                 inset = side * 0.08
-                draw.rectangle((x0 + inset, y0 + inset, x0 + side - inset, y0 + side - inset),
-                               fill=shape.shade)
+                draw.rectangle((x0 + inset, y0 + inset, x1 - inset, y1 - inset), fill=fill)
             else:
-                draw.polygon([(x0 + side / 2, y0), (x0 + side, y0 + side), (x0, y0 + side)],
-                             fill=shape.shade)
+                draw.polygon([(x0 + side / 2, y0), (x1, y1), (x0, y1)], fill=fill)
+
+    def render(self, size: int = _DEFAULT_SIZE) -> Image.Image:
+        """Draw the scene as a ``size`` x ``size`` RGB image."""
+        image = Image.new("RGB", (size, size), self.background)
+        self._draw(ImageDraw.Draw(image), size, [s.shade for s in self.shapes])
+        return image
+
+    def label_map(self, size: int = _DEFAULT_SIZE) -> Image.Image:
+        """A ``size`` x ``size`` "L" image: 0 for background, ``i + 1`` where shape ``i`` is."""
+        image = Image.new("L", (size, size), 0)
+        self._draw(ImageDraw.Draw(image), size, list(range(1, len(self.shapes) + 1)))
         return image
 
 
-def random_scene(rng: random.Random, num_shapes: int | None = None) -> Scene:
-    """A random scene drawn from ``rng`` (1 to 3 shapes, uniformly, unless given)."""
-    n = num_shapes if num_shapes is not None else rng.randint(1, 3)
-    kinds = rng.sample(KINDS, n)
-    cells = sorted(rng.sample(list(CELLS), n), key=list(CELLS).index)
-    shapes = []
-    for kind, cell in zip(kinds, cells, strict=True):
-        colour = rng.choice(list(COLOURS))
-        shade = tuple(
-            min(255, max(0, c + rng.randint(-_COLOUR_JITTER, _COLOUR_JITTER)))
-            for c in COLOURS[colour])
-        shapes.append(Shape(kind=kind, colour=colour, cell=cell,
-                            size=rng.uniform(_MIN_SIZE, _MAX_SIZE),
-                            dx=rng.random(), dy=rng.random(), shade=shade))
+def _shade(rng: random.Random, colour: str) -> tuple[int, int, int]:
+    return tuple(min(255, max(0, c + rng.randint(-_COLOUR_JITTER, _COLOUR_JITTER)))
+                 for c in COLOURS[colour])
+
+
+def random_scene(rng: random.Random, num_shapes: int | None = None,
+                 centred: bool | None = None) -> Scene:
+    """A random scene drawn from ``rng``.
+
+    Unless given, a share `CENTRED_SHARE` of scenes is one centred shape (``centred``) and the
+    others have 1 to 3 shapes, uniformly, of sizes and positions drawn anywhere they fit.
+    """
+    if centred is None:
+        centred = num_shapes in (None, 1) and rng.random() < CENTRED_SHARE
+    if centred:
+        size = rng.uniform(MIN_SIZE, MAX_SIZE)
+        kind, colour = rng.choice(KINDS), rng.choice(list(COLOURS))
+        x, y = (0.5 + rng.uniform(-_CENTRED_JITTER, _CENTRED_JITTER) for _ in range(2))
+        shapes = [Shape(kind, colour, x, y, size, _shade(rng, colour))]
+    else:
+        n = num_shapes if num_shapes is not None else rng.randint(1, 3)
+        shapes = []
+        for kind in rng.sample(KINDS, n):
+            colour = rng.choice(list(COLOURS))
+            top = _MAX_SIZE_FOR[n]
+            while True:  # shrink until it fits somewhere among the shapes already placed
+                for _ in range(30):
+                    size = rng.uniform(MIN_SIZE, top)
+                    x = rng.uniform(size / 2, 1 - size / 2)
+                    y = rng.uniform(size / 2, 1 - size / 2)
+                    shape = Shape(kind, colour, x, y, size, _shade(rng, colour))
+                    if all(shape.apart(other) for other in shapes):
+                        break
+                else:
+                    top = max(MIN_SIZE, top * 0.85)
+                    continue
+                break
+            shapes.append(shape)
     grey = rng.randint(225, 255)
     background = tuple(min(255, grey + rng.randint(-6, 6)) for _ in range(3))
-    return Scene(shapes=tuple(shapes), background=background)
+    return Scene(shapes=tuple(sorted(shapes, key=reading_key)), background=background)
 
 
 def generate_scenes(count: int, seed: int) -> list[Scene]:
@@ -195,16 +281,20 @@ def generate_scenes(count: int, seed: int) -> list[Scene]:
 def write_samples(directory: str | Path, count: int = 12, seed: int = 2039) -> dict[str, Any]:
     """Render ``count`` scenes (1, 2 and 3 shapes in turn) as ``scene_NN.png`` in ``directory``.
 
-    Writes ``scenes.json`` beside them: for each file its reference caption and answers, which
-    ``mmserve caption`` and the tests compare against, and ``chat_request.json``, a request
-    body for the server's chat endpoint showing the third scene. Returns the mapping.
+    The first is a single centred shape; the second always shows a circle (the chat page's
+    browser test asks about its colour). Writes ``scenes.json`` beside them: for each file its
+    reference caption and answers, which ``mmserve caption`` and the tests compare against, and
+    ``chat_request.json``, a request body for the server's chat endpoint showing the third scene.
+    Returns the mapping.
     """
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     manifest: dict[str, Any] = {}
     for i in range(count):
-        scene = random_scene(rng, num_shapes=i % 3 + 1)
+        scene = random_scene(rng, num_shapes=i % 3 + 1, centred=i == 0)
+        while i == 1 and scene.find("circle") is None:
+            scene = random_scene(rng, num_shapes=2, centred=False)
         name = f"scene_{i + 1:02d}.png"
         scene.render().save(out / name)
         manifest[name] = {"caption": scene.caption(), "questions": dict(scene.qa_pairs())}
