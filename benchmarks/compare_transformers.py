@@ -181,15 +181,54 @@ def hf_run(workload: Workload, batch_size: int) -> tuple[list[list[int]], float]
 
 # ----------------------------------------------------------------- mmserve
 def mmserve_engine(model_dir: str, dtype: str, max_model_len: int,
-                   encoder_cache_size: int | None = None) -> LLMEngine:
+                   **settings: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len,
-                                  encoder_cache_size=encoder_cache_size))
+                                  **settings))
+
+
+# mmserve's encoder-cache configurations, each compared in the same turns: the defaults (a
+# reserve of items for one step plus one, and borrowing of free KV blocks beyond it), the same
+# reserve with borrowing off, and a reserve sized by hand to hold every distinct image.
+CACHE_CONFIGS = ("default", "no-borrowing", "hand-sized")
+
+
+def cache_settings(config: str, hand_sized_tokens: int) -> dict[str, Any]:
+    return {"default": {},
+            "no-borrowing": {"encoder_cache_borrowing": False},
+            "hand-sized": {"encoder_cache_size": hand_sized_tokens,
+                           "encoder_cache_borrowing": False}}[config]
+
+
+def distinct_image_tokens(model_dir: str, workload: Workload) -> int:
+    """Embedding tokens of the workload's distinct images, by the checkpoint's processor
+    rules: a reserve this large holds them all."""
+    from transformers import AutoConfig
+
+    from mmserve.processing.registry import family_for
+
+    family = family_for(model_dir, AutoConfig.from_pretrained(model_dir), None, None)
+    return sum(family.num_image_tokens(*image.size) for image in workload.pool)
 
 
 def warm_up_mmserve(engine: LLMEngine, image_sizes: Sizes) -> None:
     run_throughput(engine, warm_up_workload(image_sizes, engine.processor.tokenizer),
                    use_tqdm=False)
     engine.reset_caches()
+
+
+def cache_table_rows(name: str, configs: list[str], rates: dict[str, list[float]],
+                     runs: dict[str, Any], workload: Workload) -> list[list[Any]]:
+    hand = statistics.median(rates["hand-sized"]) if "hand-sized" in rates else None
+    rows = []
+    for c in configs:
+        r, rate = runs[c].results, statistics.median(rates[c])
+        rows.append([name, c, rate, "" if hand is None else f"{rate / hand:.1%}",
+                     f"{r['encoder_items_computed']} of {workload.num_distinct_images}",
+                     r["encoder_cache_hit_rate"], r["encoder_cache_tokens"],
+                     r["peak_encoder_cache_borrowed_tokens"], r["encoder_cache_restores"],
+                     f"{r['encoder_cache_evictions']}/{r['encoder_cache_kv_pressure_evictions']}",
+                     r["num_preemptions"]])
+    return rows
 
 
 # ----------------------------------------------------------------- agreement
@@ -266,11 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=1024,
                    help="mmserve's longest sequence (default: 1024); the qwen2_5_vl checkpoint "
                    "makes up to 1024 tokens of an image: give 2048 with --image-sizes mixed")
+    p.add_argument("--mmserve-configs", default=",".join(CACHE_CONFIGS),
+                   help="mmserve's encoder-cache configurations to run, in each turn, the first "
+                   "one compared with transformers: 'default' (the reserve the scheduler limits "
+                   "need, borrowing free KV blocks beyond it), 'no-borrowing' (the same reserve "
+                   "alone), 'hand-sized' (a reserve holding every distinct image, no borrowing)"
+                   "; default: all three")
     p.add_argument("--encoder-cache-size", type=int,
-                   help="mmserve's encoder cache in embedding tokens (default: derived from the "
-                   "scheduler limits: 12 images of the llava bench checkpoint)")
+                   help="the hand-sized reserve in embedding tokens (default: the tokens of the "
+                   "workload's distinct images)")
     p.add_argument("--repeats", type=int, default=1,
-                   help="turns per workload (transformers, then mmserve); medians reported")
+                   help="turns per workload (transformers, then each mmserve configuration, each "
+                   "in a fresh engine); medians reported")
     p.add_argument("--hf-keep-heap", action="store_true",
                    help="give transformers the C heap settings mmserve's CPU runner uses "
                    "(mmserve/worker/cpu_allocator.py); by default it runs as a user runs it")
@@ -308,47 +354,75 @@ def main(argv: list[str] | None = None) -> int:
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     pool.submit(hf_start, model_dir, args.dtype, args.threads, args.hf_keep_heap,
                 args.image_sizes).result()
-    engine = mmserve_engine(model_dir, args.dtype, args.max_model_len, args.encoder_cache_size)
-    warm_up_mmserve(engine, args.image_sizes)
-    rows, details = [], []
+    configs_run = args.mmserve_configs.split(",")
+    for c in configs_run:
+        if c not in CACHE_CONFIGS:
+            p.error(f"--mmserve-configs: {c!r} is not one of {', '.join(CACHE_CONFIGS)}")
+
+    def run_mmserve(config: str, workload: Workload, hand_sized: int):
+        """A fresh, warmed-up engine of ``config`` runs ``workload`` once."""
+        engine = mmserve_engine(model_dir, args.dtype, args.max_model_len,
+                                **cache_settings(config, hand_sized))
+        warm_up_mmserve(engine, args.image_sizes)
+        run = run_throughput(engine, workload, use_tqdm=False)
+        del engine
+        gc.collect()
+        return run
+
+    rows, details, cache_rows = [], [], []
     best = args.hf_batch_size
     for name in names:
         workload = workloads[name]
         tokens = workload.num_output_tokens
+        hand_sized = args.encoder_cache_size
+        if hand_sized is None:
+            hand_sized = distinct_image_tokens(model_dir, workload)
         print(f"\n== {name}: {len(workload.requests)} requests, {workload.num_distinct_images} "
-              f"distinct images, {tokens} output tokens", file=sys.stderr)
+              f"distinct images, {tokens} output tokens; mmserve {', '.join(configs_run)} "
+              f"(hand-sized reserve: {hand_sized} tokens)", file=sys.stderr)
         rates: dict[int, float] = {}
         if best is None:
             rates = pool.submit(hf_fastest_batch_size, workload, sizes).result()
             best = max(rates, key=rates.get)
-        hf_rates, mm_rates, ratios = [], [], []
+        hf_rates, ratios = [], []
+        mm_rates: dict[str, list[float]] = {c: [] for c in configs_run}
+        last: dict[str, Any] = {}
         for _ in range(args.repeats):
             hf_out, hf_s = pool.submit(hf_run, workload, best).result()
-            run = run_throughput(engine, workload, use_tqdm=False)
-            engine.reset_caches()
-            mm_s = run.results["elapsed_s"]
             hf_rates.append(tokens / hf_s)
-            mm_rates.append(tokens / mm_s)
-            ratios.append(hf_s / mm_s)
-            print(f"  transformers {tokens / hf_s:.1f}, mmserve {tokens / mm_s:.1f} output "
-                  f"tokens/s: {hf_s / mm_s:.2f}x", file=sys.stderr)
+            line = f"  transformers {tokens / hf_s:.1f}"
+            for c in configs_run:
+                last[c] = run_mmserve(c, workload, hand_sized)
+                mm_s = last[c].results["elapsed_s"]
+                mm_rates[c].append(tokens / mm_s)
+                line += f", mmserve {c} {tokens / mm_s:.1f}"
+            ratios.append(mm_rates[configs_run[0]][-1] / hf_rates[-1])
+            print(line + f" output tokens/s: {ratios[-1]:.2f}x", file=sys.stderr)
+        run = last[configs_run[0]]
         mm_out = [o.token_ids for o in run.outputs]
         done = [i for i, (h, m) in enumerate(zip(hf_out, mm_out, strict=True))
                 if len(h) == len(m) == workload.requests[i].output_len]
         agree = agreement([hf_out[i] for i in done], [mm_out[i] for i in done], tokenizer)
-        rows.append([name, f"{best}", statistics.median(hf_rates), statistics.median(mm_rates),
-                     statistics.median(ratios), f"{agree['token_exact']}/{agree['requests']}",
+        rows.append([name, f"{best}", statistics.median(hf_rates),
+                     statistics.median(mm_rates[configs_run[0]]), statistics.median(ratios),
+                     f"{agree['token_exact']}/{agree['requests']}",
                      f"{agree['prefix_mean']:.1f}/{agree['mean_length']:.1f}"])
         details.append((name, rates, run.results, ratios))
+        cache_rows += cache_table_rows(name, configs_run, mm_rates, last, workload)
     pool.shutdown()
 
     print("\n" + grid_table(
-        ["workload", "HF batch", "HF out tok/s", "mmserve out tok/s", "ratio",
-         "exact match", "common prefix/len"], rows))
+        ["workload", "HF batch", "HF out tok/s", f"mmserve ({configs_run[0]}) out tok/s",
+         "ratio", "exact match", "common prefix/len"], rows))
     if args.repeats > 1:
         print(f"\n(medians of {args.repeats} turns each; ratios of each turn: " + "; ".join(
             f"{name} " + ", ".join(f"{x:.2f}" for x in ratios)
             for name, _, _, ratios in details) + ")")
+    if len(configs_run) > 1:
+        print("\nmmserve's encoder cache, in the same turns (the last turn's counts):")
+        print(grid_table(["workload", "config", "out tok/s", "vs hand-sized", "images encoded",
+                          "enc hit rate", "reserve", "peak borrowed", "restores",
+                          "evictions cap/KV", "preemptions"], cache_rows))
     for name, rates, r, _ in details:
         if rates:
             print(f"\n{name}: transformers output tokens/s of one batch, by batch size: "
@@ -371,8 +445,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['full_batch_sched_prep_share']:.1%} of {r['full_batch_mean_step_ms']:.0f} ms "
               f"per step")
     if args.fp32_check:
-        del engine
-        gc.collect()
         check = fp32_check(model_dir, build_workload(configs["mixed"], tokenizer),
                            args.fp32_check, args.fp32_max_tokens, args.max_model_len)
         print(f"\nfloat32 check ({check['requests']} mixed requests, up to "

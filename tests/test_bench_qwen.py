@@ -14,7 +14,6 @@ import torch
 from PIL import Image
 
 from mmserve.bench import checkpoint as bench_checkpoint
-from mmserve.bench.cli import add_bench_parser
 from mmserve.bench.flops import ModelFlops
 from mmserve.bench.workload import (
     IMAGE_SIZE_PRESETS,
@@ -24,6 +23,7 @@ from mmserve.bench.workload import (
     parse_sizes,
 )
 from mmserve.testing import build_tiny_checkpoint
+from tests.test_bench import bench
 
 # The Qwen2.5-VL bench checkpoint at tiny widths (its layer types, window size and pixel bounds
 # kept but max_pixels: at most 64 tokens an image).
@@ -35,13 +35,6 @@ SMALL_QWEN_SHAPES = {
 }
 RUN_FLAGS = ["--output-len", "2:4", "--prompt-len", "6", "--dtype", "float32", "--no-progress",
              "--no-peak"]
-
-
-def bench(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mmserve")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *argv])
-    return args.func(args)
 
 
 @pytest.fixture(scope="module")
