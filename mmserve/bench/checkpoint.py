@@ -33,6 +33,14 @@ builders would pad a vocabulary this large with special tokens that decode to no
 tokenizer is trained on a larger synthetic corpus until all 32000 ids are real text pieces (the
 family's special tokens first, at the ids the builder gave them), so detokenization costs what it
 costs on a real model.
+
+The ``llava`` checkpoint is written in the published layout of LLaVA checkpoints on the Hub
+(``vision_tower.vision_model.*``, ``language_model.model.*``, ``multi_modal_projector.*``, as
+llava-hf/llava-1.5-7b-hf names its weights; `mmserve.testing.llava.published_weight_name`), so that
+vLLM loads it as well as mmserve and transformers (`benchmarks/compare_vllm.py`).
+
+A checkpoint is built into a sibling directory and moved into place when complete, so that a run
+reading the old one while another process rebuilds it does not read half-written files.
 """
 
 from __future__ import annotations
@@ -41,9 +49,10 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +76,8 @@ class BenchCheckpoint:
     special_tokens: SpecialTokens  # at ids 0.., as the builder's tokenizer has them
     chat_template: str
     sample_prompt: str  # one rendered chat, in the tokenizer's training corpus
+    # The family builder's other keywords (e.g. the weights' layout), recorded in the marker.
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 BENCH_CHECKPOINTS: dict[str, BenchCheckpoint] = {
@@ -90,6 +101,8 @@ BENCH_CHECKPOINTS: dict[str, BenchCheckpoint] = {
         chat_template=llava_fixture.CHAT_TEMPLATE,
         sample_prompt="SYSTEM: You are a helpful assistant.\nUSER: What is in this picture?\n"
                       "ASSISTANT:",
+        # The Hub's weight names, which vLLM's LLaVA loader requires.
+        options={"layout": "published"},
     ),
     "qwen2_5_vl": BenchCheckpoint(
         family="qwen2_5_vl",
@@ -126,6 +139,9 @@ DEFAULT_BENCH_CHECKPOINT = "llava"
 
 # Written last: a directory holding it is complete and was built with these shapes.
 _MARKER = "mmserve_bench_checkpoint.json"
+# Raised when what a checkpoint's files hold changes for the same shapes, so that a cached one
+# is built again. 2: the llava checkpoint's weights in the published layout.
+_FORMAT_VERSION = 2
 # Lines of synthetic text per vocabulary entry: enough distinct pieces for every merge.
 _CORPUS_LINES_PER_ID = 6.25
 
@@ -174,30 +190,63 @@ def build_bench_checkpoint(path: str | Path, name: str = DEFAULT_BENCH_CHECKPOIN
                            seed: int = 0, **shapes: Any) -> Path:
     """Write the bench checkpoint ``name`` to ``path`` (bfloat16 weights) and return the path.
 
-    ``shapes`` replace some of its shapes (tests build it scaled down).
+    ``shapes`` replace some of its shapes (tests build it scaled down). The files are written
+    into a sibling directory first, which then replaces ``path`` (and whatever was there).
     """
     from mmserve.testing.oracle import load_hf_processor
 
     checkpoint = bench_checkpoint(name)
     shapes = {**checkpoint.shapes, **shapes}
     out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.building-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
     start = time.perf_counter()
-    # The builder draws the weights and writes config, processor and a padded tokenizer; the
-    # processor is then saved again with the full-text tokenizer (same special-token ids).
-    build_tiny_checkpoint(checkpoint.family, out, **shapes, dtype=torch.bfloat16, seed=seed)
-    processor = load_hf_processor(out)
-    processor.tokenizer = build_bench_tokenizer(checkpoint, shapes["vocab_size"],
-                                                shapes["max_position_embeddings"], seed)
-    processor.save_pretrained(out)
-    (out / _MARKER).write_text(json.dumps(_marker(name, seed, shapes), indent=1))
+    try:
+        # The builder draws the weights and writes config, processor and a padded tokenizer;
+        # the processor is then saved again with the full-text tokenizer (same special-token
+        # ids).
+        build_tiny_checkpoint(checkpoint.family, staging, **shapes, **checkpoint.options,
+                              dtype=torch.bfloat16, seed=seed)
+        processor = load_hf_processor(staging)
+        processor.tokenizer = build_bench_tokenizer(checkpoint, shapes["vocab_size"],
+                                                    shapes["max_position_embeddings"], seed)
+        processor.save_pretrained(staging)
+        (staging / _MARKER).write_text(
+            json.dumps(_marker(name, seed, shapes, checkpoint.options), indent=1))
+        _replace_dir(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     logger.info("built the %s bench checkpoint in %s in %.0f s", name, out,
                 time.perf_counter() - start)
     return out
 
 
-def _marker(name: str, seed: int, shapes: dict[str, Any]) -> dict[str, Any]:
+def _replace_dir(new: Path, out: Path) -> None:
+    """Move the directory ``new`` to ``out``. An old ``out`` is moved aside first and removed
+    (files a running process has open stay readable until it closes them), but only if it
+    holds nothing but files of the names ``new`` has: any other directory is left alone."""
+    if out.exists():
+        ours = {f.name for f in new.iterdir()}
+        foreign = [f.name for f in out.iterdir() if not f.is_file() or f.name not in ours]
+        if foreign:
+            raise FileExistsError(
+                f"{out} holds files that are not a bench checkpoint's ({', '.join(foreign[:5])});"
+                " give an empty or new directory")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out, old)
+        os.replace(new, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(new, out)
+
+
+def _marker(name: str, seed: int, shapes: dict[str, Any],
+            options: dict[str, Any]) -> dict[str, Any]:
     # Through JSON, so that tuples compare equal to the lists read back.
-    return json.loads(json.dumps({"checkpoint": name, "seed": seed, **shapes}))
+    return json.loads(json.dumps({"checkpoint": name, "format": _FORMAT_VERSION, "seed": seed,
+                                  **options, **shapes}))
 
 
 def ensure_bench_checkpoint(path: str | Path | None = None,
@@ -209,7 +258,8 @@ def ensure_bench_checkpoint(path: str | Path | None = None,
     """
     out = Path(path) if path is not None else default_bench_dir(name)
     marker = out / _MARKER
-    expected = _marker(name, seed, bench_checkpoint(name).shapes)
+    checkpoint = bench_checkpoint(name)
+    expected = _marker(name, seed, checkpoint.shapes, checkpoint.options)
     if marker.is_file() and json.loads(marker.read_text()) == expected:
         return out
     return build_bench_checkpoint(out, name, seed)

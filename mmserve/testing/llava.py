@@ -6,6 +6,13 @@ LLaVA-1.5-like chat template `CHAT_TEMPLATE` and the tokenizer of `mmserve.testi
 The ``lm_head`` rows of ``<unk>``, ``<s>``, ``<pad>`` and ``<image>`` are zero, so greedy decoding
 never emits them; ``</s>`` can be generated normally. The config and image-processor pieces are
 also what the demo checkpoint (`mmserve.demo.recipe`) is made of.
+
+Two layouts of the same weights (``layout=``): ``"transformers"`` is what transformers 5's
+``save_pretrained`` writes (``language_model.model.*``, ``language_model.lm_head.*``,
+``multi_modal_projector.*`` and the vision tower without its ``vision_model`` level,
+``vision_tower.embeddings.*``); ``"published"`` is the layout of the LLaVA checkpoints on the Hub
+(llava-hf/llava-1.5-7b-hf: ``vision_tower.vision_model.*``, as transformers 4.x wrote them),
+which transformers 5 and mmserve load as well, and which vLLM's LLaVA loader requires.
 """
 
 from __future__ import annotations
@@ -21,15 +28,18 @@ from mmserve.testing.tokenizer import IMAGE_TOKEN, build_tokenizer
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "LAYOUTS",
     "build_image_processor",
     "build_tiny_llava",
     "llava_chat_template",
     "llava_text_config",
     "llava_vision_config",
+    "published_weight_name",
 ]
 
 _TEXT_ARCHS = ("llama", "qwen2", "mistral")
 _VISION_ARCHS = ("clip", "siglip")
+LAYOUTS = ("transformers", "published")
 
 # LLaVA-1.5-like template. The tokenizer's post-processor prepends ``<s>``; the template must not.
 # Roles render as "SYSTEM: ", "USER: " and "ASSISTANT: "; every message ends with a newline and
@@ -172,6 +182,41 @@ def llava_text_config(
     return MistralConfig(**common, sliding_window=None)
 
 
+def published_weight_name(name: str) -> str:
+    """A LLaVA weight's name in the published (Hub) layout, from any of the names transformers
+    uses for it: its 5.x in-memory names (``model.language_model.X``, ``model.vision_tower.X``,
+    ``model.multi_modal_projector.X``, ``lm_head.X``), what 5.x ``save_pretrained`` writes
+    (``vision_tower.X``, without the ``vision_model`` level), or the published name itself.
+
+    >>> published_weight_name("vision_tower.embeddings.patch_embedding.weight")
+    'vision_tower.vision_model.embeddings.patch_embedding.weight'
+    >>> published_weight_name("model.language_model.norm.weight")
+    'language_model.model.norm.weight'
+    """
+    if name.startswith("model.language_model."):
+        return "language_model.model." + name.removeprefix("model.language_model.")
+    if name.startswith("lm_head."):
+        return "language_model." + name
+    if name.startswith("model.multi_modal_projector."):
+        return name.removeprefix("model.")
+    if name.startswith(("model.vision_tower.", "vision_tower.")):
+        rest = name.removeprefix("model.").removeprefix("vision_tower.")
+        return "vision_tower.vision_model." + rest.removeprefix("vision_model.")
+    return name
+
+
+def _to_published_layout(out: pathlib.Path) -> None:
+    """Rename the weights transformers saved at ``out`` to the published layout."""
+    from safetensors.torch import load_file, save_file
+
+    weights_file = out / "model.safetensors"
+    weights = load_file(weights_file)
+    renamed = {published_weight_name(name): t for name, t in weights.items()}
+    if len(renamed) != len(weights):
+        raise RuntimeError("two weights map onto one published name")
+    save_file(renamed, weights_file, metadata={"format": "pt"})
+
+
 def build_tiny_llava(
     path: str | os.PathLike[str],
     *,
@@ -193,6 +238,7 @@ def build_tiny_llava(
     vision_feature_select_strategy: str | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    layout: str = "transformers",
 ) -> pathlib.Path:
     """Write a tiny random ``LlavaForConditionalGeneration`` checkpoint to ``path``.
 
@@ -218,6 +264,9 @@ def build_tiny_llava(
             defaults to ``"default"`` for CLIP and ``"full"`` for SigLIP.
         dtype: Dtype of the saved weights (they are drawn in float32 and then cast).
         seed: Seed of the weight initialisation.
+        layout: ``"transformers"`` (the weight names transformers' ``save_pretrained`` writes)
+            or ``"published"`` (the Hub's names, ``vision_tower.vision_model.*``; vLLM loads
+            only these); the same seed gives the same weights in both.
 
     Returns:
         The checkpoint directory as a `pathlib.Path`.
@@ -228,6 +277,8 @@ def build_tiny_llava(
         raise ValueError(f"vision must be one of {_VISION_ARCHS}, got {vision!r}")
     if text not in _TEXT_ARCHS:
         raise ValueError(f"text must be one of {_TEXT_ARCHS}, got {text!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if image_size % patch_size:
         raise ValueError("image_size must be a multiple of patch_size")
     if vision_hidden % vision_heads or text_hidden % text_heads or text_heads % text_kv_heads:
@@ -299,4 +350,7 @@ def build_tiny_llava(
         image_token=IMAGE_TOKEN,
         num_additional_image_tokens=num_additional_image_tokens,
     )
-    return save_checkpoint(path, model, processor, dtype=dtype)
+    out = save_checkpoint(path, model, processor, dtype=dtype)
+    if layout == "published":
+        _to_published_layout(out)
+    return out
