@@ -65,7 +65,7 @@ BUILD_TIMEOUT_ENV = "MMSERVE_CPU_KERNELS_BUILD_TIMEOUT"
 DEFAULT_BUILD_TIMEOUT_S = 600.0
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("cpu_ops.cpp", "cpu_decode_attention.cpp", "cpu_flash_attention.cpp",
-             "cpu_elementwise.cpp", "cpu_linear.cpp")]
+             "cpu_elementwise.cpp", "cpu_linear.cpp", "cpu_linear_f32.cpp")]
 _HEADERS = [Path(__file__).with_name("cpu_math.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -335,11 +335,94 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+class PackedLinearF32(nn.Module):
+    """A float32 ``nn.Linear`` whose weight lives as the AVX2/FMA kernel's panels
+    (``cpu_linear_f32.cpp``). The sums run in another order than torch's, so results differ
+    from ``F.linear`` in the last bits (tests/test_cpu_kernels.py states the tolerance)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = _module.pack_linear_weight_f32(linear.weight.detach().contiguous())
+        self.register_buffer("packed", packed)
+        bias = None
+        if linear.bias is not None:  # zero-padded to whole 16-output panels
+            bias = torch.zeros(packed.shape[0] * 16)
+            bias[:self.out_features] = linear.bias.detach()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = _module.packed_linear_f32(rows, self.packed, self.bias, self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+class OneDNNLinear(nn.Module):
+    """A float32 ``nn.Linear`` whose weight oneDNN (through torch) has reordered once, at load
+    time, into the blocked layout its matmul kernels read.
+
+    torch's float32 ``F.linear`` goes to MKL with the weight in its ``[out, in]`` layout; for
+    the few rows of a decode step MKL reads that layout at about half the memory bandwidth
+    that oneDNN reaches on its prepacked weight, and the LM head at a third (AVX2 machine,
+    ``benchmarks/README.md``). The sums run in another order than torch's, so results differ
+    from ``F.linear`` in the last bits (tests/test_cpu_kernels.py states the tolerance)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_BATCH_HINT)
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        # The opaque packed tensor is not a parameter or buffer (``Module.to`` and the state
+        # dict would try to read it); count its bytes here instead.
+        self.weight_bytes = weight.numel() * weight.element_size()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"
+
+
+# The rows oneDNN is told to expect when it picks the weight's layout; on AVX2 and AVX-512
+# machines it picks one layout for every row count, so decode steps and prompt chunks share it.
+_ONEDNN_BATCH_HINT = 64
+
+
+def onednn_linear_supported() -> bool:
+    """Whether this torch build has oneDNN's packed float32 linear (x86 CPU builds do)."""
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and os.environ.get(DISABLE_ENV, "1") != "0")
+
+
+def float32_linear() -> type[nn.Module] | None:
+    """The float32 linear layer for this CPU: the AVX2/FMA kernel on CPUs without AVX-512
+    (where it reads weights faster than oneDNN and MKL, ``benchmarks/README.md``), oneDNN's
+    where the CPU has AVX-512 (twice the kernel's vector width) or the kernel did not build;
+    None with ``MMSERVE_CPU_KERNELS=0`` or a torch without oneDNN."""
+    if load() is not None and _module.packed_linear_f32_supported() and not _module.has_avx512():
+        return PackedLinearF32
+    return OneDNNLinear if onednn_linear_supported() else None
+
+
 def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every bfloat16 ``nn.Linear`` of ``model`` (on the CPU, weight not shared with
-    another module, even input size) by a ``PackedLinear``; how many were replaced. Nothing
-    changes without the compiled module or AVX512-BF16."""
-    if load() is None or not _module.packed_linear_supported():
+    """Replace the CPU ``nn.Linear`` layers of ``model`` whose weight no other module shares:
+    bfloat16 ones (even input size) by a ``PackedLinear`` on CPUs with AVX512-BF16, float32
+    ones by ``float32_linear()``'s layer; how many were replaced. ``MMSERVE_CPU_KERNELS=0``
+    keeps torch's layers."""
+    bf16 = load() is not None and _module.packed_linear_supported()
+    fp32 = float32_linear()
+    if not (bf16 or fp32):
         return 0
     owners: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
@@ -347,11 +430,17 @@ def pack_linear_layers(model: nn.Module) -> int:
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16
-                    and child.weight.device.type == "cpu" and child.in_features % 2 == 0
-                    and owners[id(child.weight)] == 1):
+            if (not isinstance(child, nn.Linear) or child.weight.device.type != "cpu"
+                    or owners[id(child.weight)] != 1):
+                continue
+            dtype = child.weight.dtype
+            if bf16 and dtype == torch.bfloat16 and child.in_features % 2 == 0:
                 setattr(parent, name, PackedLinear(child))
-                replaced += 1
+            elif fp32 and dtype == torch.float32:
+                setattr(parent, name, fp32(child))
+            else:
+                continue
+            replaced += 1
     return replaced
 
 

@@ -2,7 +2,8 @@
 runner: decode attention (``kernels/cpu_decode_attention.cpp``; bfloat16 with head sizes 64 and
 128 takes its AVX512-BF16 path), the bfloat16 flash attention for prompt chunks and vision
 towers (``cpu_flash_attention.cpp``), the fused norm, rotary and activations
-(``cpu_elementwise.cpp``) and the packed linear layers (``cpu_linear.cpp``).
+(``cpu_elementwise.cpp``), the packed bfloat16 linear layers (``cpu_linear.cpp``) and the float32
+ones (``cpu_linear_f32.cpp``, AVX2 and FMA; ``OneDNNLinear`` on other CPUs).
 
 Skipped only where there is no C++ compiler (the runner then uses the torch path); where there
 is one, a build failure fails these tests. The flash attention and packed linear tests also
@@ -415,7 +416,7 @@ def test_pack_linear_layers_replaces_only_what_it_can_serve(packed):
     torch.testing.assert_close(after.float(), before.float(), atol=0.1, rtol=1e-2)
 
 
-def test_cpu_runner_packs_bfloat16_linear_layers_only(packed, clip_llama):
+def test_cpu_runner_packs_bfloat16_linear_layers(packed, clip_llama):
     from mmserve import LLM
 
     def packed_layers(llm):
@@ -424,3 +425,94 @@ def test_cpu_runner_packs_bfloat16_linear_layers_only(packed, clip_llama):
     # (test_engine_inputs.py generates through them in bfloat16.)
     assert packed_layers(LLM(clip_llama, dtype="bfloat16", max_model_len=96)) > 0
     assert packed_layers(LLM(clip_llama, dtype="float32", max_model_len=96)) == 0
+
+
+@pytest.fixture(scope="module")
+def packed_f32(kernel):
+    if not kernel.packed_linear_f32_supported():
+        pytest.skip("this CPU lacks AVX2 or FMA: float32 linear layers use oneDNN")
+    return kernel
+
+
+def _f32_linear(in_features, out_features, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=g))
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=g))
+    return linear
+
+
+def _assert_float32_linear_close(got, linear, x):
+    """Within a few float32 roundings of the exact sum, as close as torch's own ``F.linear``:
+    both sum in float32, only the order differs."""
+    with torch.no_grad():
+        torch_out = linear(x)
+        exact = F.linear(x.double(), linear.weight.double(),
+                         None if linear.bias is None else linear.bias.double())
+    assert got.dtype == torch.float32 and got.shape == torch_out.shape
+    # float32's rounding of a sum of K products is at most about K * 2^-24 of the sum of their
+    # magnitudes; 4 * sqrt(K) * 2^-24 of it bounds a random-order sum's error with room.
+    magnitudes = F.linear(x.double().abs(), linear.weight.double().abs(),
+                          None if linear.bias is None else linear.bias.double().abs())
+    bound = 4 * (x.shape[-1] ** 0.5) * 2.0 ** -24 * magnitudes
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert ((torch_out.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("rows,in_features,out_features,bias", [
+    (1, 768, 2048, False),  # one decode
+    (3, 64, 40, True),  # fewer rows than a tile, a last panel of 8 outputs
+    (8, 768, 32000, False),  # a decode step through the LM head
+    (200, 2048, 768, True),  # several row chunks and input blocks, a tile tail, bias
+    (97, 300, 17, False),  # an input block tail, one output past a panel, a one-row chunk
+    (13, 7, 5, True),  # fewer inputs than a block, one narrow panel
+])
+def test_packed_linear_f32_matches_torch(packed_f32, rows, in_features, out_features, bias):
+    linear = _f32_linear(in_features, out_features, bias, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = cpu_ops.PackedLinearF32(linear)(x)
+    _assert_float32_linear_close(got, linear, x)
+
+
+def test_onednn_linear_matches_torch():
+    if not cpu_ops.onednn_linear_supported():
+        pytest.skip("this torch build has no oneDNN")
+    for rows, in_features, out_features, bias in [(1, 768, 2048, False), (70, 96, 50, True)]:
+        linear = _f32_linear(in_features, out_features, bias, seed=rows)
+        x = torch.randn(2, rows, in_features, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            got = cpu_ops.OneDNNLinear(linear)(x)
+        _assert_float32_linear_close(got, linear, x)
+
+
+def test_packed_linear_f32_takes_strided_inputs_and_rejects_mismatches(packed_f32):
+    linear = _f32_linear(64, 96, True, seed=2)
+    layer = cpu_ops.PackedLinearF32(linear)
+    wide = torch.randn(2, 5, 100, generator=torch.Generator().manual_seed(3))
+    x = wide[..., 10:74]  # rows with a stride, two leading dimensions
+    with torch.no_grad():
+        got, expected = layer(x), linear(x.contiguous())
+        columns = torch.randn(64, 7, generator=torch.Generator().manual_seed(4)).t()
+        torch.testing.assert_close(layer(columns), linear(columns.contiguous()))
+    assert got.shape == (2, 5, 96)
+    torch.testing.assert_close(got, expected)
+    weights = packed_f32.pack_linear_weight_f32(torch.randn(40, 64))
+    with pytest.raises(RuntimeError, match="x has 32 features, the weight takes 64"):
+        packed_f32.packed_linear_f32(torch.randn(2, 32), weights, None, 40)
+    with pytest.raises(RuntimeError, match="out_features does not match"):
+        packed_f32.packed_linear_f32(torch.randn(2, 64), weights, None, 50)
+    with pytest.raises(RuntimeError, match="bias must be float32, padded to 48"):
+        packed_f32.packed_linear_f32(torch.randn(2, 64), weights, torch.zeros(40), 40)
+
+
+def test_cpu_runner_packs_float32_linear_layers(clip_llama):
+    from mmserve import LLM
+
+    layer = cpu_ops.float32_linear()
+    assert layer is not None  # x86 builds of torch have oneDNN
+    model = LLM(clip_llama, dtype="float32", max_model_len=96).engine.model
+    packed = [m for m in model.modules() if isinstance(m, layer)]
+    assert packed and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
