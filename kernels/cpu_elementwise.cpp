@@ -1,15 +1,18 @@
-// Fused elementwise layers on the CPU for bfloat16 activations: one pass over memory where
-// torch runs three to six (each with its own temporary tensor), rounding to bfloat16 at the
-// same points torch's unfused ops do, so results match them up to float32 rounding of the
-// intermediate math.
+// Fused elementwise layers on the CPU for bfloat16 and float32 activations: one pass over
+// memory where torch runs three to six (each with its own temporary tensor). In bfloat16 they
+// round at the points torch's unfused ops do, so results match them up to float32 rounding of
+// the intermediate math; in float32 only that rounding differs (the sum of squares of a norm
+// runs in another order, exp is within 2 ulp).
 //
-// rms_norm(x [rows, hidden], weight [hidden], eps)  -> weight * bf16(x * rsqrt(mean(x^2) + eps))
-// silu_and_mul(gate [rows, n], up [rows, n])        -> bf16(silu(gate)) * up
-// quick_gelu(x [...])                               -> x * bf16(sigmoid(bf16(1.702 x)))
+// rms_norm(x [rows, hidden], weight [hidden], eps)  -> weight * T(x * rsqrt(mean(x^2) + eps))
+// silu_and_mul(gate [rows, n], up [rows, n])        -> T(silu(gate)) * up
+// quick_gelu(x [...])                               -> x * T(sigmoid(T(1.702 x)))
 // rotary(x [tokens, heads, dim], cos, sin [tokens, 1, dim])
-//                                 -> bf16(x * cos) + bf16(rotate_half(x) * sin), contiguous
+//                                 -> T(x * cos) + T(rotate_half(x) * sin), contiguous
+// where T() rounds to the tensors' dtype (nothing in float32).
 //
-// Plain loops over the raw bits, which the compiler vectorizes; any CPU.
+// Plain loops, templated on the element (the bits of a bfloat16, or a float), which the
+// compiler vectorizes; any CPU.
 
 #include <ATen/ATen.h>
 
@@ -17,6 +20,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
+#include <type_traits>
 
 #include "cpu_math.h"
 
@@ -25,6 +30,21 @@ namespace {
 using mmserve_cpu::bf16_bits;
 using mmserve_cpu::bf16_value;
 using mmserve_cpu::exp_nonpositive;
+
+// Elements as float and back: bfloat16 bits (uint16_t) widen and round, floats pass through.
+inline float wide(uint16_t bits) { return bf16_value(bits); }
+inline float wide(float f) { return f; }
+template <typename T>
+inline T narrow(float f) {
+  if constexpr (std::is_same_v<T, float>) {
+    return f;
+  } else {
+    return bf16_bits(f);
+  }
+}
+// A float rounded to T's precision, as an unfused op that stores a T would leave it.
+template <typename T>
+inline float rounded(float f) { return wide(narrow<T>(f)); }
 
 // 1 / (1 + exp(-x)) without overflow: exp of a non-positive argument either way.
 inline float sigmoid(float x) {
@@ -42,89 +62,113 @@ void for_rows(int64_t rows, int64_t width, Fn&& fn) {
   });
 }
 
-void check_bf16(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, ": bfloat16 only");
-  TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
+// Every tensor of a call on the CPU, of one dtype: bfloat16 or float32.
+void check_dtype(std::initializer_list<const at::Tensor*> tensors, const char* name) {
+  const auto dtype = (*tensors.begin())->scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, name, ": bfloat16 or float32 only");
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->scalar_type() == dtype, name, ": all tensors must have one dtype");
+    TORCH_CHECK(t->device().is_cpu(), name, ": CPU tensors only");
+  }
+}
+
+// The elements of a bfloat16 (as bits) or float32 tensor.
+template <typename T>
+T* elements(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
 }
 
 // Rows of a 2-D view whose last dimension is contiguous.
-const uint16_t* row_bits(const at::Tensor& t, int64_t r) {
-  return reinterpret_cast<const uint16_t*>(t.data_ptr()) + r * t.stride(0);
+template <typename T>
+const T* row_of(const at::Tensor& t, int64_t r) {
+  return elements<const T>(t) + r * t.stride(0);
+}
+
+// fn<T>() for the tensors' element type.
+template <typename Fn>
+void by_dtype(const at::Tensor& t, Fn&& fn) {
+  if (t.scalar_type() == at::kFloat) {
+    fn(float{});
+  } else {
+    fn(uint16_t{});
+  }
 }
 
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_bf16(x, "rms_norm");
-  check_bf16(weight, "rms_norm");
+  check_dtype({&x, &weight}, "rms_norm");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: expected [rows, hidden], rows contiguous");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
               "rms_norm: weight must be [hidden]");
   const int64_t rows = x.size(0), hidden = x.size(1);
   auto out = at::empty({rows, hidden}, x.options());
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float feps = static_cast<float>(eps);
-  for_rows(rows, hidden, [&](int64_t r) {
-    const uint16_t* in = row_bits(x, r);
-    float squares = 0.f;
+  by_dtype(x, [&](auto type) {
+    using T = decltype(type);
+    const T* w = elements<const T>(weight);
+    T* o = elements<T>(out);
+    for_rows(rows, hidden, [&](int64_t r) {
+      const T* in = row_of<T>(x, r);
+      float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-    for (int64_t i = 0; i < hidden; ++i) squares += bf16_value(in[i]) * bf16_value(in[i]);
-    const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + feps);
-    uint16_t* dst = o + r * hidden;
+      for (int64_t i = 0; i < hidden; ++i) squares += wide(in[i]) * wide(in[i]);
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + feps);
+      T* dst = o + r * hidden;
 #pragma omp simd
-    for (int64_t i = 0; i < hidden; ++i) {
-      const float normed = bf16_value(bf16_bits(bf16_value(in[i]) * inv));
-      dst[i] = bf16_bits(bf16_value(w[i]) * normed);
-    }
+      for (int64_t i = 0; i < hidden; ++i) {
+        dst[i] = narrow<T>(wide(w[i]) * rounded<T>(wide(in[i]) * inv));
+      }
+    });
   });
   return out;
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
-  check_bf16(gate, "silu_and_mul");
-  check_bf16(up, "silu_and_mul");
+  check_dtype({&gate, &up}, "silu_and_mul");
   TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 &&
                   up.stride(1) == 1,
               "silu_and_mul: expected gate and up of one shape [rows, n], rows contiguous");
   const int64_t rows = gate.size(0), n = gate.size(1);
   auto out = at::empty({rows, n}, gate.options());
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  for_rows(rows, n, [&](int64_t r) {
-    const uint16_t* g = row_bits(gate, r);
-    const uint16_t* u = row_bits(up, r);
-    uint16_t* dst = o + r * n;
+  by_dtype(gate, [&](auto type) {
+    using T = decltype(type);
+    T* o = elements<T>(out);
+    for_rows(rows, n, [&](int64_t r) {
+      const T* g = row_of<T>(gate, r);
+      const T* u = row_of<T>(up, r);
+      T* dst = o + r * n;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      const float x = bf16_value(g[i]);
-      const float act = bf16_value(bf16_bits(x * sigmoid(x)));
-      dst[i] = bf16_bits(act * bf16_value(u[i]));
-    }
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = wide(g[i]);
+        dst[i] = narrow<T>(rounded<T>(x * sigmoid(x)) * wide(u[i]));
+      }
+    });
   });
   return out;
 }
 
 at::Tensor quick_gelu(const at::Tensor& x) {
-  check_bf16(x, "quick_gelu");
+  check_dtype({&x}, "quick_gelu");
   auto in = x.contiguous();
   auto out = at::empty_like(in);
-  const auto* src = reinterpret_cast<const uint16_t*>(in.data_ptr());
-  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, in.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+  by_dtype(in, [&](auto type) {
+    using T = decltype(type);
+    const T* src = elements<const T>(in);
+    T* dst = elements<T>(out);
+    at::parallel_for(0, in.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
 #pragma omp simd
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = bf16_value(src[i]);
-      const float gate = bf16_value(bf16_bits(sigmoid(bf16_value(bf16_bits(1.702f * v)))));
-      dst[i] = bf16_bits(v * gate);
-    }
+      for (int64_t i = begin; i < end; ++i) {
+        const float v = wide(src[i]);
+        dst[i] = narrow<T>(v * rounded<T>(sigmoid(rounded<T>(1.702f * v))));
+      }
+    });
   });
   return out;
 }
 
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_bf16(x, "rotary");
-  check_bf16(cos, "rotary");
-  check_bf16(sin, "rotary");
+  check_dtype({&x, &cos, &sin}, "rotary");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
               "rotary: expected x [tokens, heads, dim] with an even, contiguous last dimension");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
@@ -132,25 +176,28 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
                   sin.numel() == tokens * dim,
               "rotary: expected contiguous cos and sin tables of [tokens, 1, dim]");
   auto out = at::empty({tokens, heads, dim}, x.options());
-  const auto* c = reinterpret_cast<const uint16_t*>(cos.data_ptr());
-  const auto* s = reinterpret_cast<const uint16_t*>(sin.data_ptr());
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  for_rows(tokens * heads, dim, [&](int64_t row) {
-    const int64_t t = row / heads, h = row % heads;
-    const uint16_t* in = src + t * x.stride(0) + h * x.stride(1);
-    const uint16_t* ct = c + t * dim;
-    const uint16_t* st = s + t * dim;
-    uint16_t* dst = o + row * dim;
+  by_dtype(x, [&](auto type) {
+    using T = decltype(type);
+    const T* c = elements<const T>(cos);
+    const T* s = elements<const T>(sin);
+    const T* src = elements<const T>(x);
+    T* o = elements<T>(out);
+    for_rows(tokens * heads, dim, [&](int64_t row) {
+      const int64_t t = row / heads, h = row % heads;
+      const T* in = src + t * x.stride(0) + h * x.stride(1);
+      const T* ct = c + t * dim;
+      const T* st = s + t * dim;
+      T* dst = o + row * dim;
 #pragma omp simd
-    for (int64_t i = 0; i < half; ++i) {
-      const float x1 = bf16_value(in[i]), x2 = bf16_value(in[i + half]);
-      // rotate_half(x) = [-x2, x1]; each product rounded, then their sum, as torch's ops do.
-      dst[i] = bf16_bits(bf16_value(bf16_bits(x1 * bf16_value(ct[i]))) +
-                         bf16_value(bf16_bits(-x2 * bf16_value(st[i]))));
-      dst[i + half] = bf16_bits(bf16_value(bf16_bits(x2 * bf16_value(ct[i + half]))) +
-                                bf16_value(bf16_bits(x1 * bf16_value(st[i + half]))));
-    }
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = wide(in[i]), x2 = wide(in[i + half]);
+        // rotate_half(x) = [-x2, x1]; each product rounded, then their sum, as torch's ops do
+        // (ISO C++ mode: the compiler does not contract them into one fused multiply-add).
+        dst[i] = narrow<T>(rounded<T>(x1 * wide(ct[i])) + rounded<T>(-x2 * wide(st[i])));
+        dst[i + half] = narrow<T>(rounded<T>(x2 * wide(ct[i + half])) +
+                                  rounded<T>(x1 * wide(st[i + half])));
+      }
+    });
   });
   return out;
 }

@@ -8,6 +8,9 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
 at::Tensor flash_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            double scale, int64_t causal_offset);
 bool flash_attention_supported(int64_t head_dim);
+at::Tensor flash_attention_f32(const at::Tensor& query, const at::Tensor& key,
+                               const at::Tensor& value, double scale, int64_t causal_offset);
+bool flash_attention_f32_supported(int64_t head_dim);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor quick_gelu(const at::Tensor& x);
@@ -28,6 +31,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16 attention over many query rows (causal from an offset, or bidirectional)");
   m.def("flash_attention_supported", &flash_attention_supported,
         "whether this build has the bfloat16 flash attention for a head size");
+  m.def("flash_attention_f32", &flash_attention_f32,
+        "float32 attention over many query rows (causal from an offset, or bidirectional)");
+  m.def("flash_attention_f32_supported", &flash_attention_f32_supported,
+        "whether this build has the float32 flash attention (AVX2 and FMA) for a head size");
   m.def("rms_norm", &rms_norm, "bfloat16 RMSNorm in one pass");
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up in one pass");
   m.def("quick_gelu", &quick_gelu, "bfloat16 x * sigmoid(1.702 x) in one pass");

@@ -8,18 +8,26 @@ the memory traffic of the one pass over K and one over V that decode attention n
 ``flash_attention`` (``cpu_flash_attention.cpp``) serves prompt chunks and the vision tower in
 bfloat16 on CPUs with AVX512-BF16, whose instruction multiplies bfloat16 pairs into float32
 sums. For short sequences (a 238-token prompt, a 197-patch image) torch's fused CPU attention
-spends more time in its blocking than in arithmetic; the kernel is 2-4x faster there. Other
-dtypes, head sizes and CPUs keep torch's attention.
+spends more time in its blocking than in arithmetic; the kernel is 2-4x faster there.
+``flash_attention_f32`` (``cpu_attention_f32.cpp``, from the linear layers' register tile)
+serves float32 prompt chunks on CPUs with AVX2 and FMA, 1.2-2x torch's; for a vision tower's
+bidirectional attention torch's stays faster in float32. Other dtypes, head sizes and CPUs
+keep torch's attention.
 
 ``rms_norm``, ``rotary``, ``silu_and_mul`` and ``quick_gelu`` (``cpu_elementwise.cpp``) do in
-one pass over bfloat16 activations what torch does in three to six, rounding where torch's
-ops round. The models call them through ``bf16_kernels``: float32 (the exactness checks) and
-other devices keep torch's ops.
+one pass over bfloat16 or float32 activations what torch does in three to six, rounding where
+torch's ops round. The models call them through ``fused_kernels``; other devices keep torch's
+ops.
 
 ``PackedLinear`` (``cpu_linear.cpp``) replaces a bfloat16 ``nn.Linear`` once its weights are
 loaded, with the weight repacked into the panels of the pair dot-product instruction. On decode
 steps, where a few dozen rows meet every weight once, it reaches about 1.5 times torch's
-bfloat16 matmul, which reads the [out, in] layout.
+bfloat16 matmul, which reads the [out, in] layout. ``PackedLinearF32`` (``cpu_linear_f32.cpp``)
+does the same for float32 on CPUs with AVX2 and FMA but without AVX-512, about twice MKL's speed
+on decode steps; ``OneDNNLinear`` (oneDNN's prepacked matmul, through torch) serves float32 on
+the others. The CPU is known when the module builds (``-march=native``, one build per CPU
+model and flags), so each function is compiled for the instructions it has, and
+``float32_linear`` / ``_flash_kernel`` choose among them.
 
 Building takes about 50 s on two cores the first time; torch caches the library (under
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) for later starts. Without
@@ -65,8 +73,9 @@ BUILD_TIMEOUT_ENV = "MMSERVE_CPU_KERNELS_BUILD_TIMEOUT"
 DEFAULT_BUILD_TIMEOUT_S = 600.0
 _SOURCES = [Path(__file__).with_name(name) for name in
             ("cpu_ops.cpp", "cpu_decode_attention.cpp", "cpu_flash_attention.cpp",
-             "cpu_elementwise.cpp", "cpu_linear.cpp", "cpu_linear_f32.cpp")]
-_HEADERS = [Path(__file__).with_name("cpu_math.h")]
+             "cpu_elementwise.cpp", "cpu_linear.cpp", "cpu_linear_f32.cpp",
+             "cpu_attention_f32.cpp")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_math.h", "cpu_tile_f32.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _failure: str | None = None
@@ -248,9 +257,28 @@ def bf16_kernels(tensor: torch.Tensor) -> ModuleType | None:
     return None
 
 
-def _flash_supported(tensor: torch.Tensor) -> bool:
-    """Whether the loaded module's flash attention takes this query (dtype, head size, CPU)."""
-    return bf16_kernels(tensor) is not None and _flash_head_dim(tensor.shape[-1])
+def fused_kernels(tensor: torch.Tensor) -> ModuleType | None:
+    """The compiled module if the CPU runner has loaded it and ``tensor`` is a bfloat16 or
+    float32 CPU tensor, the dtypes of its fused norm, rotary and activations; None means: use
+    torch."""
+    if (_module is not None and tensor.dtype in (torch.bfloat16, torch.float32)
+            and tensor.device.type == "cpu"):
+        return _module
+    return None
+
+
+def _flash_kernel(tensor: torch.Tensor, causal: bool) -> Callable | None:
+    """The loaded module's flash attention for this query (dtype, head size, CPU): the
+    bfloat16 one on AVX512-BF16; the float32 one on AVX2 with FMA for prompt chunks (causal)
+    only, since for a vision tower's bidirectional attention torch's is faster in float32
+    (``benchmarks/README.md``); None means torch's."""
+    if _module is None or tensor.device.type != "cpu":
+        return None
+    if tensor.dtype == torch.bfloat16 and _flash_head_dim(tensor.shape[-1]):
+        return _module.flash_attention
+    if causal and tensor.dtype == torch.float32 and _flash_f32_head_dim(tensor.shape[-1]):
+        return _module.flash_attention_f32
+    return None
 
 
 @functools.cache
@@ -258,14 +286,20 @@ def _flash_head_dim(head_dim: int) -> bool:
     return _module.flash_attention_supported(head_dim)
 
 
+@functools.cache
+def _flash_f32_head_dim(head_dim: int) -> bool:
+    return _module.flash_attention_f32_supported(head_dim)
+
+
 def prefill_attention(query, key, value, seq: PrefillSeq, scale: float):
     """``paged_attention``'s prompt-chunk path (same arguments and result as the torch
     ``prefill_attention``), with the compiled flash attention where it applies."""
-    if not _flash_supported(query):
+    flash = _flash_kernel(query, causal=True)
+    if flash is None:
         return torch_prefill_attention(query, key, value, seq, scale)
     causal_offset = seq.context_len - seq.query_len
-    return _module.flash_attention(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0),
-                                   scale, causal_offset)[0]
+    return flash(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), scale,
+                 causal_offset)[0]
 
 
 def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -273,10 +307,11 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     """Bidirectional attention of a vision tower: ``[batch, tokens, heads, head_dim]`` in and
     out, any strides. The compiled flash attention once the CPU runner has loaded it (bfloat16
     on AVX512-BF16), torch's fused attention otherwise (other devices, dtypes, CPUs)."""
-    if _flash_supported(query):
+    flash = _flash_kernel(query, causal=False)
+    if flash is not None:
         if key.stride() != value.stride():  # the kernel packs k and v with one set of strides
             key, value = key.contiguous(), value.contiguous()
-        return _module.flash_attention(query, key, value, scale, -1)
+        return flash(query, key, value, scale, -1)
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), scale=scale)
     return out.transpose(1, 2)

@@ -87,6 +87,10 @@ class EngineConfig:
                       choices=("auto", *_DTYPES))
     device: str = flag("auto", "auto = cuda when a CUDA device is visible", choices=DEVICES)
     enforce_eager: bool = flag(False, "no CUDA graphs for decode batches")
+    cpu_threads: int | str | None = flag(
+        None, "compute threads on the CPU, or auto (default): one per core this process may "
+        "use (torch's thread count at most), one fewer for each core other processes keep "
+        "busy, checked twice a second", parse=int_or_auto)
     seed: int = flag(0, "seed of torch and of the runner's sampling")
     # Scheduling. ``None`` or "auto": sized by the memory plan at start-up.
     max_model_len: int | str | None = flag(
@@ -140,7 +144,7 @@ class EngineConfig:
         "false}' (each image's cache hash includes them)", parse=mm_processor_kwargs_text)
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs"):
+        for name in ("max_model_len", "max_num_seqs", "cpu_threads"):
             value = getattr(self, name)
             if value == "auto":
                 object.__setattr__(self, name, None)
@@ -158,7 +162,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")
 
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "kv_cache_memory", "encoder_cache_size", "max_image_pixels"):
+                     "kv_cache_memory", "encoder_cache_size", "max_image_pixels", "cpu_threads"):
             positive(name, getattr(self, name))
         object.__setattr__(self, "mm_processor_kwargs",
                            check_mm_processor_kwargs(self.mm_processor_kwargs))

@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.kernels.cpu_ops import bf16_kernels
+from mmserve.kernels.cpu_ops import bf16_kernels, fused_kernels
 from mmserve.models.forward_context import get_forward_context
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    if (ops := bf16_kernels(x)) is not None:
+    if (ops := fused_kernels(x)) is not None:
         return ops.quick_gelu(x)
     return x * torch.sigmoid(1.702 * x)
 
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype
-                and (ops := bf16_kernels(x)) is not None):
+                and (ops := fused_kernels(x)) is not None):
             return ops.rms_norm(x, self.weight, self.eps)
         # Normalize in float32 and scale in the input dtype, as the reference models do.
         dtype = x.dtype
@@ -148,6 +148,8 @@ def apply_rotary(
     cos_sin: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_sin
+    # bfloat16 only: its products are exact in float32, so the kernel equals torch's ops bit
+    # for bit; in float32 the compiler may fuse a product into the sum, which rounds otherwise.
     if ((ops := bf16_kernels(q)) is not None and cos.dtype == q.dtype and q.stride(-1) == 1
             and k.stride(-1) == 1):
         return ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)

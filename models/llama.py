@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmserve.kernels.cpu_ops import bf16_kernels
+from mmserve.kernels.cpu_ops import fused_kernels
 from mmserve.models.layers import (
     PagedAttention,
     RMSNorm,
@@ -64,7 +64,7 @@ class DecoderMLP(nn.Module):
         self.fused_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_silu and (ops := bf16_kernels(x)) is not None:
+        if self.fused_silu and (ops := fused_kernels(x)) is not None:
             return self.down_proj(ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 

@@ -2,8 +2,9 @@
 runner: decode attention (``kernels/cpu_decode_attention.cpp``; bfloat16 with head sizes 64 and
 128 takes its AVX512-BF16 path), the bfloat16 flash attention for prompt chunks and vision
 towers (``cpu_flash_attention.cpp``), the fused norm, rotary and activations
-(``cpu_elementwise.cpp``), the packed bfloat16 linear layers (``cpu_linear.cpp``) and the float32
-ones (``cpu_linear_f32.cpp``, AVX2 and FMA; ``OneDNNLinear`` on other CPUs).
+(``cpu_elementwise.cpp``), the packed bfloat16 linear layers (``cpu_linear.cpp``), and for
+float32 on CPUs with AVX2 and FMA the linear layers (``cpu_linear_f32.cpp``; ``OneDNNLinear`` on
+other CPUs) and the flash attention (``cpu_attention_f32.cpp``).
 
 Skipped only where there is no C++ compiler (the runner then uses the torch path); where there
 is one, a build failure fails these tests. The flash attention and packed linear tests also
@@ -185,7 +186,7 @@ def test_flash_prompt_chunks_in_a_mixed_batch(flash):
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_encoder_attention_uses_the_kernel_for_bfloat16_only(flash, monkeypatch):
+def test_encoder_attention_uses_the_kernel_for_bfloat16(flash, monkeypatch):
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 30, 4, 64, generator=g) for _ in range(3))
     calls = []
@@ -200,13 +201,92 @@ def test_encoder_attention_uses_the_kernel_for_bfloat16_only(flash, monkeypatch)
             return real(*args)
 
     monkeypatch.setattr(cpu_ops, "_module", Spy())
-    # float32 keeps torch's attention, exactly.
     expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                               v.transpose(1, 2), scale=0.125).transpose(1, 2)
-    assert torch.equal(cpu_ops.encoder_attention(q, k, v, 0.125), expected)
     got = cpu_ops.encoder_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)
     assert calls == [torch.bfloat16]
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def flash_f32(kernel):
+    if not kernel.flash_attention_f32_supported(64):
+        pytest.skip("this CPU lacks AVX2 or FMA: float32 prompt and vision attention stay on "
+                    "torch")
+    return kernel
+
+
+@pytest.mark.parametrize("batch,q_len,kv_len,heads,kv_heads,head_dim,causal_offset", [
+    (1, 238, 238, 12, 4, 64, 0),  # a whole prompt, GQA
+    (1, 5, 300, 12, 4, 64, 295),  # a chunk after a cached prefix
+    (1, 100, 1000, 8, 2, 128, 900),  # head size 128, keys past one softmax step
+    (1, 1, 1, 4, 4, 64, 0),  # one token
+    (1, 17, 17, 4, 1, 80, 0),  # rows not a multiple of the 6-row tile, head size 80
+    (3, 197, 197, 12, 12, 64, -1),  # vision: a batch of images, bidirectional
+    (2, 64, 64, 2, 2, 64, -1),  # exact multiples of the key step
+    (1, 70, 70, 2, 2, 16, -1),  # the smallest head size
+])
+def test_flash_f32_matches_torch(flash_f32, batch, q_len, kv_len, heads, kv_heads, head_dim,
+                                 causal_offset):
+    g = torch.Generator().manual_seed(q_len * 7 + kv_len)
+    q = torch.randn(batch, q_len, heads, head_dim, generator=g)
+    k, v = (torch.randn(batch, kv_len, kv_heads, head_dim, generator=g) for _ in range(2))
+    scale = head_dim ** -0.5
+    got = flash_f32.flash_attention_f32(q, k, v, scale, causal_offset)
+    expected = _reference(q.double(), k.double(), v.double(), scale, causal_offset).double()
+    assert got.dtype == torch.float32 and got.shape == q.shape and got.is_contiguous()
+    # float32 throughout; only the order of the sums and exp (within 2 ulp) differ from an
+    # exact softmax: a few float32 ulps of the output's scale, as torch's own attention.
+    torch_out = _reference(q, k, v, scale, causal_offset)
+    torch_err = (torch_out.double() - expected).abs().max()
+    assert (got.double() - expected).abs().max() <= max(4 * torch_err, 2e-6)
+
+
+def test_flash_f32_reads_strided_views_and_rejects_unsupported_inputs(flash_f32):
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(2, 50, 3, 12, 64, generator=g)
+    q, k, v = qkv.unbind(2)  # views of one projection, as the vision tower passes them
+    got = flash_f32.flash_attention_f32(q, k, v, 0.125, -1)
+    torch.testing.assert_close(got, _reference(q, k, v, 0.125, -1), atol=2e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        flash_f32.flash_attention_f32(q.double(), k.double(), v.double(), 0.125, -1)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        flash_f32.flash_attention_f32(q[..., :24], k[..., :24], v[..., :24], 0.125, -1)
+    assert not flash_f32.flash_attention_f32_supported(272)
+
+
+def test_float32_prompt_attention_takes_the_kernel(flash_f32, monkeypatch):
+    """Through the CPU backend: a whole prompt, a chunk after cached blocks and decodes in one
+    step take the kernel in float32; a vision tower's attention keeps torch's, exactly."""
+    g = torch.Generator().manual_seed(5)
+    q_lens, ctx_lens, tables = [40, 1, 24, 1], [40, 20, 56, 33], [[0, 1, 2], [3, 4], [5, 6, 7, 8],
+                                                                 [9, 10, 11]]
+    n = sum(q_lens)
+    q, k, v = (torch.randn(n, h, 64, generator=g) for h in (12, 4, 4))
+    meta = build_attention_metadata(q_lens, ctx_lens, tables, 16)
+    cache = torch.randn(2, 12, 16, 4, 64, generator=g)
+    expected = paged_attention(q, k, v, cache.clone(), meta, 0.125)
+    calls = []
+    real = flash_f32.flash_attention_f32
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(flash_f32, name)
+
+        def flash_attention_f32(self, *args):
+            calls.append(args[0].shape[1])
+            return real(*args)
+
+    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    got = paged_attention(q, k, v, cache.clone(), meta, 0.125, decode=cpu_ops.decode_attention,
+                          prefill=cpu_ops.prefill_attention)
+    assert calls == [40, 24]
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+    qi, ki, vi = (torch.randn(2, 30, 4, 64, generator=g) for _ in range(3))
+    sdpa = F.scaled_dot_product_attention(qi.transpose(1, 2), ki.transpose(1, 2),
+                                          vi.transpose(1, 2), scale=0.125).transpose(1, 2)
+    assert torch.equal(cpu_ops.encoder_attention(qi, ki, vi, 0.125), sdpa)
+    assert calls == [40, 24]
 
 
 def test_packed_encoder_attention_with_rotated_query_and_key(flash):
@@ -264,9 +344,9 @@ def test_rms_norm_matches_torch(kernel, monkeypatch):
     wide = (torch.randn(300, 1000, generator=g) * 3).bfloat16()
     x = wide[:, 100:868]  # rows with a stride, as a slice of a larger activation
     with torch.no_grad():
-        monkeypatch.setattr(layers, "bf16_kernels", lambda t: None)
+        monkeypatch.setattr(layers, "fused_kernels", lambda t: None)
         expected = norm(x)  # the module's torch path
-        monkeypatch.setattr(layers, "bf16_kernels", lambda t: kernel)
+        monkeypatch.setattr(layers, "fused_kernels", lambda t: kernel)
         got = norm(x)  # the module's fused path
     _assert_rounds_like_torch(got, expected)
     _assert_rounds_like_torch(kernel.rms_norm(x, norm.weight, 1e-5), expected)
@@ -290,9 +370,10 @@ def test_quick_gelu_matches_torch(kernel):
     # Extremes saturate instead of overflowing.
     edge = torch.tensor([-1e4, -100.0, 0.0, 100.0, 1e4]).bfloat16()
     torch.testing.assert_close(kernel.quick_gelu(edge), edge * torch.sigmoid(1.702 * edge))
-    # float32 keeps torch's ops exactly.
+    # The module's activation takes the fused path for both dtypes once the kernels load.
     xf = x.float()
-    assert torch.equal(get_activation("quick_gelu")(xf), xf * torch.sigmoid(1.702 * xf))
+    torch.testing.assert_close(get_activation("quick_gelu")(xf), xf * torch.sigmoid(1.702 * xf),
+                               atol=0, rtol=4e-7)
 
 
 def test_rotary_matches_torch_exactly(kernel, monkeypatch):
@@ -312,12 +393,50 @@ def test_rotary_matches_torch_exactly(kernel, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+def _assert_float32_close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32: no rounding points to keep, only the math's own (an exp within 2 ulp, a sum of
+    squares in another order): within a few ulp of torch's ops."""
+    assert got.dtype == expected.dtype == torch.float32 and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=4e-7)
+
+
+def test_fused_layers_in_float32(kernel, monkeypatch):
+    from mmserve.models import layers
+
+    g = torch.Generator().manual_seed(11)
+    norm = layers.RMSNorm(768, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(768, generator=g) * 0.1 + 1)
+    x = (torch.randn(300, 1000, generator=g) * 3)[:, 100:868]
+    gate_up = torch.randn(257, 2 * 2048, generator=g) * 4
+    gate, up = gate_up[:, :2048], gate_up[:, 2048:]
+    rope = layers.RotaryEmbedding(64, 512, 10000.0)
+    cos_sin = rope.cos_sin(torch.tensor([0, 1, 2, 7, 100, 511, 3]), torch.float32)
+    qkv = torch.randn(7, 20, 64, generator=g) * 3
+    q, k = qkv[:, :12], qkv[:, 12:16]
+    with torch.no_grad():
+        monkeypatch.setattr(layers, "fused_kernels", lambda t: None)
+        expected_norm = norm(x)
+        expected_rope = q * cos_sin[0] + torch.cat((-q[..., 32:], q[..., :32]), -1) * cos_sin[1]
+        monkeypatch.setattr(layers, "fused_kernels", lambda t: kernel)
+        got_norm = norm(x)
+    _assert_float32_close(got_norm, expected_norm)
+    # The module's rotary keeps torch's ops in float32 (exactly); the kernel is within an ulp.
+    assert torch.equal(layers.apply_rotary(q, k, cos_sin)[0], expected_rope)
+    _assert_float32_close(kernel.rotary(q, cos_sin[0], cos_sin[1]), expected_rope)
+    _assert_float32_close(kernel.silu_and_mul(gate, up), F.silu(gate) * up)
+    edge = torch.tensor([-1e4, -100.0, -3.0, 0.0, 0.5, 100.0, 1e4])
+    _assert_float32_close(kernel.quick_gelu(edge), edge * torch.sigmoid(1.702 * edge))
+    row = edge.view(1, -1)
+    _assert_float32_close(kernel.silu_and_mul(row, row), F.silu(row) * row)
+
+
 def test_fused_layers_reject_other_dtypes(kernel):
-    x = torch.randn(4, 64)
-    with pytest.raises(RuntimeError, match="bfloat16 only"):
-        kernel.rms_norm(x, torch.ones(64), 1e-5)
-    with pytest.raises(RuntimeError, match="bfloat16 only"):
-        kernel.silu_and_mul(x, x)
+    x = torch.randn(4, 64).double()
+    with pytest.raises(RuntimeError, match="bfloat16 or float32 only"):
+        kernel.rms_norm(x, torch.ones(64).double(), 1e-5)
+    with pytest.raises(RuntimeError, match="all tensors must have one dtype"):
+        kernel.silu_and_mul(x.float(), x.bfloat16())
     with pytest.raises(RuntimeError, match="one shape"):
         kernel.silu_and_mul(x.bfloat16(), x[:, :32].bfloat16())
     table = torch.ones(4, 1, 64).bfloat16()
@@ -325,10 +444,14 @@ def test_fused_layers_reject_other_dtypes(kernel):
         kernel.rotary(x.bfloat16().view(4, 1, 64), table[:2], table[:2])
 
 
-def test_bf16_kernels_only_for_bfloat16_cpu_tensors(kernel):
+def test_kernels_only_for_the_dtypes_they_serve(kernel):
     assert cpu_ops.bf16_kernels(torch.zeros(2, dtype=torch.bfloat16)) is kernel
     assert cpu_ops.bf16_kernels(torch.zeros(2)) is None
     assert cpu_ops.bf16_kernels(torch.zeros(2, dtype=torch.bfloat16, device="meta")) is None
+    assert cpu_ops.fused_kernels(torch.zeros(2, dtype=torch.bfloat16)) is kernel
+    assert cpu_ops.fused_kernels(torch.zeros(2)) is kernel
+    assert cpu_ops.fused_kernels(torch.zeros(2, dtype=torch.float16)) is None
+    assert cpu_ops.fused_kernels(torch.zeros(2, device="meta")) is None
 
 
 @pytest.fixture(scope="module")

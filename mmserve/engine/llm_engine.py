@@ -73,6 +73,7 @@ class LLMEngine:
         self.model, weights_bytes = runner_cls.load_model(config.model, hf_config, dtype)
         # No KV cache until the plan sizes it.
         self.runner = runner_cls(self.model, 0, config.block_size, dtype, config.seed)
+        self.runner.set_threads(config.cpu_threads)
         # The same planning as `mmserve plan`, with the real weights and, on a GPU, the
         # allocator's peak; on the CPU the meta-device dry run is what a real run allocates.
         startup = plan_for(config, hf_config, self.processor.family, device,
@@ -372,6 +373,7 @@ class LLMEngine:
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "num_steps": self.num_steps,
+            "cpu_threads": self.runner.num_threads,
             "num_failed_requests": self.num_failed_requests,
             "preprocess_peak_bytes": self.preprocess_peak_bytes,
             "num_memory_releases": self.num_memory_releases,

@@ -23,6 +23,7 @@ from mmserve.kernels.paged_attention import (
 from mmserve.models.forward_context import AttentionBackend, forward_context
 from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput, StepTimes
 from mmserve.worker.cpu_allocator import keep_freed_memory
+from mmserve.worker.cpu_threads import AdaptiveThreads
 from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import sample_each
 
@@ -157,6 +158,14 @@ class ModelRunner:
         model = load_model(model_dir, hf_config, dtype).to(cls.device)
         tensors = [*model.parameters(), *model.buffers()]
         return model, sum(t.numel() * t.element_size() for t in tensors)
+
+    def set_threads(self, threads: int | None) -> None:
+        """Compute threads: a fixed count, or None for the device's default."""
+
+    @property
+    def num_threads(self) -> int | None:
+        """The compute threads of the last step, where the device has them (the CPU)."""
+        return None
 
     def capture_model(self, max_num_seqs: int, max_model_len: int,
                       position_rows: int = 1) -> None:
@@ -349,6 +358,26 @@ class CPUModelRunner(ModelRunner):
         keep_freed_memory()  # steps reuse their activations' pages instead of faulting them in
         super().__init__(*args, **kwargs)
         self.attention = cpu_attention_backend()  # compiled kernels when they build
+        self.adaptive_threads: AdaptiveThreads | None = None
+
+    def set_threads(self, threads: int | None) -> None:
+        """``threads`` fixed, or None: as many as other processes leave cores free
+        (``cpu_threads.py``)."""
+        if threads is None:
+            self.adaptive_threads = AdaptiveThreads()
+        else:
+            self.adaptive_threads = None
+            torch.set_num_threads(threads)
+
+    @property
+    def num_threads(self) -> int:
+        return torch.get_num_threads()
+
+    def execute(self, scheduler_output: SchedulerOutput,
+                encoder_pixels: EncoderPixels) -> ModelOutput:
+        if self.adaptive_threads is not None:
+            self.adaptive_threads.update()
+        return super().execute(scheduler_output, encoder_pixels)
 
 
 def flat_positions(reqs: list[ScheduledRequest], num_padding: int = 0,

@@ -1,0 +1,118 @@
+"""How many threads the CPU runner computes with: one per core while the cores are its own,
+fewer while other processes keep some of them busy.
+
+Every parallel region of a step (a matmul, an attention call) ends with its threads waiting
+for the slowest one. A thread that shares its core with another process runs at a fraction of
+its speed, so every region waits on it, and its siblings spin at the barrier meanwhile: with
+one of two cores busy elsewhere, two threads computed a third as fast as on a quiet machine,
+where one thread keeps about half (``benchmarks/README.md``). So the runner measures, twice a
+second, how much of its cores other processes used (``/proc/stat`` minus this process's own
+CPU time) and computes with one thread fewer for every core they keep more than a quarter busy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# A core other processes keep busier than this is left to them.
+BUSY_SHARE = 0.25
+# Seconds between two looks at the cores: long enough that the kernel's tick counts (100 a
+# second) measure the share to a few percent, short enough to follow a load that comes and goes.
+INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """Busy seconds of the cores so far (all processes), and this process's CPU seconds."""
+
+    busy_s: float
+    own_s: float
+    wall_s: float
+
+
+def threads_for(max_threads: int, other_cores: float) -> int:
+    """Threads to compute with when other processes use ``other_cores`` cores' worth of time."""
+    taken = max(0, math.ceil(other_cores - BUSY_SHARE))
+    return max(1, max_threads - taken)
+
+
+def read_sample(cores: frozenset[int]) -> CpuSample | None:
+    """The cores' busy time from ``/proc/stat`` (user, nice, system, irq, softirq and steal
+    ticks), this process's CPU time, now; None where ``/proc/stat`` cannot be read."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    ticks = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores:
+            fields = [int(v) for v in rest.split()]
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+            ticks += user + nice + system + irq + softirq + steal
+    return CpuSample(ticks / os.sysconf("SC_CLK_TCK"), time.process_time(), time.monotonic())
+
+
+# The thread count before any ``AdaptiveThreads`` lowered it, and the count it last set: a
+# later engine in the same process starts from the count the user chose, not from a lowered one.
+_chosen: int | None = None
+_last_set: int | None = None
+
+
+def _max_threads() -> int:
+    global _chosen
+    current = torch.get_num_threads()
+    if _last_set is None or current != _last_set or _chosen is None:
+        _chosen = current
+    return _chosen
+
+
+def _set_threads(n: int) -> None:
+    global _last_set
+    torch.set_num_threads(n)
+    _last_set = n
+
+
+class AdaptiveThreads:
+    """Sets torch's thread count from what other processes leave of this process's cores;
+    ``update()`` before each step (it looks at most once per ``interval_s``)."""
+
+    def __init__(self, interval_s: float = INTERVAL_S,
+                 read: Callable[[frozenset[int]], CpuSample | None] = read_sample) -> None:
+        self.cores = frozenset(os.sched_getaffinity(0))
+        self.max_threads = min(_max_threads(), len(self.cores))
+        self.interval_s = interval_s
+        self._read = read
+        self._last = read(self.cores)
+        self.threads = self.max_threads
+        self.other_cores = 0.0  # other processes' use of the cores at the last look
+        if self.threads != torch.get_num_threads():
+            _set_threads(self.threads)
+
+    def update(self) -> None:
+        if self._last is None or self.max_threads <= 1:
+            return  # nothing to measure, or nothing to give up
+        now = self._read(self.cores)
+        if now is None or now.wall_s - self._last.wall_s < self.interval_s:
+            return
+        wall = now.wall_s - self._last.wall_s
+        self.other_cores = max(0.0, (now.busy_s - self._last.busy_s)
+                               - (now.own_s - self._last.own_s)) / wall
+        self._last = now
+        threads = threads_for(self.max_threads, self.other_cores)
+        if threads != self.threads:
+            logger.info("other processes keep %.1f of this process's %d cores busy: computing "
+                        "with %d of %d threads", self.other_cores, len(self.cores), threads,
+                        self.max_threads)
+            self.threads = threads
+            _set_threads(threads)

@@ -1,0 +1,120 @@
+"""The CPU runner's thread count: fewer threads while other processes keep cores busy, all of
+them again once the cores are free (``mmserve/worker/cpu_threads.py``)."""
+
+import os
+
+import pytest
+import torch
+
+from mmserve.worker import cpu_threads
+from mmserve.worker.cpu_threads import AdaptiveThreads, CpuSample, read_sample, threads_for
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_chosen", None)
+    monkeypatch.setattr(cpu_threads, "_last_set", None)
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("max_threads,other_cores,expected", [
+    (2, 0.0, 2), (2, 0.2, 2),  # a quiet machine, a little noise
+    (2, 0.5, 1), (2, 1.0, 1),  # one core taken (half of it while our thread fought for it)
+    (2, 1.9, 1),  # never fewer than one
+    (8, 2.1, 6), (8, 3.2, 5), (8, 3.3, 4), (4, 0.26, 3),
+])
+def test_threads_for(max_threads, other_cores, expected):
+    assert threads_for(max_threads, other_cores) == expected
+
+
+class FakeCores:
+    """A timeline of samples: each ``advance`` adds wall time, this process's CPU time and
+    other processes' CPU time on the cores."""
+
+    def __init__(self) -> None:
+        self.sample = CpuSample(busy_s=1000.0, own_s=10.0, wall_s=50.0)
+
+    def advance(self, wall_s: float, own_cores: float, other_cores: float) -> None:
+        s = self.sample
+        self.sample = CpuSample(busy_s=s.busy_s + wall_s * (own_cores + other_cores),
+                                own_s=s.own_s + wall_s * own_cores, wall_s=s.wall_s + wall_s)
+
+    def __call__(self, cores):
+        return self.sample
+
+
+def test_adaptive_threads_follow_a_load_that_comes_and_goes(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    torch.set_num_threads(2)
+    cores = FakeCores()
+    threads = AdaptiveThreads(interval_s=0.5, read=cores)
+    assert threads.max_threads == 2 and torch.get_num_threads() == 2
+
+    cores.advance(0.6, own_cores=1.9, other_cores=0.05)  # quiet
+    threads.update()
+    assert torch.get_num_threads() == 2 and threads.other_cores == pytest.approx(0.05)
+
+    cores.advance(0.6, own_cores=1.5, other_cores=0.5)  # a process spinning on one core
+    threads.update()
+    assert torch.get_num_threads() == 1 and threads.threads == 1
+
+    cores.advance(0.2, own_cores=1.0, other_cores=0.0)  # too soon to look again
+    threads.update()
+    assert torch.get_num_threads() == 1
+
+    cores.advance(0.6, own_cores=1.0, other_cores=1.0)  # still there: one thread stays
+    threads.update()
+    assert torch.get_num_threads() == 1
+
+    cores.advance(0.6, own_cores=1.0, other_cores=0.0)  # gone: both threads again
+    threads.update()
+    assert torch.get_num_threads() == 2
+
+
+def test_a_later_engine_starts_from_the_users_thread_count(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    torch.set_num_threads(3)  # the user's choice: the ceiling, never raised past
+    cores = FakeCores()
+    first = AdaptiveThreads(interval_s=0.5, read=cores)
+    assert first.max_threads == 3
+    cores.advance(1.0, own_cores=1.0, other_cores=2.0)
+    first.update()
+    assert torch.get_num_threads() == 1
+    second = AdaptiveThreads(interval_s=0.5, read=cores)  # lowered by the first, not the user
+    assert second.max_threads == 3
+    torch.set_num_threads(2)  # the user again
+    assert AdaptiveThreads(interval_s=0.5, read=cores).max_threads == 2
+
+
+def test_nothing_to_measure_changes_nothing(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    torch.set_num_threads(2)
+    threads = AdaptiveThreads(read=lambda cores: None)  # no /proc/stat
+    threads.update()
+    assert torch.get_num_threads() == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux's /proc/stat")
+def test_read_sample_counts_this_process():
+    cores = frozenset(os.sched_getaffinity(0))
+    first = read_sample(cores)
+    x = torch.randn(256, 256)
+    while read_sample(cores).own_s - first.own_s < 0.05:  # some CPU time of our own
+        x = (x @ x).tanh()
+    second = read_sample(cores)
+    assert second.wall_s > first.wall_s and second.own_s > first.own_s
+    assert second.busy_s > first.busy_s  # the cores were busy at least with us
+
+
+def test_engine_takes_a_fixed_thread_count(clip_llama):
+    from mmserve import LLM
+
+    llm = LLM(clip_llama, dtype="float32", max_model_len=96, cpu_threads=1)
+    assert torch.get_num_threads() == 1 and llm.engine.runner.adaptive_threads is None
+    assert llm.engine.stats()["cpu_threads"] == 1
+    auto = LLM(clip_llama, dtype="float32", max_model_len=96)
+    assert isinstance(auto.engine.runner.adaptive_threads, cpu_threads.AdaptiveThreads)
+    with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):
+        LLM(clip_llama, dtype="float32", max_model_len=96, cpu_threads=0)
