@@ -274,8 +274,10 @@ def child_mmserve(spec: dict[str, Any]) -> dict[str, Any]:
         "encoder_cache_tokens": r["encoder_cache_tokens"],
         "preemptions": r["num_preemptions"],
         "time_share": r["time_share"],
-        "threads": f"{torch.get_num_threads()} torch threads" + (
-            f" pinned to cores {','.join(map(str, spec['cores']))}" if spec["cores"] else ""),
+        "threads": (f"{len(spec['cores'])} torch thread(s) pinned to cores "
+                    f"{','.join(map(str, spec['cores']))}" if spec["cores"] else
+                    f"torch threads chosen as it ran (--cpu-threads auto), "
+                    f"{torch.get_num_threads()} at the end"),
     }
 
 
