@@ -461,14 +461,18 @@ def packed(kernel):
     return kernel
 
 
-def _bf16_linear(in_features, out_features, bias, seed):
+def _f32_linear(in_features, out_features, bias, seed):
     g = torch.Generator().manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(out_features, in_features, generator=g))
         if bias:
             linear.bias.copy_(torch.randn(out_features, generator=g))
-    return linear.bfloat16()
+    return linear
+
+
+def _bf16_linear(in_features, out_features, bias, seed):
+    return _f32_linear(in_features, out_features, bias, seed).bfloat16()
 
 
 @pytest.mark.parametrize("rows,in_features,out_features,bias", [
@@ -555,16 +559,6 @@ def packed_f32(kernel):
     if not kernel.packed_linear_f32_supported():
         pytest.skip("this CPU lacks AVX2 or FMA: float32 linear layers use oneDNN")
     return kernel
-
-
-def _f32_linear(in_features, out_features, bias, seed):
-    g = torch.Generator().manual_seed(seed)
-    linear = torch.nn.Linear(in_features, out_features, bias=bias)
-    with torch.no_grad():
-        linear.weight.copy_(torch.randn(out_features, in_features, generator=g))
-        if bias:
-            linear.bias.copy_(torch.randn(out_features, generator=g))
-    return linear
 
 
 def _assert_float32_linear_close(got, linear, x):
