@@ -65,6 +65,7 @@ from typing import Any
 
 DTYPES = ("float32", "bfloat16")
 WORKLOADS = ("mixed", "uniform", "text")
+PROFILE_ROWS = 15
 # Scheduler limits both engines get.
 MAX_NUM_SEQS = 64
 MAX_NUM_BATCHED_TOKENS = 2048
@@ -198,7 +199,7 @@ def child_vllm(spec: dict[str, Any]) -> dict[str, Any]:
     batch, sampling = prompts(requests), params(requests)
     cpu0 = tree_cpu_seconds()
     start = time.perf_counter()
-    outputs = llm.generate(batch, sampling, use_tqdm=False)
+    outputs, top_ops = profiled(spec, lambda: llm.generate(batch, sampling, use_tqdm=False))
     elapsed = time.perf_counter() - start
     cpu = tree_cpu_seconds() - cpu0
     encoded, metrics1 = images_encoded_so_far(), metrics()
@@ -217,7 +218,22 @@ def child_vllm(spec: dict[str, Any]) -> dict[str, Any]:
         "mm_cache_hits": int(delta["vllm:mm_cache_hits"]),
         "mm_cache_queries": int(delta["vllm:mm_cache_queries"]),
         "threads": f"OpenMP threads bound to cores {os.environ.get('VLLM_CPU_OMP_THREADS_BIND')}",
+        "top_ops": top_ops,
     }
+
+
+def profiled(spec: dict[str, Any], run):
+    """``run()``, and when the spec asks for it, under torch's profiler: the operators that took
+    the most time in this process (name, seconds of their own on the calling thread, calls),
+    else None."""
+    if not spec.get("profile"):
+        return run(), None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = run()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return out, [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in events[:PROFILE_ROWS]]
 
 
 def child_mmserve(spec: dict[str, Any]) -> dict[str, Any]:
@@ -343,6 +359,21 @@ def run_child(kind: str, python: str, spec_path: Path, folder: Path, turn: int,
     return r
 
 
+def profile_vllm(spec: dict[str, Any], spec_path: Path, folder: Path, name: str, python: str,
+                 env: dict[str, str], tokens: int) -> None:
+    """One vLLM run of the workload, engine and model in the child's own process so that
+    torch's profiler sees the model's operators; prints where its time went."""
+    spec_path.write_text(json.dumps({**spec, "profile": True}))
+    r = run_child("vllm", python, spec_path, folder, f"{name}-profile",
+                  {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    print(f"\n{name}: vLLM under torch's profiler, engine in one process: "
+          f"{tokens / r['elapsed_s']:.1f} out tok/s, {r['elapsed_s']:.1f} s (the profiler's "
+          f"own cost included); operators by their own time on the thread that called them "
+          f"(its OpenMP helpers work inside that time):")
+    for op, seconds, calls in r["top_ops"]:
+        print(f"  {seconds:8.2f} s  {calls:7d} calls  {op}")
+
+
 def start_load(core: int) -> subprocess.Popen:
     """A process spinning on ``core``, competing with the engines for it."""
     code = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True:\n    pass\n"
@@ -433,6 +464,10 @@ def main(argv: list[str] | None = None) -> int:
                    "they are, where found, as vLLM's CPU installation guide asks)")
     p.add_argument("--keep-dir", help="write the workload files and the children's logs and "
                    "results here (default: a temporary directory, removed at the end)")
+    p.add_argument("--profile-vllm", action="store_true",
+                   help="instead of the comparison: run vLLM once per workload with its engine "
+                   "in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) under torch's profiler, "
+                   "and print the operators that took its time")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -505,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n== {name}: {len(workload.requests)} requests, "
                   f"{workload.num_distinct_images} distinct images, {tokens} output tokens",
                   file=sys.stderr)
+            if args.profile_vllm:
+                profile_vllm(spec, spec_path, folder, name, args.vllm_python, vllm_env, tokens)
+                continue
             runs: dict[str, list[dict[str, Any]]] = {"vllm": [], "mmserve": []}
             ratios = []
             for turn in range(args.repeats):
@@ -537,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             tmp.cleanup()
 
+    if args.profile_vllm:
+        return 0
     print("\n" + grid_table(
         ["workload", "vLLM out tok/s", "mmserve out tok/s", "ratio", "vLLM CPU ms/tok",
          "mmserve CPU ms/tok", "exact match", "common prefix/len"], rows))
