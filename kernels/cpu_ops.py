@@ -412,10 +412,9 @@ class OneDNNLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().contiguous()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _ONEDNN_BATCH_HINT)
+        # Plain attributes, not buffers: ``Module.to`` and the state dict would try to read the
+        # opaque packed tensor. The runner counts the weights' bytes before packing.
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
-        # The opaque packed tensor is not a parameter or buffer (``Module.to`` and the state
-        # dict would try to read it); count its bytes here instead.
-        self.weight_bytes = weight.numel() * weight.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
