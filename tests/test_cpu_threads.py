@@ -44,12 +44,15 @@ class FakeCores:
     def __call__(self, cores):
         return self.sample
 
+    def clock(self) -> float:
+        return self.sample.wall_s
+
 
 def test_adaptive_threads_follow_a_load_that_comes_and_goes(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     torch.set_num_threads(2)
     cores = FakeCores()
-    threads = AdaptiveThreads(interval_s=0.5, read=cores)
+    threads = AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock)
     assert threads.max_threads == 2 and torch.get_num_threads() == 2
 
     cores.advance(0.6, own_cores=1.9, other_cores=0.05)  # quiet
@@ -77,15 +80,16 @@ def test_a_later_engine_starts_from_the_users_thread_count(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     torch.set_num_threads(3)  # the user's choice: the ceiling, never raised past
     cores = FakeCores()
-    first = AdaptiveThreads(interval_s=0.5, read=cores)
+    first = AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock)
     assert first.max_threads == 3
     cores.advance(1.0, own_cores=1.0, other_cores=2.0)
     first.update()
     assert torch.get_num_threads() == 1
-    second = AdaptiveThreads(interval_s=0.5, read=cores)  # lowered by the first, not the user
+    # Lowered by the first engine, not by the user: the second starts from the user's count.
+    second = AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock)
     assert second.max_threads == 3
     torch.set_num_threads(2)  # the user again
-    assert AdaptiveThreads(interval_s=0.5, read=cores).max_threads == 2
+    assert AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock).max_threads == 2
 
 
 def test_nothing_to_measure_changes_nothing(monkeypatch):

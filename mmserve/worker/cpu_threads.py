@@ -88,23 +88,26 @@ class AdaptiveThreads:
     ``update()`` before each step (it looks at most once per ``interval_s``)."""
 
     def __init__(self, interval_s: float = INTERVAL_S,
-                 read: Callable[[frozenset[int]], CpuSample | None] = read_sample) -> None:
+                 read: Callable[[frozenset[int]], CpuSample | None] = read_sample,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cores = frozenset(os.sched_getaffinity(0))
         self.max_threads = min(_max_threads(), len(self.cores))
         self.interval_s = interval_s
-        self._read = read
+        self._read, self._clock = read, clock
         self._last = read(self.cores)
+        self._next_look = clock() + interval_s
         self.threads = self.max_threads
         self.other_cores = 0.0  # other processes' use of the cores at the last look
         if self.threads != torch.get_num_threads():
             _set_threads(self.threads)
 
     def update(self) -> None:
-        if self._last is None or self.max_threads <= 1:
-            return  # nothing to measure, or nothing to give up
+        if self._last is None or self.max_threads <= 1 or self._clock() < self._next_look:
+            return  # nothing to measure, nothing to give up, or too soon (the step's hot path)
         now = self._read(self.cores)
         if now is None or now.wall_s - self._last.wall_s < self.interval_s:
             return
+        self._next_look = self._clock() + self.interval_s
         wall = now.wall_s - self._last.wall_s
         self.other_cores = max(0.0, (now.busy_s - self._last.busy_s)
                                - (now.own_s - self._last.own_s)) / wall
