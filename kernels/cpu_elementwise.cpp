@@ -191,8 +191,9 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 #pragma omp simd
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = wide(in[i]), x2 = wide(in[i + half]);
-        // rotate_half(x) = [-x2, x1]; each product rounded, then their sum, as torch's ops do
-        // (ISO C++ mode: the compiler does not contract them into one fused multiply-add).
+        // rotate_half(x) = [-x2, x1]; each product rounded, then their sum, as torch's ops do.
+        // Bit for bit in bfloat16, whose products are exact in float32; in float32 the
+        // compiler may fuse a product into the sum, so the models keep torch's rotary there.
         dst[i] = narrow<T>(rounded<T>(x1 * wide(ct[i])) + rounded<T>(-x2 * wide(st[i])));
         dst[i + half] = narrow<T>(rounded<T>(x2 * wide(ct[i + half])) +
                                   rounded<T>(x1 * wide(st[i + half])));

@@ -345,56 +345,50 @@ def packed_encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     return out
 
 
-class PackedLinear(nn.Module):
-    """A bfloat16 ``nn.Linear`` whose weight lives as the compiled kernel's panels."""
+class _PanelLinear(nn.Module):
+    """An ``nn.Linear`` whose weight lives as a compiled kernel's panels of ``PANEL`` outputs:
+    ``_pack`` and ``_matmul`` name the module's packing and matmul functions."""
+
+    PANEL: int
+    _pack: str
+    _matmul: str
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = _module.pack_linear_weight(linear.weight.detach().contiguous())
+        packed = getattr(_module, self._pack)(linear.weight.detach().contiguous())
         self.register_buffer("packed", packed)
         bias = None
-        if linear.bias is not None:  # float32, zero-padded to whole 32-output panels
-            bias = torch.zeros(packed.shape[0] * 32)
+        if linear.bias is not None:  # float32, zero-padded to whole panels
+            bias = torch.zeros(packed.shape[0] * self.PANEL)
             bias[:self.out_features] = linear.bias.detach().float()
         self.register_buffer("bias", bias)
+        self._kernel = getattr(_module, self._matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = _module.packed_linear(rows, self.packed, self.bias, self.out_features)
+        out = self._kernel(rows, self.packed, self.bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-class PackedLinearF32(nn.Module):
-    """A float32 ``nn.Linear`` whose weight lives as the AVX2/FMA kernel's panels
+class PackedLinear(_PanelLinear):
+    """A bfloat16 ``nn.Linear`` whose weight lives as the AVX512-BF16 kernel's 32-output
+    panels (``cpu_linear.cpp``)."""
+
+    PANEL, _pack, _matmul = 32, "pack_linear_weight", "packed_linear"
+
+
+class PackedLinearF32(_PanelLinear):
+    """A float32 ``nn.Linear`` whose weight lives as the AVX2/FMA kernel's 16-output panels
     (``cpu_linear_f32.cpp``). The sums run in another order than torch's, so results differ
     from ``F.linear`` in the last bits (tests/test_cpu_kernels.py states the tolerance)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = _module.pack_linear_weight_f32(linear.weight.detach().contiguous())
-        self.register_buffer("packed", packed)
-        bias = None
-        if linear.bias is not None:  # zero-padded to whole 16-output panels
-            bias = torch.zeros(packed.shape[0] * 16)
-            bias[:self.out_features] = linear.bias.detach()
-        self.register_buffer("bias", bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(-1) != 1:
-            rows = rows.contiguous()
-        out = _module.packed_linear_f32(rows, self.packed, self.bias, self.out_features)
-        return out.view(*x.shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+    PANEL, _pack, _matmul = 16, "pack_linear_weight_f32", "packed_linear_f32"
 
 
 class OneDNNLinear(nn.Module):

@@ -186,21 +186,30 @@ def test_flash_prompt_chunks_in_a_mixed_batch(flash):
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+def _spy_on(monkeypatch, kernel, name, record):
+    """Stand in for the loaded module with one whose function ``name`` first notes
+    ``record(args)`` of each call, then runs the kernel's; the list of notes."""
+    calls = []
+    real = getattr(kernel, name)
+
+    class Spy:
+        def __getattr__(self, attr):
+            return getattr(kernel, attr)
+
+    def spy(*args):
+        calls.append(record(args))
+        return real(*args)
+
+    module = Spy()
+    setattr(module, name, spy)
+    monkeypatch.setattr(cpu_ops, "_module", module)
+    return calls
+
+
 def test_encoder_attention_uses_the_kernel_for_bfloat16(flash, monkeypatch):
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 30, 4, 64, generator=g) for _ in range(3))
-    calls = []
-    real = flash.flash_attention
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(flash, name)
-
-        def flash_attention(self, *args):
-            calls.append(args[0].dtype)
-            return real(*args)
-
-    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    calls = _spy_on(monkeypatch, flash, "flash_attention", lambda args: args[0].dtype)
     expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                               v.transpose(1, 2), scale=0.125).transpose(1, 2)
     got = cpu_ops.encoder_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)
@@ -266,18 +275,7 @@ def test_float32_prompt_attention_takes_the_kernel(flash_f32, monkeypatch):
     meta = build_attention_metadata(q_lens, ctx_lens, tables, 16)
     cache = torch.randn(2, 12, 16, 4, 64, generator=g)
     expected = paged_attention(q, k, v, cache.clone(), meta, 0.125)
-    calls = []
-    real = flash_f32.flash_attention_f32
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(flash_f32, name)
-
-        def flash_attention_f32(self, *args):
-            calls.append(args[0].shape[1])
-            return real(*args)
-
-    monkeypatch.setattr(cpu_ops, "_module", Spy())
+    calls = _spy_on(monkeypatch, flash_f32, "flash_attention_f32", lambda args: args[0].shape[1])
     got = paged_attention(q, k, v, cache.clone(), meta, 0.125, decode=cpu_ops.decode_attention,
                           prefill=cpu_ops.prefill_attention)
     assert calls == [40, 24]
