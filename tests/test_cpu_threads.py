@@ -19,14 +19,17 @@ def _restore_threads(monkeypatch):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("max_threads,other_cores,expected", [
-    (2, 0.0, 2), (2, 0.2, 2),  # a quiet machine, a little noise
-    (2, 0.5, 1), (2, 1.0, 1),  # one core taken (half of it while our thread fought for it)
-    (2, 1.9, 1),  # never fewer than one
-    (8, 2.1, 6), (8, 3.2, 5), (8, 3.3, 4), (4, 0.26, 3),
+@pytest.mark.parametrize("max_threads,other_cores,current,expected", [
+    (2, 0.0, None, 2), (2, 0.2, None, 2),  # a quiet machine, a little noise
+    (2, 0.37, None, 2),  # a process asking for 50% of a core, beside two threads: two stay
+    (2, 0.42, None, 1),  # one asking for 60%: one thread is faster
+    (2, 0.66, None, 1), (2, 1.9, None, 1),  # a core taken; never fewer than one thread
+    (2, 0.5, 1, 2),  # it asks for 50% and gets it once the core is left to it: take it back
+    (2, 0.59, 1, 1), (2, 0.1, 1, 2),  # 60%: leave it; gone: take it back
+    (8, 2.1, None, 6), (8, 2.1, 6, 6), (8, 1.5, 6, 7), (8, 3.6, None, 4), (4, 0.41, None, 3),
 ])
-def test_threads_for(max_threads, other_cores, expected):
-    assert threads_for(max_threads, other_cores) == expected
+def test_threads_for(max_threads, other_cores, current, expected):
+    assert threads_for(max_threads, other_cores, current) == expected
 
 
 class FakeCores:
@@ -59,7 +62,7 @@ def test_adaptive_threads_follow_a_load_that_comes_and_goes(monkeypatch):
     threads.update()
     assert torch.get_num_threads() == 2 and threads.other_cores == pytest.approx(0.05)
 
-    cores.advance(0.6, own_cores=1.5, other_cores=0.5)  # a process spinning on one core
+    cores.advance(0.6, own_cores=1.34, other_cores=0.66)  # a process spinning on one core
     threads.update()
     assert torch.get_num_threads() == 1 and threads.threads == 1
 
