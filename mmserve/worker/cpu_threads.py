@@ -13,7 +13,7 @@ once they use less than 55% of it on their own.
 
 This process's own service threads (the server's event loop, image loaders, preprocessing
 pool) count as its own time, not as other work: counted as other work, their bursts while a
-server took large images turned the runner down to one thread, and it served 25-30% fewer
+server took large images turned the runner down to one thread, and it served 18-29% fewer
 tokens than with both threads.
 """
 
