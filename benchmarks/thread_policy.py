@@ -1,15 +1,14 @@
 """The CPU runner's thread count against a load that takes part of one core.
 
 For each load (the share of one core a second process asks for: it spins for that share of every
-``--period-ms`` and sleeps the rest, pinned to ``--core``), runs ``mmserve bench throughput``
-an engine once per thread setting (``cpu_threads=N`` fixed, or ``auto``, the default policy of
+``--period-ms`` and sleeps the rest, pinned to ``--core``), runs an engine once per thread
+setting (``cpu_threads=N`` fixed, or ``auto``, the default policy of
 ``mmserve/worker/cpu_threads.py``), each in a fresh process, and prints each timed batch's
 output tokens/s and the share of the core the load actually got meanwhile (from its
 /proc/PID/stat), which is what the policy sees. The workload is text decoding (no images, a
 warm-up batch first), where parallel regions are shortest and a descheduled thread costs the
 most.
 
-    python benchmarks/compare_vllm.py ...   # the engines side by side
     python benchmarks/thread_policy.py      # where one thread beats two, and what auto picks
     python benchmarks/thread_policy.py --loads 0,0.5,1 --settings 1,2,auto --num-prompts 8
 
