@@ -79,7 +79,7 @@ def _clock_ticks() -> int:
     return os.sysconf("SC_CLK_TCK")
 
 
-def _proc_stat(pid: int) -> tuple[int, float] | None:
+def proc_stat(pid: int) -> tuple[int, float] | None:
     """(parent pid, user + system seconds) of a live process, from ``/proc/PID/stat``."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
@@ -100,7 +100,7 @@ def tree_cpu_seconds() -> float:
     procs = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
-            stat = _proc_stat(int(entry))
+            stat = proc_stat(int(entry))
             if stat is not None:
                 procs[int(entry)] = stat
     for pid, (_, seconds) in procs.items():

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from compare_vllm import proc_stat  # this folder is on the path when a script here runs
+
 LOAD_CODE = """
 import os, sys, time
 os.sched_setaffinity(0, {int(sys.argv[1])})
@@ -47,10 +49,8 @@ def start_load(core: int, share: float, period_s: float) -> subprocess.Popen | N
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of the live process ``pid`` so far."""
+    return proc_stat(pid)[1]
 
 
 def child(setting: str, load_pid: int, args: argparse.Namespace) -> dict[str, float]:
