@@ -25,25 +25,35 @@ steps, where a few dozen rows meet every weight once, it reaches about 1.5 times
 bfloat16 matmul, which reads the [out, in] layout. ``PackedLinearF32`` (``cpu_linear_f32.cpp``)
 does the same for float32 on CPUs with AVX2 and FMA but without AVX-512, about twice MKL's speed
 on decode steps; ``OneDNNLinear`` (oneDNN's prepacked matmul, through torch) serves float32 on
-the others. The CPU is known when the module builds (``-march=native``, one build per CPU
-model and flags), so each function is compiled for the instructions it has, and
-``float32_linear`` / ``_flash_kernel`` choose among them.
+CPUs with AVX-512, where it is twice as fast as the AVX2 kernel on decode steps of 8 rows or
+more. The module is compiled for the instructions of the path (below), so each function is
+built for what it may use, and ``float32_linear`` / ``_flash_kernel`` choose among them.
+
+Which of these run is a *path*, chosen once per process (``MMSERVE_CPU_KERNELS``, see
+``PATHS``): ``torch`` (torch's operators only), ``avx2`` (the module compiled for AVX2 and
+FMA, as an AVX2-only CPU runs it, on any CPU that has them) or ``avx512`` (compiled for this
+CPU's AVX-512, with the AVX512-BF16 kernels where it has them). ``auto``, the default, takes
+the fastest path the CPU supports, by the measurements in ``benchmarks/README.md``; a path the
+CPU lacks the instructions for is refused with the reason. mmserve's kernels use no AMX
+instructions. Tests and benchmarks switch paths with ``select_path``.
 
 Building takes about 50 s on two cores the first time; torch caches the library (under
-``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) for later starts. Without
-a compiler, or with ``MMSERVE_CPU_KERNELS=0``, ``load()`` returns None and the CPU runner uses
-the torch reference, with one warning saying why.
+``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, one build per path, CPU
+model and flags) for later starts. Without a compiler the ``auto`` path runs torch's
+operators (float32 linear layers still through oneDNN), with one warning saying why; a path
+asked for by name fails to start instead.
 
 Builds are serialized by an OS lock (``flock``) on ``<build directory>.mmserve-lock``, which
 the kernel releases when its holder exits, however it exits. A start killed mid-build leaves
 torch's own ``lock`` file in the build directory, on which torch's builder would wait forever;
 the next start, holding the OS lock, knows no other start is building and removes it. A start
 waits at most ``MMSERVE_CPU_KERNELS_BUILD_TIMEOUT`` seconds (default 600) for another
-process's build, then uses the torch reference, with a warning naming the lock.
+process's build, then uses torch's operators, with a warning naming the lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -53,7 +63,8 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import TypeVar
@@ -67,7 +78,7 @@ from mmserve.kernels.paged_attention import prefill_attention as torch_prefill_a
 
 logger = logging.getLogger(__name__)
 
-DISABLE_ENV = "MMSERVE_CPU_KERNELS"
+KERNELS_ENV = "MMSERVE_CPU_KERNELS"
 BUILD_TIMEOUT_ENV = "MMSERVE_CPU_KERNELS_BUILD_TIMEOUT"
 # Ten times a two-core build: a start waits out any real build, but not a hung one.
 DEFAULT_BUILD_TIMEOUT_S = 600.0
@@ -76,13 +87,85 @@ _SOURCES = [Path(__file__).with_name(name) for name in
              "cpu_elementwise.cpp", "cpu_linear.cpp", "cpu_linear_f32.cpp",
              "cpu_attention_f32.cpp")]
 _HEADERS = [Path(__file__).with_name(name) for name in ("cpu_math.h", "cpu_tile_f32.h")]
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """One way to run the CPU runner's hot operators."""
+
+    name: str
+    needs: tuple[str, ...]  # /proc/cpuinfo flags the CPU must have
+    target: tuple[str, ...] | None  # compiler target flags of its module; None: nothing built
+    float32_linear: str | None  # "packed" (cpu_linear_f32.cpp), "onednn", or None (torch's)
+    description: str
+
+
+PATHS: dict[str, KernelPath] = {p.name: p for p in (
+    KernelPath("torch", (), None, None, "torch's operators only, nothing compiled"),
+    KernelPath("avx2", ("avx2", "fma"), ("-march=native", "-mno-avx512f"), "packed",
+               "kernels compiled for AVX2 and FMA (what an AVX2-only CPU runs); float32 "
+               "linear layers in cpu_linear_f32.cpp, bfloat16 ones in torch"),
+    KernelPath("avx512", ("avx512f",), ("-march=native",), "onednn",
+               "kernels compiled for this CPU's AVX-512, the bfloat16 ones where it has "
+               "AVX512-BF16; float32 linear layers through oneDNN"),
+)}
+# ``auto``: the first of these the CPU supports. On an AVX-512 CPU (AMD EPYC, 2 cores) the
+# avx512 path's oneDNN float32 linear layers take half the AVX2 kernel's time from 8 rows up,
+# and only it has the bfloat16 kernels (benchmarks/README.md, "CPU kernel paths").
+_AUTO_ORDER = ("avx512", "avx2", "torch")
+
 _lock = threading.Lock()
-_module: ModuleType | None = None
-_failure: str | None = None
+_path: KernelPath | None = None  # the active path, once load() or select_path() chose it
+_module: ModuleType | None = None  # its compiled module; None for torch or a failed build
+_failure: str | None = None  # why _module is None
+_built: dict[str, ModuleType] = {}  # compiled modules by path name, loaded once per process
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags, as Linux lists them (empty where it does not)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def supported_paths() -> list[str]:
+    """The paths this CPU can run, fastest first."""
+    return [name for name in _AUTO_ORDER if set(PATHS[name].needs) <= cpu_flags()]
+
+
+def path_refusal(name: str) -> str | None:
+    """Why this CPU cannot run path ``name``; None when it can."""
+    if name not in PATHS:
+        return f"{name!r} is not a CPU kernel path; choose one of auto, {', '.join(PATHS)}"
+    missing = [f for f in PATHS[name].needs if f not in cpu_flags()]
+    if missing:
+        return (f"this CPU lacks {' and '.join(missing)}, which the {name} path needs; it "
+                f"runs {', '.join(supported_paths())}")
+    return None
+
+
+def _requested_path() -> tuple[KernelPath, bool]:
+    """The path ``MMSERVE_CPU_KERNELS`` asks for (``auto`` resolved), and whether it was
+    named; raises ValueError, saying what to set, for a path this CPU cannot run."""
+    raw = os.environ.get(KERNELS_ENV, "").strip().lower() or "auto"
+    if raw == "0":  # the older switch for "no compiled kernels"
+        raw = "torch"
+    if raw == "auto":
+        return PATHS[supported_paths()[0]], False
+    refusal = path_refusal(raw)
+    if refusal is not None:
+        raise ValueError(f"{KERNELS_ENV}={raw}: {refusal}")
+    return PATHS[raw], True
 
 
 def _cpu_signature() -> str:
-    """A short hash of this CPU's model and instruction-set flags. The build uses
+    """A short hash of this CPU's model and instruction-set flags. The builds use
     ``-march=native``, so machines that share a home directory (and torch's extension cache)
     but differ in CPU each get their own build instead of one that may not run."""
     try:
@@ -91,6 +174,11 @@ def _cpu_signature() -> str:
     except OSError:
         lines = [platform.processor(), platform.machine()]
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
+
+
+def build_name(path: KernelPath) -> str:
+    """The extension's name for ``path`` on this CPU (also its build directory's name)."""
+    return f"mmserve_cpu_ops_{_cpu_signature()}_{path.name}"
 
 
 T = TypeVar("T")
@@ -190,7 +278,7 @@ def _build_directory(name: str) -> Path:
     return Path(_get_build_directory(name, verbose=False))
 
 
-def _build_extension(name: str, build_dir: Path) -> ModuleType:
+def _build_extension(name: str, build_dir: Path, target: tuple[str, ...]) -> ModuleType:
     """torch's builder: compiles what is out of date (all of it, the first time), loads it."""
     from torch.utils.cpp_extension import load as load_extension
 
@@ -205,7 +293,7 @@ def _build_extension(name: str, build_dir: Path) -> ModuleType:
         sources=[str(p) for p in _SOURCES],
         # Reassociated float math (vectorized dot products and sums) but IEEE
         # inf/NaN handling; compile flags only, so the process's FP mode is untouched.
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno",
+        extra_cflags=["-O3", *target, "-fopenmp", "-fno-math-errno",
                       "-funsafe-math-optimizations"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -213,26 +301,85 @@ def _build_extension(name: str, build_dir: Path) -> ModuleType:
     )
 
 
-def load() -> ModuleType | None:
-    """The compiled module, building it if needed; None when it cannot be had."""
-    global _module, _failure
-    with _lock:
-        if _module is not None or _failure is not None:
-            return _module
-        if os.environ.get(DISABLE_ENV, "1") == "0":
-            _failure = f"{DISABLE_ENV}=0"
-            return None
+def _module_for(path: KernelPath) -> ModuleType:
+    """The compiled module of ``path``, built (or found in torch's cache) once per process;
+    raises what the build raised. Call with ``_lock`` held."""
+    if path.name not in _built:
+        name = build_name(path)
+        build_dir = _build_directory(name)
+        _built[path.name] = build_locked(
+            build_dir, lambda: _build_extension(name, build_dir, path.target),
+            _build_timeout_s())
+    return _built[path.name]
+
+
+def _activate(path: KernelPath, named: bool) -> None:
+    """Make ``path`` the process's path. A build that fails on a path asked for by name
+    raises; on ``auto`` the runner uses torch's operators, with a warning saying why. Call
+    with ``_lock`` held."""
+    global _path, _module, _failure
+    module = failure = None
+    if path.target is None:
+        failure = f"{KERNELS_ENV}={path.name}"
+    else:
         try:
-            name = f"mmserve_cpu_ops_{_cpu_signature()}"
-            build_dir = _build_directory(name)
-            _module = build_locked(build_dir, lambda: _build_extension(name, build_dir),
-                                   _build_timeout_s())
-        except Exception as e:  # no compiler, no ninja, a build error: fall back, say why
-            _failure = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}"
-            logger.warning("CPU attention kernels unavailable (%s); using the torch reference "
-                           "(slower attention). Set %s=0 to skip the build.", _failure,
-                           DISABLE_ENV)
+            module = _module_for(path)
+        except Exception as e:  # no compiler, no ninja, a build error, a bad timeout
+            if named:
+                raise RuntimeError(f"{KERNELS_ENV}={path.name}: the CPU kernels are "
+                                   f"unavailable ({_reason(e)})") from e
+            failure = _reason(e)
+            logger.warning("CPU kernels unavailable (%s); using torch's operators (slower "
+                           "attention). Set %s=torch to skip the build.", failure,
+                           KERNELS_ENV)
+    _path, _module, _failure = path, module, failure
+
+
+def _reason(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+
+
+def load() -> ModuleType | None:
+    """The compiled module of the process's path, building it if needed; None for the torch
+    path or when the build failed (``unavailable_reason`` says why). The first call reads
+    ``MMSERVE_CPU_KERNELS``; a path this CPU cannot run raises ValueError."""
+    with _lock:
+        if _path is None:
+            _activate(*_requested_path())
         return _module
+
+
+def active_path() -> KernelPath:
+    """The process's path (``load()`` chooses it on first use)."""
+    load()
+    assert _path is not None
+    return _path
+
+
+def select_path(name: str) -> ModuleType | None:
+    """Switch the process to path ``name``, for tests and benchmarks: an engine keeps the
+    layers it packed when it started. Returns the path's module; raises ValueError for a path
+    this CPU cannot run, RuntimeError when its build fails."""
+    refusal = path_refusal(name)
+    if refusal is not None:
+        raise ValueError(refusal)
+    with _lock:
+        _activate(PATHS[name], named=True)
+        return _module
+
+
+@contextlib.contextmanager
+def using_path(name: str) -> Iterator[ModuleType | None]:
+    """``select_path(name)`` for the block; the path in force before it comes back after."""
+    global _path, _module, _failure
+    load()
+    saved = _path, _module, _failure
+    try:
+        yield select_path(name)
+    finally:
+        with _lock:
+            _path, _module, _failure = saved
 
 
 def unavailable_reason() -> str | None:
@@ -272,23 +419,25 @@ def _flash_kernel(tensor: torch.Tensor, causal: bool) -> Callable | None:
     bfloat16 one on AVX512-BF16; the float32 one on AVX2 with FMA for prompt chunks (causal)
     only, since for a vision tower's bidirectional attention torch's is faster in float32
     (``benchmarks/README.md``); None means torch's."""
-    if _module is None or tensor.device.type != "cpu":
+    module = _module
+    if module is None or tensor.device.type != "cpu":
         return None
-    if tensor.dtype == torch.bfloat16 and _flash_head_dim(tensor.shape[-1]):
-        return _module.flash_attention
-    if causal and tensor.dtype == torch.float32 and _flash_f32_head_dim(tensor.shape[-1]):
-        return _module.flash_attention_f32
+    if tensor.dtype == torch.bfloat16 and _flash_head_dim(module, tensor.shape[-1]):
+        return module.flash_attention
+    if causal and tensor.dtype == torch.float32 and _flash_f32_head_dim(module,
+                                                                         tensor.shape[-1]):
+        return module.flash_attention_f32
     return None
 
 
 @functools.cache
-def _flash_head_dim(head_dim: int) -> bool:
-    return _module.flash_attention_supported(head_dim)
+def _flash_head_dim(module: ModuleType, head_dim: int) -> bool:
+    return module.flash_attention_supported(head_dim)
 
 
 @functools.cache
-def _flash_f32_head_dim(head_dim: int) -> bool:
-    return _module.flash_attention_f32_supported(head_dim)
+def _flash_f32_head_dim(module: ModuleType, head_dim: int) -> bool:
+    return module.flash_attention_f32_supported(head_dim)
 
 
 def prefill_attention(query, key, value, seq: PrefillSeq, scale: float):
@@ -428,17 +577,19 @@ _ONEDNN_BATCH_HINT = 64
 
 def onednn_linear_supported() -> bool:
     """Whether this torch build has oneDNN's packed float32 linear (x86 CPU builds do)."""
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and os.environ.get(DISABLE_ENV, "1") != "0")
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_linear_pointwise")
 
 
 def float32_linear() -> type[nn.Module] | None:
-    """The float32 linear layer for this CPU: the AVX2/FMA kernel on CPUs without AVX-512
-    (where it reads weights faster than oneDNN and MKL, ``benchmarks/README.md``), oneDNN's
-    where the CPU has AVX-512 (twice the kernel's vector width) or the kernel did not build;
-    None with ``MMSERVE_CPU_KERNELS=0`` or a torch without oneDNN."""
-    if load() is not None and _module.packed_linear_f32_supported() and not _module.has_avx512():
+    """The float32 linear layer of the process's path: the AVX2/FMA kernel on the avx2 path
+    (where it reads weights faster than oneDNN and MKL on AVX2 CPUs, ``benchmarks/README.md``),
+    oneDNN's on the avx512 path and wherever the kernel did not build; None (torch's) on the
+    torch path or without oneDNN."""
+    path = active_path()
+    if path.float32_linear is None:
+        return None
+    if path.float32_linear == "packed" and _module is not None:
         return PackedLinearF32
     return OneDNNLinear if onednn_linear_supported() else None
 
@@ -446,8 +597,8 @@ def float32_linear() -> type[nn.Module] | None:
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace the CPU ``nn.Linear`` layers of ``model`` whose weight no other module shares:
     bfloat16 ones (even input size) by a ``PackedLinear`` on CPUs with AVX512-BF16, float32
-    ones by ``float32_linear()``'s layer; how many were replaced. ``MMSERVE_CPU_KERNELS=0``
-    keeps torch's layers."""
+    ones by ``float32_linear()``'s layer; how many were replaced. The torch path keeps
+    torch's layers."""
     bf16 = load() is not None and _module.packed_linear_supported()
     fp32 = float32_linear()
     if not (bf16 or fp32):

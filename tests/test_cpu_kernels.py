@@ -6,9 +6,11 @@ towers (``cpu_flash_attention.cpp``), the fused norm, rotary and activations
 float32 on CPUs with AVX2 and FMA the linear layers (``cpu_linear_f32.cpp``; ``OneDNNLinear`` on
 other CPUs) and the flash attention (``cpu_attention_f32.cpp``).
 
-Skipped only where there is no C++ compiler (the runner then uses the torch path); where there
-is one, a build failure fails these tests. The flash attention and packed linear tests also
-need a CPU with AVX512-BF16 (elsewhere the module reports them unsupported and torch runs).
+Every test that takes the ``kernel`` fixture runs once for each compiled path this CPU supports
+(``cpu_ops.PATHS``): an AVX-512 machine tests the AVX2 build too. Skipped only where there is no
+C++ compiler (the runner then uses torch's operators); where there is one, a build failure
+fails these tests. The bfloat16 flash attention and packed linear tests also need a path with
+AVX512-BF16 (elsewhere the module reports them unsupported and torch runs).
 """
 
 import functools
@@ -30,11 +32,15 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
                                 reason="no C++ compiler: the CPU runner uses the torch path")
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    module = cpu_ops.load()
-    assert module is not None, cpu_ops.unavailable_reason()
-    return module
+COMPILED_PATHS = [name for name in cpu_ops.supported_paths()
+                  if cpu_ops.PATHS[name].target is not None]
+
+
+@pytest.fixture(scope="module", params=COMPILED_PATHS)
+def kernel(request):
+    """The compiled module of one path, in force while the tests that take it run."""
+    with cpu_ops.using_path(request.param) as module:
+        yield module
 
 
 def _decode_batch(lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16, seed=0):
@@ -102,7 +108,8 @@ def test_cpu_runner_decodes_with_the_kernel(kernel, clip_llama):
 @pytest.fixture(scope="module")
 def flash(kernel):
     if not kernel.flash_attention_supported(64):
-        pytest.skip("this CPU lacks AVX512-BF16: prompt and vision attention stay on torch")
+        pytest.skip("no AVX512-BF16 on this path: bfloat16 prompt and vision attention stay "
+                    "on torch")
     return kernel
 
 
@@ -455,7 +462,7 @@ def test_kernels_only_for_the_dtypes_they_serve(kernel):
 @pytest.fixture(scope="module")
 def packed(kernel):
     if not kernel.packed_linear_supported():
-        pytest.skip("this CPU lacks AVX512-BF16: linear layers stay on torch")
+        pytest.skip("no AVX512-BF16 on this path: bfloat16 linear layers stay on torch")
     return kernel
 
 
@@ -532,12 +539,14 @@ def test_pack_linear_layers_replaces_only_what_it_can_serve(packed):
     model["embed"] = torch.nn.Embedding(100, 64).bfloat16()
     model["embed"].weight = model["tied"].weight  # an LM head tied to the embeddings
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    float32_layer = cpu_ops.float32_linear()  # the path's: oneDNN's or the AVX2 kernel
     with torch.no_grad():
         before = model["a"](x)
-        assert cpu_ops.pack_linear_layers(model) == 1
+        assert cpu_ops.pack_linear_layers(model) == 1 + (float32_layer is not None)
         after = model["a"](x)
     assert isinstance(model["a"], cpu_ops.PackedLinear)
-    assert all(isinstance(model[k], torch.nn.Linear) for k in ("odd", "tied", "fp32"))
+    assert all(isinstance(model[k], torch.nn.Linear) for k in ("odd", "tied"))
+    assert isinstance(model["fp32"], float32_layer or torch.nn.Linear)
     torch.testing.assert_close(after.float(), before.float(), atol=0.1, rtol=1e-2)
 
 
@@ -623,11 +632,13 @@ def test_packed_linear_f32_takes_strided_inputs_and_rejects_mismatches(packed_f3
         packed_f32.packed_linear_f32(torch.randn(2, 64), weights, torch.zeros(40), 40)
 
 
-def test_cpu_runner_packs_float32_linear_layers(clip_llama):
+def test_cpu_runner_packs_float32_linear_layers(kernel, clip_llama):
     from mmserve import LLM
 
     layer = cpu_ops.float32_linear()
-    assert layer is not None  # x86 builds of torch have oneDNN
+    # x86 builds of torch have oneDNN
+    assert layer is {"packed": cpu_ops.PackedLinearF32, "onednn": cpu_ops.OneDNNLinear}[
+        cpu_ops.active_path().float32_linear]
     model = LLM(clip_llama, dtype="float32", max_model_len=96).engine.model
     packed = [m for m in model.modules() if isinstance(m, layer)]
     assert packed and not any(isinstance(m, torch.nn.Linear) for m in model.modules())

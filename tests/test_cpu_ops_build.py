@@ -70,9 +70,11 @@ def lock_holder(build_dir: Path):
 def fresh_load(monkeypatch: pytest.MonkeyPatch, build_dir: Path):
     """``cpu_ops.load()`` as at process start, building into ``build_dir``; the module's state
     (and any module an earlier test loaded) comes back afterwards."""
+    monkeypatch.setattr(cpu_ops, "_path", None)
     monkeypatch.setattr(cpu_ops, "_module", None)
     monkeypatch.setattr(cpu_ops, "_failure", None)
-    monkeypatch.delenv(cpu_ops.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_ops, "_built", {})
+    monkeypatch.delenv(cpu_ops.KERNELS_ENV, raising=False)
     monkeypatch.setattr(cpu_ops, "_build_directory", lambda name: build_dir)
     return monkeypatch
 
@@ -122,7 +124,7 @@ def test_wait_for_another_build_is_bounded_and_ends_with_its_process(
         caplog: pytest.LogCaptureFixture) -> None:
     built: list[str] = []
 
-    def build_extension(name: str, path: Path) -> ModuleType:
+    def build_extension(name: str, path: Path, target: tuple[str, ...]) -> ModuleType:
         built.append(name)
         return ModuleType(name)
 
@@ -148,7 +150,7 @@ def test_wait_for_another_build_is_bounded_and_ends_with_its_process(
     # the next start takes it on its first try.
     lock_holder.send_signal(signal.SIGKILL)
     lock_holder.wait(timeout=10)
-    fresh_load.setattr(cpu_ops, "_failure", None)
+    fresh_load.setattr(cpu_ops, "_path", None)
     fresh_load.setenv(cpu_ops.BUILD_TIMEOUT_ENV, "0")  # no waiting at all
     start = time.monotonic()
     module = cpu_ops.load()
@@ -167,7 +169,7 @@ def test_failed_build_releases_the_lock(build_dir: Path, fresh_load: pytest.Monk
     assert cpu_ops.build_locked(build_dir, lambda: "built", timeout_s=0) == "built"
 
     # Through load(): the failure becomes the fallback's reason, and the lock is free again.
-    fresh_load.setattr(cpu_ops, "_build_extension", lambda name, path: broken_build())
+    fresh_load.setattr(cpu_ops, "_build_extension", lambda name, path, target: broken_build())
     assert cpu_ops.load() is None
     assert "Error building extension" in cpu_ops.unavailable_reason()
     assert lock_is_free(build_dir)
@@ -176,7 +178,7 @@ def test_failed_build_releases_the_lock(build_dir: Path, fresh_load: pytest.Monk
 @pytest.mark.parametrize("raw", ["soon", "-1", "nan"])
 def test_bad_build_timeout_is_a_clear_fallback(raw: str, build_dir: Path,
                                                 fresh_load: pytest.MonkeyPatch) -> None:
-    fresh_load.setattr(cpu_ops, "_build_extension", lambda name, path: ModuleType(name))
+    fresh_load.setattr(cpu_ops, "_build_extension", lambda name, path, target: ModuleType(name))
     fresh_load.setenv(cpu_ops.BUILD_TIMEOUT_ENV, raw)
     assert cpu_ops.load() is None
     assert f"{cpu_ops.BUILD_TIMEOUT_ENV}={raw!r}" in cpu_ops.unavailable_reason()
@@ -196,14 +198,14 @@ def test_real_load_recovers_from_a_killed_build(tmp_path: Path) -> None:
     # The build this copies is the one test_cpu_kernels.py needs: made here if no earlier test
     # or start has made it (about 50 s, once per suite; the process keeps the module).
     assert cpu_ops.load() is not None, cpu_ops.unavailable_reason()
-    name = f"mmserve_cpu_ops_{cpu_ops._cpu_signature()}"
+    name = cpu_ops.build_name(cpu_ops.active_path())
     root = tmp_path / "torch_extensions"
     # copy2 keeps modification times, so ninja finds the copy up to date and compiles nothing.
     shutil.copytree(cpu_ops._build_directory(name), root / name, symlinks=True)
     (root / name / "lock").touch()  # as left by a start killed while compiling
 
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(root)}
-    env.pop(cpu_ops.DISABLE_ENV, None)
+    env[cpu_ops.KERNELS_ENV] = cpu_ops.active_path().name
     # On the old path this start waits on the lock file forever: the timeout fails the test.
     result = subprocess.run([sys.executable, "-c", LOAD_AND_REPORT], env=env, timeout=60,
                             capture_output=True, text=True)
@@ -212,3 +214,68 @@ def test_real_load_recovers_from_a_killed_build(tmp_path: Path) -> None:
     assert not (root / name / "lock").exists()
     assert "interrupted" in result.stderr
     assert "Building the CPU kernels" not in result.stderr  # reused, not rebuilt
+
+
+# ----------------------------------------------------------------- choosing a path
+AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma"})
+AVX512 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512_bf16"}
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (AVX512, ["avx512", "avx2", "torch"]),
+    (AVX2_ONLY, ["avx2", "torch"]),
+    (frozenset({"sse4_2", "avx"}), ["torch"]),
+])
+def test_auto_takes_the_fastest_path_the_cpu_runs(flags, expected, fresh_load):
+    fresh_load.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    fresh_load.setattr(cpu_ops, "_build_extension", lambda name, path, target: ModuleType(name))
+    assert cpu_ops.supported_paths() == expected
+    cpu_ops.load()
+    assert cpu_ops.active_path().name == expected[0]
+    built = cpu_ops._module
+    assert (built is None) == (expected[0] == "torch")
+    if built is not None:  # one build per path and CPU, named so
+        assert built.__name__ == cpu_ops.build_name(cpu_ops.active_path())
+        assert built.__name__.endswith("_" + expected[0])
+
+
+@pytest.mark.parametrize("raw", ["torch", "0", " TORCH "])
+def test_torch_path_builds_nothing(raw, fresh_load):
+    def build(name, path, target):
+        raise AssertionError("the torch path compiles nothing")
+
+    fresh_load.setattr(cpu_ops, "_build_extension", build)
+    fresh_load.setenv(cpu_ops.KERNELS_ENV, raw)
+    assert cpu_ops.load() is None
+    assert cpu_ops.active_path().name == "torch"
+    assert cpu_ops.float32_linear() is None
+    assert cpu_ops.unavailable_reason() == f"{cpu_ops.KERNELS_ENV}=torch"
+
+
+def test_a_path_the_cpu_lacks_is_refused_saying_why(fresh_load):
+    fresh_load.setattr(cpu_ops, "cpu_flags", lambda: AVX2_ONLY)
+    fresh_load.setenv(cpu_ops.KERNELS_ENV, "avx512")
+    with pytest.raises(ValueError, match=r"MMSERVE_CPU_KERNELS=avx512: this CPU lacks avx512f, "
+                                         r"which the avx512 path needs; it runs avx2, torch"):
+        cpu_ops.load()
+    fresh_load.setenv(cpu_ops.KERNELS_ENV, "amx")
+    with pytest.raises(ValueError, match=r"'amx' is not a CPU kernel path; choose one of auto, "
+                                         r"torch, avx2, avx512"):
+        cpu_ops.load()
+    with pytest.raises(ValueError, match="this CPU lacks avx512f"):
+        cpu_ops.select_path("avx512")
+
+
+def test_a_named_path_that_does_not_build_fails_to_start(fresh_load):
+    def broken_build(name, path, target):
+        raise RuntimeError("Error building extension 'mmserve_cpu_ops_test'")
+
+    fresh_load.setattr(cpu_ops, "cpu_flags", lambda: AVX2_ONLY)
+    fresh_load.setattr(cpu_ops, "_build_extension", broken_build)
+    fresh_load.setenv(cpu_ops.KERNELS_ENV, "avx2")
+    with pytest.raises(RuntimeError, match=r"MMSERVE_CPU_KERNELS=avx2: the CPU kernels are "
+                                           r"unavailable \(RuntimeError: Error building"):
+        cpu_ops.load()
+    fresh_load.setenv(cpu_ops.KERNELS_ENV, "auto")  # auto falls back to torch's operators
+    assert cpu_ops.load() is None and cpu_ops.active_path().name == "avx2"
+    assert cpu_ops.float32_linear() in (cpu_ops.OneDNNLinear, None)

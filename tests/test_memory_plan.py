@@ -24,6 +24,7 @@ from mmserve.engine.memory_plan import (
 )
 from mmserve.engine.profile_batch import profile_batch
 from mmserve.entrypoints.plan import make_plan
+from mmserve.kernels import cpu_ops
 from mmserve.worker import memory_profiler
 from mmserve.worker.dry_run import (
     INPUT_BYTES_PER_TOKEN,
@@ -231,6 +232,18 @@ def test_tracker_counts_new_tensors_not_views_or_inputs() -> None:
     assert out.shape == (20, 100)
 
 
+def test_tracker_takes_tensors_without_a_storage() -> None:
+    """oneDNN's packed weights (``OpaqueTensorImpl``: no storage to read) as operator inputs
+    and outputs: nothing to follow, and no error."""
+    if not cpu_ops.onednn_linear_supported():
+        pytest.skip("this torch build has no oneDNN")
+    layer = cpu_ops.OneDNNLinear(torch.nn.Linear(64, 32))
+    x = torch.ones(4, 64)
+    out, peak = track_peak_bytes(lambda: (layer(x), torch.ones(8, 8).to_mkldnn()))
+    assert out[0].shape == (4, 32) and out[1].is_mkldnn
+    assert peak == 4 * 32 * 4 + 8 * 8 * 4  # the linear's output and the dense ones() input
+
+
 @pytest.mark.parametrize(("tokens", "seqs", "max_positions"), [(2048, 256, 4096),
                                                                  (100, 1, 64), (8, 20, 64)])
 def test_profile_batch_is_the_worst_step(tokens: int, seqs: int, max_positions: int) -> None:
@@ -270,9 +283,18 @@ def allocator_peak(fn) -> int:
     return peak
 
 
-def test_profile_run_on_the_cpu_matches_the_dry_run_and_leaves_nothing(clip_llama) -> None:
+@pytest.mark.parametrize("kernel_path", cpu_ops.supported_paths())
+def test_profile_run_on_the_cpu_matches_the_dry_run_and_leaves_nothing(
+        clip_llama, kernel_path: str) -> None:
+    """On every CPU kernel path: their packed weights (oneDNN's have no storage to follow)
+    are counted as weights, never as the step's activations."""
     hf_config = AutoConfig.from_pretrained(clip_llama, local_files_only=True)
     dtype = torch.float32
+    with cpu_ops.using_path(kernel_path):
+        _profile_run_matches_the_dry_run_and_leaves_nothing(clip_llama, hf_config, dtype)
+
+
+def _profile_run_matches_the_dry_run_and_leaves_nothing(clip_llama, hf_config, dtype) -> None:
     model, _ = CPUModelRunner.load_model(clip_llama, hf_config, dtype)
     size = hf_config.vision_config.image_size
     tpi = 16

@@ -10,9 +10,11 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from transformers import AutoProcessor
 
 from mmserve import LLM, SamplingParams
+from mmserve.kernels import cpu_ops
 from mmserve.testing.oracle import hf_greedy_generate
 from tests.conftest import ARCHS, assert_no_leaks, make_image
 
@@ -126,6 +128,20 @@ def test_parity_with_encoder_and_prefix_cache_hits(checkpoints: dict[str, str],
     assert stats["encoder_cache_hits"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["encoder_items_computed"] == 3  # one encoder run per distinct image
+
+
+@pytest.mark.parametrize("kernel_path", cpu_ops.supported_paths())
+def test_parity_on_every_cpu_kernel_path(checkpoints: dict[str, str], kernel_path: str) -> None:
+    """Each CPU kernel path this machine runs (``MMSERVE_CPU_KERNELS``) keeps the tokens
+    equal, chunked prefill splitting images included."""
+    path = checkpoints["siglip-qwen2"]
+    prompts = mixed_batch()
+    with cpu_ops.using_path(kernel_path):
+        llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_num_seqs=4)
+        linear = cpu_ops.float32_linear()
+        assert run(llm, prompts) == reference(path, prompts)
+    layers = [type(m) for m in llm.engine.model.modules()]
+    assert (linear or torch.nn.Linear) in layers
 
 
 def test_parity_messages_and_raw_prompt_agree(clip_llama: str) -> None:

@@ -27,6 +27,9 @@ class _PeakTracker(TorchDispatchMode):
     A storage is new when no input of the operator shares it: views, in-place updates and
     ``out=`` writes return an input's storage and are not allocations. Allocations made inside
     a kernel (scratch buffers) are invisible here; they are small next to the activations.
+    Tensors without a plain storage (oneDNN's packed weights, sparse tensors) are neither
+    inputs that outputs could share nor allocations the tracker can follow: weights are packed
+    once at load time, never inside a step.
     """
 
     def __init__(self) -> None:
@@ -44,8 +47,10 @@ class _PeakTracker(TorchDispatchMode):
         if not outputs:
             return out
         inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs or {}))
-                  if isinstance(t, torch.Tensor)}
+                  if _has_storage(t)}
         for t in outputs:
+            if not _has_storage(t):
+                continue
             # Storages keep one Python object for their whole life, so its id is stable and
             # its finalizer runs exactly when the memory is released.
             storage = t.untyped_storage()
@@ -57,6 +62,12 @@ class _PeakTracker(TorchDispatchMode):
             self.peak = max(self.peak, self.current)
             weakref.finalize(storage, self._release, key)
         return out
+
+
+def _has_storage(t: object) -> bool:
+    """Whether ``t`` is a tensor with a storage to follow: a strided one (a oneDNN tensor's
+    layout is ``torch._mkldnn``, and its ``untyped_storage()`` raises)."""
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided
 
 
 def track_peak_bytes(fn: Callable[[], T]) -> tuple[T, int]:

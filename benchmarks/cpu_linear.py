@@ -1,0 +1,77 @@
+"""float32 linear layers on this CPU: torch's ``F.linear`` (MKL), oneDNN's prepacked matmul
+(``cpu_ops.OneDNNLinear``, the ``avx512`` path's) and mmserve's AVX2/FMA kernel
+(``cpu_ops.PackedLinearF32``, the ``avx2`` path's), on the shapes of a decode step and of a
+prompt chunk. What ``MMSERVE_CPU_KERNELS=auto`` picks on each CPU comes from this table.
+
+Each figure is one layer's time, averaged over enough different weights of that shape (at least
+``--weights-mb`` in all, more than the L3 cache) that weights come from memory, as in a model.
+
+    python benchmarks/cpu_linear.py
+    python benchmarks/cpu_linear.py --rows 1,8,64 --threads 1
+
+Not part of the test suite: the figures depend on the machine and what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from mmserve.kernels import cpu_ops
+
+# (inputs, outputs) of the llava bench checkpoint's decoder: QKV, MLP up (gate and up), MLP down,
+# attention output, LM head.
+SHAPES = [(768, 1280), (768, 4096), (2048, 768), (768, 768), (768, 32000)]
+
+
+def time_layers(layers, x: torch.Tensor, min_s: float) -> float:
+    """Seconds per call, cycling through ``layers`` until at least ``min_s`` has passed."""
+    for layer in layers:  # warm-up: first-touch of outputs, oneDNN's primitive cache
+        layer(x)
+    calls, start = 0, time.perf_counter()
+    while True:
+        for layer in layers:
+            layer(x)
+        calls += len(layers)
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_s:
+            return elapsed / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,8,32,64,256,2048",
+                        help="rows per call, comma-separated (a decode step has one per request)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--weights-mb", type=float, default=150.0)
+    parser.add_argument("--min-seconds", type=float, default=0.5, help="per figure")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    flags = sorted(cpu_ops.cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"})
+    print(f"CPU flags: {' '.join(flags)}; {torch.get_num_threads()} threads; float32")
+    with cpu_ops.using_path("avx2"):  # the AVX2 build: the kernel as the avx2 path runs it
+        impls = {"MKL": lambda lin: lin, "oneDNN": cpu_ops.OneDNNLinear,
+                 "mmserve avx2": cpu_ops.PackedLinearF32}
+        print(f"{'K x N':>12} {'rows':>5} " + " ".join(f"{name:>14}" for name in impls)
+              + "   fastest, weights read at")
+        with torch.no_grad():
+            for k, n in SHAPES:
+                count = max(1, round(args.weights_mb * 2**20 / (k * n * 4)))
+                linears = [torch.nn.Linear(k, n, bias=False) for _ in range(count)]
+                built = {name: [make(lin) for lin in linears] for name, make in impls.items()}
+                for rows in (int(r) for r in args.rows.split(",")):
+                    x = torch.randn(rows, k)
+                    times = {name: time_layers(layers, x, args.min_seconds)
+                             for name, layers in built.items()}
+                    best = min(times, key=times.get)
+                    print(f"{f'{k} x {n}':>12} {rows:>5} "
+                          + " ".join(f"{times[name] * 1e3:>11.3f} ms" for name in impls)
+                          + f"   {best}, {k * n * 4 / times[best] / 1e9:.1f} GB/s")
+                del linears, built
+
+
+if __name__ == "__main__":
+    main()
