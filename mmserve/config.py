@@ -109,8 +109,9 @@ class EngineConfig:
     kv_cache_memory: int | None = flag(
         None, "bytes of KV cache, set directly instead of sized from the memory budget")
     gpu_memory_utilization: float | None = flag(
-        None, "share of the device's memory to use: of a GPU's total memory (default 0.9), "
-        "or of the RAM available at start-up on the CPU (default 0.8)")
+        None, "share of the device's memory to use: of a GPU's total memory (default 0.9, or "
+        "$MMSERVE_GPU_MEMORY_UTILIZATION), or of the RAM available at start-up on the CPU "
+        "(default 0.8)")
     single_user_mode: bool = flag(
         False, "max-num-seqs 1, and the whole KV cache for that one sequence")
     # Multimodal. ``limit_mm_per_prompt`` is taken in vLLM's forms: an image count, or

@@ -14,6 +14,11 @@ from PIL import Image
 # transformers), so the switch must be set before any test module is collected.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # Every engine on the GPU (in this process and the servers it starts) takes a tenth of it
+    # by default, not nine: the test checkpoints are tiny, and the suite runs several engines
+    # at once (a module's engine beside a server under test).
+    os.environ.setdefault("MMSERVE_GPU_MEMORY_UTILIZATION", "0.1")
 
 from mmserve.testing import build_tiny_checkpoint  # noqa: E402
 

@@ -114,7 +114,11 @@ def test_flop_count_matches_torch_flop_counter(clip_llama: str) -> None:
     # Eager attention multiplies the full [n, n] score matrix (the causal half is masked, not
     # skipped); the count is of causal work.
     ours += flops.attention_per_context_token * (n * n - n * (n + 1) // 2)
-    assert ours == counter.get_total_flops()
+    # The rotary tables (positions x frequencies) are no model arithmetic the count covers;
+    # some transformers versions make them with a matmul the counter sees, others do not.
+    rotary = sum(sum(ops.values()) for name, ops in counter.get_flop_counts().items()
+                 if name.endswith("rotary_emb"))
+    assert ours == counter.get_total_flops() - rotary
     feature_layer_only = ModelFlops.from_hf_config(model.config)
     assert feature_layer_only.encoder(image_tokens) < flops.encoder(image_tokens)
 

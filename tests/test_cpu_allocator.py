@@ -96,7 +96,7 @@ def test_cpu_runner_applies_the_setting(clip_llama):
         from mmserve import LLM
         from mmserve.worker import cpu_allocator
         assert cpu_allocator._applied is None
-        LLM({clip_llama!r}, max_model_len=256)
+        LLM({clip_llama!r}, device="cpu", max_model_len=256)
         print(cpu_allocator._applied)
     """)
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,

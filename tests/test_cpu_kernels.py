@@ -100,7 +100,7 @@ def test_kernel_rejects_mismatched_inputs(kernel):
 def test_cpu_runner_decodes_with_the_kernel(kernel, clip_llama):
     from mmserve import LLM
 
-    runner = LLM(clip_llama, max_model_len=256).engine.runner
+    runner = LLM(clip_llama, device="cpu", max_model_len=256).engine.runner
     assert isinstance(runner.attention, functools.partial)
     assert runner.attention.keywords["decode"] is cpu_ops.decode_attention
 
@@ -318,7 +318,7 @@ def test_packed_encoder_attention_with_rotated_query_and_key(flash):
 def test_cpu_runner_uses_the_flash_kernel(flash, clip_llama):
     from mmserve import LLM
 
-    runner = LLM(clip_llama, max_model_len=256).engine.runner
+    runner = LLM(clip_llama, device="cpu", max_model_len=256).engine.runner
     assert runner.attention.keywords["prefill"] is cpu_ops.prefill_attention
 
 
@@ -557,8 +557,8 @@ def test_cpu_runner_packs_bfloat16_linear_layers(packed, clip_llama):
         return sum(isinstance(m, cpu_ops.PackedLinear) for m in llm.engine.model.modules())
 
     # (test_engine_inputs.py generates through them in bfloat16.)
-    assert packed_layers(LLM(clip_llama, dtype="bfloat16", max_model_len=96)) > 0
-    assert packed_layers(LLM(clip_llama, dtype="float32", max_model_len=96)) == 0
+    assert packed_layers(LLM(clip_llama, device="cpu", dtype="bfloat16", max_model_len=96)) > 0
+    assert packed_layers(LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -639,6 +639,6 @@ def test_cpu_runner_packs_float32_linear_layers(kernel, clip_llama):
     # x86 builds of torch have oneDNN
     assert layer is {"packed": cpu_ops.PackedLinearF32, "onednn": cpu_ops.OneDNNLinear}[
         cpu_ops.active_path().float32_linear]
-    model = LLM(clip_llama, dtype="float32", max_model_len=96).engine.model
+    model = LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96).engine.model
     packed = [m for m in model.modules() if isinstance(m, layer)]
     assert packed and not any(isinstance(m, torch.nn.Linear) for m in model.modules())

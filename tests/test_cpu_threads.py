@@ -118,10 +118,10 @@ def test_read_sample_counts_this_process():
 def test_engine_takes_a_fixed_thread_count(clip_llama):
     from mmserve import LLM
 
-    llm = LLM(clip_llama, dtype="float32", max_model_len=96, cpu_threads=1)
+    llm = LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96, cpu_threads=1)
     assert torch.get_num_threads() == 1 and llm.engine.runner.adaptive_threads is None
     assert llm.engine.stats()["cpu_threads"] == 1
-    auto = LLM(clip_llama, dtype="float32", max_model_len=96)
+    auto = LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96)
     assert isinstance(auto.engine.runner.adaptive_threads, cpu_threads.AdaptiveThreads)
     with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):
-        LLM(clip_llama, dtype="float32", max_model_len=96, cpu_threads=0)
+        LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96, cpu_threads=0)

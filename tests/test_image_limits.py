@@ -431,7 +431,7 @@ def rss_mb():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096 / 2**20
 
-llm = LLM(sys.argv[1], dtype="float32", max_model_len=96, max_num_seqs=2)
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", max_model_len=96, max_num_seqs=2)
 big = Image.new("RGB", (4000, 3000), (200, 30, 60))
 prompt = {"messages": [{"role": "user", "content": [{"type": "image"},
           {"type": "text", "text": "x"}]}], "images": [big]}

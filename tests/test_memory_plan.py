@@ -16,8 +16,10 @@ from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.engine.memory_plan import (
     DEFAULT_MAX_NUM_SEQS,
+    GPU_MEMORY_UTILIZATION_ENV,
     InfeasiblePlanError,
     PlanInputs,
+    default_memory_utilization,
     feasible_pairs,
     plan_memory,
     resolve_limits,
@@ -206,6 +208,19 @@ def test_feasible_pairs_fit_and_are_the_most_that_fit() -> None:
         assert seqs * need <= plan.kv_budget_blocks < (seqs + 1) * need
 
 
+def test_default_share_of_the_gpu_may_come_from_the_environment(monkeypatch) -> None:
+    monkeypatch.delenv(GPU_MEMORY_UTILIZATION_ENV, raising=False)
+    assert default_memory_utilization("cuda") == 0.9
+    assert default_memory_utilization("cpu") == 0.8
+    monkeypatch.setenv(GPU_MEMORY_UTILIZATION_ENV, "0.25")
+    assert default_memory_utilization("cuda") == 0.25
+    assert default_memory_utilization("cpu") == 0.8  # the CPU's share is of the RAM available
+    for bad in ("most", "0", "1.5", "nan"):
+        monkeypatch.setenv(GPU_MEMORY_UTILIZATION_ENV, bad)
+        with pytest.raises(ValueError, match=f"{GPU_MEMORY_UTILIZATION_ENV}='{bad}'"):
+            default_memory_utilization("cuda")
+
+
 def test_config_accepts_auto_and_rejects_bad_values() -> None:
     cfg = EngineConfig("m", max_model_len="auto", max_num_seqs="auto")
     assert cfg.max_model_len is None and cfg.max_num_seqs is None
@@ -339,12 +354,18 @@ def pinned_memory(monkeypatch: pytest.MonkeyPatch):
 
 
 def memory_for_blocks(path: str, num_blocks: int, **engine_args) -> int:
-    """Device memory that leaves room for ``num_blocks`` KV blocks after everything else."""
-    probe, _ = make_plan(EngineConfig(path, **engine_args), "cpu", memory_bytes=10**12)
-    others = probe.weights_bytes + probe.activation_bytes + probe.encoder_cache_bytes
-    block_bytes = probe.block_size * probe.kv_bytes_per_token
+    """Device memory that leaves room for ``num_blocks`` KV blocks after everything else, by
+    the figures an engine measures on the default device (on the CPU the dry run's, which
+    ``mmserve plan`` shows; on a GPU the allocator's, which it can only estimate): a probe
+    engine with a small KV cache measures them, and gives its memory back for the next."""
+    config = EngineConfig(path, **engine_args)
+    estimate, _ = make_plan(config, config.resolved_device, memory_bytes=10**12)
+    block_bytes = estimate.block_size * estimate.kv_bytes_per_token
+    with LLM(path, kv_cache_memory=64 * block_bytes, **engine_args) as probe:
+        plan = probe.memory_plan()
+    others = plan.weights_bytes + plan.activation_bytes + plan.encoder_cache_bytes
     return math.ceil((others + num_blocks * block_bytes + block_bytes // 2)
-                     / probe.gpu_memory_utilization)
+                     / plan.gpu_memory_utilization)
 
 
 def test_small_memory_shrinks_max_model_len_and_that_length_completes(

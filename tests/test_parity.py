@@ -137,7 +137,8 @@ def test_parity_on_every_cpu_kernel_path(checkpoints: dict[str, str], kernel_pat
     path = checkpoints["siglip-qwen2"]
     prompts = mixed_batch()
     with cpu_ops.using_path(kernel_path):
-        llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_num_seqs=4)
+        llm = LLM(path, device="cpu", dtype="float32", max_num_batched_tokens=24,
+                  max_num_seqs=4)
         linear = cpu_ops.float32_linear()
         assert run(llm, prompts) == reference(path, prompts)
     layers = [type(m) for m in llm.engine.model.modules()]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import logging
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +54,17 @@ class StepRecord:
     schedule_s: float = 0.0  # scheduling, state updates and detokenization
 
 
+# Every engine of this process that holds device memory, so that a start which finds too little
+# free can say which of them hold it.
+_live_engines: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+
+
 class LLMEngine:
+    """Admits requests and steps them. ``close()`` (or dropping the last reference) gives back
+    everything it took, so a later engine in the same process plans exactly as this one did."""
+
+    _closed = False  # set by close(); a class default so that a half-built engine closes too
+
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig
 
@@ -71,8 +84,10 @@ class LLMEngine:
         if device == "cuda" and config.kv_cache_memory is None:
             self._check_free_gpu_memory(config, memory_bytes)
         self.model, weights_bytes = runner_cls.load_model(config.model, hf_config, dtype)
+        self.weights_bytes = weights_bytes
         # No KV cache until the plan sizes it.
         self.runner = runner_cls(self.model, 0, config.block_size, dtype, config.seed)
+        _live_engines.add(self)
         self.runner.set_threads(config.cpu_threads)
         # The same planning as `mmserve plan`, with the real weights and, on a GPU, the
         # allocator's peak; on the CPU the meta-device dry run is what a real run allocates.
@@ -119,14 +134,15 @@ class LLMEngine:
 
     @staticmethod
     def _check_free_gpu_memory(config: EngineConfig, total: int) -> None:
-        """The budget is a share of the GPU's total memory: that much must be free (as vLLM)."""
+        """The budget is a share of the GPU's total memory: that much must be free (as vLLM).
+        Memory this process's allocator caches but no tensor uses counts as free."""
         util = config.gpu_memory_utilization or default_memory_utilization("cuda")
-        free = torch.cuda.mem_get_info()[0]
-        if free < int(total * util):
-            raise InfeasiblePlanError(
-                f"gpu_memory_utilization={util:g} asks for {int(total * util)} bytes but only "
-                f"{free} of {total} bytes are free on the GPU (another process holds the "
-                f"rest); lower --gpu-memory-utilization to at most {free / total:.2f}.")
+        message = gpu_memory_shortfall(
+            int(total * util), total, torch.cuda.mem_get_info()[0],
+            torch.cuda.memory_reserved(), torch.cuda.memory_allocated(),
+            [e.device_bytes for e in list(_live_engines)])
+        if message is not None:
+            raise InfeasiblePlanError(f"gpu_memory_utilization={util:g} {message}")
 
     def _measure_profile_peak(self, batch: ProfileBatch) -> tuple[int, str]:
         """Run the profile batch on the device; its allocator's peak (the planned KV cache
@@ -158,6 +174,8 @@ class LLMEngine:
         engine, from several threads at once. Preprocessing that touched much more memory than
         a step gives its freed heap back to the operating system afterwards.
         """
+        if self._closed:
+            raise EngineDeadError("the engine is closed")
         params = sampling_params or SamplingParams()
         processed = self.processor.process(prompt, self.config.limit_mm_per_prompt)
         self._note_preprocessing(processed.preprocess_peak_bytes)
@@ -194,6 +212,8 @@ class LLMEngine:
 
     def add_processed_request(self, req: Request) -> str:
         """Queue a request made by ``process_request``."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
         if req.request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {req.request_id!r} is already in use")
         self._detokenizers[req.request_id] = IncrementalDetokenizer(
@@ -339,6 +359,42 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens or 0,
         )
 
+    # ----------------------------------------------------------------- lifetime
+    @property
+    def device_bytes(self) -> int:
+        """What the engine holds on its device: weights and KV cache (the encoder cache and
+        CUDA graphs come on top)."""
+        if self._closed:
+            return 0
+        return self.weights_bytes + self.runner.kv_cache_bytes
+
+    def close(self) -> None:
+        """Give back everything the engine took: the KV and encoder caches, the weights, CUDA
+        graphs and their memory pool, and the CPU threads it lowered; the allocator's freed
+        memory goes back to the operating system or the driver. Requests still in flight are
+        aborted. Calling it again does nothing; stepping afterwards raises
+        ``EngineDeadError``."""
+        if self._closed:
+            return
+        self._closed = True
+        self._dead = "the engine is closed"
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:
+            for req in [*scheduler.running, *scheduler.waiting]:
+                self.abort_request(req.request_id)
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.close()
+        self.model = None
+        _live_engines.discard(self)
+        gc.collect()  # tensors held only by reference cycles (tracebacks, closures)
+        if runner is not None:
+            runner.release_memory()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # also at interpreter exit, half torn down
+            self.close()
+
     # ----------------------------------------------------------------- stats
     def reset_caches(self) -> None:
         """Forget the cached prefix blocks and image embeddings no request is using, so that
@@ -378,3 +434,29 @@ class LLMEngine:
             "preprocess_peak_bytes": self.preprocess_peak_bytes,
             "num_memory_releases": self.num_memory_releases,
         }
+
+
+def gpu_memory_shortfall(needed: int, total: int, free: int, reserved: int, allocated: int,
+                         engines: list[int]) -> str | None:
+    """None when ``needed`` bytes of the GPU's ``total`` can be had, else what stands in the
+    way, saying whose memory it is. ``free`` is the driver's free memory; ``reserved`` and
+    ``allocated`` are this process's allocator (what it caches for reuse, of which live tensors
+    use ``allocated``); ``engines`` the device bytes of each live engine in this process."""
+    available = free + max(0, reserved - allocated)
+    if available >= needed:
+        return None
+    others = max(0, total - free - reserved)
+    parts = []
+    if engines:
+        sizes = ", ".join(f"{b / 2**30:.2f} GiB" for b in engines)
+        parts.append(f"{len(engines)} other engine{'s' if len(engines) > 1 else ''} of this "
+                     f"process hold{'' if len(engines) > 1 else 's'} {sizes} (close "
+                     "them first: LLM.close(), or `with LLM(...) as llm:`)")
+    rest = allocated - sum(engines)
+    if rest > 0:
+        parts.append(f"other tensors of this process hold {rest / 2**30:.2f} GiB")
+    if others > 0:
+        parts.append(f"other processes hold {others / 2**30:.2f} GiB")
+    return (f"asks for {needed} bytes but only {available} of {total} bytes are free or "
+            f"cached by this process on the GPU: {'; '.join(parts) or 'nothing else is known'}"
+            f"; lower --gpu-memory-utilization to at most {available / total:.2f}.")

@@ -14,6 +14,7 @@ inputs from the settings and the checkpoint, for the engine and ``mmserve plan``
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 from mmserve.config import EngineConfig
@@ -21,6 +22,9 @@ from mmserve.engine.kv_cache_manager import cdiv
 
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# Where several engines share one GPU (a test suite's processes, notebooks), the default share
+# of each may be set for all of them at once.
+GPU_MEMORY_UTILIZATION_ENV = "MMSERVE_GPU_MEMORY_UTILIZATION"
 # On the CPU the flag is the share of the RAM available at start-up. The rest stays free for
 # what tensors do not show: the Python heap, tokenizer and processor, allocator slack, and
 # other processes that grow later.
@@ -32,7 +36,22 @@ class InfeasiblePlanError(ValueError):
 
 
 def default_memory_utilization(device: str) -> float:
-    return DEFAULT_CPU_MEMORY_UTILIZATION if device == "cpu" else DEFAULT_GPU_MEMORY_UTILIZATION
+    """The share of the device's memory a plan takes when ``gpu_memory_utilization`` is not
+    given: 0.8 of the RAM available on the CPU; 0.9 of a GPU, or
+    ``$MMSERVE_GPU_MEMORY_UTILIZATION``."""
+    if device == "cpu":
+        return DEFAULT_CPU_MEMORY_UTILIZATION
+    raw = os.environ.get(GPU_MEMORY_UTILIZATION_ENV, "").strip()
+    if not raw:
+        return DEFAULT_GPU_MEMORY_UTILIZATION
+    try:
+        share = float(raw)
+    except ValueError:
+        share = -1.0
+    if not 0 < share <= 1:
+        raise ValueError(f"{GPU_MEMORY_UTILIZATION_ENV}={raw!r}: expected a share of the GPU's "
+                         "memory, 0 < share <= 1")
+    return share
 
 
 @dataclass(frozen=True)

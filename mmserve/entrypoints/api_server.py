@@ -459,7 +459,10 @@ def serve(args: argparse.Namespace) -> int:
         timeout_keep_alive=5, http=with_header_timeout(config.header_timeout_s),
         timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s))))
     server.http_server = http
-    http.run()
+    try:
+        http.run()
+    finally:
+        engine.close()
     if server.engine.error is not None:
         print(f"mmserve serve: the engine stopped: {server.engine.error}", file=sys.stderr)
         return 1

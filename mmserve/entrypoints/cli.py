@@ -21,11 +21,12 @@ def _caption(args: argparse.Namespace) -> int:
     # No --model: LLM() falls back to the bundled demo model, which describes shape scenes.
     try:
         llm = LLM(args.model, **engine_kwargs(args))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:  # no model, settings that cannot work
         print(f"mmserve caption: {exc}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    captions = llm.caption(args.images, prompt=args.prompt, sampling_params=params)
+    with llm:
+        captions = llm.caption(args.images, prompt=args.prompt, sampling_params=params)
     if args.json:
         print(json.dumps([{"image": str(p), "caption": c}
                           for p, c in zip(args.images, captions, strict=True)], indent=2))

@@ -24,6 +24,10 @@ class LLM:
     default and help are declared (the command line's flags are the same names with dashes);
     they follow vLLM's names, e.g. ``max_model_len`` and ``max_num_seqs`` (integers or
     ``"auto"``, the default: sized by the memory plan) and ``limit_mm_per_prompt``.
+
+    ``close()``, the end of a ``with LLM(...) as llm:`` block, or dropping the last reference
+    gives back everything the engine took (weights, caches, CUDA graphs, the GPU allocator's
+    cached memory), so that another ``LLM`` in the same process starts as this one did.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
@@ -96,6 +100,17 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def close(self) -> None:
+        """Give back the engine's memory and threads (``LLMEngine.close``); generating
+        afterwards raises ``EngineDeadError``."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def memory_plan(self) -> MemoryPlan:
         """What the engine decided at start-up: every term of the memory budget, the KV and

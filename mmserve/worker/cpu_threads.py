@@ -105,6 +105,15 @@ def _set_threads(n: int) -> None:
     _last_set = n
 
 
+def restore_threads() -> None:
+    """torch's thread count back to the one chosen before any ``AdaptiveThreads`` lowered it
+    (unless someone set another since): what a closed engine leaves behind."""
+    global _last_set
+    if _chosen is not None and torch.get_num_threads() == _last_set:
+        torch.set_num_threads(_chosen)
+    _last_set = None
+
+
 class AdaptiveThreads:
     """Sets torch's thread count from what other processes leave of this process's cores;
     ``update()`` before each step (it looks at most once per ``interval_s``)."""

@@ -22,8 +22,8 @@ from mmserve.kernels.paged_attention import (
 )
 from mmserve.models.forward_context import AttentionBackend, forward_context
 from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput, StepTimes
-from mmserve.worker.cpu_allocator import keep_freed_memory
-from mmserve.worker.cpu_threads import AdaptiveThreads
+from mmserve.worker.cpu_allocator import keep_freed_memory, release_free_memory
+from mmserve.worker.cpu_threads import AdaptiveThreads, restore_threads
 from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import sample_each
 
@@ -161,6 +161,24 @@ class ModelRunner:
 
     def set_threads(self, threads: int | None) -> None:
         """Compute threads: a fixed count, or None for the device's default."""
+
+    def close(self) -> None:
+        """Drop every tensor the runner holds: the KV cache (also bound to the model's
+        attention layers), encoder outputs, generators and the model itself. The engine then
+        hands the freed memory back (``release_memory``)."""
+        if self.model is not None:
+            for attn in self.model.attention_layers():
+                attn.kv_cache = None
+        self.kv_caches = []
+        self.encoder_outputs.clear()
+        self.generators.clear()
+        self.model = None
+
+    @classmethod
+    def release_memory(cls) -> None:
+        """Give memory that no tensor uses any more back to the operating system (the CPU's
+        heap) or the driver (the CUDA allocator's cache)."""
+        release_free_memory()
 
     @property
     def num_threads(self) -> int | None:
@@ -372,6 +390,14 @@ class CPUModelRunner(ModelRunner):
     @property
     def num_threads(self) -> int:
         return torch.get_num_threads()
+
+    def close(self) -> None:
+        """``ModelRunner.close``, and torch's thread count back to what it was before the
+        adaptive policy lowered it."""
+        super().close()
+        if self.adaptive_threads is not None:
+            self.adaptive_threads = None
+            restore_threads()
 
     def execute(self, scheduler_output: SchedulerOutput,
                 encoder_pixels: EncoderPixels) -> ModelOutput:
