@@ -123,6 +123,11 @@ bool flash_attention_f32_supported(int64_t head_dim) {
 
 at::Tensor flash_attention_f32(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, double scale, int64_t causal_offset) {
+  // Everything the pointer arithmetic below assumes is checked here, before any data pointer
+  // is read.
+  mmserve_cpu::check_cpu_tensor(query, "flash_attention_f32", "query");
+  mmserve_cpu::check_cpu_tensor(key, "flash_attention_f32", "key");
+  mmserve_cpu::check_cpu_tensor(value, "flash_attention_f32", "value");
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes(),
               "flash_attention_f32: expected query [batch, q_len, heads, dim] and key/value "
               "[batch, kv_len, kv_heads, dim]");
@@ -131,6 +136,7 @@ at::Tensor flash_attention_f32(const at::Tensor& query, const at::Tensor& key,
               "flash_attention_f32: float32 only");
   TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
               "flash_attention_f32: the head dimension must be contiguous");
+  TORCH_CHECK(key.size(2) > 0, "flash_attention_f32: key and value have no KV heads");
   TORCH_CHECK(query.size(0) == key.size(0) && query.size(3) == key.size(3) &&
                   query.size(2) % key.size(2) == 0,
               "flash_attention_f32: batch or head sizes differ, or heads are not a multiple of "

@@ -62,13 +62,19 @@ void for_rows(int64_t rows, int64_t width, Fn&& fn) {
   });
 }
 
-// Every tensor of a call on the CPU, of one dtype: bfloat16 or float32.
+// Every tensor of a call defined, a dense tensor on the CPU, all of one dtype: bfloat16 or
+// float32. Checked before any data pointer is read.
 void check_dtype(std::initializer_list<const at::Tensor*> tensors, const char* name) {
+  for (const at::Tensor* t : tensors) {
+    TORCH_CHECK(t->defined(), name, ": undefined tensor");
+    TORCH_CHECK(t->device().is_cpu(), name, ": CPU tensors only, got one on ", t->device());
+    TORCH_CHECK(t->layout() == at::kStrided, name, ": dense (strided) tensors only, got ",
+                t->layout());
+  }
   const auto dtype = (*tensors.begin())->scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, name, ": bfloat16 or float32 only");
   for (const at::Tensor* t : tensors) {
     TORCH_CHECK(t->scalar_type() == dtype, name, ": all tensors must have one dtype");
-    TORCH_CHECK(t->device().is_cpu(), name, ": CPU tensors only");
   }
 }
 

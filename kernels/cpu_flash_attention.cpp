@@ -238,6 +238,11 @@ bool flash_attention_supported(int64_t head_dim) {
 
 at::Tensor flash_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            double scale, int64_t causal_offset) {
+  // Everything the pointer arithmetic below assumes is checked here, before any data pointer
+  // is read.
+  mmserve_cpu::check_cpu_tensor(query, "flash_attention", "query");
+  mmserve_cpu::check_cpu_tensor(key, "flash_attention", "key");
+  mmserve_cpu::check_cpu_tensor(value, "flash_attention", "value");
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes(),
               "flash_attention: expected query [batch, q_len, heads, dim] and key/value "
               "[batch, kv_len, kv_heads, dim]");
@@ -246,6 +251,7 @@ at::Tensor flash_attention(const at::Tensor& query, const at::Tensor& key, const
               "flash_attention: bfloat16 only");
   TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
               "flash_attention: the head dimension must be contiguous");
+  TORCH_CHECK(key.size(2) > 0, "flash_attention: key and value have no KV heads");
   TORCH_CHECK(query.size(0) == key.size(0) && query.size(3) == key.size(3) &&
                   query.size(2) % key.size(2) == 0,
               "flash_attention: batch or head sizes differ, or heads are not a multiple of KV heads");

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu_math.h"
 #include "cpu_tile_f32.h"
 
 namespace {
@@ -46,15 +47,8 @@ bool packed_linear_f32_supported() {
 #endif
 }
 
-bool has_avx512() {
-#ifdef __AVX512F__
-  return true;
-#else
-  return false;
-#endif
-}
-
 at::Tensor pack_linear_weight_f32(const at::Tensor& weight) {
+  mmserve_cpu::check_cpu_tensor(weight, "pack_linear_weight_f32", "the weight");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               "pack_linear_weight_f32: expected a contiguous float32 [out, in] weight");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kCols - 1) / kCols;
@@ -75,6 +69,10 @@ at::Tensor pack_linear_weight_f32(const at::Tensor& weight) {
 at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
                              const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(packed_linear_f32_supported(), "packed_linear_f32: needs AVX2 and FMA");
+  // Everything the pointer arithmetic below assumes is checked here, before any data pointer
+  // is read.
+  mmserve_cpu::check_cpu_tensor(x, "packed_linear_f32", "x");
+  mmserve_cpu::check_cpu_tensor(packed, "packed_linear_f32", "the packed weight");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "packed_linear_f32: expected float32 x [rows, in] with contiguous rows");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
@@ -83,9 +81,12 @@ at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(x.size(1) == packed.size(1), "packed_linear_f32: x has ", x.size(1),
               " features, the weight takes ", packed.size(1));
   const int64_t panels = packed.size(0);
-  TORCH_CHECK(out_features > kCols * (panels - 1) && out_features <= kCols * panels,
-              "packed_linear_f32: out_features does not match the packed weight");
+  TORCH_CHECK(out_features >= 0 && out_features > kCols * (panels - 1) &&
+                  out_features <= kCols * panels,
+              "packed_linear_f32: out_features does not match the packed weight (", out_features,
+              " outputs, ", panels, " panels of ", kCols, ")");
   const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) mmserve_cpu::check_cpu_tensor(*bias, "packed_linear_f32", "the bias");
   TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                             bias->numel() == kCols * panels),
               "packed_linear_f32: the bias must be float32, padded to ", kCols * panels);
@@ -106,7 +107,12 @@ at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
       const int64_t cols = std::min(kCols, out_features - panel * kCols);
       const float* w = wp + panel * depth * kCols;
       const float* init = bp ? bp + panel * kCols : mmserve_cpu::kZeros;
-      for (int64_t k0 = 0; k0 < depth; k0 += kDepth) {
+      // The last panel's outputs that exist, and room: columns past `cols` are never copied
+      // out, but zeroed once so that the tile, which reads all 16, never reads uninitialized
+      // memory.
+      float scratch[kTileRows * kCols] = {};
+      // At least one block, so that without inputs (depth 0) the output is the bias (or 0).
+      for (int64_t k0 = 0; k0 == 0 || k0 < depth; k0 += kDepth) {
         const int64_t block = std::min(kDepth, depth - k0);
         for (int64_t r = chunk * kChunkRows; r < row_end; r += kTileRows) {
           const int64_t n = std::min(kTileRows, row_end - r);
@@ -116,7 +122,6 @@ at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
                       dst, out_features);
             continue;
           }
-          float scratch[kTileRows * kCols];  // the last panel's outputs that exist, and room
           for (int64_t i = 0; i < n; ++i) std::copy_n(dst + i * out_features, cols, scratch + i * kCols);
           kTiles[n](xp + r * x_stride + k0, x_stride, w + k0 * kCols, block, k0 == 0, init,
                     scratch, kCols);

@@ -1,6 +1,9 @@
-// What the CPU kernels share: the instruction set test, bfloat16 bits, lane masks, and exp
-// (scalar, written so the compiler vectorizes it, and on 16 lanes).
+// What the CPU kernels share: the argument checks that come before any pointer arithmetic,
+// the instruction set test, bfloat16 bits, lane masks, and exp (scalar, written so the
+// compiler vectorizes it, and on 16 lanes).
 #pragma once
+
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,6 +17,19 @@
 #endif
 
 namespace mmserve_cpu {
+
+// A tensor argument whose elements the kernel reads or writes through its data pointer and
+// strides: it must exist, live in this process's memory (the CPU, not a GPU or the meta
+// device, whose data pointer is not host memory or null) and be a plain strided tensor (a
+// sparse or oneDNN tensor has no strides to index by). `fn` and `what` name the function and
+// the argument in the message.
+inline void check_cpu_tensor(const at::Tensor& t, const char* fn, const char* what) {
+  TORCH_CHECK(t.defined(), fn, ": ", what, " is an undefined tensor");
+  TORCH_CHECK(t.device().is_cpu(), fn, ": ", what, " must be a CPU tensor, not one on ",
+              t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, fn, ": ", what,
+              " must be a dense (strided) tensor, not ", t.layout());
+}
 
 // bfloat16 is the upper half of a float32: widening is a shift, narrowing rounds to nearest
 // even (NaN stays NaN). Plain integer arithmetic, so loops over them vectorize.

@@ -20,7 +20,6 @@ at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias, int64_t out_features);
 bool packed_linear_f32_supported();
-bool has_avx512();
 at::Tensor pack_linear_weight_f32(const at::Tensor& weight);
 at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
                              const c10::optional<at::Tensor>& bias, int64_t out_features);
@@ -45,7 +44,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias from packed panels");
   m.def("packed_linear_f32_supported", &packed_linear_f32_supported,
         "whether this build has the packed float32 linear (AVX2 and FMA)");
-  m.def("has_avx512", &has_avx512, "whether this build targets a CPU with AVX-512");
   m.def("pack_linear_weight_f32", &pack_linear_weight_f32, "a float32 [out, in] weight as panels");
   m.def("packed_linear_f32", &packed_linear_f32, "float32 x @ weight.T + bias from packed panels");
 }

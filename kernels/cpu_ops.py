@@ -39,9 +39,9 @@ instructions. Tests and benchmarks switch paths with ``select_path``.
 
 Building takes about 50 s on two cores the first time; torch caches the library (under
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, one build per path, CPU
-model and flags) for later starts. Without a compiler the ``auto`` path runs torch's
-operators (float32 linear layers still through oneDNN), with one warning saying why; a path
-asked for by name fails to start instead.
+model and flags, and version of the sources) for later starts. Without a compiler the
+``auto`` path runs torch's operators (float32 linear layers still through oneDNN), with one
+warning saying why; a path asked for by name fails to start instead.
 
 Builds are serialized by an OS lock (``flock``) on ``<build directory>.mmserve-lock``, which
 the kernel releases when its holder exits, however it exits. A start killed mid-build leaves
@@ -176,9 +176,21 @@ def _cpu_signature() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
+@functools.cache
+def _source_signature() -> str:
+    """A short hash of the kernels' sources. ninja rebuilds by modification times, which an
+    upgrade (a wheel's files keep their archive's times) or a checkout may set older than the
+    cached objects: a build named by content is never stale."""
+    digest = hashlib.sha256()
+    for source in _SOURCES + _HEADERS:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:8]
+
+
 def build_name(path: KernelPath) -> str:
-    """The extension's name for ``path`` on this CPU (also its build directory's name)."""
-    return f"mmserve_cpu_ops_{_cpu_signature()}_{path.name}"
+    """The extension's name for ``path`` on this CPU and these sources (also its build
+    directory's name)."""
+    return f"mmserve_cpu_ops_{_cpu_signature()}_{_source_signature()}_{path.name}"
 
 
 T = TypeVar("T")

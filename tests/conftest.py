@@ -20,6 +20,7 @@ else:
     # at once (a module's engine beside a server under test).
     os.environ.setdefault("MMSERVE_GPU_MEMORY_UTILIZATION", "0.1")
 
+from mmserve.kernels import cpu_ops  # noqa: E402
 from mmserve.testing import build_tiny_checkpoint  # noqa: E402
 
 # The checkpoints the parity tests cover: name -> (family, the family builder's options).
@@ -28,6 +29,20 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "siglip-qwen2": ("llava", {"vision": "siglip", "text": "qwen2"}),
     "clip-mistral": ("llava", {"vision": "clip", "text": "mistral"}),
 }
+
+
+# The CPU kernel paths with a compiled module that this machine runs (``cpu_ops.PATHS``): an
+# AVX-512 machine runs the AVX2 build too.
+COMPILED_PATHS = [name for name in cpu_ops.supported_paths()
+                  if cpu_ops.PATHS[name].target is not None]
+
+
+@pytest.fixture(scope="module", params=COMPILED_PATHS)
+def kernel(request):
+    """The compiled CPU kernels of each path in ``COMPILED_PATHS``, in force while the tests
+    that take them run (a build failure fails them)."""
+    with cpu_ops.using_path(request.param) as module:
+        yield module
 
 
 @pytest.fixture(scope="session")

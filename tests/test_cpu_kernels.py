@@ -6,11 +6,12 @@ towers (``cpu_flash_attention.cpp``), the fused norm, rotary and activations
 float32 on CPUs with AVX2 and FMA the linear layers (``cpu_linear_f32.cpp``; ``OneDNNLinear`` on
 other CPUs) and the flash attention (``cpu_attention_f32.cpp``).
 
-Every test that takes the ``kernel`` fixture runs once for each compiled path this CPU supports
-(``cpu_ops.PATHS``): an AVX-512 machine tests the AVX2 build too. Skipped only where there is no
-C++ compiler (the runner then uses torch's operators); where there is one, a build failure
-fails these tests. The bfloat16 flash attention and packed linear tests also need a path with
-AVX512-BF16 (elsewhere the module reports them unsupported and torch runs).
+Every test that takes the ``kernel`` fixture (``conftest.py``) runs once for each compiled path
+this CPU supports (``cpu_ops.PATHS``): an AVX-512 machine tests the AVX2 build too. Skipped
+only where there is no C++ compiler (the runner then uses torch's operators); where there is
+one, a build failure fails these tests. The bfloat16 flash attention and packed linear tests
+also need a path with AVX512-BF16 (elsewhere the module reports them unsupported and torch
+runs).
 """
 
 import functools
@@ -30,17 +31,6 @@ from mmserve.kernels.paged_attention import (
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
                                 reason="no C++ compiler: the CPU runner uses the torch path")
-
-
-COMPILED_PATHS = [name for name in cpu_ops.supported_paths()
-                  if cpu_ops.PATHS[name].target is not None]
-
-
-@pytest.fixture(scope="module", params=COMPILED_PATHS)
-def kernel(request):
-    """The compiled module of one path, in force while the tests that take it run."""
-    with cpu_ops.using_path(request.param) as module:
-        yield module
 
 
 def _decode_batch(lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16, seed=0):
