@@ -56,7 +56,7 @@ def main() -> None:
         impls = {"MKL": lambda lin: lin, "oneDNN": cpu_ops.OneDNNLinear,
                  "mmserve avx2": cpu_ops.PackedLinearF32}
         print(f"{'K x N':>12} {'rows':>5} " + " ".join(f"{name:>14}" for name in impls)
-              + "   fastest, weights read at")
+              + "   fastest: weights read at, arithmetic")
         with torch.no_grad():
             for k, n in SHAPES:
                 count = max(1, round(args.weights_mb * 2**20 / (k * n * 4)))
@@ -69,7 +69,8 @@ def main() -> None:
                     best = min(times, key=times.get)
                     print(f"{f'{k} x {n}':>12} {rows:>5} "
                           + " ".join(f"{times[name] * 1e3:>11.3f} ms" for name in impls)
-                          + f"   {best}, {k * n * 4 / times[best] / 1e9:.1f} GB/s")
+                          + f"   {best}: {k * n * 4 / times[best] / 1e9:.1f} GB/s, "
+                          f"{2 * rows * k * n / times[best] / 1e9:.0f} GFLOP/s")
                 del linears, built
 
 

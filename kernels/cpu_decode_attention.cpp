@@ -72,6 +72,14 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
   }
 }
 
+// Rows come from scattered blocks, so the hardware prefetcher cannot run ahead across them:
+// ask for rows a few keys ahead explicitly (D elements of `bytes` bytes each).
+template <int64_t D, int64_t bytes>
+inline void prefetch_row(const void* row) {
+  for (int64_t line = 0; line < D * bytes; line += 64)
+    __builtin_prefetch(static_cast<const char*>(row) + line, 0, 3);
+}
+
 #ifdef MMSERVE_F32_FMA
 // The 8 horizontal sums of 8 vectors: lane j of the result is the sum of v[j]'s lanes.
 inline __m256 sum_lanes_of_8(const __m256 v[8]) {
@@ -97,6 +105,13 @@ void f32_scores(const float* q, int64_t group, const float* head_rows, const int
     const float* first = head_rows + table[t0 / block_size] * block_stride +
                          (t0 % block_size) * token_stride;
     for (int64_t j = 0; j < 8; ++j) rows[j] = j < n ? first + j * token_stride : zeros;
+    const int64_t ahead = t0 + 16;  // the rows of the step after next
+    if (ahead < len) {
+      const float* next = head_rows + table[ahead / block_size] * block_stride +
+                          (ahead % block_size) * token_stride;
+      for (int64_t j = 0; j < std::min<int64_t>(8, len - ahead); ++j)
+        prefetch_row<D, 4>(next + j * token_stride);
+    }
     for (int64_t g = 0; g < group; ++g) {
       __m256 acc[8];
       for (int64_t j = 0; j < 8; ++j) {
@@ -124,6 +139,11 @@ void f32_weighted_values(const float* probs, int64_t group, const float* head_ro
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
     const float* block = head_rows + table[t0 / block_size] * block_stride;
     const int64_t n = std::min(block_size, len - t0);
+    if (t0 + block_size < len) {  // the next block's rows, while this one's are summed
+      const float* next = head_rows + table[t0 / block_size + 1] * block_stride;
+      for (int64_t i = 0; i < std::min(block_size, len - t0 - block_size); ++i)
+        prefetch_row<D, 4>(next + i * token_stride);
+    }
     for (int64_t g = 0; g < group; ++g) {
       const float* p = probs + g * len + t0;
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -191,14 +211,6 @@ struct PagedRows {
   }
 };
 
-// Rows come from scattered blocks, so the hardware prefetcher cannot run ahead across them:
-// ask for the rows a few keys ahead explicitly.
-template <int64_t D>
-inline void prefetch_row(const uint16_t* row) {
-  for (int64_t line = 0; line < D * 2; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(row) + line, _MM_HINT_T0);
-}
-
 // Scaled scores of `group` bfloat16 query heads against a sequence's keys, 16 keys at a time:
 // one bfloat16-pair dot product per 32 dimensions into a float32 vector per key, then the 16
 // vectors summed across lanes at once. scores is [group, len].
@@ -211,7 +223,7 @@ void bf16_scores(const uint16_t* q, int64_t group, const PagedRows& keys, int64_
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     for (int64_t j = 0; j < 16; ++j) {
       rows[j] = t0 + j < len ? keys(t0 + j) : zeros;
-      if (t0 + 16 + j < len) prefetch_row<D>(keys(t0 + 16 + j));
+      if (t0 + 16 + j < len) prefetch_row<D, 2>(keys(t0 + 16 + j));
     }
     for (int64_t g = 0; g < group; ++g) {
       __m512i qv[D / 32];
@@ -255,8 +267,8 @@ void bf16_weighted_values(const float* probs, int64_t group, const PagedRows& va
       const int64_t t = 2 * i;
       const uint16_t* even = values(t);
       const uint16_t* odd = t + 1 < len ? values(t + 1) : zeros;
-      if (t + 8 < len) prefetch_row<D>(values(t + 8));
-      if (t + 9 < len) prefetch_row<D>(values(t + 9));
+      if (t + 8 < len) prefetch_row<D, 2>(values(t + 8));
+      if (t + 9 < len) prefetch_row<D, 2>(values(t + 9));
       __m512i vpairs[2 * kChunks];
       for (int64_t c = 0; c < kChunks; ++c) {
         const __m512i a = _mm512_loadu_si512(even + 32 * c), b = _mm512_loadu_si512(odd + 32 * c);

@@ -459,8 +459,17 @@ def prefill_attention(query, key, value, seq: PrefillSeq, scale: float):
     if flash is None:
         return torch_prefill_attention(query, key, value, seq, scale)
     causal_offset = seq.context_len - seq.query_len
+    key, value = _same_strides(key, value)
     return flash(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), scale,
                  causal_offset)[0]
+
+
+def _same_strides(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value with one set of strides, as the flash kernels pack them (views of one
+    projection's output may differ: a rotated key is a new tensor, the value a view)."""
+    if key.stride() != value.stride():
+        return key.contiguous(), value.contiguous()
+    return key, value
 
 
 def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -470,9 +479,7 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     on AVX512-BF16), torch's fused attention otherwise (other devices, dtypes, CPUs)."""
     flash = _flash_kernel(query, causal=False)
     if flash is not None:
-        if key.stride() != value.stride():  # the kernel packs k and v with one set of strides
-            key, value = key.contiguous(), value.contiguous()
-        return flash(query, key, value, scale, -1)
+        return flash(query, *_same_strides(key, value), scale, -1)
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), scale=scale)
     return out.transpose(1, 2)

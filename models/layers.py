@@ -30,6 +30,27 @@ def get_activation(name: str):
     return acts[name]
 
 
+class MergedLinear(nn.Linear):
+    """Linear layers that read one input (q, k and v; gate and up) as one: their output rows
+    stacked in ``shards`` order, so a step runs one matmul where it ran one each (a decode
+    step's few rows make each call cost more than its arithmetic). The checkpoint keeps them
+    apart: ``<parent>.<shard>.weight`` (and ``.bias``) loads into the shard's rows
+    (``models/loader.py``). ``split`` cuts an output back into the shards' views."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shards = dict(shards)
+        self.sizes = list(shards.values())
+
+    def shard_rows(self) -> dict[str, slice]:
+        """Each shard's output rows."""
+        rows, start = {}, 0
+        for name, size in self.shards.items():
+            rows[name] = slice(start, start + size)
+            start += size
+        return rows
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()

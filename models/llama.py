@@ -11,6 +11,7 @@ from torch import nn
 
 from mmserve.kernels.cpu_ops import fused_kernels
 from mmserve.models.layers import (
+    MergedLinear,
     PagedAttention,
     RMSNorm,
     apply_rotary,
@@ -38,17 +39,22 @@ class DecoderAttention(nn.Module):
         qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
         o_bias = not qwen2 and bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            hidden, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias=qkv_bias)
+        self.qkv_sizes = [q_size, kv_size, kv_size]
+        self.o_proj = nn.Linear(q_size, hidden, bias=o_bias)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        # Its own copy, so that the merged output (q and k are rotated into new tensors) is
+        # freed before attention rather than held through it: the step's peak stays as low as
+        # with three projections.
+        v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()
         q, k = apply_rotary(q, k, rope)
         return self.o_proj(self.attn(q, k, v).reshape(n, -1))
 
@@ -57,16 +63,22 @@ class DecoderMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size,
+                                         {"gate_proj": size, "up_proj": size}, bias=bias)
+        self.intermediate_size = size
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
         self.act = get_activation(config.hidden_act)
         self.fused_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         if self.fused_silu and (ops := fused_kernels(x)) is not None:
-            return self.down_proj(ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            h = ops.silu_and_mul(gate, up)
+        else:  # in place: a third tensor beside the merged output would raise the peak
+            h = self.act(gate).mul_(up)
+        del gate, up  # the merged output goes before down_proj allocates its own
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

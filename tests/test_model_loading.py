@@ -42,6 +42,32 @@ def test_unexpected_weight_is_named(clip_llama: str, tmp_path: Path) -> None:
         load_model(path, AutoConfig.from_pretrained(path), torch.float32)
 
 
+def test_merged_layers_fill_their_rows_from_each_checkpoint_weight(clip_llama: str,
+                                                                   tmp_path: Path) -> None:
+    """q, k and v (gate and up) run as one merged layer; each checkpoint weight fills its own
+    rows, and one left out or of another shape is named as the checkpoint names it."""
+    path = Path(clip_llama)
+    tensors = load_file(str(path / "model.safetensors"))
+    model = load_model(path, AutoConfig.from_pretrained(path), torch.float32)
+    layer = model.model.language_model.layers[1]
+    qkv = [tensors[f"language_model.model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv"]
+    assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat(qkv))
+    gate_up = [tensors[f"language_model.model.layers.1.mlp.{n}_proj.weight"]
+               for n in ("gate", "up")]
+    assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat(gate_up))
+
+    broken = _copy(clip_llama, tmp_path / "without-v")
+    _edit_weights(broken,
+                  lambda t: t.pop("language_model.model.layers.1.self_attn.v_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing .*layers\.1\.self_attn\.v_proj\.weight"):
+        load_model(broken, AutoConfig.from_pretrained(broken), torch.float32)
+    wrong = _copy(clip_llama, tmp_path / "short-k")
+    key = "language_model.model.layers.1.self_attn.k_proj.weight"
+    _edit_weights(wrong, lambda t: t.__setitem__(key, t[key][:-1].clone()))
+    with pytest.raises(ValueError, match=rf"weight {key} has shape"):
+        load_model(wrong, AutoConfig.from_pretrained(wrong), torch.float32)
+
+
 def test_unsupported_architecture_lists_supported(clip_llama: str, tmp_path: Path) -> None:
     path = _copy(clip_llama, tmp_path / "ckpt")
     cfg = json.loads((path / "config.json").read_text())

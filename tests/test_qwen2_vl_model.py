@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from mmserve.kernels.cpu_ops import packed_encoder_attention
+from mmserve.models.loader import load_weights
 from mmserve.models.qwen2_vl import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
@@ -42,7 +43,7 @@ def models(request: pytest.FixtureRequest):
         for p in reference.parameters():
             p.normal_(std=0.3)
     ours = our_cls(config).eval()
-    ours.load_state_dict(reference.state_dict())
+    load_weights(ours, reference.state_dict().items())
     return reference, ours
 
 
