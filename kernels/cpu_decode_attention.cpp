@@ -80,6 +80,12 @@ inline void prefetch_row(const void* row) {
     __builtin_prefetch(static_cast<const char*>(row) + line, 0, 3);
 }
 
+// `bytes` bytes from `start`, a cache line at a time (0: nothing).
+inline void prefetch_span(const void* start, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    __builtin_prefetch(static_cast<const char*>(start) + line, 0, 3);
+}
+
 #ifdef MMSERVE_F32_FMA
 // The 8 horizontal sums of 8 vectors: lane j of the result is the sum of v[j]'s lanes.
 inline __m256 sum_lanes_of_8(const __m256 v[8]) {
@@ -94,10 +100,14 @@ inline __m256 sum_lanes_of_8(const __m256 v[8]) {
 // Scores of `group` float32 query heads (already scaled) against a sequence's keys, 8 keys at
 // a time; block_size is a multiple of 8, so the 8 keys of a step share a block. head_rows is
 // the KV head's first key row; scores is [group, len].
+// `prefetch_bytes` of each upcoming token's row are fetched ahead from the row's start: the
+// KV head's own D floats, or for the first KV head of a sequence the whole row of every head,
+// which the other heads of the sequence then find in cache (work items run a sequence's heads
+// one after another on one thread).
 template <int64_t D>
 void f32_scores(const float* q, int64_t group, const float* head_rows, const int64_t* table,
                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t len,
-                float* scores) {
+                int64_t prefetch_bytes, float* scores) {
   static const float zeros[D] = {};
   const float* rows[8];
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
@@ -105,12 +115,12 @@ void f32_scores(const float* q, int64_t group, const float* head_rows, const int
     const float* first = head_rows + table[t0 / block_size] * block_stride +
                          (t0 % block_size) * token_stride;
     for (int64_t j = 0; j < 8; ++j) rows[j] = j < n ? first + j * token_stride : zeros;
-    const int64_t ahead = t0 + 16;  // the rows of the step after next
+    const int64_t ahead = t0 + 32;  // the rows four steps ahead
     if (ahead < len) {
       const float* next = head_rows + table[ahead / block_size] * block_stride +
                           (ahead % block_size) * token_stride;
       for (int64_t j = 0; j < std::min<int64_t>(8, len - ahead); ++j)
-        prefetch_row<D, 4>(next + j * token_stride);
+        prefetch_span(next + j * token_stride, prefetch_bytes);
     }
     for (int64_t g = 0; g < group; ++g) {
       __m256 acc[8];
@@ -133,7 +143,8 @@ void f32_scores(const float* q, int64_t group, const float* head_rows, const int
 template <int64_t D>
 void f32_weighted_values(const float* probs, int64_t group, const float* head_rows,
                          const int64_t* table, int64_t block_size, int64_t block_stride,
-                         int64_t token_stride, int64_t len, float* out) {
+                         int64_t token_stride, int64_t len, int64_t prefetch_bytes,
+                         float* out) {
   static_assert(D % 64 == 0);
   std::fill_n(out, group * D, 0.f);
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
@@ -142,7 +153,7 @@ void f32_weighted_values(const float* probs, int64_t group, const float* head_ro
     if (t0 + block_size < len) {  // the next block's rows, while this one's are summed
       const float* next = head_rows + table[t0 / block_size + 1] * block_stride;
       for (int64_t i = 0; i < std::min(block_size, len - t0 - block_size); ++i)
-        prefetch_row<D, 4>(next + i * token_stride);
+        prefetch_span(next + i * token_stride, prefetch_bytes);
     }
     for (int64_t g = 0; g < group; ++g) {
       const float* p = probs + g * len + t0;
@@ -325,6 +336,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       const int64_t len = lens[seq];
       const int64_t* table = tables + seq * max_blocks;
       const int64_t head_offset = kv_head * head_dim;
+      const int64_t prefetch_bytes =
+          static_cast<int64_t>(sizeof(float)) * (kv_head == 0 ? token_stride : head_dim);
       scores.resize(group * len);
       // Calls fn(t, row) for every cached token t of this sequence, in order, with the token's
       // K or V row of this KV head (read in place from its block) widened to float32.
@@ -369,7 +382,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       if constexpr (std::is_same_v<T, float> && kHeadDim % 8 == 0 && kHeadDim > 0) {
         if (block_size % 8 == 0) {
           f32_scores<kHeadDim>(q.data(), group, k_ptr + head_offset, table, block_size,
-                               block_stride, token_stride, len, scores.data());
+                               block_stride, token_stride, len, prefetch_bytes,
+                               scores.data());
           scored = true;
         }
       }
@@ -391,7 +405,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
 #ifdef MMSERVE_F32_FMA
       if constexpr (std::is_same_v<T, float> && kHeadDim % 64 == 0 && kHeadDim > 0) {
         f32_weighted_values<kHeadDim>(scores.data(), group, v_ptr + head_offset, table,
-                                      block_size, block_stride, token_stride, len, acc.data());
+                                      block_size, block_stride, token_stride, len,
+                                      prefetch_bytes, acc.data());
         weighted = true;
       }
 #endif
