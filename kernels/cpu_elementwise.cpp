@@ -173,6 +173,10 @@ at::Tensor quick_gelu(const at::Tensor& x) {
   return out;
 }
 
+// Each product rounded, then their sum, with no multiply-add fused in between: bit for bit
+// torch's ops (mul, then add) in float32 too, not only in bfloat16, whose products are exact.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_dtype({&x, &cos, &sin}, "rotary");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
@@ -198,8 +202,6 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
       for (int64_t i = 0; i < half; ++i) {
         const float x1 = wide(in[i]), x2 = wide(in[i + half]);
         // rotate_half(x) = [-x2, x1]; each product rounded, then their sum, as torch's ops do.
-        // Bit for bit in bfloat16, whose products are exact in float32; in float32 the
-        // compiler may fuse a product into the sum, so the models keep torch's rotary there.
         dst[i] = narrow<T>(rounded<T>(x1 * wide(ct[i])) + rounded<T>(-x2 * wide(st[i])));
         dst[i + half] = narrow<T>(rounded<T>(x2 * wide(ct[i + half])) +
                                   rounded<T>(x1 * wide(st[i + half])));
@@ -208,3 +210,4 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   });
   return out;
 }
+#pragma GCC pop_options

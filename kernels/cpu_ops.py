@@ -408,14 +408,6 @@ def decode_attention(query, kv_cache, meta, scale: float):
                                     meta.decode_block_tables, meta.decode_lens, scale)
 
 
-def bf16_kernels(tensor: torch.Tensor) -> ModuleType | None:
-    """The compiled module if the CPU runner has loaded it and ``tensor`` is a bfloat16 CPU
-    tensor, the dtype its flash attention and fused layers serve; None means: use torch."""
-    if _module is not None and tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu":
-        return _module
-    return None
-
-
 def fused_kernels(tensor: torch.Tensor) -> ModuleType | None:
     """The compiled module if the CPU runner has loaded it and ``tensor`` is a bfloat16 or
     float32 CPU tensor, the dtypes of its fused norm, rotary and activations; None means: use

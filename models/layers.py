@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.kernels.cpu_ops import bf16_kernels, fused_kernels
+from mmserve.kernels.cpu_ops import fused_kernels
 from mmserve.models.forward_context import get_forward_context
 
 
@@ -169,9 +169,8 @@ def apply_rotary(
     cos_sin: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cos, sin = cos_sin
-    # bfloat16 only: its products are exact in float32, so the kernel equals torch's ops bit
-    # for bit; in float32 the compiler may fuse a product into the sum, which rounds otherwise.
-    if ((ops := bf16_kernels(q)) is not None and cos.dtype == q.dtype and q.stride(-1) == 1
+    # The kernel rounds where torch's ops round (no fused multiply-add): bit for bit equal.
+    if ((ops := fused_kernels(q)) is not None and cos.dtype == q.dtype and q.stride(-1) == 1
             and k.stride(-1) == 1):
         return ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -102,3 +102,33 @@ def test_cpu_runner_applies_the_setting(clip_llama):
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True,
                          text=True, env=dict(os.environ, MMSERVE_KEEP_HEAP="1")).stdout
     assert out.split()[-1] == "True"
+
+
+def _huge_page_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def test_kv_cache_memory_is_advised_huge_pages():
+    """The KV cache asks for 2 MiB pages before it is touched (decode attention reads blocks
+    scattered across it); where Linux grants them, the process's huge pages grow by it."""
+    import torch
+
+    from mmserve.worker.cpu_allocator import advise_huge_pages
+
+    assert not advise_huge_pages(torch.empty(1000))  # no whole 2 MiB page inside
+    if _thp_mode() not in ("always", "madvise"):
+        pytest.skip(f"transparent huge pages are {_thp_mode()!r} here: the advice has no effect")
+    before = _huge_page_kib()
+    cache = torch.empty(64 << 20, dtype=torch.uint8)
+    assert advise_huge_pages(cache)
+    cache.zero_()
+    assert _huge_page_kib() - before >= 32 << 10  # at least half of it (64 MiB)

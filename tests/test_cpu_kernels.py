@@ -371,20 +371,24 @@ def test_quick_gelu_matches_torch(kernel):
                                atol=0, rtol=4e-7)
 
 
-def test_rotary_matches_torch_exactly(kernel, monkeypatch):
-    """Each product is exact in float32 and rounded where torch rounds it: bit for bit equal."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotary_matches_torch_exactly(kernel, monkeypatch, dtype):
+    """Each product rounded where torch rounds it, and no multiply-add fused: bit for bit
+    equal (in float32 too, where a fused multiply-add would round once instead of twice)."""
     from mmserve.models import layers
 
     rope = layers.RotaryEmbedding(64, 512, 10000.0)
-    positions = torch.tensor([0, 1, 2, 7, 100, 511, 3])
-    cos_sin = rope.cos_sin(positions, torch.bfloat16)
+    positions = torch.tensor([0, 1, 2, 7, 100, 511, 3, *range(200, 300)])
+    cos_sin = rope.cos_sin(positions, dtype)
     g = torch.Generator().manual_seed(10)
-    qkv = (torch.randn(7, 12 + 4 + 4, 64, generator=g) * 3).bfloat16()
+    qkv = (torch.randn(len(positions), 12 + 4 + 4, 64, generator=g) * 3).to(dtype)
     q, k = qkv[:, :12], qkv[:, 12:16]  # head slices of one projection, as the decoder has them
-    monkeypatch.setattr(layers, "bf16_kernels", lambda t: None)
+    monkeypatch.setattr(layers, "fused_kernels", lambda t: None)
     expected = layers.apply_rotary(q, k, cos_sin)
-    monkeypatch.setattr(layers, "bf16_kernels", lambda t: kernel)
+    calls = _spy_on(monkeypatch, kernel, "rotary", lambda args: args[0].dtype)
+    monkeypatch.setattr(layers, "fused_kernels", lambda t: cpu_ops._module)
     got = layers.apply_rotary(q, k, cos_sin)
+    assert calls == [dtype, dtype]
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
@@ -440,9 +444,6 @@ def test_fused_layers_reject_other_dtypes(kernel):
 
 
 def test_kernels_only_for_the_dtypes_they_serve(kernel):
-    assert cpu_ops.bf16_kernels(torch.zeros(2, dtype=torch.bfloat16)) is kernel
-    assert cpu_ops.bf16_kernels(torch.zeros(2)) is None
-    assert cpu_ops.bf16_kernels(torch.zeros(2, dtype=torch.bfloat16, device="meta")) is None
     assert cpu_ops.fused_kernels(torch.zeros(2, dtype=torch.bfloat16)) is kernel
     assert cpu_ops.fused_kernels(torch.zeros(2)) is kernel
     assert cpu_ops.fused_kernels(torch.zeros(2, dtype=torch.float16)) is None

@@ -22,7 +22,11 @@ from mmserve.kernels.paged_attention import (
 )
 from mmserve.models.forward_context import AttentionBackend, forward_context
 from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput, StepTimes
-from mmserve.worker.cpu_allocator import keep_freed_memory, release_free_memory
+from mmserve.worker.cpu_allocator import (
+    advise_huge_pages,
+    keep_freed_memory,
+    release_free_memory,
+)
 from mmserve.worker.cpu_threads import AdaptiveThreads, restore_threads
 from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import sample_each
@@ -322,10 +326,14 @@ class ModelRunner:
         """
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            cache = torch.zeros(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
+            cache = torch.empty(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
                                 dtype=self.dtype, device=self.device)
-            attn.kv_cache = cache
+            self._advise_kv_cache(cache)
+            attn.kv_cache = cache.zero_()
             self.kv_caches.append(cache)
+
+    def _advise_kv_cache(self, cache: torch.Tensor) -> None:
+        """A fresh KV cache, before it is first touched (the CPU asks for huge pages)."""
 
     def measure_profile_peak(self, batch: SchedulerOutput, encoder_pixels: EncoderPixels) -> int:
         """Peak bytes that ``profile_run(batch, encoder_pixels)`` allocates above what was
@@ -377,6 +385,9 @@ class CPUModelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.attention = cpu_attention_backend()  # compiled kernels when they build
         self.adaptive_threads: AdaptiveThreads | None = None
+
+    def _advise_kv_cache(self, cache: torch.Tensor) -> None:
+        advise_huge_pages(cache)  # decode attention reads blocks scattered across it
 
     def set_threads(self, threads: int | None) -> None:
         """``threads`` fixed, or None: as many as other processes leave cores free
