@@ -47,18 +47,18 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Metadata of a flat batch: sequence ``i`` brings ``query_lens[i]`` tokens, the last ones of
     its ``context_lens[i]`` tokens, whose KV live in the blocks of ``block_tables[i]``."""
-    slots: list[torch.Tensor] = []
+    slots: list[int] = []
     prefills: list[PrefillSeq] = []
     decode_rows: list[int] = []
     decode_tables: list[list[int]] = []
     decode_lens: list[int] = []
     row = 0
+    # Plain Python per sequence, one tensor per field at the end: a decode step of many
+    # sequences would otherwise pay several small tensor ops for each.
     for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True):
         num_blocks = -(-ctx_len // block_size)
-        blocks = torch.tensor(table[:num_blocks], dtype=torch.long)
-        seq_slots = (blocks.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten()
-        seq_slots = seq_slots[:ctx_len]  # [ctx_len] cache slot of every position
-        slots.append(seq_slots[ctx_len - q_len:])
+        slots.extend(table[p // block_size] * block_size + p % block_size
+                     for p in range(ctx_len - q_len, ctx_len))
         if q_len == 1:
             decode_rows.append(row)
             decode_tables.append(table[:num_blocks])
@@ -66,19 +66,20 @@ def build_attention_metadata(
         elif q_len == ctx_len:
             prefills.append(PrefillSeq(row, q_len, ctx_len, None, None))
         else:
+            blocks = torch.tensor(table[:num_blocks], dtype=torch.long)
+            seq_slots = (blocks.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten()
             q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
             mask = torch.arange(ctx_len).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
-            prefills.append(PrefillSeq(row, q_len, ctx_len, seq_slots.to(device),
+            prefills.append(PrefillSeq(row, q_len, ctx_len, seq_slots[:ctx_len].to(device),
                                        mask.to(device)))
         row += q_len
     max_blocks = max((len(t) for t in decode_tables), default=1)
-    tables = torch.zeros(len(decode_tables), max_blocks, dtype=torch.long)
-    for i, t in enumerate(decode_tables):
-        tables[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+    tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables],
+                          dtype=torch.long).view(len(decode_tables), max_blocks)
     lens = torch.tensor(decode_lens, dtype=torch.long)
     decode_mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens.unsqueeze(1)
     return AttentionMetadata(
-        slot_mapping=(torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)).to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         prefills=prefills,
         decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
         decode_block_tables=tables.to(device),
