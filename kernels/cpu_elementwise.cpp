@@ -5,6 +5,8 @@
 // runs in another order, exp is within 2 ulp).
 //
 // rms_norm(x [rows, hidden], weight [hidden], eps)  -> weight * T(x * rsqrt(mean(x^2) + eps))
+// add_rms_norm(x, residual, weight, eps)            -> residual = T(x + residual), in place;
+//                                                      then rms_norm(residual, weight, eps)
 // silu_and_mul(gate [rows, n], up [rows, n])        -> T(silu(gate)) * up
 // quick_gelu(x [...])                               -> x * T(sigmoid(T(1.702 x)))
 // rotary(x [tokens, heads, dim], cos, sin [tokens, 1, dim])
@@ -102,11 +104,23 @@ void by_dtype(const at::Tensor& t, Fn&& fn) {
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_dtype({&x, &weight}, "rms_norm");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: expected [rows, hidden], rows contiguous");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(),
-              "rms_norm: weight must be [hidden]");
+namespace {
+
+// RMSNorm of x's rows into a new tensor; with `residual`, x is first added into it (rounded to
+// the dtype, as torch's add), in place, and the sum is what is normalized.
+at::Tensor norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
+                     double eps, const char* name) {
+  if (residual != nullptr) {
+    check_dtype({&x, residual, &weight}, name);
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous(), name,
+                ": residual must be contiguous and of x's shape");
+  } else {
+    check_dtype({&x, &weight}, name);
+  }
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name,
+              ": expected [rows, hidden], rows contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), name,
+              ": weight must be [hidden]");
   const int64_t rows = x.size(0), hidden = x.size(1);
   auto out = at::empty({rows, hidden}, x.options());
   const float feps = static_cast<float>(eps);
@@ -114,8 +128,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     using T = decltype(type);
     const T* w = elements<const T>(weight);
     T* o = elements<T>(out);
+    T* res = residual != nullptr ? elements<T>(*residual) : nullptr;
     for_rows(rows, hidden, [&](int64_t r) {
       const T* in = row_of<T>(x, r);
+      if (res != nullptr) {
+        T* sum = res + r * hidden;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) sum[i] = narrow<T>(wide(in[i]) + wide(sum[i]));
+        in = sum;
+      }
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
       for (int64_t i = 0; i < hidden; ++i) squares += wide(in[i]) * wide(in[i]);
@@ -128,6 +149,17 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     });
   });
   return out;
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return norm_rows(x, nullptr, weight, eps, "rms_norm");
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps) {
+  return norm_rows(x, &residual, weight, eps, "add_rms_norm");
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {

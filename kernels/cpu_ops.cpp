@@ -12,6 +12,8 @@ at::Tensor flash_attention_f32(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, double scale, int64_t causal_offset);
 bool flash_attention_f32_supported(int64_t head_dim);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor quick_gelu(const at::Tensor& x);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
@@ -34,7 +36,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 attention over many query rows (causal from an offset, or bidirectional)");
   m.def("flash_attention_f32_supported", &flash_attention_f32_supported,
         "whether this build has the float32 flash attention (AVX2 and FMA) for a head size");
-  m.def("rms_norm", &rms_norm, "bfloat16 RMSNorm in one pass");
+  m.def("rms_norm", &rms_norm, "RMSNorm in one pass");
+  m.def("add_rms_norm", &add_rms_norm,
+        "residual += x (in place), then RMSNorm of the sum, in one pass");
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up in one pass");
   m.def("quick_gelu", &quick_gelu, "bfloat16 x * sigmoid(1.702 x) in one pass");
   m.def("rotary", &rotary, "bfloat16 rotary embedding (rotate-half layout) in one pass");

@@ -141,6 +141,9 @@ def paged_attention(
     for prompt chunks and single-token rows (the CPU runner passes the compiled kernels of
     ``cpu_ops.py``)."""
     write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+    decode = decode or decode_attention
+    if not meta.prefills and meta.decode_rows.numel() == query.shape[0]:
+        return decode(query, kv_cache, meta, scale)  # a decode-only step: every row, in order
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     key_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -157,7 +160,6 @@ def paged_attention(
         out[rows] = prefill(query[rows], k, v, seq, scale)
 
     if meta.decode_rows.numel():
-        decode = decode or decode_attention
         out[meta.decode_rows] = decode(query[meta.decode_rows], kv_cache, meta, scale)
     return out
 

@@ -13,7 +13,8 @@ from mmserve.models.forward_context import get_forward_context
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
     if (ops := fused_kernels(x)) is not None:
         return ops.quick_gelu(x)
-    return x * torch.sigmoid(1.702 * x)
+    # One new tensor, like the fused kernel (the same ops, rounded the same, in place).
+    return (x * 1.702).sigmoid_().mul_(x)
 
 
 def get_activation(name: str):
@@ -61,6 +62,18 @@ class RMSNorm(nn.Module):
         if (x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype
                 and (ops := fused_kernels(x)) is not None):
             return ops.rms_norm(x, self.weight, self.eps)
+        return self._reference(x)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual += x`` in place (the decoder's residual stream), then the norm of the sum:
+        one pass on the CPU, the same rounding as ``self(residual + x)``."""
+        if (x.dim() == 2 and x.stride(-1) == 1 and residual.is_contiguous()
+                and self.weight.dtype == x.dtype == residual.dtype
+                and (ops := fused_kernels(x)) is not None):
+            return ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return self._reference(residual.add_(x))
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 and scale in the input dtype, as the reference models do.
         dtype = x.dtype
         x = x.float()

@@ -89,9 +89,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Add the layer's attention and MLP outputs into the residual stream, in place (the
+        first add fused with the norm after it)."""
+        attn_out = self.self_attn(self.input_layernorm(residual), rope)
+        normed = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        del attn_out  # gone before the MLP allocates
+        residual.add_(self.mlp(normed))
 
 
 class LlamaModel(nn.Module):
@@ -114,11 +118,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        x = inputs_embeds
-        rope = self.rotary.cos_sin(positions, x.dtype)
+        rope = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        # The residual stream, which every layer adds into in place: the embeddings are the
+        # forward pass's own tensor (the runner builds them for it).
+        residual = inputs_embeds
         for layer in self.layers:
-            x = layer(x, rope)
-        return self.norm(x)
+            layer(residual, rope)
+        return self.norm(residual)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]

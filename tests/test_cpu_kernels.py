@@ -347,6 +347,37 @@ def test_rms_norm_matches_torch(kernel, monkeypatch):
     _assert_rounds_like_torch(kernel.rms_norm(x, norm.weight, 1e-5), expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_and_norm_updates_the_residual_and_norms_the_sum(kernel, monkeypatch, dtype):
+    """``RMSNorm.add_and_norm``: the residual stream gets ``x`` added in place, rounded as
+    torch's add (bit for bit), and the norm is of that sum, as ``rms_norm`` computes it."""
+    from mmserve.models import layers
+
+    g = torch.Generator().manual_seed(8)
+    norm = layers.RMSNorm(768, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(768, generator=g) * 0.1 + 1)
+    wide = (torch.randn(70, 1000, generator=g) * 3).to(dtype)
+    x = wide[:, 100:868]  # rows with a stride: an attention output's slice
+    residual = (torch.randn(70, 768, generator=g) * 3).to(dtype)
+    stream = residual + x  # torch's add, rounded to the dtype
+    with torch.no_grad():
+        monkeypatch.setattr(layers, "fused_kernels", lambda t: None)
+        expected_residual = residual.clone()
+        expected = norm.add_and_norm(x, expected_residual)  # the module's torch path
+        calls = _spy_on(monkeypatch, kernel, "add_rms_norm", lambda args: args[0].shape)
+        monkeypatch.setattr(layers, "fused_kernels", lambda t: cpu_ops._module)
+        got = norm.add_and_norm(x, residual)
+    assert calls == [(70, 768)]
+    assert torch.equal(residual, stream) and torch.equal(expected_residual, stream)
+    if dtype == torch.bfloat16:
+        _assert_rounds_like_torch(got, expected)
+    else:
+        _assert_float32_close(got, expected)
+    with pytest.raises(RuntimeError, match="residual must be contiguous and of x's shape"):
+        kernel.add_rms_norm(x, residual[:10], norm.weight, 1e-5)
+
+
 def test_silu_and_mul_matches_torch(kernel):
     g = torch.Generator().manual_seed(8)
     gate_up = (torch.randn(257, 2 * 2048, generator=g) * 4).bfloat16()
