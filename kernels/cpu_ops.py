@@ -345,6 +345,9 @@ def _activate(path: KernelPath, named: bool) -> None:
                            "attention). Set %s=torch to skip the build.", failure,
                            KERNELS_ENV)
     _path, _module, _failure = path, module, failure
+    logger.info("CPU kernel path %s%s: %s", path.name, "" if named else " (auto)",
+                path.description if failure is None or path.target is None else
+                f"torch's operators, since {failure}")
 
 
 def _reason(e: BaseException) -> str:

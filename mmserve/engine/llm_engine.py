@@ -54,7 +54,7 @@ class StepRecord:
     schedule_s: float = 0.0  # scheduling, state updates and detokenization
 
 
-# Every engine of this process that holds device memory, so that a start which finds too little
+# Every engine of this process that holds GPU memory, so that a start which finds too little
 # free can say which of them hold it.
 _live_engines: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
 
@@ -87,7 +87,8 @@ class LLMEngine:
         self.weights_bytes = weights_bytes
         # No KV cache until the plan sizes it.
         self.runner = runner_cls(self.model, 0, config.block_size, dtype, config.seed)
-        _live_engines.add(self)
+        if device == "cuda":
+            _live_engines.add(self)
         self.runner.set_threads(config.cpu_threads)
         # The same planning as `mmserve plan`, with the real weights and, on a GPU, the
         # allocator's peak; on the CPU the meta-device dry run is what a real run allocates.
