@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mmserve.step import TokenLogprobs
+
 
 @dataclass
 class RequestOutput:
     """The state of one request after an engine step.
 
     ``text`` and ``token_ids`` are everything generated so far; ``new_text`` and
-    ``new_token_ids`` only what this step added (for streaming).
+    ``new_token_ids`` only what this step added (for streaming). ``logprobs``: for a request
+    that asked (``SamplingParams.logprobs``), one entry per token of ``token_ids``.
     """
 
     request_id: str
@@ -23,3 +26,4 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # finish_reason "error": why the engine failed this request
+    logprobs: list[TokenLogprobs] | None = None

@@ -22,6 +22,8 @@ MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 4096  # all stop strings together
 MAX_STOP_TOKEN_IDS = 64
+# Alternatives per generated token that ``logprobs`` may ask for (OpenAI's and vLLM's cap).
+MAX_LOGPROBS = 20
 
 
 def _is_int(value: object) -> bool:
@@ -41,8 +43,10 @@ class SamplingParams:
     ``top_k`` 0 or -1 and ``top_p == 1`` disable those filters. ``seed`` (a 64-bit integer)
     makes a sampled request reproducible regardless of what it is batched with. At most
     ``MAX_STOP_STRINGS`` stop strings of ``MAX_STOP_CHARS`` characters in all, and
-    ``MAX_STOP_TOKEN_IDS`` stop token ids. A value out of range raises ``InvalidInputError``
-    naming the parameter.
+    ``MAX_STOP_TOKEN_IDS`` stop token ids. ``logprobs``: None, or return each generated
+    token's log-probability and that many most likely alternatives (0 to ``MAX_LOGPROBS``),
+    computed, as vLLM does by default, from the model's logits before temperature, top-k and
+    top-p. A value out of range raises ``InvalidInputError`` naming the parameter.
     """
 
     max_tokens: int = 16
@@ -53,6 +57,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(param: str, message: str) -> InvalidInputError:
@@ -85,6 +90,10 @@ class SamplingParams:
         self.stop_token_ids = list(ids)
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}.")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"logprobs must be None or an integer from 0 to "
+                      f"{MAX_LOGPROBS} (alternatives per token), got {_short(self.logprobs)}.")
 
     @staticmethod
     def _check_stop(stop: object) -> list[str]:

@@ -76,17 +76,30 @@ class StepTimes:
     sample: float = 0.0
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability under the model (log-softmax of its logits), its rank
+    among all tokens (1: the most likely), and the most likely tokens with theirs, as many as
+    the request asked for, most likely first."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class ModelOutput:
     """What the runner hands back for one step.
 
-    ``sampled``: the next token of every request whose chunk completed. ``errors``: requests
-    the step failed for, with the reason; their tokens were not computed. ``failed_images``:
-    hashes scheduled for encoding whose embeddings do not exist (their encoding failed).
-    ``times``: where the runner's time went in this step.
+    ``sampled``: the next token of every request whose chunk completed. ``logprobs``: that
+    token's log-probabilities, for the requests that asked (``SamplingParams.logprobs``).
+    ``errors``: requests the step failed for, with the reason; their tokens were not
+    computed. ``failed_images``: hashes scheduled for encoding whose embeddings do not exist
+    (their encoding failed). ``times``: where the runner's time went in this step.
     """
 
     sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     failed_images: list[str] = field(default_factory=list)
     times: StepTimes = field(default_factory=StepTimes)

@@ -173,6 +173,58 @@ def test_chat_equals_llm_generate(client: openai.OpenAI, clip_llama: str,
     wait_drained(server.url)
 
 
+def test_logprobs_over_http_equal_the_python_api(client: openai.OpenAI, clip_llama: str,
+                                                 server: Server) -> None:
+    """``logprobs`` / ``top_logprobs`` in OpenAI's shapes (plain and streamed), the values
+    the Python API gives; bad settings are 400s that name the parameter."""
+    llm = LLM(clip_llama, dtype="float32")
+    tokenizer = llm.engine.processor.tokenizer
+    expected = llm.generate(
+        {"messages": [{"role": "user", "content": [{"type": "image"},
+                                                   {"type": "text", "text": "describe it"}]}],
+         "images": [IMAGES[1]]},
+        SamplingParams(max_tokens=10, temperature=0.0, logprobs=3))[0]
+    messages = image_message("describe it", data_url(IMAGES[1]))
+
+    def check(content) -> None:
+        assert len(content) == len(expected.token_ids)
+        for item, token, entry in zip(content, expected.token_ids, expected.logprobs,
+                                      strict=True):
+            assert item.token == tokenizer.decode([token])
+            assert item.bytes == list(item.token.encode("utf-8"))
+            assert item.logprob == pytest.approx(entry.logprob, abs=1e-5)
+            assert [t.token for t in item.top_logprobs] == [tokenizer.decode([t])
+                                                            for t, _ in entry.top]
+            assert [t.logprob for t in item.top_logprobs] == pytest.approx(
+                [v for _, v in entry.top], abs=1e-5)
+
+    plain = client.chat.completions.create(model="tiny-llava", messages=messages,
+                                           max_tokens=10, temperature=0, logprobs=True,
+                                           top_logprobs=3)
+    assert plain.choices[0].message.content == expected.text
+    check(plain.choices[0].logprobs.content)
+    chunks = list(client.chat.completions.create(
+        model="tiny-llava", messages=messages, max_tokens=10, temperature=0, logprobs=True,
+        top_logprobs=3, stream=True))
+    check([item for c in chunks if c.choices and c.choices[0].logprobs
+           for item in c.choices[0].logprobs.content])
+    # Without top_logprobs: the tokens' own, no alternatives; without logprobs: none at all.
+    only = client.chat.completions.create(model="tiny-llava", messages=messages,
+                                          max_tokens=10, temperature=0, logprobs=True)
+    assert all(item.top_logprobs == [] for item in only.choices[0].logprobs.content)
+    none = client.chat.completions.create(model="tiny-llava", messages=messages,
+                                          max_tokens=10, temperature=0)
+    assert none.choices[0].logprobs is None
+    for extra, param in [({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                         ({"top_logprobs": 2}, "top_logprobs"),
+                         ({"logprobs": "yes"}, "logprobs")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny-llava", messages=messages,
+                                           max_tokens=4, **extra)
+        assert e.value.body["param"] == param
+    wait_drained(server.url)
+
+
 def test_string_content_and_jpeg(client: openai.OpenAI) -> None:
     """A system message with string content, and JPEG / GIF / WebP data URLs."""
     for fmt in ("JPEG", "GIF", "WEBP"):

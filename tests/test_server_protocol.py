@@ -43,6 +43,31 @@ def test_parse_maps_openai_fields_to_sampling_params() -> None:
     assert chat.image_urls == ["data:image/png;base64,AAAA"]
 
 
+def test_logprobs_map_to_the_number_of_alternatives() -> None:
+    def params(**extra):
+        return parse_chat_request(_body(**extra), max_model_len=100, max_images=4).params
+
+    assert params().logprobs is None and params(logprobs=False).logprobs is None
+    assert params(logprobs=True).logprobs == 0
+    assert params(logprobs=True, top_logprobs=5).logprobs == 5
+
+
+def test_logprobs_content_shape() -> None:
+    from mmserve.step import TokenLogprobs
+
+    text = {7: " caf\u00e9", 8: "!", 9: ""}.__getitem__
+    content = proto.logprobs_content(
+        [7, 8], [TokenLogprobs(-0.25, 1, ((7, -0.25), (9, -2.0))),
+                 TokenLogprobs(float("-inf"), 9, ())], text)
+    assert content == {"content": [
+        {"token": " caf\u00e9", "logprob": -0.25, "bytes": [32, 99, 97, 102, 195, 169],
+         "top_logprobs": [{"token": " caf\u00e9", "logprob": -0.25,
+                           "bytes": [32, 99, 97, 102, 195, 169]},
+                          {"token": "", "logprob": -2.0, "bytes": []}]},
+        # JSON has no -inf: a token the model rules out gets OpenAI's floor.
+        {"token": "!", "logprob": -9999.0, "bytes": [33], "top_logprobs": []}]}
+
+
 def test_defaults() -> None:
     chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]},
                               max_model_len=100, max_images=4)
@@ -59,7 +84,9 @@ def test_defaults() -> None:
     ({"top_k": -2}, "top_k", "top_k must be"),
     ({"seed": "1"}, "seed", "must be an integer"),
     ({"stop": ["a", 2]}, "stop", "stop must be"),
-    ({"logprobs": True}, "logprobs", "not supported"),
+    ({"logprobs": 1}, "logprobs", "must be a boolean"),
+    ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs': true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"response_format": {"type": "json_object"}}, "response_format", "only response_format"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}},

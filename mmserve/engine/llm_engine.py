@@ -28,7 +28,7 @@ from mmserve.inputs import EncoderInput
 from mmserve.outputs import RequestOutput
 from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
-from mmserve.step import ModelOutput, SchedulerOutput, StepTimes
+from mmserve.step import ModelOutput, SchedulerOutput, StepTimes, TokenLogprobs
 from mmserve.worker import memory_profiler
 from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import runner_class
@@ -121,6 +121,8 @@ class LLMEngine:
             queue_aware_eviction=config.encoder_cache_eviction == "queue-aware",
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        # Each generated token's log-probabilities, for the requests that asked.
+        self._logprobs: dict[str, list[TokenLogprobs]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_failed_requests = 0
@@ -219,12 +221,15 @@ class LLMEngine:
             raise InvalidInputError(f"request id {req.request_id!r} is already in use")
         self._detokenizers[req.request_id] = IncrementalDetokenizer(
             self.processor.tokenizer, req.sampling_params.stop)
+        if req.sampling_params.logprobs is not None:
+            self._logprobs[req.request_id] = []
         self.scheduler.add_request(req)
         return req.request_id
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -262,6 +267,8 @@ class LLMEngine:
         self.num_steps += 1
         outputs = [self._error_output(req) for req in failed]
         for req in changed:
+            if (logprobs := self._logprobs.get(req.request_id)) is not None:
+                logprobs.append(result.logprobs[req.request_id])
             detok = self._detokenizers[req.request_id]
             detok.add(req.all_token_ids[-1])
             if detok.stopped and not req.finished:
@@ -338,16 +345,19 @@ class LLMEngine:
 
     def _error_output(self, req: Request) -> RequestOutput:
         detok = self._detokenizers.pop(req.request_id, None)
+        logprobs = self._logprobs.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id, text=detok.text if detok else "",
             token_ids=req.output_token_ids, num_prompt_tokens=req.num_prompt_tokens,
             finished=True, finish_reason="error", error=req.error,
-            num_cached_tokens=req.num_cached_tokens or 0)
+            num_cached_tokens=req.num_cached_tokens or 0, logprobs=logprobs)
 
     def _output(self, req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
         finished = req.finished
+        logprobs = self._logprobs.get(req.request_id)
         if finished:
             del self._detokenizers[req.request_id]
+            self._logprobs.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id,
             text=detok.text,
@@ -358,6 +368,7 @@ class LLMEngine:
             new_text=detok.take_new_text(final=finished),
             new_token_ids=req.all_token_ids[-1:],
             num_cached_tokens=req.num_cached_tokens or 0,
+            logprobs=None if logprobs is None else list(logprobs),
         )
 
     # ----------------------------------------------------------------- lifetime

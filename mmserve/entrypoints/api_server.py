@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -168,6 +169,12 @@ class OpenAIServer:
         # Set by ``serve``: the uvicorn server to stop if the engine dies.
         self.http_server: Any = None
 
+        @functools.lru_cache(maxsize=1 << 16)
+        def token_text(token_id: int) -> str:  # what a token stands for, for logprobs
+            return engine.processor.tokenizer.decode([token_id])
+
+        self._token_text = token_text
+
     def _engine_died(self, error: BaseException) -> None:
         logger.critical("the engine is broken (%s); stopping the server so that it can be "
                         "restarted", error)
@@ -286,17 +293,29 @@ class OpenAIServer:
             return _error_response(_as_api_error(e))
         if out.finish_reason == "error":
             return _error_response(_failed(out))
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = proto.logprobs_content(out.token_ids, out.logprobs, self._token_text)
         body = proto.completion(stream.request_id, self.model, out.text, out.finish_reason,
                                 out.num_prompt_tokens, len(out.token_ids),
-                                out.num_cached_tokens)
+                                out.num_cached_tokens, logprobs)
         return JSONResponse(body)
 
     async def _sse(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         rid, created = stream.request_id, int(time.time())
 
+        sent = 0  # tokens whose logprobs went out with an earlier chunk
+
         def event(delta: dict[str, Any] | None, reason: str | None = None,
-                  usage: dict[str, Any] | None = None) -> str:
-            body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage)
+                  usage: dict[str, Any] | None = None, out: RequestOutput | None = None) -> str:
+            nonlocal sent
+            logprobs = None
+            if out is not None and out.logprobs is not None:  # the tokens since the last chunk
+                logprobs = proto.logprobs_content(out.token_ids[sent:], out.logprobs[sent:],
+                                                  self._token_text)
+                sent = len(out.logprobs)
+            body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage,
+                               logprobs)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
         # A failure mid-stream is an event with OpenAI's error body (the openai client raises
@@ -309,9 +328,9 @@ class OpenAIServer:
                         yield f"data: {json.dumps(_failed(out).body())}\n\n"
                         break
                     if out.new_text:
-                        yield event({"content": out.new_text})
+                        yield event({"content": out.new_text}, out=out)
                     if out.finished:
-                        yield event({}, out.finish_reason)
+                        yield event({}, out.finish_reason, out=out)
                         if include_usage:
                             yield event(None, usage=proto.usage(out.num_prompt_tokens,
                                                                 len(out.token_ids),

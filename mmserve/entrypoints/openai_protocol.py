@@ -8,11 +8,13 @@ what to change, and the offending parameter.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import InvalidInputError
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from mmserve.step import TokenLogprobs
 
 ROLES = ("system", "developer", "user", "assistant")
 
@@ -70,9 +72,17 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRe
     if n != 1:
         raise bad_request(f"n={n} is not supported; mmserve returns one choice per request "
                           "(send n=1 or leave it out, and repeat the request for more).", "n")
-    for name in ("logprobs", "tools", "functions"):
+    for name in ("tools", "functions"):
         if body.get(name):
             raise bad_request(f"'{name}' is not supported by mmserve; leave it out.", name)
+    logprobs = _get(body, "logprobs", bool, False)
+    top_logprobs = _get(body, "top_logprobs", int, None)
+    if top_logprobs is not None:
+        if not logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if not 0 <= top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got "
+                              f"{_short_int(top_logprobs)}", "top_logprobs")
     for name in ("frequency_penalty", "presence_penalty"):
         if _get(body, name, float, 0.0) != 0.0:
             raise bad_request(f"'{name}' is not supported by mmserve; leave it out or send 0.",
@@ -120,7 +130,8 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRe
 
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos)
+                                top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
+                                logprobs=(top_logprobs or 0) if logprobs else None)
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
@@ -232,23 +243,44 @@ def finish_reason(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
+# JSON has no -inf: the log-probability of a token the model rules out is written as this, as
+# OpenAI and vLLM do.
+MIN_LOGPROB = -9999.0
+
+
+def logprobs_content(token_ids: Sequence[int], entries: Sequence[TokenLogprobs],
+                     token_text: Callable[[int], str]) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` of a choice (or of a chunk's tokens): each token as text with its
+    UTF-8 bytes and log-probability, and its ``top_logprobs`` alternatives. ``token_text`` is
+    the text a token id stands for on its own."""
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token)
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB),
+                "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(token, e.logprob),
+                         "top_logprobs": [item(t, v) for t, v in e.top]}
+                        for token, e in zip(token_ids, entries, strict=True)]}
+
+
 def completion(request_id: str, model: str, text: str, reason: str | None,
-               prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-               ) -> dict[str, Any]:
+               prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": None, "finish_reason": finish_reason(reason)}],
+                     "logprobs": logprobs, "finish_reason": finish_reason(reason)}],
         "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
 def chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | None,
           reason: str | None = None, include_usage: bool = False,
-          usage_counts: dict[str, Any] | None = None) -> dict[str, Any]:
+          usage_counts: dict[str, Any] | None = None,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One SSE chunk. ``delta=None`` makes the usage-only chunk (``choices`` empty)."""
     body: dict[str, Any] = {
         "id": request_id,
@@ -256,7 +288,7 @@ def chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | Non
         "created": created,
         "model": model,
         "choices": [] if delta is None else [
-            {"index": 0, "delta": delta, "logprobs": None,
+            {"index": 0, "delta": delta, "logprobs": logprobs,
              "finish_reason": finish_reason(reason)}],
     }
     if include_usage:

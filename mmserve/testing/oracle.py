@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["hf_greedy_generate", "load_hf_processor"]
+__all__ = ["hf_greedy_generate", "hf_token_logprobs", "load_hf_processor"]
 
 _HF_CACHE: dict[str, tuple[Any, Any]] = {}
 _QWEN2_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -85,3 +85,27 @@ def hf_greedy_generate(
     )
     prompt_len = inputs["input_ids"].shape[1]
     return [int(token) for token in output[0, prompt_len:].tolist()]
+
+
+@torch.no_grad()
+def hf_token_logprobs(
+    path: str | os.PathLike[str],
+    prompt_text: str,
+    images: list[Image.Image],
+    token_ids: list[int],
+) -> torch.Tensor:
+    """transformers' log-softmax over the vocabulary at each of ``token_ids`` (a continuation of
+    the templated ``prompt_text``), teacher-forced in one float32 forward pass: row ``j`` is the
+    distribution the model gave token ``j``, ``[len(token_ids), vocab]``."""
+    model, processor = _load_hf(path)
+    inputs = dict(processor(text=prompt_text, images=images or None, return_tensors="pt"))
+    prompt_len = inputs["input_ids"].shape[1]
+    given = torch.tensor([token_ids[:-1]], dtype=inputs["input_ids"].dtype)
+    for name, value in inputs.items():  # the per-token inputs grow with the continuation
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == prompt_len:
+            extra = given if name == "input_ids" else (torch.ones_like(given) if name ==
+                                                       "attention_mask" else
+                                                       torch.zeros_like(given))
+            inputs[name] = torch.cat([value, extra.to(value.dtype)], dim=1)
+    logits = model(**inputs).logits[0, prompt_len - 1:prompt_len - 1 + len(token_ids)]
+    return torch.log_softmax(logits.float(), dim=-1)

@@ -21,7 +21,7 @@ from mmserve.kernels.paged_attention import (
     paged_attention,
 )
 from mmserve.models.forward_context import AttentionBackend, forward_context
-from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput, StepTimes
+from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
 from mmserve.worker.cpu_allocator import (
     advise_huge_pages,
     keep_freed_memory,
@@ -29,7 +29,7 @@ from mmserve.worker.cpu_allocator import (
 )
 from mmserve.worker.cpu_threads import AdaptiveThreads, restore_threads
 from mmserve.worker.memory_profiler import track_peak_bytes
-from mmserve.worker.sampler import sample_each
+from mmserve.worker.sampler import sample_each, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class ModelRunner:
         requests = scheduler_output.requests
         out = ModelOutput()
         try:
-            out.sampled = self._execute(scheduler_output, encoder_pixels, out.times, out.errors)
+            self._execute(scheduler_output, encoder_pixels, out)
             return out
         except Exception as e:  # noqa: BLE001 (contained below, and logged)
             if len(requests) <= 1:
@@ -99,8 +99,7 @@ class ModelRunner:
                            "find the ones responsible", len(requests), _reason(e))
         for req in requests:
             try:
-                out.sampled.update(self._execute(scheduler_output.only(req), encoder_pixels,
-                                                 out.times, out.errors))
+                self._execute(scheduler_output.only(req), encoder_pixels, out)
             except Exception as e:  # noqa: BLE001
                 out.errors[req.request_id] = _reason(e)
                 logger.error("engine step failed for request %s: %s", req.request_id,
@@ -114,17 +113,19 @@ class ModelRunner:
         return out
 
     def _execute(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels,
-                 times: StepTimes, errors: dict[str, str]) -> dict[str, int]:
-        """One attempt at the step; adds the seconds of each part to ``times``. A request
-        whose sampling fails goes into ``errors`` (the others keep their tokens); anything
-        else that fails raises."""
+                 out: ModelOutput) -> None:
+        """One attempt at the step: its tokens (and log-probabilities) go into ``out`` once
+        all of it has run, the seconds of each part into ``out.times``. A request whose
+        sampling fails goes into ``out.errors`` (the others keep their tokens); anything else
+        that fails raises, leaving ``out``'s results as they were."""
+        times = out.times
         requests = scheduler_output.requests
         t0 = time.perf_counter()
         self._run_encoder(scheduler_output, encoder_pixels)
         t1 = time.perf_counter()
         times.encoder += t1 - t0
         if not requests:
-            return {}
+            return
         input_ids, positions, meta, sample_rows = self._prepare_inputs(requests)
         embeds = self._embed(input_ids, requests)
         t2 = time.perf_counter()
@@ -135,19 +136,28 @@ class ModelRunner:
         t3 = time.perf_counter()
         times.forward += t3 - t2
         if logits is None:
-            return {}
+            return
         tokens = sample_each(logits, [r.sampling_params for r in sampled],
                              lambda i: self._generator(sampled[i]))
+        rows = [i for i, (r, token) in enumerate(zip(sampled, tokens, strict=True))
+                if r.sampling_params.logprobs is not None and not isinstance(token, Exception)]
+        logprobs = {}
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            logprobs = dict(zip(
+                (sampled[i].request_id for i in rows),
+                token_logprobs(logits.index_select(0, index), [tokens[i] for i in rows],
+                               [sampled[i].sampling_params.logprobs for i in rows]),
+                strict=True))
         times.sample += time.perf_counter() - t3
-        out = {}
         for r, token in zip(sampled, tokens, strict=True):
             if isinstance(token, Exception):
-                errors[r.request_id] = _reason(token)
+                out.errors[r.request_id] = _reason(token)
                 logger.error("sampling failed for request %s: %s", r.request_id,
                              _reason(token))
             else:
-                out[r.request_id] = token
-        return out
+                out.sampled[r.request_id] = token
+        out.logprobs.update(logprobs)
 
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
         """The decoder pass over the flat batch; device runners swap the attention backend."""

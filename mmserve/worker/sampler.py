@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from mmserve.sampling_params import SamplingParams
+from mmserve.step import TokenLogprobs
 
 
 def sample_each(
@@ -33,6 +34,22 @@ def sample_each(
         except Exception as e:  # noqa: BLE001 (handed back for this row alone)
             out[i] = e
     return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int],
+                   num_top: list[int]) -> list[TokenLogprobs]:
+    """Row ``i``'s log-probabilities (log-softmax of its logits, in float32): of ``tokens[i]``,
+    its rank, and the ``num_top[i]`` most likely tokens. One pass for the whole batch."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    k = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0],) * 2
+    chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
+    values_l, ids_l = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprobs(chosen_l[i], ranks_l[i],
+                          tuple(zip(ids_l[i][:n], values_l[i][:n], strict=True)))
+            for i, n in enumerate(num_top)]
 
 
 def sample(
