@@ -225,6 +225,81 @@ def test_logprobs_over_http_equal_the_python_api(client: openai.OpenAI, clip_lla
     wait_drained(server.url)
 
 
+def test_completions_endpoint(client: openai.OpenAI, clip_llama: str, server: Server) -> None:
+    """``/v1/completions``: a string, token ids, or a list of either, each prompt a choice in
+    order, equal to the Python API; streamed per prompt; logprobs in the endpoint's shape;
+    what it does not take refused with a 400 naming the parameter, and the server serves on."""
+    llm = LLM(clip_llama, dtype="float32")
+    tokenizer = llm.engine.processor.tokenizer
+    texts = ["USER: tell me about the river\nASSISTANT:", "USER: hi\nASSISTANT:"]
+    params = SamplingParams(max_tokens=9, temperature=0.0, logprobs=2)
+    expected = llm.generate(texts, params)
+
+    one = client.completions.create(model="tiny-llava", prompt=texts[0], max_tokens=9,
+                                    temperature=0, logprobs=2)
+    assert one.object == "text_completion" and len(one.choices) == 1
+    choice, want = one.choices[0], expected[0]
+    assert (choice.index, choice.text, choice.finish_reason) == (0, want.text,
+                                                                 want.finish_reason)
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in want.token_ids]
+    assert choice.logprobs.token_logprobs == pytest.approx([e.logprob for e in want.logprobs],
+                                                           abs=1e-5)
+    for got, entry in zip(choice.logprobs.top_logprobs, want.logprobs, strict=True):
+        top = {tokenizer.decode([t]): v for t, v in entry.top}  # the endpoint's dict shape
+        assert got.keys() == top.keys()
+        assert list(got.values()) == pytest.approx(list(top.values()), abs=1e-5)
+    lengths = [len(t) for t in choice.logprobs.tokens]
+    assert choice.logprobs.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+    assert one.usage.prompt_tokens == want.num_prompt_tokens
+    assert one.usage.completion_tokens == len(want.token_ids)
+
+    # Token ids are the same prompt as the text they tokenize to; a list gives a choice each.
+    ids = tokenizer(texts[1])["input_ids"]
+    many = client.completions.create(model="tiny-llava", prompt=[texts[0], ids], max_tokens=9,
+                                     temperature=0)
+    assert [(c.index, c.text) for c in many.choices] == [(0, expected[0].text),
+                                                         (1, expected[1].text)]
+    assert all(c.logprobs is None for c in many.choices)
+    assert many.usage.prompt_tokens == sum(o.num_prompt_tokens for o in expected)
+    assert many.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+
+    chunks = list(client.completions.create(
+        model="tiny-llava", prompt=texts, max_tokens=9, temperature=0, logprobs=2, stream=True,
+        stream_options={"include_usage": True}))
+    for i, want in enumerate(expected):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == want.text
+        assert [c.finish_reason for c in mine][-1] == want.finish_reason
+        streamed = [lp for c in mine if c.logprobs for lp in c.logprobs.token_logprobs]
+        assert streamed == pytest.approx([e.logprob for e in want.logprobs], abs=1e-5)
+        offsets = [o for c in mine if c.logprobs for o in c.logprobs.text_offset]
+        assert offsets == sorted(offsets) and offsets[:1] == [0]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+
+    vocab = len(tokenizer)
+    image_token = llm.engine.processor.image_token
+    for extra, param in [({"prompt": "hi", "echo": True}, "echo"),
+                         ({"prompt": "hi", "suffix": "end"}, "suffix"),
+                         ({"prompt": "hi", "best_of": 3}, "best_of"),
+                         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+                         ({"prompt": "hi", "n": 2}, "n"),
+                         ({"prompt": [], }, "prompt"),
+                         ({"prompt": ["hi", 3]}, "prompt[1]"),
+                         ({"prompt": ["x"] * 257}, "prompt"),
+                         ({"prompt": [5, vocab]}, "prompt"),
+                         ({"prompt": f"USER: {image_token} what?"}, "prompt")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny-llava", max_tokens=4, **extra)
+        assert e.value.body["param"] == param, (extra, e.value.body)
+    refused = httpx.post(f"{server.url}/v1/completions", json={
+        "model": "tiny-llava", "prompt": "hi", "images": [data_url(IMAGES[0])]})
+    assert refused.status_code == 400
+    assert "/v1/chat/completions" in refused.json()["error"]["message"]
+    assert client.completions.create(model="tiny-llava", prompt="hi", max_tokens=2).choices
+    wait_drained(server.url)
+
+
 def test_string_content_and_jpeg(client: openai.OpenAI) -> None:
     """A system message with string content, and JPEG / GIF / WebP data URLs."""
     for fmt in ("JPEG", "GIF", "WEBP"):

@@ -68,6 +68,23 @@ def test_logprobs_content_shape() -> None:
         {"token": "!", "logprob": -9999.0, "bytes": [33], "top_logprobs": []}]}
 
 
+def test_completion_prompts_in_every_form() -> None:
+    def parse(**body):
+        return proto.parse_completion_request(body, max_model_len=100)
+
+    assert parse(prompt="hi").prompts == [{"prompt": "hi"}]
+    assert parse(prompt=[1, 2]).prompts == [{"prompt_token_ids": [1, 2]}]
+    assert parse(prompt=["a", [3], "b"]).prompts == [
+        {"prompt": "a"}, {"prompt_token_ids": [3]}, {"prompt": "b"}]
+    request = parse(prompt="hi", logprobs=3, stream=True, stream_options={"include_usage": True})
+    assert request.params.max_tokens == 16  # OpenAI's default for this endpoint
+    assert request.params.logprobs == 3 and request.stream and request.include_usage
+    with pytest.raises(ApiError, match="max_tokens must be between 1 and"):
+        parse(prompt="hi", max_tokens=500)
+    with pytest.raises(ApiError, match="'prompt' must be a string, a list of token ids"):
+        parse(prompt={"text": "hi"})
+
+
 def test_defaults() -> None:
     chat = parse_chat_request({"messages": [{"role": "user", "content": "hi"}]},
                               max_model_len=100, max_images=4)

@@ -2,6 +2,7 @@
 ``mmserve serve``.
 
 Endpoints: ``POST /v1/chat/completions`` (plain or streamed as server-sent events),
+``POST /v1/completions`` (text or token-id prompts, one or several; plain or streamed),
 ``GET /v1/models``, ``GET /health`` (200 while the engine loop lives; never needs a key),
 ``GET /metrics`` (Prometheus text), ``GET /stats`` (the engine's counters as JSON, for
 operators, tests and the chat page) and ``GET /`` (the chat page, ``chat_page.py``; its page
@@ -218,9 +219,15 @@ class OpenAIServer:
         return await self._complete(request, stream)
 
     async def _parse(self, request: Request) -> proto.ChatRequest:
+        chat = proto.parse_chat_request(await self._read_json(request), self.max_model_len,
+                                        self.max_images)
+        self._check_model_and_room(chat.model)  # before fetching images
+        return chat
+
+    async def _read_json(self, request: Request) -> Any:
         body = await self._read_body(request)
         try:
-            data = json.loads(body)
+            return json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise proto.bad_request(f"the request body is not valid JSON: {e}") from None
         except RecursionError:
@@ -228,15 +235,15 @@ class OpenAIServer:
         except ValueError:  # Python refuses to convert integers of over 4300 digits
             raise proto.bad_request("the request body has a number with thousands of digits; "
                                     "send numbers of ordinary size.") from None
-        chat = proto.parse_chat_request(data, self.max_model_len, self.max_images)
-        if chat.model is not None and chat.model != self.model:
-            raise ApiError(404, f"the model {chat.model!r} does not exist; this server serves "
+
+    def _check_model_and_room(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                            f"{self.model!r}.", param="model", code="model_not_found")
-        if not self.engine.has_room():  # before fetching images; add_request checks again
+        if not self.engine.has_room():  # add_request checks again
             raise QueueFullError(
                 f"{self.engine.max_waiting} requests are already waiting for a slot "
                 f"(--max-queue {self.engine.max_waiting}); retry later.")
-        return chat
 
     async def _read_body(self, request: Request) -> bytes:
         cap = self.config.max_request_body_bytes
@@ -266,33 +273,46 @@ class OpenAIServer:
                            code="request_timeout", headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
-    async def _complete(self, request: Request, stream: RequestStream) -> Response:
-        """Wait for the whole answer; abort if the client goes away meanwhile."""
+    async def _final_outputs(self, request: Request,
+                             streams: list[RequestStream]) -> list[RequestOutput] | Response:
+        """Wait for every stream's last output; abort them all if the client goes away
+        meanwhile. A response instead when there is nothing to answer with (the client left,
+        the engine died, a request failed)."""
 
-        async def final_output() -> RequestOutput | None:
+        async def final_output(stream: RequestStream) -> RequestOutput | None:
             last = None
             async for out in stream:
                 last = out
             return last
 
-        answer = asyncio.ensure_future(final_output())
+        answers = asyncio.ensure_future(asyncio.gather(*(final_output(s) for s in streams)))
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
         try:
-            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({answers, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            if not answer.done():
-                answer.cancel()
-                self.engine.abort(stream.request_id)
-        if not answer.done() or answer.cancelled():
+            if not answers.done():
+                answers.cancel()
+                for stream in streams:
+                    self.engine.abort(stream.request_id)
+        if not answers.done() or answers.cancelled():
             return Response(status_code=499)  # nobody is listening
         try:
-            out = answer.result()
+            outs = answers.result()
         except EngineDeadError as e:
             self.metrics.count("error")
             return _error_response(_as_api_error(e))
-        if out.finish_reason == "error":
-            return _error_response(_failed(out))
+        for out in outs:
+            if out.finish_reason == "error":
+                return _error_response(_failed(out))
+        return outs
+
+    async def _complete(self, request: Request, stream: RequestStream) -> Response:
+        """Wait for the whole answer; abort if the client goes away meanwhile."""
+        outs = await self._final_outputs(request, [stream])
+        if isinstance(outs, Response):
+            return outs
+        (out,) = outs
         logprobs = None
         if out.logprobs is not None:
             logprobs = proto.logprobs_content(out.token_ids, out.logprobs, self._token_text)
@@ -344,6 +364,103 @@ class OpenAIServer:
             # aborting a finished request is a no-op.
             self.engine.abort(rid)
 
+    # ----------------------------------------------------------------- completions
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``: text or token-id prompts (images go to the chat endpoint),
+        each prompt an engine request of its own and a choice of the answer."""
+        request_id = f"cmpl-{_request_id(request)}"
+        streams: list[RequestStream] = []
+        try:
+            req = proto.parse_completion_request(await self._read_json(request),
+                                                 self.max_model_len)
+            self._check_model_and_room(req.model)
+            for i, prompt in enumerate(req.prompts):
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt,
+                                                             req.params))
+        except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
+            for stream in streams:  # the prompts added before the one refused
+                self.engine.abort(stream.request_id)
+            err = _as_api_error(e)
+            self.metrics.count("rejected" if err.status < 500 else "error")
+            return _error_response(err)
+        if req.stream:
+            return StreamingResponse(
+                self._completion_sse(request_id, streams, req.include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outs = await self._final_outputs(request, streams)
+        if isinstance(outs, Response):
+            return outs
+        choices = [proto.completion_choice(
+            i, out.text, out.finish_reason,
+            None if out.logprobs is None else proto.completion_logprobs(
+                out.token_ids, out.logprobs, self._token_text)) for i, out in enumerate(outs)]
+        return JSONResponse(proto.text_completion(request_id, self.model, choices,
+                                                  _usage_of(outs)))
+
+    async def _completion_sse(self, rid: str, streams: list[RequestStream],
+                              include_usage: bool) -> AsyncIterator[str]:
+        """The prompts' streams merged into one, each chunk one prompt's new text (``index``
+        says which); the usage of them all last when asked for."""
+        created = int(time.time())
+        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = (
+            asyncio.Queue())
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    await merged.put((index, out))
+            except EngineDeadError as e:
+                await merged.put((index, e))
+            await merged.put((index, None))
+
+        def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
+            body = proto.completion_chunk(rid, self.model, created, choice, include_usage,
+                                          usage)
+            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        sent = [0] * len(streams)  # tokens each prompt's chunks carried logprobs for
+        offsets = [0] * len(streams)  # and the text those tokens stand for
+        finals: list[RequestOutput] = []
+        try:
+            running = len(streams)
+            while running:
+                index, item = await merged.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    self.metrics.count("error")
+                    yield f"data: {json.dumps(_as_api_error(item).body())}\n\n"
+                    break
+                out = item
+                if out.finish_reason == "error":
+                    yield f"data: {json.dumps(_failed(out).body())}\n\n"
+                    break
+                if not (out.new_text or out.finished):
+                    continue
+                logprobs = None
+                if out.logprobs is not None:
+                    logprobs = proto.completion_logprobs(
+                        out.token_ids[sent[index]:], out.logprobs[sent[index]:],
+                        self._token_text, offsets[index])
+                    sent[index] = len(out.logprobs)
+                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
+                reason = out.finish_reason if out.finished else None
+                yield event(proto.completion_choice(index, out.new_text, reason, logprobs))
+                if out.finished:
+                    finals.append(out)
+            else:
+                if include_usage:
+                    yield event(None, _usage_of(finals))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in pumps:
+                task.cancel()
+            for stream in streams:  # the client went away, or one failed; no-op when done
+                self.engine.abort(stream.request_id)
+
     # ----------------------------------------------------------------- app
     def app(self) -> Starlette:
         @contextlib.asynccontextmanager
@@ -357,6 +474,7 @@ class OpenAIServer:
 
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
@@ -373,6 +491,13 @@ class OpenAIServer:
 def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     """The Starlette app serving ``engine``; the engine loop starts with the app's lifespan."""
     return OpenAIServer(engine, config).app()
+
+
+def _usage_of(outs: list[RequestOutput]) -> dict[str, Any]:
+    """The usage of several requests' outputs together."""
+    return proto.usage(sum(o.num_prompt_tokens for o in outs),
+                       sum(len(o.token_ids) for o in outs),
+                       sum(o.num_cached_tokens for o in outs))
 
 
 def _as_api_error(e: Exception) -> ApiError:

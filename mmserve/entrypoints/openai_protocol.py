@@ -57,45 +57,147 @@ class ChatRequest:
 
 def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRequest:
     """Validate a decoded JSON body of ``POST /v1/chat/completions``."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("'model' must be a string", "model")
+    model = _model(body)
     messages, image_urls = _parse_messages(body.get("messages"))
     if len(image_urls) > max_images:
         raise bad_request(
             f"the messages carry {len(image_urls)} images but at most {max_images} are allowed "
             "per prompt (--limit-mm-per-prompt); send fewer images.", "messages")
-
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise bad_request(f"n={n} is not supported; mmserve returns one choice per request "
-                          "(send n=1 or leave it out, and repeat the request for more).", "n")
     for name in ("tools", "functions"):
         if body.get(name):
             raise bad_request(f"'{name}' is not supported by mmserve; leave it out.", name)
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     logprobs = _get(body, "logprobs", bool, False)
     top_logprobs = _get(body, "top_logprobs", int, None)
-    if top_logprobs is not None:
-        if not logprobs:
-            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        if not 0 <= top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got "
-                              f"{_short_int(top_logprobs)}", "top_logprobs")
+    if top_logprobs is not None and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    _check_num_logprobs(top_logprobs, "top_logprobs")
+    stream, include_usage = _stream_options(body)
+    params = _sampling_params(body, max_model_len, default_max_tokens=max_model_len,
+                              logprobs=(top_logprobs or 0) if logprobs else None)
+    return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
+                       model=model)
+
+
+@dataclass
+class CompletionRequest:
+    """A validated ``POST /v1/completions``: one or more prompts, each text or token ids."""
+
+    prompts: list[dict[str, Any]]  # {"prompt": str} or {"prompt_token_ids": [...]}, in order
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    model: str | None = None
+
+
+# Prompts one completions request may carry: each becomes an engine request of its own.
+MAX_COMPLETION_PROMPTS = 256
+# OpenAI's default for the completions endpoint (chat's is the context's room).
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+def parse_completion_request(body: Any, max_model_len: int) -> CompletionRequest:
+    """Validate a decoded JSON body of ``POST /v1/completions`` (text only: images go to the
+    chat endpoint)."""
+    model = _model(body)
+    for name in ("images", "image", "image_url", "multi_modal_data", "messages"):
+        if name in body:
+            raise bad_request(f"'{name}' is not part of /v1/completions, which takes text or "
+                              "token ids only; send images (and messages) to "
+                              "/v1/chat/completions as image_url parts.", name)
+    if body.get("echo"):
+        raise bad_request("'echo' is not supported by mmserve; leave it out (the prompt is "
+                          "yours already).", "echo")
+    if body.get("suffix"):
+        raise bad_request("'suffix' (fill-in-the-middle) is not supported by mmserve; leave "
+                          "it out.", "suffix")
+    best_of = _get(body, "best_of", int, 1)
+    if best_of != 1:
+        raise bad_request(f"best_of={_short_int(best_of)} is not supported; leave it out or "
+                          "send 1.", "best_of")
+    logprobs = _get(body, "logprobs", int, None)
+    _check_num_logprobs(logprobs, "logprobs")
+    stream, include_usage = _stream_options(body)
+    params = _sampling_params(body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs)
+    return CompletionRequest(_parse_prompts(body.get("prompt")), params, stream=stream,
+                             include_usage=include_usage, model=model)
+
+
+def _parse_prompts(prompt: Any) -> list[dict[str, Any]]:
+    """OpenAI's prompt forms: a string, a list of token ids, or a list of either."""
+    def one(item: Any, where: str) -> dict[str, Any]:
+        if isinstance(item, str):
+            _check_text(item, where)
+            if not item:
+                raise bad_request(f"{where} is empty; send some text", where)
+            return {"prompt": item}
+        if (isinstance(item, list) and item
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in item)):
+            return {"prompt_token_ids": item}
+        raise bad_request(f"{where} must be a non-empty string or a non-empty list of token "
+                          "ids", where)
+
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in prompt)):
+        return [one(prompt, "prompt")]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("'prompt' must be a string, a list of token ids, or a non-empty list "
+                          "of either", "prompt")
+    if len(prompt) > MAX_COMPLETION_PROMPTS:
+        raise bad_request(f"'prompt' has {len(prompt)} prompts; at most "
+                          f"{MAX_COMPLETION_PROMPTS} are allowed in one request", "prompt")
+    return [one(item, f"prompt[{i}]") for i, item in enumerate(prompt)]
+
+
+def _model(body: Any) -> str | None:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    return model
+
+
+def _check_num_logprobs(value: int | None, name: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{name} must be between 0 and {MAX_LOGPROBS}, got "
+                          f"{_short_int(value)}", name)
+
+
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``."""
+    stream = _get(body, "stream", bool, False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true",
+                              "stream_options")
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object", "stream_options")
+        include_usage = _get(options, "include_usage", bool, False, "stream_options.")
+    return stream, include_usage
+
+
+def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_tokens: int,
+                     logprobs: int | None) -> SamplingParams:
+    """The sampling fields both endpoints share, checked."""
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise bad_request(f"n={n} is not supported; mmserve returns one choice per prompt "
+                          "(send n=1 or leave it out, and repeat the request for more).", "n")
     for name in ("frequency_penalty", "presence_penalty"):
         if _get(body, name, float, 0.0) != 0.0:
             raise bad_request(f"'{name}' is not supported by mmserve; leave it out or send 0.",
                               name)
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
-
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
     if max_tokens is None:
-        max_tokens = max_model_len  # the engine stops at max_model_len anyway
+        max_tokens = min(default_max_tokens, max_model_len)  # the engine stops there anyway
     elif not 1 <= max_tokens <= max_model_len:
         raise bad_request(f"max_tokens must be between 1 and the model's max_model_len "
                           f"({max_model_len}), got {_short_int(max_tokens)}", "max_tokens")
@@ -116,26 +218,12 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRe
     elif isinstance(stop, str):
         _check_text(stop, "stop")
     ignore_eos = _get(body, "ignore_eos", bool, False)  # vLLM's extension, for benchmarks
-
-    stream = _get(body, "stream", bool, False)
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not stream:
-            raise bad_request("'stream_options' is only allowed when 'stream' is true",
-                              "stream_options")
-        if not isinstance(options, dict):
-            raise bad_request("'stream_options' must be an object", "stream_options")
-        include_usage = _get(options, "include_usage", bool, False, "stream_options.")
-
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-                                logprobs=(top_logprobs or 0) if logprobs else None)
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
+                              logprobs=logprobs)
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
-    return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
-                       model=model)
 
 
 def _get(obj: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:
@@ -293,6 +381,50 @@ def chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | Non
     }
     if include_usage:
         body["usage"] = usage_counts  # null on every chunk but the last, as OpenAI does
+    return body
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs],
+                        token_text: Callable[[int], str], text_offset: int = 0
+                        ) -> dict[str, Any]:
+    """The completions endpoint's (older) ``logprobs`` shape: parallel lists of the tokens as
+    text, their log-probabilities, ``{token: logprob}`` of the top alternatives, and each
+    token's offset in the completion text (the lengths of the tokens' texts added up, from
+    ``text_offset``)."""
+    tokens = [token_text(t) for t in token_ids]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens,
+            "token_logprobs": [max(e.logprob, MIN_LOGPROB) for e in entries],
+            "top_logprobs": [{token_text(t): max(v, MIN_LOGPROB) for t, v in e.top}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def text_completion(request_id: str, model: str, choices: list[dict[str, Any]],
+                    usage_counts: dict[str, Any]) -> dict[str, Any]:
+    """A ``/v1/completions`` response; ``choices`` from ``completion_choice``."""
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage_counts}
+
+
+def completion_choice(index: int, text: str, reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": finish_reason(reason)}
+
+
+def completion_chunk(request_id: str, model: str, created: int,
+                     choice: dict[str, Any] | None, include_usage: bool = False,
+                     usage_counts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One SSE chunk of ``/v1/completions``: one prompt's new text, or (``choice=None``) the
+    usage of them all."""
+    body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                            "model": model, "choices": [] if choice is None else [choice]}
+    if include_usage:
+        body["usage"] = usage_counts
     return body
 
 

@@ -85,7 +85,8 @@ class InputProcessor:
     # ----------------------------------------------------------------- public
     def process(self, prompt: dict[str, Any] | str,
                 max_images: int | None = None) -> ProcessedPrompt:
-        """``{"prompt": str, "images": [...]}`` or ``{"messages": [...], "images": [...]}``.
+        """``{"prompt": str, "images": [...]}``, ``{"messages": [...], "images": [...]}``, or
+        ``{"prompt_token_ids": [...]}`` (token ids as the model reads them, text only).
 
         Thread-safe. Raises ``InvalidInputError`` saying what to change; a prompt with more
         than ``max_images`` images is refused before any image is decoded."""
@@ -94,6 +95,11 @@ class InputProcessor:
         if not isinstance(prompt, dict):
             raise InvalidInputError(
                 "a prompt must be a string or a dict with 'prompt' or 'messages' (and 'images')")
+        if "prompt_token_ids" in prompt:
+            if prompt.get("images"):
+                raise InvalidInputError("a prompt of token ids takes no images; send the text "
+                                        "with image placeholders instead", param="images")
+            return self._token_prompt(prompt["prompt_token_ids"])
         images = prompt.get("images") or []
         if not isinstance(images, (list, tuple)):
             images = [images]
@@ -197,6 +203,23 @@ class InputProcessor:
                 f"{len(ordered)} image(s); {IMAGE_PART_HINT}, and do not write "
                 f"{self.image_token!r} in text.", param="messages")
         return text, ordered
+
+    def _token_prompt(self, ids: Any) -> ProcessedPrompt:
+        """A prompt given as token ids: each in the vocabulary, none the image placeholder."""
+        vocab = len(self.tokenizer)
+        if (not isinstance(ids, list) or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise InvalidInputError("'prompt_token_ids' must be a non-empty list of integers",
+                                    param="prompt")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidInputError(f"token id {bad} is not in the vocabulary (0 to "
+                                    f"{vocab - 1})", param="prompt")
+        if self.image_token_id in ids:
+            raise InvalidInputError(
+                f"token id {self.image_token_id} is the image placeholder; a prompt of token "
+                "ids takes no images", param="prompt")
+        return self._with_positions(ProcessedPrompt(list(ids), [], 0))
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
