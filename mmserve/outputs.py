@@ -13,7 +13,8 @@ class RequestOutput:
 
     ``text`` and ``token_ids`` are everything generated so far; ``new_text`` and
     ``new_token_ids`` only what this step added (for streaming). ``logprobs``: for a request
-    that asked (``SamplingParams.logprobs``), one entry per token of ``token_ids``.
+    that asked (``SamplingParams.logprobs``), one entry per token of ``token_ids``;
+    ``prompt_logprobs`` one per prompt token (None for the first), in the final output.
     """
 
     request_id: str
@@ -27,3 +28,4 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None  # finish_reason "error": why the engine failed this request
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

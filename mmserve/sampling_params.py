@@ -46,7 +46,9 @@ class SamplingParams:
     ``MAX_STOP_TOKEN_IDS`` stop token ids. ``logprobs``: None, or return each generated
     token's log-probability and that many most likely alternatives (0 to ``MAX_LOGPROBS``),
     computed, as vLLM does by default, from the model's logits before temperature, top-k and
-    top-p. A value out of range raises ``InvalidInputError`` naming the parameter.
+    top-p. ``prompt_logprobs``: the same for every prompt token after the first (in the
+    request's final output); such a request computes its whole prompt, never taking blocks from
+    the prefix cache. A value out of range raises ``InvalidInputError`` naming the parameter.
     """
 
     max_tokens: int = 16
@@ -58,6 +60,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(param: str, message: str) -> InvalidInputError:
@@ -90,10 +93,11 @@ class SamplingParams:
         self.stop_token_ids = list(ids)
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}.")
-        if self.logprobs is not None and (not _is_int(self.logprobs)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"logprobs must be None or an integer from 0 to "
-                      f"{MAX_LOGPROBS} (alternatives per token), got {_short(self.logprobs)}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"{name} must be None or an integer from 0 to {MAX_LOGPROBS} "
+                          f"(alternatives per token), got {_short(value)}.")
 
     @staticmethod
     def _check_stop(stop: object) -> list[str]:

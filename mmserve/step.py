@@ -36,6 +36,9 @@ class ScheduledRequest:
     # Rope positions of ``token_ids``, one list per row ([1][n], or [3][n] for M-RoPE), sliced
     # from the request's (``Request.positions``).
     positions: list[list[int]]
+    # For a request that asked for prompt logprobs: the prompt tokens that follow the first
+    # rows of this chunk, one per row (the logprobs of prompt positions start_pos + 1 on).
+    prompt_logprob_targets: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -92,7 +95,8 @@ class ModelOutput:
     """What the runner hands back for one step.
 
     ``sampled``: the next token of every request whose chunk completed. ``logprobs``: that
-    token's log-probabilities, for the requests that asked (``SamplingParams.logprobs``).
+    token's log-probabilities, for the requests that asked (``SamplingParams.logprobs``), and
+    ``prompt_logprobs`` those of the prompt tokens this step's chunks predicted.
     ``errors``: requests the step failed for, with the reason; their tokens were not
     computed. ``failed_images``: hashes scheduled for encoding whose embeddings do not exist
     (their encoding failed). ``times``: where the runner's time went in this step.
@@ -100,6 +104,8 @@ class ModelOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Prompt logprobs computed this step: request -> (the prompt position of the first, them).
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     failed_images: list[str] = field(default_factory=list)
     times: StepTimes = field(default_factory=StepTimes)

@@ -1,6 +1,7 @@
-"""Log-probabilities of generated tokens (``SamplingParams.logprobs``): equal to transformers'
-log-softmax of the same logits within float32 rounding, the top alternatives the true top k,
-one entry per generated token through chunked prefill and preemption, and bounded at the door.
+"""Log-probabilities of generated tokens (``SamplingParams.logprobs``) and of prompt tokens
+(``prompt_logprobs``): equal to transformers' log-softmax of the same logits within float32
+rounding, the top alternatives the true top k, one entry per token through chunked prefill and
+preemption, and bounded at the door.
 """
 
 from __future__ import annotations
@@ -77,21 +78,63 @@ def test_logprobs_through_chunked_prefill_and_preemption_beside_other_requests(
               enable_prefix_caching=False)
     prompts = PROMPTS * 3
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                             logprobs=(i % 3) if i % 2 == 0 else None)
+                             logprobs=(i % 3) if i % 2 == 0 else None,
+                             prompt_logprobs=1 if i % 3 == 0 else None)
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
     assert llm.stats()["num_preemptions"] > 0
     assert_no_leaks(llm.engine)
     for prompt, p, out in zip(prompts, params, outs, strict=True):
+        if p.prompt_logprobs is not None:  # recomputed after a preemption: each once
+            ids, reference = _prompt_reference(clip_llama, prompt)
+            assert len(out.prompt_logprobs) == len(ids)
+            assert [e.logprob for e in out.prompt_logprobs[1:]] == pytest.approx(
+                [reference[i - 1][ids[i]].item() for i in range(1, len(ids))], abs=1e-5)
         if p.logprobs is None:
             assert out.logprobs is None
             continue
         _check(out, _reference(clip_llama, prompt, out.token_ids), p.logprobs)
 
 
+def _prompt_reference(path: str, prompt: dict) -> tuple[list[int], torch.Tensor]:
+    """transformers' prompt ids (images expanded) and its log-softmax at every position."""
+    from mmserve.testing.oracle import _load_hf
+
+    model, processor = _load_hf(path)
+    text = _processor(path).apply_chat_template(prompt["messages"], add_generation_prompt=True,
+                                                tokenize=False)
+    inputs = processor(text=text, images=prompt["images"] or None, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+    return inputs["input_ids"][0].tolist(), torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_prompt_logprobs_through_chunks_that_split_an_image(clip_llama: str) -> None:
+    """Every prompt token after the first, image placeholders included, with chunks of 8
+    tokens splitting the image; a second identical request computes its prompt again rather
+    than taking the first one's blocks from the prefix cache."""
+    llm = LLM(clip_llama, dtype="float32", max_model_len=256, max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2, logprobs=1)
+    for prompt in PROMPTS:
+        ids, reference = _prompt_reference(clip_llama, prompt)
+        first, again = (llm.generate(prompt, params)[0] for _ in range(2))
+        for out in (first, again):
+            assert out.num_prompt_tokens == len(ids)
+            assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+            for pos in range(1, len(ids)):
+                entry, row = out.prompt_logprobs[pos], reference[pos - 1]
+                assert entry.logprob == pytest.approx(row[ids[pos]].item(), abs=1e-5)
+                assert [t for t, _ in entry.top] == row.topk(2).indices.tolist()
+        assert again.num_cached_tokens == 0
+    plain = llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0  # it may use the cache
+    assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
 @pytest.mark.parametrize("bad", [-1, 21, 2.5, True, "5"])
-def test_logprobs_out_of_range_is_refused(bad) -> None:
-    with pytest.raises(InvalidInputError, match="logprobs must be None or an integer from 0 to "
-                                                "20") as e:
-        SamplingParams(logprobs=bad)
-    assert e.value.param == "logprobs"
+def test_logprobs_out_of_range_is_refused(bad, name) -> None:
+    with pytest.raises(InvalidInputError, match=f"{name} must be None or an integer from 0 "
+                                                "to 20") as e:
+        SamplingParams(**{name: bad})
+    assert e.value.param == name

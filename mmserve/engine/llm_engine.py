@@ -121,8 +121,10 @@ class LLMEngine:
             queue_aware_eviction=config.encoder_cache_eviction == "queue-aware",
         )
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # Each generated token's log-probabilities, for the requests that asked.
+        # Each generated token's log-probabilities, and each prompt token's, for the requests
+        # that asked.
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_failed_requests = 0
@@ -223,6 +225,8 @@ class LLMEngine:
             self.processor.tokenizer, req.sampling_params.stop)
         if req.sampling_params.logprobs is not None:
             self._logprobs[req.request_id] = []
+        if req.sampling_params.prompt_logprobs is not None:
+            self._prompt_logprobs[req.request_id] = [None]  # the first token has none
         self.scheduler.add_request(req)
         return req.request_id
 
@@ -230,6 +234,7 @@ class LLMEngine:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._detokenizers.pop(request_id, None)
         self._logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -262,6 +267,7 @@ class LLMEngine:
         schedule_s = time.perf_counter() - t0
         result = self.runner.execute(scheduler_output, self._encoder_pixels(scheduler_output))
         t1 = time.perf_counter()
+        self._note_prompt_logprobs(result)
         failed = self._handle_failures(scheduler_output, result)
         changed = self.scheduler.update(scheduler_output, result)
         self.num_steps += 1
@@ -276,6 +282,14 @@ class LLMEngine:
             outputs.append(self._output(req, detok))
         schedule_s += time.perf_counter() - t1
         return outputs, StepRecord(scheduler_output, result.times, schedule_s)
+
+    def _note_prompt_logprobs(self, result: ModelOutput) -> None:
+        """Add a step's prompt logprobs to their requests' lists: only positions not seen yet
+        (a chunk run again after a preemption or a failed step brings them twice)."""
+        for request_id, (first, entries) in result.prompt_logprobs.items():
+            found = self._prompt_logprobs.get(request_id)
+            if found is not None and first <= len(found) < first + len(entries):
+                found.extend(entries[len(found) - first:])
 
     def _encoder_pixels(self, scheduler_output: SchedulerOutput) -> dict[str, EncoderInput]:
         """The encoder inputs of the images this step encodes, taken from the requests that
@@ -346,6 +360,7 @@ class LLMEngine:
     def _error_output(self, req: Request) -> RequestOutput:
         detok = self._detokenizers.pop(req.request_id, None)
         logprobs = self._logprobs.pop(req.request_id, None)
+        self._prompt_logprobs.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id, text=detok.text if detok else "",
             token_ids=req.output_token_ids, num_prompt_tokens=req.num_prompt_tokens,
@@ -355,9 +370,11 @@ class LLMEngine:
     def _output(self, req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
         finished = req.finished
         logprobs = self._logprobs.get(req.request_id)
+        prompt_logprobs = None
         if finished:
             del self._detokenizers[req.request_id]
             self._logprobs.pop(req.request_id, None)
+            prompt_logprobs = self._prompt_logprobs.pop(req.request_id, None)
         return RequestOutput(
             request_id=req.request_id,
             text=detok.text,
@@ -369,6 +386,7 @@ class LLMEngine:
             new_token_ids=req.all_token_ids[-1:],
             num_cached_tokens=req.num_cached_tokens or 0,
             logprobs=None if logprobs is None else list(logprobs),
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ----------------------------------------------------------------- lifetime

@@ -214,7 +214,9 @@ class Scheduler:
         while (self.waiting and token_budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            hits = self.kv_cache.get_computed_blocks(req)
+            # Prompt logprobs need every prompt position computed, cached or not.
+            hits = ([] if req.sampling_params.prompt_logprobs is not None
+                    else self.kv_cache.get_computed_blocks(req))
             num_computed = len(hits) * self.kv_cache.block_size
             num_new = min(req.num_tokens - num_computed, token_budget)
             to_encode, num_new, new_compute_budget, referenced = self._schedule_images(
@@ -247,6 +249,10 @@ class Scheduler:
                 sample=start + num_new == req.num_tokens,
                 sampling_params=req.sampling_params,
                 positions=req.positions(start, start + num_new),
+                prompt_logprob_targets=(
+                    [] if req.sampling_params.prompt_logprobs is None
+                    else req.all_token_ids[start + 1:min(start + num_new + 1,
+                                                         req.num_prompt_tokens)]),
             ))
             # Tokens count as computed once scheduled: the step runs synchronously.
             req.num_computed_tokens += num_new

@@ -21,7 +21,7 @@ from mmserve.kernels.paged_attention import (
     paged_attention,
 )
 from mmserve.models.forward_context import AttentionBackend, forward_context
-from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
+from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from mmserve.worker.cpu_allocator import (
     advise_huge_pages,
     keep_freed_memory,
@@ -32,6 +32,9 @@ from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import sample_each, token_logprobs
 
 logger = logging.getLogger(__name__)
+
+# Prompt rows whose vocabulary-wide logits are computed at once for prompt logprobs.
+PROMPT_LOGPROB_ROWS = 256
 
 # The encoder inputs of the images a step encodes, by image hash: each image's named tensors as
 # its family's processing made them ("pixel_values", and e.g. "image_grid_thw"); the engine
@@ -133,9 +136,11 @@ class ModelRunner:
         hidden = self._forward(positions, embeds, meta)
         sampled = [r for r in requests if r.sample]
         logits = self.model.compute_logits(hidden[sample_rows]) if sampled else None
+        prompt_logprobs = self._prompt_logprobs(requests, hidden)
         t3 = time.perf_counter()
         times.forward += t3 - t2
         if logits is None:
+            out.prompt_logprobs.update(prompt_logprobs)
             return
         tokens = sample_each(logits, [r.sampling_params for r in sampled],
                              lambda i: self._generator(sampled[i]))
@@ -158,6 +163,28 @@ class ModelRunner:
             else:
                 out.sampled[r.request_id] = token
         out.logprobs.update(logprobs)
+        out.prompt_logprobs.update(prompt_logprobs)
+
+    def _prompt_logprobs(self, requests: list[ScheduledRequest], hidden: torch.Tensor
+                         ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """The log-probabilities of the prompt tokens that follow each request's first rows
+        (``ScheduledRequest.prompt_logprob_targets``), through the LM head
+        ``PROMPT_LOGPROB_ROWS`` rows at a time: a prompt chunk's logits would otherwise be
+        thousands of vocabulary-wide rows at once."""
+        found = {}
+        start = 0
+        for r in requests:
+            targets = r.prompt_logprob_targets
+            if targets:
+                entries: list[TokenLogprobs] = []
+                for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+                    piece = targets[i:i + PROMPT_LOGPROB_ROWS]
+                    rows = hidden[start + i:start + i + len(piece)]
+                    entries += token_logprobs(self.model.compute_logits(rows), piece,
+                                              [r.sampling_params.prompt_logprobs] * len(piece))
+                found[r.request_id] = (r.start_pos + 1, entries)
+            start += len(r.token_ids)
+        return found
 
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
         """The decoder pass over the flat batch; device runners swap the attention backend."""
