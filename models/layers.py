@@ -36,12 +36,12 @@ class MergedLinear(nn.Linear):
     stacked in ``shards`` order, so a step runs one matmul where it ran one each (a decode
     step's few rows make each call cost more than its arithmetic). The checkpoint keeps them
     apart: ``<parent>.<shard>.weight`` (and ``.bias``) loads into the shard's rows
-    (``models/loader.py``). ``split`` cuts an output back into the shards' views."""
+    (``models/loader.py``). The parent splits the output by the shards' sizes, which it keeps
+    itself: on the CPU the layer is replaced by a packed one once loaded."""
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
         super().__init__(in_features, sum(shards.values()), bias=bias)
         self.shards = dict(shards)
-        self.sizes = list(shards.values())
 
     def shard_rows(self) -> dict[str, slice]:
         """Each shard's output rows."""
