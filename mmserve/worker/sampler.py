@@ -43,8 +43,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int],
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=1) + 1
-    k = max(num_top, default=0)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0],) * 2
+    top_values, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)
     chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
     values_l, ids_l = top_values.tolist(), top_ids.tolist()
     return [TokenLogprobs(chosen_l[i], ranks_l[i],
