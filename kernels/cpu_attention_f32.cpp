@@ -128,25 +128,25 @@ at::Tensor flash_attention_f32(const at::Tensor& query, const at::Tensor& key,
   mmserve_cpu::check_cpu_tensor(query, "flash_attention_f32", "query");
   mmserve_cpu::check_cpu_tensor(key, "flash_attention_f32", "key");
   mmserve_cpu::check_cpu_tensor(value, "flash_attention_f32", "value");
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes(),
-              "flash_attention_f32: expected query [batch, q_len, heads, dim] and key/value "
-              "[batch, kv_len, kv_heads, dim]");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
-                  value.scalar_type() == at::kFloat,
-              "flash_attention_f32: float32 only");
-  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
-              "flash_attention_f32: the head dimension must be contiguous");
-  TORCH_CHECK(key.size(2) > 0, "flash_attention_f32: key and value have no KV heads");
-  TORCH_CHECK(query.size(0) == key.size(0) && query.size(3) == key.size(3) &&
-                  query.size(2) % key.size(2) == 0,
-              "flash_attention_f32: batch or head sizes differ, or heads are not a multiple of "
-              "KV heads");
-  TORCH_CHECK(flash_attention_f32_supported(query.size(3)),
-              "flash_attention_f32: needs AVX2 and FMA and a head size that is a multiple of 16, "
-              "at most 256");
-  TORCH_CHECK(key.size(1) > 0 || query.size(1) == 0, "flash_attention_f32: no keys");
-  TORCH_CHECK(key.strides() == value.strides(),
-              "flash_attention_f32: key and value strides differ");
+  MMSERVE_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes(),
+                "flash_attention_f32: expected query [batch, q_len, heads, dim] and key/value "
+                "[batch, kv_len, kv_heads, dim]");
+  MMSERVE_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat &&
+                    value.scalar_type() == at::kFloat,
+                "flash_attention_f32: float32 only");
+  MMSERVE_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
+                "flash_attention_f32: the head dimension must be contiguous");
+  MMSERVE_CHECK(key.size(2) > 0, "flash_attention_f32: key and value have no KV heads");
+  MMSERVE_CHECK(query.size(0) == key.size(0) && query.size(3) == key.size(3) &&
+                    query.size(2) % key.size(2) == 0,
+                "flash_attention_f32: batch or head sizes differ, or heads are not a multiple of "
+                "KV heads");
+  MMSERVE_CHECK(flash_attention_f32_supported(query.size(3)),
+                "flash_attention_f32: needs AVX2 and FMA and a head size that is a multiple of 16, "
+                "at most 256");
+  MMSERVE_CHECK(key.size(1) > 0 || query.size(1) == 0, "flash_attention_f32: no keys");
+  MMSERVE_CHECK(key.strides() == value.strides(),
+                "flash_attention_f32: key and value strides differ");
   auto out = at::empty(query.sizes(), query.options());  // contiguous, whatever q's strides
 #ifdef MMSERVE_F32_FMA
   const int64_t batch = query.size(0), q_len = query.size(1), num_heads = query.size(2);

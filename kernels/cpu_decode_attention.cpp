@@ -460,36 +460,36 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   check_cpu_tensor(value_cache, "decode_attention", "value_cache");
   check_cpu_tensor(block_tables, "decode_attention", "block_tables");
   check_cpu_tensor(seq_lens, "decode_attention", "seq_lens");
-  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
-              "decode_attention: expected query [seqs, heads, dim] and caches "
-              "[blocks, block_size, kv_heads, dim]");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "decode_attention: query and caches must be contiguous");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() &&
-                  key_cache.scalar_type() == value_cache.scalar_type(),
-              "decode_attention: query and caches must share a dtype");
-  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
-                  query.scalar_type() == at::kHalf,
-              "decode_attention: unsupported dtype ", query.scalar_type(),
-              " (float32, bfloat16 or float16 only)");
+  MMSERVE_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+                "decode_attention: expected query [seqs, heads, dim] and caches "
+                "[blocks, block_size, kv_heads, dim]");
+  MMSERVE_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+                "decode_attention: query and caches must be contiguous");
+  MMSERVE_CHECK(query.scalar_type() == key_cache.scalar_type() &&
+                    key_cache.scalar_type() == value_cache.scalar_type(),
+                "decode_attention: query and caches must share a dtype");
+  MMSERVE_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16 ||
+                    query.scalar_type() == at::kHalf,
+                "decode_attention: unsupported dtype ", query.scalar_type(),
+                " (float32, bfloat16 or float16 only)");
   const int64_t num_seqs = query.size(0), num_blocks = key_cache.size(0);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(block_size > 0 && num_kv_heads > 0,
-              "decode_attention: the caches need a block size and a number of KV heads of at "
-              "least 1, got block_size ", block_size, " and ", num_kv_heads, " KV heads");
-  TORCH_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % num_kv_heads == 0,
-              "decode_attention: head sizes differ or heads are not a multiple of KV heads");
-  TORCH_CHECK(block_tables.dim() == 2 &&
-                  at::isIntegralType(block_tables.scalar_type(), /*includeBool=*/false),
-              "decode_attention: block_tables must be an integer tensor [seqs, max_blocks], got ",
-              block_tables.scalar_type(), " ", block_tables.sizes());
-  TORCH_CHECK(seq_lens.dim() == 1 && at::isIntegralType(seq_lens.scalar_type(), false),
-              "decode_attention: seq_lens must be an integer tensor [seqs], got ",
-              seq_lens.scalar_type(), " ", seq_lens.sizes());
-  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs,
-              "decode_attention: one block table and length per sequence (", num_seqs,
-              " sequences, ", block_tables.size(0), " block tables, ", seq_lens.size(0),
-              " lengths)");
+  MMSERVE_CHECK(block_size > 0 && num_kv_heads > 0,
+                "decode_attention: the caches need a block size and a number of KV heads of at "
+                "least 1, got block_size ", block_size, " and ", num_kv_heads, " KV heads");
+  MMSERVE_CHECK(query.size(2) == key_cache.size(3) && query.size(1) % num_kv_heads == 0,
+                "decode_attention: head sizes differ or heads are not a multiple of KV heads");
+  MMSERVE_CHECK(block_tables.dim() == 2 &&
+                    at::isIntegralType(block_tables.scalar_type(), /*includeBool=*/false),
+                "decode_attention: block_tables must be an integer tensor [seqs, max_blocks], got ",
+                block_tables.scalar_type(), " ", block_tables.sizes());
+  MMSERVE_CHECK(seq_lens.dim() == 1 && at::isIntegralType(seq_lens.scalar_type(), false),
+                "decode_attention: seq_lens must be an integer tensor [seqs], got ",
+                seq_lens.scalar_type(), " ", seq_lens.sizes());
+  MMSERVE_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs,
+                "decode_attention: one block table and length per sequence (", num_seqs,
+                " sequences, ", block_tables.size(0), " block tables, ", seq_lens.size(0),
+                " lengths)");
   auto tables = block_tables.to(at::kLong).contiguous();
   auto lens = seq_lens.to(at::kLong).contiguous();
   // The kernel reads block ids table[0 .. ceil(len / block_size)) of each sequence and the rows
@@ -500,14 +500,14 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   const int64_t* len_ptr = lens.data_ptr<int64_t>();
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t len = len_ptr[seq];
-    TORCH_CHECK(len >= 0 && len <= max_blocks * block_size, "decode_attention: sequence ", seq,
-                " has length ", len, ", but its block table holds ", max_blocks,
-                " blocks of ", block_size, " tokens");
+    MMSERVE_CHECK(len >= 0 && len <= max_blocks * block_size, "decode_attention: sequence ", seq,
+                  " has length ", len, ", but its block table holds ", max_blocks,
+                  " blocks of ", block_size, " tokens");
     for (int64_t i = 0; i < (len + block_size - 1) / block_size; ++i) {
       const int64_t block = table_ptr[seq * max_blocks + i];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: block table entry ", i,
-                  " of sequence ", seq, " is ", block, ", outside the caches' ", num_blocks,
-                  " blocks");
+      MMSERVE_CHECK(block >= 0 && block < num_blocks, "decode_attention: block table entry ", i,
+                    " of sequence ", seq, " is ", block, ", outside the caches' ", num_blocks,
+                    " blocks");
     }
   }
   auto out = at::empty_like(query);
@@ -523,7 +523,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
       dispatch_head_dim<c10::Half>(query, key_cache, value_cache, tables, lens, scale, out);
       break;
     default:
-      TORCH_CHECK(false, "decode_attention: unsupported dtype ", query.scalar_type());
+      MMSERVE_CHECK(false, "decode_attention: unsupported dtype ", query.scalar_type());
   }
   return out;
 }

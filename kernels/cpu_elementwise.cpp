@@ -68,15 +68,15 @@ void for_rows(int64_t rows, int64_t width, Fn&& fn) {
 // float32. Checked before any data pointer is read.
 void check_dtype(std::initializer_list<const at::Tensor*> tensors, const char* name) {
   for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->defined(), name, ": undefined tensor");
-    TORCH_CHECK(t->device().is_cpu(), name, ": CPU tensors only, got one on ", t->device());
-    TORCH_CHECK(t->layout() == at::kStrided, name, ": dense (strided) tensors only, got ",
-                t->layout());
+    MMSERVE_CHECK(t->defined(), name, ": undefined tensor");
+    MMSERVE_CHECK(t->device().is_cpu(), name, ": CPU tensors only, got one on ", t->device());
+    MMSERVE_CHECK(t->layout() == at::kStrided, name, ": dense (strided) tensors only, got ",
+                  t->layout());
   }
   const auto dtype = (*tensors.begin())->scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, name, ": bfloat16 or float32 only");
+  MMSERVE_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, name, ": bfloat16 or float32 only");
   for (const at::Tensor* t : tensors) {
-    TORCH_CHECK(t->scalar_type() == dtype, name, ": all tensors must have one dtype");
+    MMSERVE_CHECK(t->scalar_type() == dtype, name, ": all tensors must have one dtype");
   }
 }
 
@@ -112,15 +112,15 @@ at::Tensor norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::
                      double eps, const char* name) {
   if (residual != nullptr) {
     check_dtype({&x, residual, &weight}, name);
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous(), name,
-                ": residual must be contiguous and of x's shape");
+    MMSERVE_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous(), name,
+                  ": residual must be contiguous and of x's shape");
   } else {
     check_dtype({&x, &weight}, name);
   }
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name,
-              ": expected [rows, hidden], rows contiguous");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), name,
-              ": weight must be [hidden]");
+  MMSERVE_CHECK(x.dim() == 2 && x.stride(1) == 1, name,
+                ": expected [rows, hidden], rows contiguous");
+  MMSERVE_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), name,
+                ": weight must be [hidden]");
   const int64_t rows = x.size(0), hidden = x.size(1);
   auto out = at::empty({rows, hidden}, x.options());
   const float feps = static_cast<float>(eps);
@@ -164,9 +164,9 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
   check_dtype({&gate, &up}, "silu_and_mul");
-  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 &&
-                  up.stride(1) == 1,
-              "silu_and_mul: expected gate and up of one shape [rows, n], rows contiguous");
+  MMSERVE_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 &&
+                    up.stride(1) == 1,
+                "silu_and_mul: expected gate and up of one shape [rows, n], rows contiguous");
   const int64_t rows = gate.size(0), n = gate.size(1);
   auto out = at::empty({rows, n}, gate.options());
   by_dtype(gate, [&](auto type) {
@@ -211,12 +211,12 @@ at::Tensor quick_gelu(const at::Tensor& x) {
 #pragma GCC optimize("fp-contract=off")
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_dtype({&x, &cos, &sin}, "rotary");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
-              "rotary: expected x [tokens, heads, dim] with an even, contiguous last dimension");
+  MMSERVE_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+                "rotary: expected x [tokens, heads, dim] with an even, contiguous last dimension");
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * dim &&
-                  sin.numel() == tokens * dim,
-              "rotary: expected contiguous cos and sin tables of [tokens, 1, dim]");
+  MMSERVE_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * dim &&
+                    sin.numel() == tokens * dim,
+                "rotary: expected contiguous cos and sin tables of [tokens, 1, dim]");
   auto out = at::empty({tokens, heads, dim}, x.options());
   by_dtype(x, [&](auto type) {
     using T = decltype(type);

@@ -243,22 +243,22 @@ at::Tensor flash_attention(const at::Tensor& query, const at::Tensor& key, const
   mmserve_cpu::check_cpu_tensor(query, "flash_attention", "query");
   mmserve_cpu::check_cpu_tensor(key, "flash_attention", "key");
   mmserve_cpu::check_cpu_tensor(value, "flash_attention", "value");
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes(),
-              "flash_attention: expected query [batch, q_len, heads, dim] and key/value "
-              "[batch, kv_len, kv_heads, dim]");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
-                  value.scalar_type() == at::kBFloat16,
-              "flash_attention: bfloat16 only");
-  TORCH_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
-              "flash_attention: the head dimension must be contiguous");
-  TORCH_CHECK(key.size(2) > 0, "flash_attention: key and value have no KV heads");
-  TORCH_CHECK(query.size(0) == key.size(0) && query.size(3) == key.size(3) &&
-                  query.size(2) % key.size(2) == 0,
-              "flash_attention: batch or head sizes differ, or heads are not a multiple of KV heads");
-  TORCH_CHECK(flash_attention_supported(query.size(3)),
-              "flash_attention: needs AVX512-BF16 and a head size of 64 or 128");
-  TORCH_CHECK(key.size(1) > 0 || query.size(1) == 0, "flash_attention: no keys");
-  TORCH_CHECK(key.strides() == value.strides(), "flash_attention: key and value strides differ");
+  MMSERVE_CHECK(query.dim() == 4 && key.dim() == 4 && value.sizes() == key.sizes(),
+                "flash_attention: expected query [batch, q_len, heads, dim] and key/value "
+                "[batch, kv_len, kv_heads, dim]");
+  MMSERVE_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
+                    value.scalar_type() == at::kBFloat16,
+                "flash_attention: bfloat16 only");
+  MMSERVE_CHECK(query.stride(3) == 1 && key.stride(3) == 1 && value.stride(3) == 1,
+                "flash_attention: the head dimension must be contiguous");
+  MMSERVE_CHECK(key.size(2) > 0, "flash_attention: key and value have no KV heads");
+  MMSERVE_CHECK(query.size(0) == key.size(0) && query.size(3) == key.size(3) &&
+                    query.size(2) % key.size(2) == 0,
+                "flash_attention: batch or head sizes differ, or heads are not a multiple of KV heads");
+  MMSERVE_CHECK(flash_attention_supported(query.size(3)),
+                "flash_attention: needs AVX512-BF16 and a head size of 64 or 128");
+  MMSERVE_CHECK(key.size(1) > 0 || query.size(1) == 0, "flash_attention: no keys");
+  MMSERVE_CHECK(key.strides() == value.strides(), "flash_attention: key and value strides differ");
   auto out = at::empty(query.sizes(), query.options());  // contiguous, whatever q's strides
 #ifdef MMSERVE_BF16_DOT
   if (query.size(3) == 64)

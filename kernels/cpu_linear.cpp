@@ -68,9 +68,9 @@ constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, ti
 
 void check_weight(const at::Tensor& weight) {
   mmserve_cpu::check_cpu_tensor(weight, "pack_linear_weight", "the weight");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
-              "pack_linear_weight: expected a contiguous bfloat16 [out, in] weight");
-  TORCH_CHECK(weight.size(1) % 2 == 0, "pack_linear_weight: the input size must be even");
+  MMSERVE_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+                "pack_linear_weight: expected a contiguous bfloat16 [out, in] weight");
+  MMSERVE_CHECK(weight.size(1) % 2 == 0, "pack_linear_weight: the input size must be even");
 }
 
 }  // namespace
@@ -102,27 +102,27 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(packed_linear_supported(), "packed_linear: needs AVX512-BF16");
+  MMSERVE_CHECK(packed_linear_supported(), "packed_linear: needs AVX512-BF16");
   // Everything the pointer arithmetic below assumes is checked here, before any data pointer
   // is read.
   mmserve_cpu::check_cpu_tensor(x, "packed_linear", "x");
   mmserve_cpu::check_cpu_tensor(packed, "packed_linear", "the packed weight");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "packed_linear: expected bfloat16 x [rows, in] with contiguous rows");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == 32 &&
-                  packed.size(3) == 2 && packed.is_contiguous(),
-              "packed_linear: the weight must come from pack_linear_weight");
-  TORCH_CHECK(x.size(1) == 2 * packed.size(1), "packed_linear: x has ", x.size(1),
-              " features, the weight takes ", 2 * packed.size(1));
-  TORCH_CHECK(out_features >= 0 && out_features > 32 * (packed.size(0) - 1) &&
-                  out_features <= 32 * packed.size(0),
-              "packed_linear: out_features does not match the packed weight (", out_features,
-              " outputs, ", packed.size(0), " panels of 32)");
+  MMSERVE_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+                "packed_linear: expected bfloat16 x [rows, in] with contiguous rows");
+  MMSERVE_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == 32 &&
+                    packed.size(3) == 2 && packed.is_contiguous(),
+                "packed_linear: the weight must come from pack_linear_weight");
+  MMSERVE_CHECK(x.size(1) == 2 * packed.size(1), "packed_linear: x has ", x.size(1),
+                " features, the weight takes ", 2 * packed.size(1));
+  MMSERVE_CHECK(out_features >= 0 && out_features > 32 * (packed.size(0) - 1) &&
+                    out_features <= 32 * packed.size(0),
+                "packed_linear: out_features does not match the packed weight (", out_features,
+                " outputs, ", packed.size(0), " panels of 32)");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) mmserve_cpu::check_cpu_tensor(*bias, "packed_linear", "the bias");
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                            bias->numel() == 32 * packed.size(0)),
-              "packed_linear: the bias must be float32, padded to ", 32 * packed.size(0));
+  MMSERVE_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                              bias->numel() == 32 * packed.size(0)),
+                "packed_linear: the bias must be float32, padded to ", 32 * packed.size(0));
   const int64_t rows = x.size(0), pairs = packed.size(1), panels = packed.size(0);
   auto out = at::empty({rows, out_features}, x.options());
 #ifdef MMSERVE_BF16_DOT

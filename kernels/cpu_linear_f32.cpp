@@ -49,8 +49,8 @@ bool packed_linear_f32_supported() {
 
 at::Tensor pack_linear_weight_f32(const at::Tensor& weight) {
   mmserve_cpu::check_cpu_tensor(weight, "pack_linear_weight_f32", "the weight");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              "pack_linear_weight_f32: expected a contiguous float32 [out, in] weight");
+  MMSERVE_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+                "pack_linear_weight_f32: expected a contiguous float32 [out, in] weight");
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kCols - 1) / kCols;
   auto packed = at::zeros({panels, k, kCols}, weight.options());
   const float* src = weight.data_ptr<float>();
@@ -68,28 +68,28 @@ at::Tensor pack_linear_weight_f32(const at::Tensor& weight) {
 
 at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
                              const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(packed_linear_f32_supported(), "packed_linear_f32: needs AVX2 and FMA");
+  MMSERVE_CHECK(packed_linear_f32_supported(), "packed_linear_f32: needs AVX2 and FMA");
   // Everything the pointer arithmetic below assumes is checked here, before any data pointer
   // is read.
   mmserve_cpu::check_cpu_tensor(x, "packed_linear_f32", "x");
   mmserve_cpu::check_cpu_tensor(packed, "packed_linear_f32", "the packed weight");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
-              "packed_linear_f32: expected float32 x [rows, in] with contiguous rows");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
-                  packed.size(2) == kCols && packed.is_contiguous(),
-              "packed_linear_f32: the weight must come from pack_linear_weight_f32");
-  TORCH_CHECK(x.size(1) == packed.size(1), "packed_linear_f32: x has ", x.size(1),
-              " features, the weight takes ", packed.size(1));
+  MMSERVE_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+                "packed_linear_f32: expected float32 x [rows, in] with contiguous rows");
+  MMSERVE_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat &&
+                    packed.size(2) == kCols && packed.is_contiguous(),
+                "packed_linear_f32: the weight must come from pack_linear_weight_f32");
+  MMSERVE_CHECK(x.size(1) == packed.size(1), "packed_linear_f32: x has ", x.size(1),
+                " features, the weight takes ", packed.size(1));
   const int64_t panels = packed.size(0);
-  TORCH_CHECK(out_features >= 0 && out_features > kCols * (panels - 1) &&
-                  out_features <= kCols * panels,
-              "packed_linear_f32: out_features does not match the packed weight (", out_features,
-              " outputs, ", panels, " panels of ", kCols, ")");
+  MMSERVE_CHECK(out_features >= 0 && out_features > kCols * (panels - 1) &&
+                    out_features <= kCols * panels,
+                "packed_linear_f32: out_features does not match the packed weight (", out_features,
+                " outputs, ", panels, " panels of ", kCols, ")");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) mmserve_cpu::check_cpu_tensor(*bias, "packed_linear_f32", "the bias");
-  TORCH_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                            bias->numel() == kCols * panels),
-              "packed_linear_f32: the bias must be float32, padded to ", kCols * panels);
+  MMSERVE_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                              bias->numel() == kCols * panels),
+                "packed_linear_f32: the bias must be float32, padded to ", kCols * panels);
   const int64_t rows = x.size(0), depth = packed.size(1);
   auto out = at::empty({rows, out_features}, x.options());
 #ifdef MMSERVE_F32_FMA

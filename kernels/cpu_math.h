@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 // AVX512-BF16: a dot-product instruction multiplying pairs of bfloat16 into float32 sums.
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -18,17 +20,55 @@
 
 namespace mmserve_cpu {
 
+// Error messages, built by appending strings, not through iostreams. TORCH_CHECK's own
+// formatting (c10::str) streams every argument into a std::ostringstream compiled into this
+// module; where the toolchain links a second copy of libstdc++ into it, that stream's locale
+// machinery mixes the two copies and the formatting itself segfaults. A single std::string
+// argument passes through c10::str untouched.
+inline void append(std::string& out, const char* s) { out += s; }
+inline void append(std::string& out, const std::string& s) { out += s; }
+inline void append(std::string& out, c10::ScalarType t) { out += c10::toString(t); }
+inline void append(std::string& out, const c10::Device& d) { out += d.str(); }
+inline void append(std::string& out, c10::Layout layout) {
+  switch (layout) {
+    case c10::kStrided: out += "Strided"; break;
+    case c10::kSparse: out += "Sparse"; break;
+    case c10::kMkldnn: out += "Mkldnn"; break;
+    default: out += "a non-strided layout"; break;
+  }
+}
+inline void append(std::string& out, at::IntArrayRef sizes) {
+  out += '[';
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(sizes[i]);
+  }
+  out += ']';
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline void append(std::string& out, T value) { out += std::to_string(value); }
+
+template <typename... Args>
+std::string message(const Args&... args) {
+  std::string out;
+  (append(out, args), ...);
+  return out;
+}
+
+// TORCH_CHECK with the message above; the arguments are evaluated only when the check fails.
+#define MMSERVE_CHECK(cond, ...) TORCH_CHECK(cond, ::mmserve_cpu::message(__VA_ARGS__))
+
 // A tensor argument whose elements the kernel reads or writes through its data pointer and
 // strides: it must exist, live in this process's memory (the CPU, not a GPU or the meta
 // device, whose data pointer is not host memory or null) and be a plain strided tensor (a
 // sparse or oneDNN tensor has no strides to index by). `fn` and `what` name the function and
 // the argument in the message.
 inline void check_cpu_tensor(const at::Tensor& t, const char* fn, const char* what) {
-  TORCH_CHECK(t.defined(), fn, ": ", what, " is an undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), fn, ": ", what, " must be a CPU tensor, not one on ",
-              t.device());
-  TORCH_CHECK(t.layout() == at::kStrided, fn, ": ", what,
-              " must be a dense (strided) tensor, not ", t.layout());
+  MMSERVE_CHECK(t.defined(), fn, ": ", what, " is an undefined tensor");
+  MMSERVE_CHECK(t.device().is_cpu(), fn, ": ", what, " must be a CPU tensor, not one on ",
+                t.device());
+  MMSERVE_CHECK(t.layout() == at::kStrided, fn, ": ", what,
+                " must be a dense (strided) tensor, not ", t.layout());
 }
 
 // bfloat16 is the upper half of a float32: widening is a shift, narrowing rounds to nearest

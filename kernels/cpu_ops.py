@@ -426,13 +426,21 @@ def _flash_kernel(tensor: torch.Tensor, causal: bool) -> Callable | None:
     bfloat16 one on AVX512-BF16; the float32 one on AVX2 with FMA for prompt chunks (causal)
     only, since for a vision tower's bidirectional attention torch's is faster in float32
     (``benchmarks/README.md``); None means torch's."""
-    module = _module
-    if module is None or tensor.device.type != "cpu":
+    if tensor.device.type != "cpu":
         return None
-    if tensor.dtype == torch.bfloat16 and _flash_head_dim(module, tensor.shape[-1]):
+    return compiled_attention(tensor.dtype, tensor.shape[-1], causal)
+
+
+def compiled_attention(dtype: torch.dtype, head_dim: int, causal: bool) -> Callable | None:
+    """The loaded module's flash attention for queries of this dtype and head size (causal:
+    a prompt chunk; else a vision tower's bidirectional attention), or None for torch's.
+    Device-blind, for the memory plan's dry run, which runs on the meta device."""
+    module = _module
+    if module is None:
+        return None
+    if dtype == torch.bfloat16 and _flash_head_dim(module, head_dim):
         return module.flash_attention
-    if causal and tensor.dtype == torch.float32 and _flash_f32_head_dim(module,
-                                                                         tensor.shape[-1]):
+    if causal and dtype == torch.float32 and _flash_f32_head_dim(module, head_dim):
         return module.flash_attention_f32
     return None
 

@@ -15,10 +15,13 @@ from PIL import Image
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 else:
-    # Every engine on the GPU (in this process and the servers it starts) takes a tenth of it
-    # by default, not nine: the test checkpoints are tiny, and the suite runs several engines
-    # at once (a module's engine beside a server under test).
-    os.environ.setdefault("MMSERVE_GPU_MEMORY_UTILIZATION", "0.1")
+    # Every engine on the GPU (in this process and the servers it starts) takes a small share
+    # of it by default, not nine tenths: the test checkpoints are tiny, and the suite runs
+    # several engines at once (a module's engine beside a server under test). Parallel workers
+    # (pytest-xdist's -n) split the GPU between them: at most three engines each, 60% in all.
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("MMSERVE_GPU_MEMORY_UTILIZATION",
+                          f"{min(0.1, 0.6 / (3 * _workers)):.3f}")
 
 from mmserve.kernels import cpu_ops  # noqa: E402
 from mmserve.testing import build_tiny_checkpoint  # noqa: E402

@@ -53,10 +53,10 @@ _SCRIPT = textwrap.dedent("""
         del x
         faults = []
         for _ in range(15):
-            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             xs = [torch.ones(4 << 20) for _ in range(4)]
             del xs
-            faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         churn.steady_faults = sum(faults[5:])
 
     if sys.argv[1] == "thread":

@@ -95,6 +95,21 @@ def test_a_later_engine_starts_from_the_users_thread_count(monkeypatch):
     assert AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock).max_threads == 2
 
 
+def test_the_memory_plan_counts_the_most_threads_an_engine_uses(monkeypatch):
+    """Not the count an engine's policy lowered torch's to: `mmserve plan` and an engine
+    started after another plan alike (torch's CPU attention keeps scratch per thread)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    torch.set_num_threads(3)
+    assert cpu_threads.max_threads() == 3 and cpu_threads.max_threads(fixed=8) == 8
+    cores = FakeCores()
+    engine = AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock)
+    cores.advance(1.0, own_cores=1.0, other_cores=2.0)
+    engine.update()
+    assert torch.get_num_threads() == 1 and cpu_threads.max_threads() == 3
+    torch.set_num_threads(8)  # more than the process's cores
+    assert cpu_threads.max_threads() == 4
+
+
 def test_nothing_to_measure_changes_nothing(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     torch.set_num_threads(2)

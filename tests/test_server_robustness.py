@@ -230,22 +230,25 @@ HARNESS = textwrap.dedent("""
     # file FLAG exists the decoder fails for good, as on a lost device: every step fails from
     # then on, for old and new requests alike.
     import os, sys
-    from mmserve.worker import model_runner
+    from mmserve.worker import cuda_runner, model_runner
 
     flag = sys.argv[1]
-    real_forward, real_sample = model_runner.ModelRunner._forward, model_runner.sample_each
+    real_sample = model_runner.sample_each
 
-    def forward(self, *args, **kwargs):
-        if os.path.exists(flag):
-            raise RuntimeError("CUDA error: device lost (simulated)")
-        return real_forward(self, *args, **kwargs)
+    def broken(real_forward):
+        def forward(self, *args, **kwargs):
+            if os.path.exists(flag):
+                raise RuntimeError("CUDA error: device lost (simulated)")
+            return real_forward(self, *args, **kwargs)
+        return forward
 
     def sample_each(logits, params, generator):
         tokens = real_sample(logits, params, generator)
         return [RuntimeError("probability tensor contains inf or nan (simulated)")
                 if p.seed == POISON_SEED else t for p, t in zip(params, tokens)]
 
-    model_runner.ModelRunner._forward = forward
+    for runner in (model_runner.ModelRunner, cuda_runner.CUDAModelRunner):  # each its own
+        runner._forward = broken(runner._forward)
     model_runner.sample_each = sample_each
     from mmserve.entrypoints.cli import main
     sys.exit(main(sys.argv[2:]))

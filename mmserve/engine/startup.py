@@ -27,7 +27,7 @@ from mmserve.engine.memory_plan import (
 )
 from mmserve.engine.profile_batch import ProfileBatch, profile_batch_for
 from mmserve.processing.family import MultiModalFamily
-from mmserve.worker import memory_profiler
+from mmserve.worker import cpu_threads, memory_profiler
 from mmserve.worker.dry_run import (
     decoder_flops_per_token,
     dry_run_peak,
@@ -126,7 +126,11 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
         if device != "cpu":
             marked.add("weights_bytes")
     if measure_peak is None:
-        peak = dry_run_peak(model, step, batch.encoder_pixels, config.block_size, dtype)
+        # On the CPU, the most threads the runner will use (their scratch is counted).
+        threads = 0 if device != "cpu" else cpu_threads.max_threads(
+            config.cpu_threads if isinstance(config.cpu_threads, int) else None)
+        peak = dry_run_peak(model, step, batch.encoder_pixels, config.block_size, dtype,
+                            threads)
         method = "tensors of a meta-device dry run of the profile batch"
         if device != "cpu":
             marked.add("activation_bytes")

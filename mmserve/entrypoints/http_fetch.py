@@ -40,8 +40,9 @@ def fetch(url: str, allowed_domains: tuple[str, ...], timeout_s: float,
     within ``timeout_s`` seconds. Blocking: call it from a worker thread."""
     tls, host, port, target = _parse_http_url(url, allowed_domains)
     with _Deadline(timeout_s) as deadline:
+        conn = _Connection(host, port, tls, deadline)
         try:
-            return _get(url, _Connection(host, port, tls, deadline), target, max_bytes)
+            return _get(url, conn, target, max_bytes)
         except InvalidInputError:
             raise
         except (OSError, http.client.HTTPException, ValueError) as e:
@@ -53,6 +54,9 @@ def fetch(url: str, allowed_domains: tuple[str, ...], timeout_s: float,
             reason = str(e) if isinstance(e, OSError) else (
                 f"the answer is not valid HTTP ({type(e).__name__}: {_short(str(e))})")
             raise InvalidInputError(f"fetching {_short(url)} failed: {reason}") from None
+        finally:
+            deadline.disarm()  # before the socket closes: the watchdog never touches its number
+            conn.close()
 
 
 def _parse_http_url(url: str, allowed_domains: tuple[str, ...]) -> tuple[bool, str, int, str]:
@@ -129,7 +133,9 @@ def _get(url: str, conn: _Connection, target: str, max_bytes: int) -> bytes:
                 f"{max_bytes} bytes; send a smaller image, or raise --max-image-bytes.")
         chunks: list[bytes] = []
         size = 0
-        while True:
+        # The response closes itself (and its socket) once it has read Content-Length bytes,
+        # on Python 3.12.3 and later with the read that completes the body.
+        while not resp.isclosed():
             # read1 returns what one socket read brings instead of looping until the chunk is
             # full, so each read waits at most the time left.
             sock.settimeout(deadline.remaining())
@@ -151,7 +157,6 @@ def _get(url: str, conn: _Connection, target: str, max_bytes: int) -> bytes:
     finally:
         if resp is not None:
             resp.close()
-        conn.close()
 
 
 class _Deadline:
@@ -161,8 +166,9 @@ class _Deadline:
     http.client's own loops (the status line, headers and chunk sizes are read line by line,
     and every byte that arrives starts a new socket read with a fresh timeout), so a watchdog
     timer shuts the connection down at the deadline and whatever read is blocked returns at
-    once. It shuts down a duplicate of each socket, which stays valid after TLS takes the
-    original over, and is cancelled on the way out so no timer outlives its fetch.
+    once. It shuts down the sockets it is shown (the TLS socket too, once TLS takes the plain
+    one over), and is disarmed before they close, so it never acts on a closed socket's file
+    descriptor (which the process may have reused) and no timer outlives its fetch.
     """
 
     def __init__(self, seconds: float) -> None:
@@ -170,6 +176,7 @@ class _Deadline:
         self._lock = threading.Lock()
         self._watched: list[socket.socket] = []
         self._fired = False
+        self._disarmed = False
         self._timer = threading.Timer(seconds, self._fire)
         self._timer.name = "mmserve-fetch-deadline"
         self._timer.daemon = True
@@ -180,10 +187,13 @@ class _Deadline:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
+        self.disarm()
+
+    def disarm(self) -> None:
+        """Stop the watchdog; once this returns it shuts nothing down."""
         self._timer.cancel()
-        with self._lock:
-            for sock in self._watched:
-                sock.close()
+        with self._lock:  # waits for a watchdog already running
+            self._disarmed = True
             self._watched.clear()
 
     @property
@@ -201,10 +211,19 @@ class _Deadline:
         with self._lock:
             if self._fired:
                 raise TimeoutError("the fetch deadline has passed")
-            self._watched.append(sock.dup())
+            self._watched.append(sock)
+
+    def close(self, sock: socket.socket) -> None:
+        """Close a socket the fetch gives up on (an address that failed), unwatched first."""
+        with self._lock:
+            if sock in self._watched:
+                self._watched.remove(sock)
+        sock.close()
 
     def _fire(self) -> None:
         with self._lock:
+            if self._disarmed:
+                return
             self._fired = True
             for sock in self._watched:
                 try:
@@ -228,8 +247,9 @@ class _Connection(http.client.HTTPConnection):
             try:
                 sock.settimeout(self.deadline.remaining())
                 sock = _tls_context().wrap_socket(sock, server_hostname=self.host)
+                self.deadline.watch(sock)
             except BaseException:
-                sock.close()
+                self.deadline.close(sock)
                 raise
         self.sock = sock
 
@@ -249,12 +269,12 @@ def _open_socket(host: str, port: int, deadline: _Deadline) -> socket.socket:
             sock.connect(address)
             return sock
         except OSError as e:
-            sock.close()
+            deadline.close(sock)
             if isinstance(e, TimeoutError):
                 raise
             error = e
         except BaseException:
-            sock.close()
+            deadline.close(sock)
             raise
     raise error
 

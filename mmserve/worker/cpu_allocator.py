@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 # mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 # glibc refuses an mmap threshold above 32 MiB on 64-bit systems; larger blocks still use mmap.
 _MAX_MMAP_THRESHOLD = 32 << 20
 _NEVER_TRIM = 2**31 - 1  # the parameter is an int
@@ -33,7 +34,8 @@ _applied: bool | None = None
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc to serve blocks up to 32 MiB from the heap and never trim it.
+    """Ask glibc to serve blocks up to 32 MiB from the heap, never trim it, and give the
+    threads started later that same heap.
 
     Returns whether the setting is in effect. Does nothing (and returns False) off glibc, or
     when ``MMSERVE_KEEP_HEAP=0``. Process-wide and idempotent.
@@ -53,6 +55,11 @@ def keep_freed_memory() -> bool:
     mallopt.restype = ctypes.c_int
     ok = mallopt(_M_MMAP_THRESHOLD, _MAX_MMAP_THRESHOLD) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) == 1 and ok
+    # Threads started from now on (the server's stepping thread among them) share the main
+    # heap. A thread's own arena grows in separate 64 MiB heaps, and glibc unmaps such a heap
+    # whenever it empties, whatever the trim threshold: on glibc 2.39 a step on a thread
+    # faulted its activations in afresh every time.
+    ok = mallopt(_M_ARENA_MAX, 1) == 1 and ok
     _applied = ok
     if ok:
         logger.debug("glibc malloc: mmap threshold 32 MiB, no heap trimming")

@@ -99,6 +99,14 @@ def _max_threads() -> int:
     return _chosen
 
 
+def max_threads(fixed: int | None = None) -> int:
+    """The most compute threads a CPU runner set to ``fixed`` (None: adaptive) ever uses: the
+    figure the memory plan counts per-thread scratch for."""
+    if fixed is not None:
+        return fixed
+    return min(_max_threads(), len(os.sched_getaffinity(0)))
+
+
 def _set_threads(n: int) -> None:
     global _last_set
     torch.set_num_threads(n)
@@ -122,7 +130,7 @@ class AdaptiveThreads:
                  read: Callable[[frozenset[int]], CpuSample | None] = read_sample,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cores = frozenset(os.sched_getaffinity(0))
-        self.max_threads = min(_max_threads(), len(self.cores))
+        self.max_threads = max_threads()
         self.interval_s = interval_s
         self._read, self._clock = read, clock
         self._last = read(self.cores)

@@ -9,11 +9,15 @@ the CPU profile; ``mmserve plan`` uses it for every device.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from mmserve.inputs import EncoderInput
+from mmserve.kernels import cpu_ops
 from mmserve.models.registry import get_model_class
 from mmserve.step import SchedulerOutput
+from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.model_runner import EncoderPixels, ModelRunner
 
 META = torch.device("meta")
@@ -57,17 +61,48 @@ def profile_blocks(batch: SchedulerOutput) -> int:
 
 
 def dry_run_peak(model: nn.Module, batch: SchedulerOutput, encoder_pixels: EncoderPixels,
-                 block_size: int, dtype: torch.dtype) -> int:
+                 block_size: int, dtype: torch.dtype, threads: int) -> int:
     """Peak bytes of tensors that running ``batch`` (whose images have ``encoder_pixels``)
     creates, counted on the meta device.
 
     At least the peak of the CPU allocator's own events (torch.profiler) for a real run of the
-    same batch, and at most ``INPUT_BYTES_PER_TOKEN`` per scheduled token more (a test checks
-    both sides).
+    same batch on ``threads`` threads (which sizes the CPU kernels' per-thread scratch; 0 for
+    a device without them), and at most ``INPUT_BYTES_PER_TOKEN`` per scheduled token more,
+    plus the images' pixels, which a real step is handed and the dry run copies to the meta
+    device (a test checks both sides).
     """
     runner = MetaModelRunner(model, profile_blocks(batch), block_size, dtype)
-    peak = runner.measure_profile_peak(batch, encoder_pixels)
+    with _FusedAttentionOnMeta():
+        _, peak = track_peak_bytes(lambda: runner.profile_run(batch, encoder_pixels), threads)
     return peak + INPUT_BYTES_PER_TOKEN * batch.num_scheduled_tokens
+
+
+class _FusedAttentionOnMeta(TorchFunctionMode):
+    """``F.scaled_dot_product_attention`` on meta tensors as the CPU runs it, not as the math
+    fallback that the meta device would take, whose query-by-key score matrices a real step
+    never allocates (hundreds of megabytes for a batch of images in a large vision tower):
+    where the CPU runner calls a compiled flash attention instead (``cpu_ops``), that kernel's
+    output; elsewhere torch's fused kernel (its outputs and, through the tracker, its
+    per-thread scratch)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args[0].device == META:
+            return _cpu_attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False) -> torch.Tensor:
+    # Attention with a mask or causal is a prompt chunk's (paged_attention.prefill_attention).
+    causal = is_causal or attn_mask is not None
+    if cpu_ops.compiled_attention(query.dtype, query.shape[-1], causal) is not None:
+        # [batch, heads, queries, dim] in, as the caller has transposed them; the kernel
+        # writes a contiguous [batch, queries, heads, dim].
+        return query.new_empty(query.transpose(1, 2).shape).transpose(1, 2)
+    # The fused CPU kernel takes fewer KV heads than query heads as they are (enable_gqa).
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 def encoder_flops_per_token(model: nn.Module, item: EncoderInput, num_tokens: int) -> float:

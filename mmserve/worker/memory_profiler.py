@@ -26,14 +26,16 @@ class _PeakTracker(TorchDispatchMode):
 
     A storage is new when no input of the operator shares it: views, in-place updates and
     ``out=`` writes return an input's storage and are not allocations. Allocations made inside
-    a kernel (scratch buffers) are invisible here; they are small next to the activations.
+    a kernel are invisible here, so the scratch of kernels known to keep some (``scratch_bytes``)
+    is added while the kernel runs.
     Tensors without a plain storage (oneDNN's packed weights, sparse tensors) are neither
     inputs that outputs could share nor allocations the tracker can follow: weights are packed
     once at load time, never inside a step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int | None = None) -> None:
         super().__init__()
+        self.threads = threads  # for kernels' per-thread scratch; None: torch's count now
         self.live: dict[int, int] = {}
         self.current = 0
         self.peak = 0
@@ -43,11 +45,18 @@ class _PeakTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # The kernel's scratch was alive beside its outputs, and is freed when it returns.
+        threads = torch.get_num_threads() if self.threads is None else self.threads
+        self.peak = max(self.peak, self._count(out, (args, kwargs))
+                        + scratch_bytes(func, args, threads))
+        return out
+
+    def _count(self, out: Any, inputs: Any) -> int:
+        """Count the storages among ``out`` that no input shares; the live bytes after that."""
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if not outputs:
-            return out
-        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs or {}))
-                  if _has_storage(t)}
+            return self.current
+        shared = {id(t.untyped_storage()) for t in tree_leaves(inputs) if _has_storage(t)}
         for t in outputs:
             if not _has_storage(t):
                 continue
@@ -55,13 +64,38 @@ class _PeakTracker(TorchDispatchMode):
             # its finalizer runs exactly when the memory is released.
             storage = t.untyped_storage()
             key = id(storage)
-            if key in inputs or key in self.live or storage.nbytes() == 0:
+            if key in shared or key in self.live or storage.nbytes() == 0:
                 continue
             self.live[key] = storage.nbytes()
             self.current += storage.nbytes()
             self.peak = max(self.peak, self.current)
             weakref.finalize(storage, self._release, key)
-        return out
+        return self.current
+
+
+def scratch_bytes(func: Any, args: tuple, threads: int) -> int:
+    """Bytes ``func`` allocates for itself while it runs, beyond its outputs: torch's fused
+    CPU attention keeps one buffer per thread, float32 scores for a tile of queries against a
+    tile of keys plus the tile's output sums (and the scores again in the inputs' dtype when
+    that is bfloat16 or float16): 2.5 MiB per thread for 1,024 queries with 128-wide heads,
+    which on a many-core host is more than the step's other activations of a small model.
+    Under inference mode the tracker sees the attention op itself, before it picks that
+    kernel: then the kernel's second output (float32 log-sum-exps, dropped on return) too."""
+    if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+        extra = 0
+    elif (func is torch.ops.aten.scaled_dot_product_attention.default
+          and args[0].device.type == "cpu"):
+        extra = 4 * args[0].shape[:-1].numel()
+    else:
+        return 0
+    query, key = args[0], args[1]
+    q_len, head_dim, kv_len = query.shape[-2], query.shape[-1], key.shape[-2]
+    q_tile = min(q_len, 256 if q_len >= 768 else 64 if q_len >= 192 else 32)
+    kv_tile = min(kv_len, 512)
+    per_thread = 4 * (q_tile * kv_tile + 2 * q_tile + q_tile * head_dim)
+    if query.dtype != torch.float32:
+        per_thread += q_tile * kv_tile * query.element_size()
+    return extra + threads * per_thread
 
 
 def _has_storage(t: object) -> bool:
@@ -70,13 +104,14 @@ def _has_storage(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.layout == torch.strided
 
 
-def track_peak_bytes(fn: Callable[[], T]) -> tuple[T, int]:
+def track_peak_bytes(fn: Callable[[], T], threads: int | None = None) -> tuple[T, int]:
     """Run ``fn`` and return its result and the peak bytes of tensors it had alive at once.
 
     Tensors that existed before the call (weights, caches) are not counted; tensors the result
-    still holds are counted while they were alive.
+    still holds are counted while they were alive. Kernels with per-thread scratch count it
+    for ``threads`` threads (None: torch's thread count now).
     """
-    tracker = _PeakTracker()
+    tracker = _PeakTracker(threads)
     with tracker:
         result = fn()
     return result, tracker.peak

@@ -76,4 +76,9 @@ def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator
         drop = probs.cumsum(-1) - probs >= p.top_p
         row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = row.softmax(-1)
+    # Checked first: on a GPU, multinomial asserts on the device, which ends every later CUDA
+    # call in the process, not just this row.
+    if not bool(torch.isfinite(probs).all()):
+        raise RuntimeError(f"the sampling probabilities are not finite "
+                           f"(temperature={p.temperature:g}, top_k={p.top_k}, top_p={p.top_p:g})")
     return int(torch.multinomial(probs, 1, generator=generator))
