@@ -200,11 +200,15 @@ class LLMEngine:
             if not 0 <= t < self.processor.tokenizer.vocab_size + 1024:
                 raise InvalidInputError(f"stop_token_ids has an invalid id {t}",
                                         param="stop_token_ids")
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        request_id = request_id if request_id is not None else self.next_request_id()
         return Request(request_id, processed.token_ids, params, processed.images,
                        eos_token_id=self.processor.eos_token_id, arrival_time=time.time(),
                        prompt_positions=processed.positions,
                        decode_offset=processed.decode_offset)
+
+    def next_request_id(self) -> str:
+        """A request id no other request of this engine has been given."""
+        return str(next(self._ids))
 
     def _note_preprocessing(self, peak_bytes: int) -> None:
         """Record preprocessing's memory peak; return the heap's free memory to the operating

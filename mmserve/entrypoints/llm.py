@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -48,9 +50,15 @@ class LLM:
 
         A prompt is ``{"prompt": str, "images": [...]}`` (text in the model's own format, one
         image token per image) or ``{"messages": [...], "images": [...]}`` in OpenAI chat form.
-        Bad input raises ``InvalidInputError`` before anything runs. A request the engine fails
-        on while running comes back with ``finish_reason == "error"`` and the reason in
-        ``error``; the other requests are unaffected.
+
+        Prompts are preprocessed (images decoded, resized and normalized, text tokenized) on
+        a pool of threads while the engine steps, in input order: the first step starts once
+        the first prompt is ready, not all of them, and at most ``2 x max_num_seqs`` prompts
+        of the call are held preprocessed or running at a time, so any number of images takes
+        bounded memory. Bad input raises ``InvalidInputError`` naming what to change, after
+        the call's requests already queued are aborted: none is left behind. A request the
+        engine fails on while running comes back with ``finish_reason == "error"`` and the
+        reason in ``error``; the other requests are unaffected.
         """
         if isinstance(prompts, (dict, str)):
             prompts = [prompts]
@@ -61,16 +69,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        # Validate everything first, so a bad prompt does not leave half a batch queued.
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params, strict=True):
-                ids.append(self.engine.add_request(prompt, p))
-        except Exception:
-            for rid in ids:
-                self.engine.abort_request(rid)
-            raise
-        return self._run(ids, use_tqdm)
+        return self._run(prompts, params, use_tqdm)
 
     def chat(
         self,
@@ -118,26 +117,58 @@ class LLM:
         (``.to_dict()`` for plain data, ``.summary()`` for text)."""
         return self.engine.plan
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        """Step until every request in ``ids`` finished. Whatever stops the loop early (an
-        engine that died, Ctrl-C) aborts the requests still in flight first, so the engine
-        is left with every KV block free and can be used again."""
-        done: dict[str, RequestOutput] = {}
+    def _run(self, prompts: list[dict[str, Any] | str], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        """Preprocess ``prompts`` ahead of the engine and step until every one finished.
+        Whatever stops the loop early (a bad prompt, an engine that died, Ctrl-C) aborts the
+        call's requests still in flight first, so the engine is left with every KV block free
+        and can be used again."""
+        engine = self.engine
+        ids = [engine.next_request_id() for _ in prompts]
         wanted = set(ids)
+        window = 2 * engine.scheduler.max_num_seqs  # preprocessed or running at once
+        pending: dict[int, Future] = {}  # prompt index -> its preprocessing
+        submitted = queued = 0  # prompts handed to the pool; to the engine
+        done: dict[str, RequestOutput] = {}
+        pool = ThreadPoolExecutor(_preprocess_workers(), thread_name_prefix="mmserve-prep")
         try:
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-                while len(done) < len(ids) and self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
+                while len(done) < len(ids):
+                    while submitted < len(ids) and submitted - len(done) < window:
+                        pending[submitted] = pool.submit(engine.process_request,
+                                                         prompts[submitted], params[submitted],
+                                                         ids[submitted])
+                        submitted += 1
+                    # Queue the prompts that are ready, in order; wait for the next one only
+                    # when the engine has nothing else to do.
+                    while queued < submitted and (pending[queued].done()
+                                                  or not engine.has_unfinished_requests()):
+                        engine.add_processed_request(pending.pop(queued).result())
+                        queued += 1
+                    if not engine.has_unfinished_requests():
+                        break  # nothing queued, nothing to queue: see below
+                    for out in engine.step():
                         if out.finished and out.request_id in wanted:
                             done[out.request_id] = out
                             bar.update(1)
         except BaseException:
-            for rid in wanted - done.keys():
-                self.engine.abort_request(rid)
+            for future in pending.values():
+                future.cancel()
+            for rid in ids[:queued]:
+                if rid not in done:
+                    engine.abort_request(rid)
             raise
-        missing = wanted - done.keys()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        missing = [rid for rid in ids if rid not in done]
         if missing:  # the engine lost track of them: a bug, not a state to hang in
             for rid in missing:
-                self.engine.abort_request(rid)
-            raise RuntimeError(f"the engine stopped without finishing requests {sorted(missing)}")
+                engine.abort_request(rid)
+            raise RuntimeError(f"the engine stopped without finishing requests {missing}")
         return [done[rid] for rid in ids]
+
+
+def _preprocess_workers() -> int:
+    """Threads that preprocess prompts beside the engine: one per four cores this process
+    may use (image decoding and resizing release the GIL), at least one, at most eight."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 4))
