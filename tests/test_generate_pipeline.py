@@ -1,15 +1,17 @@
-"""``LLM.generate`` preprocesses prompts on threads while the engine steps: the first step
-does not wait for the last prompt, memory is bounded by a window of prompts, a bad prompt
-aborts the call's queued requests and leaves the engine usable, and the outputs are those of
-prompts run one at a time."""
+"""``LLM.generate`` preprocesses prompts ahead of the engine, on threads (beside a GPU) or
+between steps (the CPU): the first step does not wait for the last prompt, memory is bounded
+by a window of prompts, a bad prompt aborts the call's queued requests and leaves the engine
+usable, and the outputs are those of prompts run one at a time."""
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from mmserve import LLM, SamplingParams
+from mmserve.entrypoints import llm as llm_module
 from mmserve.errors import InvalidInputError
 from tests.conftest import assert_no_leaks, make_image
 
@@ -32,7 +34,17 @@ def alone(llm: LLM) -> list[list[int]]:
     return [llm.generate(_prompt(i), GREEDY)[0].token_ids for i in range(8)]
 
 
-def test_the_engine_steps_while_later_prompts_are_preprocessed(llm, alone, monkeypatch):
+@pytest.fixture(params=["threads", "calling thread"])
+def preprocess_on(request, monkeypatch):
+    """Both ways of preprocessing: threads (beside a GPU engine) and between steps (CPU)."""
+    if request.param == "threads":
+        monkeypatch.setattr(llm_module, "_preprocess_pool",
+                            lambda device: ThreadPoolExecutor(2))
+    return request.param
+
+
+def test_the_engine_steps_while_later_prompts_are_preprocessed(llm, alone, monkeypatch,
+                                                              preprocess_on):
     engine = llm.engine
     stepped = threading.Event()
     real_step, real_process = engine.step, engine.process_request
@@ -58,7 +70,7 @@ def test_the_engine_steps_while_later_prompts_are_preprocessed(llm, alone, monke
     assert_no_leaks(engine)
 
 
-def test_prompts_held_ahead_of_the_engine_are_bounded(llm, alone, monkeypatch):
+def test_prompts_held_ahead_of_the_engine_are_bounded(llm, alone, monkeypatch, preprocess_on):
     """max_num_seqs=2: at most 4 of the call's prompts preprocessed or running at once."""
     engine = llm.engine
     real_step, real_process = engine.step, engine.process_request
@@ -84,7 +96,8 @@ def test_prompts_held_ahead_of_the_engine_are_bounded(llm, alone, monkeypatch):
     assert count["processed"] == 8 and 2 <= count["most"] <= 4, count
 
 
-def test_a_bad_prompt_aborts_the_calls_requests_and_the_engine_goes_on(llm, alone):
+def test_a_bad_prompt_aborts_the_calls_requests_and_the_engine_goes_on(llm, alone,
+                                                                      preprocess_on):
     prompts = [_prompt(i) for i in range(5)]
     prompts[3] = {"prompt": "no image here", "images": [make_image(9, (30, 30))]}
     with pytest.raises(InvalidInputError, match="image"):
