@@ -52,14 +52,15 @@ class LLM:
         image token per image) or ``{"messages": [...], "images": [...]}`` in OpenAI chat form.
 
         Prompts are preprocessed (images decoded, resized and normalized, text tokenized) and
-        queued in input order, at most ``2 x max_num_seqs`` of the call held preprocessed or
-        running at a time, so any number of images takes bounded memory. Beside a GPU engine
-        a pool of threads preprocesses while the engine steps, and the first step starts once
-        the first prompt is ready, not all of them; on the CPU, whose steps take every core,
-        the calling thread preprocesses between steps. Bad input raises ``InvalidInputError`` naming what to change, after
-        the call's requests already queued are aborted: none is left behind. A request the
-        engine fails on while running comes back with ``finish_reason == "error"`` and the
-        reason in ``error``; the other requests are unaffected.
+        queued in input order, at most ``prompts_ahead(max_num_seqs)`` of the call held
+        preprocessed or running at a time, so any number of images takes bounded memory.
+        Beside a GPU engine a pool of threads preprocesses while the engine steps, and the
+        first step starts once the first prompt is ready, not all of them; on the CPU, whose
+        steps take every core, the calling thread preprocesses between steps. Bad input raises
+        ``InvalidInputError`` naming what to change, after the call's requests already queued
+        are aborted: none is left behind. A request the engine fails on while running comes
+        back with ``finish_reason == "error"`` and the reason in ``error``; the other requests
+        are unaffected.
         """
         if isinstance(prompts, (dict, str)):
             prompts = [prompts]
@@ -127,7 +128,7 @@ class LLM:
         engine = self.engine
         ids = [engine.next_request_id() for _ in prompts]
         wanted = set(ids)
-        window = 2 * engine.scheduler.max_num_seqs  # preprocessed or running at once
+        window = prompts_ahead(engine.scheduler.max_num_seqs)
         pending: dict[int, Future] = {}  # prompt index -> its preprocessing
         submitted = queued = 0  # prompts handed to the pool; to the engine
         done: dict[str, RequestOutput] = {}
@@ -167,6 +168,17 @@ class LLM:
                 engine.abort_request(rid)
             raise RuntimeError(f"the engine stopped without finishing requests {missing}")
         return [done[rid] for rid in ids]
+
+
+# The fewest prompts of a ``generate`` call the engine may hold at once, whatever its
+# max_num_seqs: waiting requests are what the scheduler plans the encoder cache by (an image a
+# later request needs again is kept, or waits in free KV blocks).
+MIN_PROMPTS_AHEAD = 64
+
+
+def prompts_ahead(max_num_seqs: int) -> int:
+    """How many prompts of a ``generate`` call are held preprocessed or running at once."""
+    return max(2 * max_num_seqs, MIN_PROMPTS_AHEAD)
 
 
 def _preprocess_pool(device: str) -> Executor:
