@@ -8,6 +8,7 @@ step that the request shares with everyone else.
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
 
@@ -24,6 +25,76 @@ MAX_STOP_CHARS = 4096  # all stop strings together
 MAX_STOP_TOKEN_IDS = 64
 # Alternatives per generated token that ``logprobs`` may ask for (OpenAI's and vLLM's cap).
 MAX_LOGPROBS = 20
+
+
+# A grammar is compiled once per distinct constraint and held in a cache: bound its source.
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 256
+
+
+@dataclass
+class StructuredOutputs:
+    """A constraint on the generated text, exactly one of (vLLM's names): ``json``, a JSON
+    schema (a dict, or its JSON text); ``json_object``, any JSON object; ``regex``;
+    ``choice``, one of these strings; ``grammar``, an EBNF grammar in xgrammar's (GBNF)
+    dialect. Sources are bounded (``MAX_GRAMMAR_CHARS``, ``MAX_CHOICES``); whether one
+    compiles is checked when the request is made, and an error names what is wrong."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        def bad(message: str) -> InvalidInputError:
+            return InvalidInputError(message, param="structured_outputs")
+
+        kinds = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]
+        if not isinstance(self.json_object, bool):
+            raise bad(f"json_object must be a boolean, got {_short(self.json_object)}.")
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise bad("give exactly one of json, json_object, regex, choice and grammar, got "
+                      f"{', '.join(kinds) or 'none'}.")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = _json.loads(self.json)
+                except ValueError as e:
+                    raise bad(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(self.json, dict):
+                raise bad("the JSON schema must be a JSON object (a dict).")
+            if len(_json.dumps(self.json)) > MAX_GRAMMAR_CHARS:
+                raise bad(f"the JSON schema is over {MAX_GRAMMAR_CHARS} characters.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value
+                                      or len(value) > MAX_GRAMMAR_CHARS):
+                raise bad(f"{name} must be a non-empty string of at most {MAX_GRAMMAR_CHARS} "
+                          "characters.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise bad("choice must be a non-empty list of non-empty strings.")
+            if len(self.choice) > MAX_CHOICES or sum(map(len, self.choice)) > MAX_GRAMMAR_CHARS:
+                raise bad(f"choice takes at most {MAX_CHOICES} strings of "
+                          f"{MAX_GRAMMAR_CHARS} characters in all.")
+            self.choice = list(self.choice)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """The constraint as (kind, canonical source): what compiled grammars are cached by."""
+        if self.json is not None:  # key order kept: properties come out in schema order
+            return "json", _json.dumps(self.json)
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", _json.dumps(self.choice)
+        return "grammar", self.grammar or ""
 
 
 def _is_int(value: object) -> bool:
@@ -48,7 +119,9 @@ class SamplingParams:
     computed, as vLLM does by default, from the model's logits before temperature, top-k and
     top-p. ``prompt_logprobs``: the same for every prompt token after the first (in the
     request's final output); such a request computes its whole prompt, never taking blocks from
-    the prefix cache. A value out of range raises ``InvalidInputError`` naming the parameter.
+    the prefix cache. ``structured_outputs``: constrain the text to a JSON schema, a regex, a
+    choice or a grammar (``StructuredOutputs``, or a dict of its fields). A value out of range
+    raises ``InvalidInputError`` naming the parameter.
     """
 
     max_tokens: int = 16
@@ -61,6 +134,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         def bad(param: str, message: str) -> InvalidInputError:
@@ -98,6 +172,12 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"{name} must be None or an integer from 0 to {MAX_LOGPROBS} "
                           f"(alternatives per token), got {_short(value)}.")
+        so = self.structured_outputs
+        if isinstance(so, dict):
+            so = self.structured_outputs = StructuredOutputs(**so)
+        if so is not None and not isinstance(so, StructuredOutputs):
+            raise bad("structured_outputs", "structured_outputs must be a StructuredOutputs "
+                      f"or a dict of its fields, got {_short(so)}.")
 
     @staticmethod
     def _check_stop(stop: object) -> list[str]:

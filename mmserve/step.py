@@ -2,16 +2,21 @@
 
 ``SchedulerOutput`` says what to compute (ids, token counts, block ids, image hashes) and
 ``ModelOutput`` what came out (sampled tokens, failures, the runner's timings). Both sides
-import this leaf module and nothing of each other: the scheduler never sees a tensor, and the
-runner never sees the scheduler. The pixels of the images to encode travel beside the
+import this leaf module and nothing of each other: the scheduler never sees a tensor (the
+engine adds the structured-output bitmasks after scheduling), and the runner never sees the
+scheduler. The pixels of the images to encode travel beside the
 ``SchedulerOutput``, as ``ModelRunner.execute``'s second argument (hash -> pixel values).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -39,6 +44,9 @@ class ScheduledRequest:
     # For a request that asked for prompt logprobs: the prompt tokens that follow the first
     # rows of this chunk, one per row (the logprobs of prompt positions start_pos + 1 on).
     prompt_logprob_targets: list[int] = field(default_factory=list)
+    # Where the request has a structured_outputs grammar and samples: the tokens it may
+    # sample, packed 32 to an int32 word (bit j of word i: token 32 * i + j), on the CPU.
+    token_bitmask: torch.Tensor | None = None
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,11 @@ from PIL import Image
 
 from mmserve.entrypoints import openai_protocol as proto
 from mmserve.entrypoints.media import MediaPolicy, load_image_url
-from mmserve.entrypoints.openai_protocol import ApiError, parse_chat_request
+from mmserve.entrypoints.openai_protocol import (
+    ApiError,
+    parse_chat_request,
+    parse_completion_request,
+)
 from mmserve.processing.images import InvalidInputError
 
 
@@ -93,6 +98,28 @@ def test_defaults() -> None:
     assert chat.messages == [{"role": "user", "content": "hi"}]
 
 
+def test_every_form_of_output_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    forms = [
+        ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "a", "schema": schema, "strict": True}}}, ("json", json.dumps(schema))),
+        ({"response_format": {"type": "json_object"}}, ("json_object", "")),
+        ({"guided_json": json.dumps(schema)}, ("json", json.dumps(schema))),
+        ({"guided_regex": "[a-z]+"}, ("regex", "[a-z]+")),
+        ({"guided_choice": ["yes", "no"]}, ("choice", '["yes", "no"]')),
+        ({"guided_grammar": 'root ::= "a"'}, ("grammar", 'root ::= "a"')),
+        ({"structured_outputs": {"choice": ["x"]}}, ("choice", '["x"]')),
+    ]
+    for change, key in forms:
+        params = parse_chat_request(_body(**change), max_model_len=100, max_images=4).params
+        assert params.structured_outputs.key == key, change
+        completion = parse_completion_request({"prompt": "hi", **change}, max_model_len=100)
+        assert completion.params.structured_outputs.key == key, change
+    for plain in ({}, {"response_format": {"type": "text"}}):
+        params = parse_chat_request(_body(**plain), max_model_len=100, max_images=4).params
+        assert params.structured_outputs is None
+
+
 @pytest.mark.parametrize("change, param, fragment", [
     ({"n": 3}, "n", "n=3 is not supported"),
     ({"n": True}, "n", "must be an integer"),
@@ -105,7 +132,17 @@ def test_defaults() -> None:
     ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs': true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "only response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format", "must be {'type': 'text'}"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format", "needs 'json_schema'"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex",
+     "send one output constraint, not 2 (response_format, guided_regex)"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "exactly one of"),
+    ({"structured_outputs": {"jsonschema": {}}}, "structured_outputs", "unknown fields"),
+    ({"structured_outputs": "a+"}, "structured_outputs", "must be an object"),
     ({"stream": True, "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage", "must be a boolean"),
     ({"messages": []}, "messages", "non-empty list"),

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mmserve.bench.report import section_table, write_json
@@ -53,8 +54,11 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def chat_body(req: BenchRequest, workload: Workload, model: str) -> dict[str, Any]:
-    """The OpenAI chat request of ``req``: images as PNG data URLs, greedy, EOS ignored."""
+def chat_body(req: BenchRequest, workload: Workload, model: str,
+              schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The OpenAI chat request of ``req``: images as PNG data URLs, greedy, EOS ignored;
+    with ``schema``, its output constrained to that JSON schema (``response_format``), which
+    ends it when the document does."""
     image_ids = iter(req.image_ids)
     messages = []
     for msg in req.messages:
@@ -66,9 +70,13 @@ def chat_body(req: BenchRequest, workload: Workload, model: str) -> dict[str, An
                               + base64.b64encode(workload.png(next(image_ids))).decode()}}
                 for part in content]
         messages.append({"role": msg["role"], "content": content})
-    return {"model": model, "messages": messages, "max_tokens": req.output_len,
+    body = {"model": model, "messages": messages, "max_tokens": req.output_len,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    if schema is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "bench", "schema": schema}}
+    return body
 
 
 async def send_chat(client, url: str, body: dict[str, Any], t0: float) -> RequestResult:
@@ -129,13 +137,15 @@ async def run_load(
     seed: int = 0,
     use_tqdm: bool = True,
     timeout_s: float = 600.0,
+    schema: dict[str, Any] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Send the workload; returns per-request results (workload order) and the duration."""
+    """Send the workload (every request under ``schema`` if given); returns per-request
+    results (workload order) and the duration."""
     import httpx
     from tqdm.auto import tqdm
 
     url = base_url.rstrip("/") + "/v1/chat/completions"
-    bodies = [chat_body(r, workload, model) for r in workload.requests]
+    bodies = [chat_body(r, workload, model, schema) for r in workload.requests]
     rng = random.Random(seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(bodies), desc="requests", disable=not use_tqdm)
@@ -271,6 +281,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second, Poisson arrivals (default: inf, all at once)")
     g.add_argument("--max-concurrency", type=int, help="most requests in flight")
     g.add_argument("--served-model-name", help="model id to send (default: the server's first)")
+    g.add_argument("--structured-output", metavar="SCHEMA.json",
+                   help="constrain every request's output to this JSON schema (response_format "
+                   "json_schema), to measure what structured output costs")
     p.add_argument("--plot", metavar="PATH.png",
                    help="TTFT and ITL latency CDFs (.svg or .pdf by the suffix; needs "
                    "matplotlib: pip install \"mmserve[bench]\")")
@@ -293,6 +306,12 @@ def run_serve_command(
                              torch_threads=args.torch_threads)
     else:
         model, server = args.model, nullcontext()
+    schema = None
+    if args.structured_output:
+        schema = json.loads(Path(args.structured_output).read_text())
+        if not isinstance(schema, dict):
+            raise SystemExit(f"--structured-output {args.structured_output}: a JSON schema is "
+                             "a JSON object")
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True) if model else None
     workload = build_workload(workload_config(args), tokenizer)
     with server as local:
@@ -300,7 +319,7 @@ def run_serve_command(
         name = args.served_model_name or served_model(base_url, model or "default")
         results, duration = asyncio.run(run_load(
             base_url, name, workload, args.request_rate, args.max_concurrency, args.seed,
-            use_tqdm=not args.no_progress))
+            use_tqdm=not args.no_progress, schema=schema))
     summary = serve_results(results, duration)
     print(serve_table(summary))
     for error, count in summary["errors"].items():
@@ -309,7 +328,8 @@ def run_serve_command(
         write_json(args.json_path, {"base_url": args.base_url, "model": name,
                                     "request_rate": None if math.isinf(args.request_rate)
                                     else args.request_rate,
-                                    "max_concurrency": args.max_concurrency, **summary})
+                                    "max_concurrency": args.max_concurrency,
+                                    "structured_output": args.structured_output, **summary})
     if on_results is not None:
         on_results(results)
     return 0 if summary["failed"] == 0 else 1

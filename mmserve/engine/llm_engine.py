@@ -23,6 +23,7 @@ from mmserve.engine.profile_batch import ProfileBatch
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.engine.startup import plan_for
+from mmserve.engine.structured_output import GrammarCompiler, Matchers
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.inputs import EncoderInput
 from mmserve.outputs import RequestOutput
@@ -77,6 +78,11 @@ class LLMEngine:
         dtype = config.torch_dtype
         self.processor = InputProcessor(config.model, hf_config, config.max_image_pixels,
                                         config.mm_processor_kwargs, config.max_image_size)
+        eos = self.processor.eos_token_id
+        self.grammars = GrammarCompiler(self.processor.tokenizer,
+                                        hf_config.get_text_config().vocab_size,
+                                        [] if eos is None else [eos])
+        self._matchers = Matchers()  # the constrained requests' grammar state
         device = config.resolved_device
         runner_cls = runner_class(device)
         # Read before the weights load: on the CPU they come out of the RAM available now.
@@ -200,11 +206,16 @@ class LLMEngine:
             if not 0 <= t < self.processor.tokenizer.vocab_size + 1024:
                 raise InvalidInputError(f"stop_token_ids has an invalid id {t}",
                                         param="stop_token_ids")
+        grammar = None
+        if params.structured_outputs is not None:  # compiled here, off the stepping thread
+            grammar = self.grammars.compile(params.structured_outputs)
         request_id = request_id if request_id is not None else self.next_request_id()
-        return Request(request_id, processed.token_ids, params, processed.images,
-                       eos_token_id=self.processor.eos_token_id, arrival_time=time.time(),
-                       prompt_positions=processed.positions,
-                       decode_offset=processed.decode_offset)
+        req = Request(request_id, processed.token_ids, params, processed.images,
+                      eos_token_id=self.processor.eos_token_id, arrival_time=time.time(),
+                      prompt_positions=processed.positions,
+                      decode_offset=processed.decode_offset)
+        req.grammar = grammar
+        return req
 
     def next_request_id(self) -> str:
         """A request id no other request of this engine has been given."""
@@ -231,6 +242,8 @@ class LLMEngine:
             self._logprobs[req.request_id] = []
         if req.sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[req.request_id] = [None]  # the first token has none
+        if req.grammar is not None:
+            self._matchers.add(req.request_id, req.grammar)
         self.scheduler.add_request(req)
         return req.request_id
 
@@ -239,6 +252,7 @@ class LLMEngine:
         self._detokenizers.pop(request_id, None)
         self._logprobs.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
+        self._matchers.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -268,6 +282,7 @@ class LLMEngine:
             logger.exception("scheduling failed; failing every request in flight")
             outputs = self._fail_all(f"scheduling failed: {type(e).__name__}: {e}")
             return outputs, StepRecord(SchedulerOutput(), schedule_s=time.perf_counter() - t0)
+        self._constrain(scheduler_output)
         schedule_s = time.perf_counter() - t0
         result = self.runner.execute(scheduler_output, self._encoder_pixels(scheduler_output))
         t1 = time.perf_counter()
@@ -281,11 +296,39 @@ class LLMEngine:
                 logprobs.append(result.logprobs[req.request_id])
             detok = self._detokenizers[req.request_id]
             detok.add(req.all_token_ids[-1])
+            if req.request_id in self._matchers and not self._follow_grammar(req):
+                outputs.append(self._error_output(req))
+                continue
             if detok.stopped and not req.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             outputs.append(self._output(req, detok))
         schedule_s += time.perf_counter() - t1
         return outputs, StepRecord(scheduler_output, result.times, schedule_s)
+
+    def _constrain(self, scheduler_output: SchedulerOutput) -> None:
+        """Give each constrained request that samples in this step the bitmask of the tokens
+        its grammar allows next."""
+        sampling = [r for r in scheduler_output.requests if r.sample]
+        masks = self._matchers.bitmasks([r.request_id for r in sampling],
+                                        self.grammars.vocab_size)
+        for sched, mask in zip(sampling, masks, strict=True):
+            sched.token_bitmask = mask
+
+    def _follow_grammar(self, req: Request) -> bool:
+        """Feed the request's new token to its grammar; finish the request when the grammar
+        has ended. False (the request failed) if the grammar refuses the token, which the
+        step's bitmask should have made impossible."""
+        accepted, ended = self._matchers.accept(req.request_id, req.all_token_ids[-1])
+        if not accepted:
+            req.error = (f"the sampled token {req.all_token_ids[-1]} breaks the request's "
+                         "structured_outputs grammar")
+            logger.error("request %s: %s", req.request_id, req.error)
+            self.scheduler.fail_request(req.request_id, req.error)
+            self.num_failed_requests += 1
+            return False
+        if ended and not req.finished:
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _note_prompt_logprobs(self, result: ModelOutput) -> None:
         """Add a step's prompt logprobs to their requests' lists: only positions not seen yet
@@ -362,6 +405,7 @@ class LLMEngine:
         return outputs
 
     def _error_output(self, req: Request) -> RequestOutput:
+        self._matchers.remove(req.request_id)
         detok = self._detokenizers.pop(req.request_id, None)
         logprobs = self._logprobs.pop(req.request_id, None)
         self._prompt_logprobs.pop(req.request_id, None)
@@ -376,6 +420,7 @@ class LLMEngine:
         logprobs = self._logprobs.get(req.request_id)
         prompt_logprobs = None
         if finished:
+            self._matchers.remove(req.request_id)
             del self._detokenizers[req.request_id]
             self._logprobs.pop(req.request_id, None)
             prompt_logprobs = self._prompt_logprobs.pop(req.request_id, None)

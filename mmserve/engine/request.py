@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +71,8 @@ class Request:
         self.num_cached_tokens: int | None = None
         # Prefix-cache hashes of this request's full blocks, filled by the KV cache manager.
         self.block_hashes: list[bytes] = []
+        # The compiled grammar of its structured_outputs (an xgrammar CompiledGrammar), if any.
+        self.grammar: Any = None
         if prompt_positions is None:
             prompt_positions = np.arange(self.num_prompt_tokens, dtype=np.int64)[None, :]
         if prompt_positions.ndim != 2 or prompt_positions.shape[1] != self.num_prompt_tokens:

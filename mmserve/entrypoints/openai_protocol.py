@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import InvalidInputError
-from mmserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from mmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from mmserve.step import TokenLogprobs
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -66,9 +66,6 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRe
     for name in ("tools", "functions"):
         if body.get(name):
             raise bad_request(f"'{name}' is not supported by mmserve; leave it out.", name)
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
     logprobs = _get(body, "logprobs", bool, False)
     top_logprobs = _get(body, "top_logprobs", int, None)
     if top_logprobs is not None and not logprobs:
@@ -218,12 +215,72 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
     elif isinstance(stop, str):
         _check_text(stop, "stop")
     ignore_eos = _get(body, "ignore_eos", bool, False)  # vLLM's extension, for benchmarks
+    structured = _structured_outputs(body)
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-                              logprobs=logprobs)
+                              logprobs=logprobs, structured_outputs=structured)
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
+
+
+# vLLM's older names for the fields of structured_outputs.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def _structured_outputs(body: dict[str, Any]) -> StructuredOutputs | None:
+    """The output constraint a request asks for, in any of the forms clients send: OpenAI's
+    ``response_format`` (``json_schema`` or ``json_object``), vLLM's ``structured_outputs``
+    object, or its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+    ``guided_grammar``. At most one of them; a 400 names the field that is wrong."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    response_format = body.get("response_format")
+    if response_format is not None:
+        fields = _response_format(response_format)
+        if fields is not None:
+            found.append(("response_format", fields))
+    if body.get("structured_outputs") is not None:
+        fields = body["structured_outputs"]
+        if not isinstance(fields, dict):
+            raise bad_request("structured_outputs must be an object with one of json, regex, "
+                              "choice, grammar or json_object", "structured_outputs")
+        found.append(("structured_outputs", fields))
+    for name, field_name in GUIDED_FIELDS.items():
+        if body.get(name) is not None:
+            found.append((name, {field_name: body[name]}))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"send one output constraint, not {len(found)} "
+                          f"({', '.join(name for name, _ in found)})", found[1][0])
+    name, fields = found[0]
+    known = {"json", "json_object", "regex", "choice", "grammar"}
+    if unknown := sorted(set(fields) - known):
+        raise bad_request(f"{name} has unknown fields {unknown}; it takes one of "
+                          f"{sorted(known)}", name)
+    try:
+        return StructuredOutputs(**fields)
+    except InvalidInputError as e:
+        raise bad_request(str(e).replace("structured_outputs", name, 1), name) from None
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """``response_format`` as the fields of a ``StructuredOutputs`` (None for plain text)."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad_request("response_format json_schema needs 'json_schema': {'name': ..., "
+                              "'schema': {...}} with the schema as an object",
+                              "response_format")
+        return {"json": spec["schema"]}
+    raise bad_request("response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                      "{'type': 'json_schema', 'json_schema': {...}}", "response_format")
 
 
 def _get(obj: dict[str, Any], name: str, kind: type, default: Any, prefix: str = "") -> Any:

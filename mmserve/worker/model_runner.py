@@ -29,7 +29,7 @@ from mmserve.worker.cpu_allocator import (
 )
 from mmserve.worker.cpu_threads import AdaptiveThreads, restore_threads
 from mmserve.worker.memory_profiler import track_peak_bytes
-from mmserve.worker.sampler import sample_each, token_logprobs
+from mmserve.worker.sampler import apply_token_bitmasks, sample_each, token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,10 @@ class ModelRunner:
         if logits is None:
             out.prompt_logprobs.update(prompt_logprobs)
             return
-        tokens = sample_each(logits, [r.sampling_params for r in sampled],
+        constrained = [i for i, r in enumerate(sampled) if r.token_bitmask is not None]
+        sample_from = logits if not constrained else apply_token_bitmasks(
+            logits, constrained, [sampled[i].token_bitmask for i in constrained])
+        tokens = sample_each(sample_from, [r.sampling_params for r in sampled],
                              lambda i: self._generator(sampled[i]))
         rows = [i for i, (r, token) in enumerate(zip(sampled, tokens, strict=True))
                 if r.sampling_params.logprobs is not None and not isinstance(token, Exception)]

@@ -36,6 +36,21 @@ def sample_each(
     return out
 
 
+def apply_token_bitmasks(logits: torch.Tensor, rows: list[int],
+                         bitmasks: list[torch.Tensor]) -> torch.Tensor:
+    """``logits`` with every token that row ``rows[i]``'s packed bitmask ``bitmasks[i]``
+    leaves out (bit ``j`` of int32 word ``w``: token ``32 * w + j``) set to -inf: a new tensor,
+    the raw logits stay for the log-probabilities."""
+    vocab = logits.shape[-1]
+    words = torch.stack(bitmasks).to(logits.device, torch.int32)  # [rows, ceil(vocab / 32)]
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.clone()
+    masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return masked
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int],
                    num_top: list[int]) -> list[TokenLogprobs]:
     """Row ``i``'s log-probabilities (log-softmax of its logits, in float32): of ``tokens[i]``,
