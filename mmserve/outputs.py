@@ -8,6 +8,18 @@ from mmserve.step import TokenLogprobs
 
 
 @dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a prompt (``SamplingParams.n``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+
+@dataclass
 class RequestOutput:
     """The state of one request after an engine step.
 
@@ -15,6 +27,8 @@ class RequestOutput:
     ``new_token_ids`` only what this step added (for streaming). ``logprobs``: for a request
     that asked (``SamplingParams.logprobs``), one entry per token of ``token_ids``;
     ``prompt_logprobs`` one per prompt token (None for the first), in the final output.
+    ``outputs``: in what ``LLM.generate`` returns, the prompt's completions (``n`` of them, the
+    first also in the fields above); empty in the engine's step outputs.
     """
 
     request_id: str
@@ -29,3 +43,9 @@ class RequestOutput:
     error: str | None = None  # finish_reason "error": why the engine failed this request
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    def completion(self, index: int = 0) -> CompletionOutput:
+        """This request's output as completion ``index`` of its prompt."""
+        return CompletionOutput(index, self.text, self.token_ids, self.finish_reason,
+                                self.logprobs, self.error)

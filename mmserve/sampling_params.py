@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json as _json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mmserve.errors import InvalidInputError
 
@@ -25,6 +25,8 @@ MAX_STOP_CHARS = 4096  # all stop strings together
 MAX_STOP_TOKEN_IDS = 64
 # Alternatives per generated token that ``logprobs`` may ask for (OpenAI's and vLLM's cap).
 MAX_LOGPROBS = 20
+# Completions of one prompt (``n``): OpenAI's cap.
+MAX_N = 128
 
 
 # A grammar is compiled once per distinct constraint and held in a cache: bound its source.
@@ -111,7 +113,9 @@ class SamplingParams:
     """How to pick the next token and when to stop.
 
     ``temperature == 0`` is greedy decoding; otherwise it is at least ``MIN_TEMPERATURE``.
-    ``top_k`` 0 or -1 and ``top_p == 1`` disable those filters. ``seed`` (a 64-bit integer)
+    ``top_k`` 0 or -1 and ``top_p == 1`` disable those filters. ``n``: completions of the
+    prompt (1 to ``MAX_N``), which share its prefill and its images' encoder outputs; with a
+    ``seed``, completion ``i`` samples with ``seed + i``. ``seed`` (a 64-bit integer)
     makes a sampled request reproducible regardless of what it is batched with. At most
     ``MAX_STOP_STRINGS`` stop strings of ``MAX_STOP_CHARS`` characters in all, and
     ``MAX_STOP_TOKEN_IDS`` stop token ids. ``logprobs``: None, or return each generated
@@ -125,6 +129,7 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -142,6 +147,9 @@ class SamplingParams:
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}.")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"n must be an integer from 1 to {MAX_N} (completions of the "
+                      f"prompt), got {_short(self.n)}.")
         t = self.temperature
         if not _is_number(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
             raise bad("temperature", f"temperature must be 0 (greedy) or a finite number >= "
@@ -196,6 +204,17 @@ class SamplingParams:
                 f"the stop strings have {sum(len(s) for s in stop)} characters in all; at most "
                 f"{MAX_STOP_CHARS} are allowed.", param="stop")
         return [s for s in stop if s]
+
+    def child(self, index: int) -> SamplingParams:
+        """The parameters of completion ``index`` of ``n``: one completion, and with a seed,
+        a stream of its own (``seed + index``, wrapped into the 64-bit range), so that the
+        completions differ and each reproduces."""
+        seed = self.seed
+        if seed is not None:
+            seed += index
+            if seed > MAX_SEED:
+                seed -= 2**64
+        return replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

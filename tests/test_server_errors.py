@@ -159,7 +159,7 @@ BAD_REQUESTS = {
     "top_p out of range": (chat(top_p=0), "top_p must be in (0, 1]", "top_p"),
     "stream not a bool": (chat(stream="yes"), "must be a boolean", "stream"),
     "stop wrong type": (chat(stop=[1]), "stop must be", "stop"),
-    "n=2": (chat(n=2), "n=2 is not supported", "n"),
+    "n=129": (chat(n=129), "n must be an integer from 1 to 128", "n"),
     "stream_options without stream": (chat(stream_options={"include_usage": True}),
                                       "only allowed when 'stream' is true", "stream_options"),
     "data URL not base64": (chat("x", "data:image/png;base64,%%%not-base64"),

@@ -121,7 +121,8 @@ def test_every_form_of_output_constraint() -> None:
 
 
 @pytest.mark.parametrize("change, param, fragment", [
-    ({"n": 3}, "n", "n=3 is not supported"),
+    ({"n": 129}, "n", "n must be an integer from 1 to 128"),
+    ({"n": 0}, "n", "n must be an integer from 1 to 128"),
     ({"n": True}, "n", "must be an integer"),
     ({"max_tokens": 2.5}, "max_tokens", "must be an integer"),
     ({"temperature": 3}, "temperature", "between 0 and 2"),
@@ -167,16 +168,21 @@ def test_too_many_images_rejected_before_fetching() -> None:
 
 
 def test_response_and_chunk_shapes() -> None:
-    body = proto.completion("id1", "m", "hello", "length", prompt_tokens=30,
-                            completion_tokens=4, cached_tokens=16)
+    body = proto.completion("id1", "m", [proto.chat_choice(0, "hello", "length"),
+                                         proto.chat_choice(1, "hi", "stop")],
+                            proto.usage(30, 4, cached_tokens=16))
     assert body["object"] == "chat.completion"
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hello"},
-                                "logprobs": None, "finish_reason": "length"}]
+    assert body["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": "hello"}, "logprobs": None,
+         "finish_reason": "length"},
+        {"index": 1, "message": {"role": "assistant", "content": "hi"}, "logprobs": None,
+         "finish_reason": "stop"}]
     assert body["usage"] == {"prompt_tokens": 30, "completion_tokens": 4, "total_tokens": 34,
                              "prompt_tokens_details": {"cached_tokens": 16}}
     chunk = proto.chunk("id1", "m", 5, {"content": "he"}, include_usage=True)
     assert chunk["usage"] is None and chunk["choices"][0]["delta"] == {"content": "he"}
     assert "usage" not in proto.chunk("id1", "m", 5, {"content": "he"})
+    assert proto.chunk("id1", "m", 5, {"content": "x"}, index=2)["choices"][0]["index"] == 2
     last = proto.chunk("id1", "m", 5, None, include_usage=True,
                        usage_counts=proto.usage(3, 2))
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 5

@@ -89,7 +89,10 @@ BAD_INPUTS: dict[str, bytes] = {
         "data:image/png;base64," + base64.b64encode(_png(1, (64, 64))[:150]).decode())),
     "non-image data URL": _raw(_with_url("data:text/plain;base64,aGk=")),
     "max_tokens > max_model_len": _raw(_chat(max_tokens=MAX_MODEL_LEN + 1)),
-    "n=2": _raw(_chat(n=2)),
+    "n=129": _raw(_chat(n=129)),
+    "JSON schema that does not compile": _raw(_chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})),
+    "regex that does not compile": _raw(_chat(guided_regex="([a-z")),
     "unknown role": _raw(_chat(messages=[{"role": "robot", "content": "hi"}])),
     "malformed JSON": b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"',
 }

@@ -315,3 +315,25 @@ def test_bench_serve_sends_the_schema(client: openai.OpenAI, tmp_path: Path) -> 
         assert r.output_tokens < 60
         doc = json.loads(r.text)
         assert set(doc) == {"ok", "n"} and isinstance(doc["ok"], bool) and 0 <= doc["n"] <= 9
+
+
+def test_the_demo_model_over_http_answers_in_the_schemas_shape(tmp_path: Path) -> None:
+    """Its answers about the picture may be wrong; their shape is the schema's."""
+    from mmserve.demo.checkpoint import demo_model_path
+
+    srv = Server(str(demo_model_path()), "--served-model-name", "demo",
+                 log=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        image = Path(__file__).parent.parent / "samples" / "scene_02.png"
+        from PIL import Image
+
+        messages = image_message("Describe the shapes as JSON.", data_url(Image.open(image)))
+        resp = client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=LONG, temperature=0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "scene", "schema": SCHEMA}})
+        assert resp.choices[0].finish_reason == "stop"
+        Scene.model_validate_json(resp.choices[0].message.content)
+    finally:
+        srv.stop()

@@ -163,9 +163,18 @@ class AsyncEngine:
     # ----------------------------------------------------------------- requests
     async def add_request(self, request_id: str, prompt: dict[str, Any],
                           params: SamplingParams) -> RequestStream:
-        """Validate and queue a request; raises ``InvalidInputError`` (bad input),
-        ``QueueFullError`` or ``EngineDeadError``. Abort it with ``abort`` if the caller stops
-        reading before it finishes."""
+        """Validate and queue a request of one completion; raises ``InvalidInputError``
+        (bad input), ``QueueFullError`` or ``EngineDeadError``. Abort it with ``abort`` if the
+        caller stops reading before it finishes."""
+        (stream,) = await self.add_completions([request_id], prompt, params)
+        return stream
+
+    async def add_completions(self, request_ids: list[str], prompt: dict[str, Any],
+                              params: SamplingParams) -> list[RequestStream]:
+        """``add_request`` for the ``params.n`` completions of one prompt, one id each: the
+        prompt is processed once and its completions queued together (``fork_request``)."""
+        if len(request_ids) != params.n:
+            raise ValueError(f"{len(request_ids)} request ids for n={params.n} completions")
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
         if not self.has_room():
@@ -173,21 +182,30 @@ class AsyncEngine:
                 f"{self.max_waiting} requests are already waiting for a slot "
                 f"(--max-queue {self.max_waiting}); retry later.")
         assert self._loop is not None
-        stream = RequestStream(request_id, arrival_time=time.monotonic())
-        self._streams[request_id] = stream
-        added: asyncio.Future[None] = self._loop.create_future()
+        now = time.monotonic()
+        streams = [RequestStream(rid, arrival_time=now) for rid in request_ids]
+        for stream in streams:
+            self._streams[stream.request_id] = stream
+        added = [self._loop.create_future() for _ in request_ids]
         try:
             request = await self._loop.run_in_executor(
-                self._preprocess, self.engine.process_request, prompt, params, request_id)
-            self._commands.put(_Add(request, self._resolver(added)))
-            await added
+                self._preprocess, self.engine.process_request, prompt, params, request_ids[0])
+            children = ([request] if params.n == 1
+                        else self.engine.fork_request(request, request_ids))
+            for child, future in zip(children, added, strict=True):
+                self._commands.put(_Add(child, self._resolver(future)))
+            await asyncio.gather(*added)
         except asyncio.CancelledError:
-            self.abort(request_id)
+            for rid in request_ids:
+                self.abort(rid)
             raise
         except BaseException:
-            self._streams.pop(request_id, None)
+            for rid, future in zip(request_ids, added, strict=True):
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    self.abort(rid)  # queued before another completion was refused
+                self._streams.pop(rid, None)
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str) -> None:
         """Stop a request and release its KV blocks and encoder-cache references. Harmless for

@@ -169,7 +169,12 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Validate and queue a request. Raises InvalidInputError saying what to change."""
+        """Validate and queue a request of one completion. Raises InvalidInputError saying
+        what to change."""
+        if sampling_params is not None and sampling_params.n != 1:
+            raise InvalidInputError(
+                f"LLMEngine.add_request queues one completion, not n={sampling_params.n}: use "
+                "LLM.generate, or process_request and fork_request.", param="n")
         return self.add_processed_request(
             self.process_request(prompt, sampling_params, request_id))
 
@@ -217,6 +222,25 @@ class LLMEngine:
         req.grammar = grammar
         return req
 
+    def fork_request(self, req: Request, request_ids: list[str]) -> list[Request]:
+        """The ``n`` completions of a request made by ``process_request`` (``n`` is
+        ``req.sampling_params.n``, one id each): requests of one completion each, sharing its
+        prompt, its images (pixels and hashes: each image is encoded once, and once the first
+        completion's prompt blocks are computed the others find them in the prefix cache) and
+        its compiled grammar, each with its own seed (``SamplingParams.child``)."""
+        params = req.sampling_params
+        if len(request_ids) != params.n:
+            raise ValueError(f"{len(request_ids)} request ids for n={params.n} completions")
+        children = []
+        for i, request_id in enumerate(request_ids):
+            child = Request(request_id, req.prompt_token_ids, params.child(i), req.images,
+                            eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
+                            prompt_positions=req.prompt_positions,
+                            decode_offset=req.decode_offset)
+            child.grammar = req.grammar
+            children.append(child)
+        return children
+
     def next_request_id(self) -> str:
         """A request id no other request of this engine has been given."""
         return str(next(self._ids))
@@ -231,9 +255,13 @@ class LLMEngine:
             self.num_memory_releases += 1
 
     def add_processed_request(self, req: Request) -> str:
-        """Queue a request made by ``process_request``."""
+        """Queue a request made by ``process_request`` (of one completion: ``fork_request``
+        makes those of ``n``)."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        if req.sampling_params.n != 1:
+            raise ValueError(f"a request of n={req.sampling_params.n} completions is queued "
+                             "as its fork_request children")
         if req.request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {req.request_id!r} is already in use")
         self._detokenizers[req.request_id] = IncrementalDetokenizer(

@@ -207,16 +207,18 @@ class OpenAIServer:
             chat = await self._parse(request)
             images = await asyncio.gather(*(self.media.load(url) for url in chat.image_urls))
             prompt = {"messages": chat.messages, "images": list(images)}
-            stream = await self.engine.add_request(request_id, prompt, chat.params)
+            streams = await self.engine.add_completions(
+                _completion_ids(request_id, chat.params.n), prompt, chat.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             err = _as_api_error(e)
             self.metrics.count("rejected" if err.status < 500 else "error")
             return _error_response(err)
         if chat.stream:
             return StreamingResponse(
-                self._sse(stream, chat.include_usage), media_type="text/event-stream",
+                self._sse(request_id, streams, chat.include_usage),
+                media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, stream)
+        return await self._complete(request, request_id, streams)
 
     async def _parse(self, request: Request) -> proto.ChatRequest:
         chat = proto.parse_chat_request(await self._read_json(request), self.max_model_len,
@@ -307,102 +309,65 @@ class OpenAIServer:
                 return _error_response(_failed(out))
         return outs
 
-    async def _complete(self, request: Request, stream: RequestStream) -> Response:
-        """Wait for the whole answer; abort if the client goes away meanwhile."""
-        outs = await self._final_outputs(request, [stream])
-        if isinstance(outs, Response):
-            return outs
-        (out,) = outs
-        logprobs = None
-        if out.logprobs is not None:
-            logprobs = proto.logprobs_content(out.token_ids, out.logprobs, self._token_text)
-        body = proto.completion(stream.request_id, self.model, out.text, out.finish_reason,
-                                out.num_prompt_tokens, len(out.token_ids),
-                                out.num_cached_tokens, logprobs)
-        return JSONResponse(body)
-
-    async def _sse(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
-        rid, created = stream.request_id, int(time.time())
-
-        sent = 0  # tokens whose logprobs went out with an earlier chunk
-
-        def event(delta: dict[str, Any] | None, reason: str | None = None,
-                  usage: dict[str, Any] | None = None, out: RequestOutput | None = None) -> str:
-            nonlocal sent
-            logprobs = None
-            if out is not None and out.logprobs is not None:  # the tokens since the last chunk
-                logprobs = proto.logprobs_content(out.token_ids[sent:], out.logprobs[sent:],
-                                                  self._token_text)
-                sent = len(out.logprobs)
-            body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage,
-                               logprobs)
-            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
-        # A failure mid-stream is an event with OpenAI's error body (the openai client raises
-        # it), then the end of the stream as usual.
-        try:
-            yield event({"role": "assistant", "content": ""})
-            try:
-                async for out in stream:
-                    if out.finish_reason == "error":
-                        yield f"data: {json.dumps(_failed(out).body())}\n\n"
-                        break
-                    if out.new_text:
-                        yield event({"content": out.new_text}, out=out)
-                    if out.finished:
-                        yield event({}, out.finish_reason, out=out)
-                        if include_usage:
-                            yield event(None, usage=proto.usage(out.num_prompt_tokens,
-                                                                len(out.token_ids),
-                                                                out.num_cached_tokens))
-            except EngineDeadError as e:
-                self.metrics.count("error")
-                yield f"data: {json.dumps(_as_api_error(e).body())}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            # The client went away (this generator was cancelled or closed) or we are done;
-            # aborting a finished request is a no-op.
-            self.engine.abort(rid)
-
-    # ----------------------------------------------------------------- completions
-    async def completions(self, request: Request) -> Response:
-        """``POST /v1/completions``: text or token-id prompts (images go to the chat endpoint),
-        each prompt an engine request of its own and a choice of the answer."""
-        request_id = f"cmpl-{_request_id(request)}"
-        streams: list[RequestStream] = []
-        try:
-            req = proto.parse_completion_request(await self._read_json(request),
-                                                 self.max_model_len)
-            self._check_model_and_room(req.model)
-            for i, prompt in enumerate(req.prompts):
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt,
-                                                             req.params))
-        except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
-            for stream in streams:  # the prompts added before the one refused
-                self.engine.abort(stream.request_id)
-            err = _as_api_error(e)
-            self.metrics.count("rejected" if err.status < 500 else "error")
-            return _error_response(err)
-        if req.stream:
-            return StreamingResponse(
-                self._completion_sse(request_id, streams, req.include_usage),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    async def _complete(self, request: Request, request_id: str,
+                        streams: list[RequestStream]) -> Response:
+        """Wait for the whole answer (every choice); abort if the client goes away."""
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
             return outs
-        choices = [proto.completion_choice(
+        choices = [proto.chat_choice(
             i, out.text, out.finish_reason,
-            None if out.logprobs is None else proto.completion_logprobs(
+            None if out.logprobs is None else proto.logprobs_content(
                 out.token_ids, out.logprobs, self._token_text)) for i, out in enumerate(outs)]
-        return JSONResponse(proto.text_completion(request_id, self.model, choices,
-                                                  _usage_of(outs)))
+        return JSONResponse(proto.completion(request_id, self.model, choices,
+                                             _usage_of([outs])))
 
-    async def _completion_sse(self, rid: str, streams: list[RequestStream],
-                              include_usage: bool) -> AsyncIterator[str]:
-        """The prompts' streams merged into one, each chunk one prompt's new text (``index``
-        says which); the usage of them all last when asked for."""
+    async def _sse(self, rid: str, streams: list[RequestStream],
+                   include_usage: bool) -> AsyncIterator[str]:
+        """A chat answer's chunks: each choice's role first, then its text as it comes, in
+        the order the choices produce it (``index`` says whose), the usage last when asked."""
         created = int(time.time())
+        sent = [0] * len(streams)  # tokens whose logprobs went out with an earlier chunk
+
+        def event(index: int, delta: dict[str, Any] | None, reason: str | None = None,
+                  usage: dict[str, Any] | None = None, out: RequestOutput | None = None) -> str:
+            logprobs = None
+            if out is not None and out.logprobs is not None:  # the tokens since the last chunk
+                logprobs = proto.logprobs_content(out.token_ids[sent[index]:],
+                                                  out.logprobs[sent[index]:], self._token_text)
+                sent[index] = len(out.logprobs)
+            body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage,
+                               logprobs, index)
+            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+        finals: list[RequestOutput] = []
+        try:
+            for index in range(len(streams)):
+                yield event(index, {"role": "assistant", "content": ""})
+            async with contextlib.aclosing(self._merged(streams)) as merged:
+                async for index, out in merged:
+                    if isinstance(out, str):  # an error event: the stream ends after it
+                        yield out
+                        break
+                    if out.new_text:
+                        yield event(index, {"content": out.new_text}, out=out)
+                    if out.finished:
+                        yield event(index, {}, out.finish_reason, out=out)
+                        finals.append(out)
+                else:
+                    if include_usage:
+                        yield event(0, None, usage=_usage_of([finals]))
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away, or we are done: aborting a finished one does nothing
+            self._abort(streams)
+
+    async def _merged(self, streams: list[RequestStream]
+                      ) -> AsyncIterator[tuple[int, RequestOutput | str]]:
+        """The outputs of several streams as they come, each with its stream's index. A
+        failure (a request the engine failed, an engine that stopped) comes as the text of its
+        SSE error event (OpenAI's error body: the openai client raises it), and nothing comes
+        after it. Leaving (the client went away, a failure, the end) aborts every stream's
+        request; aborting a finished one does nothing."""
         merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = (
             asyncio.Queue())
 
@@ -414,52 +379,105 @@ class OpenAIServer:
                 await merged.put((index, e))
             await merged.put((index, None))
 
-        def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
-            body = proto.completion_chunk(rid, self.model, created, choice, include_usage,
-                                          usage)
-            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
-
         pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        sent = [0] * len(streams)  # tokens each prompt's chunks carried logprobs for
-        offsets = [0] * len(streams)  # and the text those tokens stand for
-        finals: list[RequestOutput] = []
         try:
             running = len(streams)
             while running:
                 index, item = await merged.get()
                 if item is None:
                     running -= 1
-                    continue
-                if isinstance(item, BaseException):
+                elif isinstance(item, BaseException):
                     self.metrics.count("error")
-                    yield f"data: {json.dumps(_as_api_error(item).body())}\n\n"
-                    break
-                out = item
-                if out.finish_reason == "error":
-                    yield f"data: {json.dumps(_failed(out).body())}\n\n"
-                    break
-                if not (out.new_text or out.finished):
-                    continue
-                logprobs = None
-                if out.logprobs is not None:
-                    logprobs = proto.completion_logprobs(
-                        out.token_ids[sent[index]:], out.logprobs[sent[index]:],
-                        self._token_text, offsets[index])
-                    sent[index] = len(out.logprobs)
-                    offsets[index] += sum(len(t) for t in logprobs["tokens"])
-                reason = out.finish_reason if out.finished else None
-                yield event(proto.completion_choice(index, out.new_text, reason, logprobs))
-                if out.finished:
-                    finals.append(out)
-            else:
-                if include_usage:
-                    yield event(None, _usage_of(finals))
-            yield "data: [DONE]\n\n"
+                    yield index, f"data: {json.dumps(_as_api_error(item).body())}\n\n"
+                    return
+                elif item.finish_reason == "error":
+                    yield index, f"data: {json.dumps(_failed(item).body())}\n\n"
+                    return
+                else:
+                    yield index, item
         finally:
             for task in pumps:
                 task.cancel()
-            for stream in streams:  # the client went away, or one failed; no-op when done
+            self._abort(streams)
+
+    def _abort(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            self.engine.abort(stream.request_id)
+
+    # ----------------------------------------------------------------- completions
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``: text or token-id prompts (images go to the chat endpoint),
+        each prompt an engine request of its own and a choice of the answer."""
+        request_id = f"cmpl-{_request_id(request)}"
+        streams: list[RequestStream] = []
+        try:
+            req = proto.parse_completion_request(await self._read_json(request),
+                                                 self.max_model_len)
+            self._check_model_and_room(req.model)
+            n = req.params.n
+            for i, prompt in enumerate(req.prompts):  # choice p * n + j: prompt p's j-th
+                streams += await self.engine.add_completions(
+                    [f"{request_id}-{i * n + j}" for j in range(n)], prompt, req.params)
+        except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
+            for stream in streams:  # the prompts added before the one refused
                 self.engine.abort(stream.request_id)
+            err = _as_api_error(e)
+            self.metrics.count("rejected" if err.status < 500 else "error")
+            return _error_response(err)
+        if req.stream:
+            return StreamingResponse(
+                self._completion_sse(request_id, streams, req.include_usage, n),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outs = await self._final_outputs(request, streams)
+        if isinstance(outs, Response):
+            return outs
+        choices = [proto.completion_choice(
+            i, out.text, out.finish_reason,
+            None if out.logprobs is None else proto.completion_logprobs(
+                out.token_ids, out.logprobs, self._token_text)) for i, out in enumerate(outs)]
+        return JSONResponse(proto.text_completion(request_id, self.model, choices,
+                                                  _usage_of(_per_prompt(outs, n))))
+
+    async def _completion_sse(self, rid: str, streams: list[RequestStream],
+                              include_usage: bool, n: int) -> AsyncIterator[str]:
+        """The choices' streams merged into one, each chunk one choice's new text (``index``
+        says which); the usage of them all last when asked for."""
+        created = int(time.time())
+
+        def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
+            body = proto.completion_chunk(rid, self.model, created, choice, include_usage,
+                                          usage)
+            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+        sent = [0] * len(streams)  # tokens each choice's chunks carried logprobs for
+        offsets = [0] * len(streams)  # and the text those tokens stand for
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async with contextlib.aclosing(self._merged(streams)) as merged:
+                async for index, out in merged:
+                    if isinstance(out, str):  # an error event: the stream ends after it
+                        yield out
+                        break
+                    if not (out.new_text or out.finished):
+                        continue
+                    logprobs = None
+                    if out.logprobs is not None:
+                        logprobs = proto.completion_logprobs(
+                            out.token_ids[sent[index]:], out.logprobs[sent[index]:],
+                            self._token_text, offsets[index])
+                        sent[index] = len(out.logprobs)
+                        offsets[index] += sum(len(t) for t in logprobs["tokens"])
+                    reason = out.finish_reason if out.finished else None
+                    yield event(proto.completion_choice(index, out.new_text, reason, logprobs))
+                    if out.finished:
+                        finals[index] = out
+                else:
+                    if include_usage:
+                        yield event(None, _usage_of(_per_prompt([o for o in finals if o], n)))
+            yield "data: [DONE]\n\n"
+        finally:
+            self._abort(streams)
 
     # ----------------------------------------------------------------- app
     def app(self) -> Starlette:
@@ -493,11 +511,22 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     return OpenAIServer(engine, config).app()
 
 
-def _usage_of(outs: list[RequestOutput]) -> dict[str, Any]:
-    """The usage of several requests' outputs together."""
-    return proto.usage(sum(o.num_prompt_tokens for o in outs),
-                       sum(len(o.token_ids) for o in outs),
-                       sum(o.num_cached_tokens for o in outs))
+def _completion_ids(request_id: str, n: int) -> list[str]:
+    """The engine request ids of a chat answer's ``n`` choices."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+def _per_prompt(outs: list[RequestOutput], n: int) -> list[list[RequestOutput]]:
+    """Outputs in choice order (``n`` per prompt) grouped by prompt."""
+    return [outs[i:i + n] for i in range(0, len(outs), n)]
+
+
+def _usage_of(prompts: list[list[RequestOutput]]) -> dict[str, Any]:
+    """The usage of several prompts' completions together, as OpenAI counts it: each
+    prompt's tokens (and those of it the prefix cache served) once, every completion's."""
+    return proto.usage(sum(outs[0].num_prompt_tokens for outs in prompts if outs),
+                       sum(len(o.token_ids) for outs in prompts for o in outs),
+                       sum(outs[0].num_cached_tokens for outs in prompts if outs))
 
 
 def _as_api_error(e: Exception) -> ApiError:

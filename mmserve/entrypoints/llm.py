@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -121,31 +122,38 @@ class LLM:
 
     def _run(self, prompts: list[dict[str, Any] | str], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
-        """Preprocess ``prompts`` ahead of the engine and step until every one finished.
-        Whatever stops the loop early (a bad prompt, an engine that died, Ctrl-C) aborts the
-        call's requests still in flight first, so the engine is left with every KV block free
-        and can be used again."""
+        """Preprocess ``prompts`` ahead of the engine and step until every completion of
+        every one finished. Whatever stops the loop early (a bad prompt, an engine that died,
+        Ctrl-C) aborts the call's requests still in flight first, so the engine is left with
+        every KV block free and can be used again."""
         engine = self.engine
-        ids = [engine.next_request_id() for _ in prompts]
-        wanted = set(ids)
+        ids = [[engine.next_request_id() for _ in range(p.n)] for p in params]  # per prompt
+        wanted = {rid for group in ids for rid in group}
         window = prompts_ahead(engine.scheduler.max_num_seqs)
         pending: dict[int, Future] = {}  # prompt index -> its preprocessing
         submitted = queued = 0  # prompts handed to the pool; to the engine
+        requests = 0  # completions of the submitted prompts
         done: dict[str, RequestOutput] = {}
         pool = _preprocess_pool(engine.config.resolved_device)
         try:
-            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-                while len(done) < len(ids):
-                    while submitted < len(ids) and submitted - len(done) < window:
+            with tqdm(total=len(wanted), desc="Processed prompts",
+                      disable=not use_tqdm) as bar:
+                while len(done) < len(wanted):
+                    while submitted < len(prompts) and requests - len(done) < window:
                         pending[submitted] = pool.submit(engine.process_request,
                                                          prompts[submitted], params[submitted],
-                                                         ids[submitted])
+                                                         ids[submitted][0])
+                        requests += params[submitted].n
                         submitted += 1
                     # Queue the prompts that are ready, in order; wait for the next one only
                     # when the engine has nothing else to do.
                     while queued < submitted and (pending[queued].done()
                                                   or not engine.has_unfinished_requests()):
-                        engine.add_processed_request(pending.pop(queued).result())
+                        req = pending.pop(queued).result()
+                        children = ([req] if req.sampling_params.n == 1
+                                    else engine.fork_request(req, ids[queued]))
+                        for child in children:
+                            engine.add_processed_request(child)
                         queued += 1
                     if not engine.has_unfinished_requests():
                         break  # nothing queued, nothing to queue: see below
@@ -156,18 +164,24 @@ class LLM:
         except BaseException:
             for future in pending.values():
                 future.cancel()
-            for rid in ids[:queued]:
-                if rid not in done:
-                    engine.abort_request(rid)
+            for group in ids[:queued]:
+                for rid in group:
+                    if rid not in done:
+                        engine.abort_request(rid)
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        missing = [rid for rid in ids if rid not in done]
+        missing = [rid for group in ids for rid in group if rid not in done]
         if missing:  # the engine lost track of them: a bug, not a state to hang in
             for rid in missing:
                 engine.abort_request(rid)
             raise RuntimeError(f"the engine stopped without finishing requests {missing}")
-        return [done[rid] for rid in ids]
+        return [_with_completions([done[rid] for rid in group]) for group in ids]
+
+
+def _with_completions(outs: list[RequestOutput]) -> RequestOutput:
+    """A prompt's output: its first completion's, with every completion in ``outputs``."""
+    return replace(outs[0], outputs=[out.completion(i) for i, out in enumerate(outs)])
 
 
 # The fewest prompts of a ``generate`` call the engine may hold at once, whatever its

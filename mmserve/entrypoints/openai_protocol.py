@@ -89,7 +89,7 @@ class CompletionRequest:
     model: str | None = None
 
 
-# Prompts one completions request may carry: each becomes an engine request of its own.
+# Choices one completions request may ask for (prompts x n): each an engine request of its own.
 MAX_COMPLETION_PROMPTS = 256
 # OpenAI's default for the completions endpoint (chat's is the context's room).
 DEFAULT_COMPLETION_TOKENS = 16
@@ -118,8 +118,13 @@ def parse_completion_request(body: Any, max_model_len: int) -> CompletionRequest
     _check_num_logprobs(logprobs, "logprobs")
     stream, include_usage = _stream_options(body)
     params = _sampling_params(body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs)
-    return CompletionRequest(_parse_prompts(body.get("prompt")), params, stream=stream,
-                             include_usage=include_usage, model=model)
+    prompts = _parse_prompts(body.get("prompt"))
+    if len(prompts) * params.n > MAX_COMPLETION_PROMPTS:
+        raise bad_request(f"{len(prompts)} prompts x n={params.n} make {len(prompts) * params.n} "
+                          f"choices; at most {MAX_COMPLETION_PROMPTS} are allowed in one "
+                          "request, send fewer prompts or a smaller n.", "n")
+    return CompletionRequest(prompts, params, stream=stream, include_usage=include_usage,
+                             model=model)
 
 
 def _parse_prompts(prompt: Any) -> list[dict[str, Any]]:
@@ -183,9 +188,6 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
                      logprobs: int | None) -> SamplingParams:
     """The sampling fields both endpoints share, checked."""
     n = _get(body, "n", int, 1)
-    if n != 1:
-        raise bad_request(f"n={n} is not supported; mmserve returns one choice per prompt "
-                          "(send n=1 or leave it out, and repeat the request for more).", "n")
     for name in ("frequency_penalty", "presence_penalty"):
         if _get(body, name, float, 0.0) != 0.0:
             raise bad_request(f"'{name}' is not supported by mmserve; leave it out or send 0.",
@@ -217,9 +219,10 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
     ignore_eos = _get(body, "ignore_eos", bool, False)  # vLLM's extension, for benchmarks
     structured = _structured_outputs(body)
     try:
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos,
-                              logprobs=logprobs, structured_outputs=structured)
+        return SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature,
+                              top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                              ignore_eos=ignore_eos, logprobs=logprobs,
+                              structured_outputs=structured)
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
 
@@ -408,32 +411,32 @@ def logprobs_content(token_ids: Sequence[int], entries: Sequence[TokenLogprobs],
                         for token, e in zip(token_ids, entries, strict=True)]}
 
 
-def completion(request_id: str, model: str, text: str, reason: str | None,
-               prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "logprobs": logprobs, "finish_reason": finish_reason(reason)}],
-        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
-    }
+def chat_choice(index: int, text: str, reason: str | None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+
+
+def completion(request_id: str, model: str, choices: list[dict[str, Any]],
+               usage_counts: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion; ``choices`` from ``chat_choice`` (``n`` of them)."""
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage_counts}
 
 
 def chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | None,
           reason: str | None = None, include_usage: bool = False,
           usage_counts: dict[str, Any] | None = None,
-          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One SSE chunk. ``delta=None`` makes the usage-only chunk (``choices`` empty)."""
+          logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    """One SSE chunk of choice ``index``. ``delta=None`` makes the usage-only chunk
+    (``choices`` empty)."""
     body: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
         "choices": [] if delta is None else [
-            {"index": 0, "delta": delta, "logprobs": logprobs,
+            {"index": index, "delta": delta, "logprobs": logprobs,
              "finish_reason": finish_reason(reason)}],
     }
     if include_usage:
