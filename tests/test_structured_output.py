@@ -154,6 +154,12 @@ def test_every_constraint_holds_in_a_mixed_batch_with_images(llm: LLM, temperatu
     prompts = [_chat(f"describe {name}", images=i % 3, seed=i) for i, name in enumerate(names)]
     outs = llm.generate(prompts, [_params(n, temperature, seed) for n in names])
     for name, out in zip(names, outs, strict=True):
+        if name == "json_object" and out.finish_reason == "length":
+            # Any object: a random model sampling may fill a string until max_tokens; what
+            # it wrote is then the start of a JSON object.
+            compiled = llm.engine.grammars.compile(StructuredOutputs(json_object=True))
+            assert xgrammar.GrammarMatcher(compiled).accept_string(out.text), out.text
+            continue
         assert out.finish_reason == "stop", (name, out.text)
         CHECKS[name][1](out.text)
     assert_no_leaks(llm.engine)

@@ -1,9 +1,17 @@
-"""Token sampling: one function, with a fast path for all-greedy batches.
+"""Token sampling, batched: one pass over the rows that sample, whatever their parameters.
 
-Rows are sampled one by one after the greedy fast path, and a row that fails (a generator
-that cannot take its seed, probabilities that are not finite) fails alone: ``sample_each``
-returns its exception in its place, so the runner fails that request and no other, without
-running the forward pass again or drawing again from the other rows' generators.
+Temperature, top-k and top-p apply to all those rows at once (a row's own values, or no
+filter), and each row draws its token by inverse transform: one uniform variate against its
+cumulative probabilities. The variate comes from the row's generator: a seeded request's own
+(so it draws what it draws alone, whatever shares the step), or, for the others, one draw of
+the runner's shared generator for all of them. The
+results reach Python in one transfer, with no per-row synchronization on a GPU, and nothing in
+it can assert on the device as ``multinomial`` does on probabilities that are not finite.
+
+A row that fails (a generator that cannot take its seed, probabilities that are not finite)
+fails alone: ``sample_each`` returns its exception in its place, so the runner fails that
+request and no other, without running the forward pass again or drawing again from the other
+rows' generators.
 """
 
 from __future__ import annotations
@@ -22,18 +30,77 @@ def sample_each(
     generator: Callable[[int], torch.Generator],  # row -> its generator, made on demand
 ) -> list[int | Exception]:
     """The next token of every row, or the exception its sampling raised."""
-    greedy = logits.argmax(dim=-1).tolist()
+    greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
-        return greedy
-    out: list[int | Exception] = list(greedy)
+        return greedy.tolist()
+    out: list[int | Exception] = [0] * len(params)
+    generators: dict[int, torch.Generator] = {}
+    for i, p in enumerate(params):
+        if not p.greedy:
+            try:
+                generators[i] = generator(i)
+            except Exception as e:  # noqa: BLE001 (handed back for this row alone)
+                out[i] = e
+    rows = list(generators)
+    tokens, finite = greedy, torch.ones_like(greedy)
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        drawn, ok = _sample_rows(logits.index_select(0, index), [params[i] for i in rows],
+                                 [generators[i] for i in rows])
+        tokens = tokens.index_copy(0, index, drawn)
+        finite = finite.index_copy(0, index, ok.long())
+    values, oks = torch.stack([tokens, finite]).tolist()  # the step's one transfer
     for i, p in enumerate(params):
         if p.greedy:
-            continue
-        try:
-            out[i] = _sample_row(logits[i], p, generator(i))
-        except Exception as e:  # noqa: BLE001 (handed back for this row alone)
-            out[i] = e
+            out[i] = values[i]
+        elif i in generators:
+            out[i] = values[i] if oks[i] else RuntimeError(
+                f"the sampling probabilities are not finite (temperature={p.temperature:g}, "
+                f"top_k={p.top_k}, top_p={p.top_p:g})")
     return out
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw a token for each row: the tokens, and whether each row's probabilities were
+    finite (where they are not, its token means nothing)."""
+    device, vocab = logits.device, logits.shape[-1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    x = logits.float() / temperature.unsqueeze(1)
+    ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(ks):  # keep each row's k best (ties with the k-th included)
+        top = x.topk(max(ks), dim=-1).values
+        k = torch.tensor([k or 1 for k in ks], device=device)
+        kth = top.gather(1, (k - 1).unsqueeze(1))
+        filtered = torch.tensor([k > 0 for k in ks], device=device).unsqueeze(1)
+        x = x.masked_fill(filtered & (x < kth), float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        # Drop a token when the tokens ranked above it already reach top_p (never, for a row
+        # without top_p: rounding could bring its sums to 1).
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params],
+                             device=device).unsqueeze(1)
+        drop = probs.cumsum(-1) - probs >= top_p
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+    probs = x.softmax(-1)
+    finite = torch.isfinite(probs).all(-1)
+    # Inverse transform: the first token whose cumulative probability passes a uniform
+    # variate (side="right": a token of probability 0 spans nothing and is never drawn).
+    cdf = probs.cumsum(-1)
+    u = torch.empty(len(generators), 1, device=device)
+    rows_of: dict[int, list[int]] = {}  # generator -> the rows that draw from it, in order
+    for row, gen in enumerate(generators):
+        rows_of.setdefault(id(gen), []).append(row)
+    for rows in rows_of.values():
+        gen = generators[rows[0]]
+        if len(rows) == len(generators):
+            u.uniform_(generator=gen)
+        else:
+            u[torch.tensor(rows, device=device)] = torch.empty(
+                len(rows), 1, device=device).uniform_(generator=gen)
+    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    return tokens.clamp_(max=vocab - 1), finite
 
 
 def apply_token_bitmasks(logits: torch.Tensor, rows: list[int],
@@ -77,23 +144,3 @@ def sample(
         if isinstance(t, Exception):
             raise t
     return tokens  # type: ignore[return-value]
-
-
-def _sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    row = row.float() / p.temperature
-    if 0 < p.top_k < row.shape[-1]:
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the tokens ranked above it already reach top_p.
-        drop = probs.cumsum(-1) - probs >= p.top_p
-        row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = row.softmax(-1)
-    # Checked first: on a GPU, multinomial asserts on the device, which ends every later CUDA
-    # call in the process, not just this row.
-    if not bool(torch.isfinite(probs).all()):
-        raise RuntimeError(f"the sampling probabilities are not finite "
-                           f"(temperature={p.temperature:g}, top_k={p.top_k}, top_p={p.top_p:g})")
-    return int(torch.multinomial(probs, 1, generator=generator))
