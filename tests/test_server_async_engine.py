@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,9 @@ class FakeEngine:
         return bool(self.live)
 
     def step(self) -> list[RequestOutput]:
+        # A real step takes milliseconds; one that takes none floods the event loop with
+        # outputs (whose token lists grow every step) faster than anything can read them.
+        time.sleep(0.001)
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
         if self.steps == self.crash_at_step:

@@ -340,7 +340,7 @@ class OpenAIServer:
                                logprobs, index)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
-        finals: list[RequestOutput] = []
+        finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             for index in range(len(streams)):
                 yield event(index, {"role": "assistant", "content": ""})
@@ -353,10 +353,10 @@ class OpenAIServer:
                         yield event(index, {"content": out.new_text}, out=out)
                     if out.finished:
                         yield event(index, {}, out.finish_reason, out=out)
-                        finals.append(out)
+                        finals[index] = out
                 else:
                     if include_usage:
-                        yield event(0, None, usage=_usage_of([finals]))
+                        yield event(0, None, usage=_usage_of([[o for o in finals if o]]))
             yield "data: [DONE]\n\n"
         finally:  # the client went away, or we are done: aborting a finished one does nothing
             self._abort(streams)
