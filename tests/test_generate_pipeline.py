@@ -47,7 +47,7 @@ def test_the_engine_steps_while_later_prompts_are_preprocessed(llm, alone, monke
                                                               preprocess_on):
     """With threads, as soon as the first prompt is ready; between steps, beyond the window
     (4 prompts here: max_num_seqs=2 and no floor)."""
-    monkeypatch.setattr(llm_module, "MIN_PROMPTS_AHEAD", 0)
+    monkeypatch.setattr(llm_module, "MIN_REQUESTS_AHEAD", 0)
     engine = llm.engine
     stepped = threading.Event()
     real_step, real_process = engine.step, engine.process_request
@@ -76,8 +76,8 @@ def test_the_engine_steps_while_later_prompts_are_preprocessed(llm, alone, monke
 def test_prompts_held_ahead_of_the_engine_are_bounded(llm, alone, monkeypatch, preprocess_on):
     """max_num_seqs=2 and no floor: at most 4 of the call's prompts preprocessed or running
     at once."""
-    assert llm_module.prompts_ahead(2) == 64 and llm_module.prompts_ahead(100) == 200
-    monkeypatch.setattr(llm_module, "MIN_PROMPTS_AHEAD", 0)
+    assert llm_module.requests_ahead(2) == 64 and llm_module.requests_ahead(100) == 200
+    monkeypatch.setattr(llm_module, "MIN_REQUESTS_AHEAD", 0)
     engine = llm.engine
     real_step, real_process = engine.step, engine.process_request
     count = {"processed": 0, "finished": 0, "most": 0}

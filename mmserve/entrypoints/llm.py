@@ -53,8 +53,9 @@ class LLM:
         image token per image) or ``{"messages": [...], "images": [...]}`` in OpenAI chat form.
 
         Prompts are preprocessed (images decoded, resized and normalized, text tokenized) and
-        queued in input order, at most ``prompts_ahead(max_num_seqs)`` of the call held
-        preprocessed or running at a time, so any number of images takes bounded memory.
+        queued in input order, at most ``requests_ahead(max_num_seqs)`` of the call's requests
+        (a prompt's ``n`` completions count ``n``) held preprocessed or running at a time, so
+        any number of images takes bounded memory.
         Beside a GPU engine a pool of threads preprocesses while the engine steps, and the
         first step starts once the first prompt is ready, not all of them; on the CPU, whose
         steps take every core, the calling thread preprocesses between steps. Bad input raises
@@ -129,7 +130,7 @@ class LLM:
         engine = self.engine
         ids = [[engine.next_request_id() for _ in range(p.n)] for p in params]  # per prompt
         wanted = {rid for group in ids for rid in group}
-        window = prompts_ahead(engine.scheduler.max_num_seqs)
+        window = requests_ahead(engine.scheduler.max_num_seqs)
         pending: dict[int, Future] = {}  # prompt index -> its preprocessing
         submitted = queued = 0  # prompts handed to the pool; to the engine
         requests = 0  # completions of the submitted prompts
@@ -184,15 +185,15 @@ def _with_completions(outs: list[RequestOutput]) -> RequestOutput:
     return replace(outs[0], outputs=[out.completion(i) for i, out in enumerate(outs)])
 
 
-# The fewest prompts of a ``generate`` call the engine may hold at once, whatever its
+# The fewest requests of a ``generate`` call the engine may hold at once, whatever its
 # max_num_seqs: waiting requests are what the scheduler plans the encoder cache by (an image a
 # later request needs again is kept, or waits in free KV blocks).
-MIN_PROMPTS_AHEAD = 64
+MIN_REQUESTS_AHEAD = 64
 
 
-def prompts_ahead(max_num_seqs: int) -> int:
-    """How many prompts of a ``generate`` call are held preprocessed or running at once."""
-    return max(2 * max_num_seqs, MIN_PROMPTS_AHEAD)
+def requests_ahead(max_num_seqs: int) -> int:
+    """How many requests of a ``generate`` call are held preprocessed or running at once."""
+    return max(2 * max_num_seqs, MIN_REQUESTS_AHEAD)
 
 
 def _preprocess_pool(device: str) -> Executor:
