@@ -127,3 +127,26 @@ def test_a_row_that_fails_fails_alone() -> None:
     assert isinstance(out[0], int)
     assert isinstance(out[1], RuntimeError) and "not finite" in str(out[1])
     assert isinstance(out[2], RuntimeError) and "cannot take its seed" in str(out[2])
+
+
+def test_the_nucleus_is_the_same_found_among_the_best_tokens_or_by_a_full_sort() -> None:
+    """On the CPU top_p looks among the 256 most likely tokens first: a peaked row's nucleus
+    is found there, a flat row's needs the sorted vocabulary; both as a full sort keeps."""
+    from mmserve.worker.sampler import _top_p
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 5000, generator=gen)
+    x[0] *= 12  # peaked: a nucleus of a few tokens
+    x[2] *= 12
+    top_ps = [0.9, 0.9, 0.5, 1.0]  # row 1 flat: thousands of tokens; row 3 unfiltered
+    got = _top_p(x, top_ps)
+    for row, p in enumerate(top_ps):
+        probs = x[row].softmax(-1)
+        order = probs.argsort(descending=True)
+        if p < 1.0:
+            cut = int((probs[order].cumsum(0) - probs[order] < p).sum())
+            expected = set(order[:cut].tolist())
+        else:
+            expected = set(range(5000))
+        assert set(torch.isfinite(got[row]).nonzero().flatten().tolist()) == expected, row
+    assert torch.isfinite(got[1]).sum() > 256  # the flat row went past the first candidates

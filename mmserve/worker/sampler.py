@@ -75,14 +75,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         filtered = torch.tensor([k > 0 for k in ks], device=device).unsqueeze(1)
         x = x.masked_fill(filtered & (x < kth), float("-inf"))
     if any(p.top_p < 1.0 for p in params):
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        probs = sorted_x.softmax(-1)
-        # Drop a token when the tokens ranked above it already reach top_p (never, for a row
-        # without top_p: rounding could bring its sums to 1).
-        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params],
-                             device=device).unsqueeze(1)
-        drop = probs.cumsum(-1) - probs >= top_p
-        x = x.scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))
+        x = _top_p(x, [p.top_p for p in params])
     probs = x.softmax(-1)
     finite = torch.isfinite(probs).all(-1)
     # Inverse transform: the first token whose cumulative probability passes a uniform
@@ -101,6 +94,33 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 len(rows), 1, device=device).uniform_(generator=gen)
     tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
     return tokens.clamp_(max=vocab - 1), finite
+
+
+# The nucleus is looked for among this many of the most likely tokens first (on the CPU), and
+# in the whole sorted vocabulary only when a row's fall short of its top_p: with the peaked
+# distributions of language models it is rarely needed, and sorting whole rows costs more than
+# the rest of sampling.
+_NUCLEUS_CANDIDATES = 256
+
+
+def _top_p(x: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """``x`` with the tokens outside each row's nucleus at -inf: the fewest most likely
+    tokens whose probabilities reach its top_p (rows with top_p 1 keep every token)."""
+    device, vocab = x.device, x.shape[-1]
+    top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
+    filtered = top_p < 1.0
+    probs = x.softmax(-1)
+    top, order = None, None
+    if device.type == "cpu" and vocab > _NUCLEUS_CANDIDATES:  # a GPU sorts, never waiting
+        top, order = probs.topk(_NUCLEUS_CANDIDATES, dim=-1)  # sorted, most likely first
+        if not bool(((top.sum(-1, keepdim=True) >= top_p) | ~filtered).all()):
+            top = None
+    if top is None:
+        top, order = probs.sort(dim=-1, descending=True)
+    # Drop a token when the tokens ranked above it already reach top_p.
+    drop = top.cumsum(-1) - top >= top_p
+    keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, ~drop) | ~filtered
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def apply_token_bitmasks(logits: torch.Tensor, rows: list[int],
