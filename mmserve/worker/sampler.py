@@ -4,9 +4,9 @@ Temperature, top-k and top-p apply to all those rows at once (a row's own values
 filter), and each row draws its token by inverse transform: one uniform variate against its
 cumulative probabilities. The variate comes from the row's generator: a seeded request's own
 (so it draws what it draws alone, whatever shares the step), or, for the others, one draw of
-the runner's shared generator for all of them. The
-results reach Python in one transfer, with no per-row synchronization on a GPU, and nothing in
-it can assert on the device as ``multinomial`` does on probabilities that are not finite.
+the runner's shared generator for all of them. The results reach Python in one transfer, with
+no per-row synchronization on a GPU, and nothing in it can assert on the device as
+``multinomial`` does on probabilities that are not finite.
 
 A row that fails (a generator that cannot take its seed, probabilities that are not finite)
 fails alone: ``sample_each`` returns its exception in its place, so the runner fails that
