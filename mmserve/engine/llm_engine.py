@@ -335,7 +335,9 @@ class LLMEngine:
 
     def _constrain(self, scheduler_output: SchedulerOutput) -> None:
         """Give each constrained request that samples in this step the bitmask of the tokens
-        its grammar allows next."""
+        its grammar allows next (nothing to do, every step, while none has a grammar)."""
+        if not self._matchers:
+            return
         sampling = [r for r in scheduler_output.requests if r.sample]
         masks = self._matchers.bitmasks([r.request_id for r in sampling],
                                         self.grammars.vocab_size)

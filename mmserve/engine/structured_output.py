@@ -109,6 +109,9 @@ class Matchers:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
+    def __len__(self) -> int:
+        return len(self._matchers)
+
     def add(self, request_id: str, grammar: xgrammar.CompiledGrammar) -> None:
         self._matchers[request_id] = xgrammar.GrammarMatcher(grammar)
 
