@@ -92,6 +92,14 @@ class EngineConfig:
         "use (torch's thread count at most), one fewer for each core other processes keep "
         "busy, checked twice a second", parse=int_or_auto)
     seed: int = flag(0, "seed of torch and of the runner's sampling")
+    # Parallelism.
+    tensor_parallel_size: int = flag(
+        1, "ranks the decoder is split across (one worker process each, joined by "
+        "torch.distributed: NCCL on GPUs, one per GPU; gloo on the CPU, sharing its cores); "
+        "every rank holds the whole vision tower and encodes its share of a step's images")
+    worker_timeout: float = flag(
+        300.0, "seconds a tensor-parallel worker may take to answer one step (or a collective "
+        "to complete) before the engine stops with an error naming it")
     # Scheduling. ``None`` or "auto": sized by the memory plan at start-up.
     max_model_len: int | str | None = flag(
         None, "longest sequence (prompt + output), or auto (default): what the KV cache "
@@ -163,8 +171,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")
 
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "kv_cache_memory", "encoder_cache_size", "max_image_pixels", "cpu_threads"):
+                     "kv_cache_memory", "encoder_cache_size", "max_image_pixels", "cpu_threads",
+                     "tensor_parallel_size"):
             positive(name, getattr(self, name))
+        if not self.worker_timeout > 0:
+            raise ValueError(f"worker_timeout must be positive seconds, got "
+                             f"{self.worker_timeout}.")
+        ranks = self.tensor_parallel_size
+        if ranks > 1 and self.resolved_device == "cuda" and torch.cuda.device_count() < ranks:
+            raise ValueError(f"tensor_parallel_size={ranks} needs {ranks} GPUs, one per rank; "
+                             f"torch sees {torch.cuda.device_count()}.")
         object.__setattr__(self, "mm_processor_kwargs",
                            check_mm_processor_kwargs(self.mm_processor_kwargs))
         count, size = parse_mm_limit(self.limit_mm_per_prompt)

@@ -8,6 +8,7 @@ from torch import nn
 
 from mmserve.kernels.cpu_ops import fused_kernels
 from mmserve.models.forward_context import get_forward_context
+from mmserve.models.parallel import Window
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -37,11 +38,15 @@ class MergedLinear(nn.Linear):
     step's few rows make each call cost more than its arithmetic). The checkpoint keeps them
     apart: ``<parent>.<shard>.weight`` (and ``.bias``) loads into the shard's rows
     (``models/loader.py``). The parent splits the output by the shards' sizes, which it keeps
-    itself: on the CPU the layer is replaced by a packed one once loaded."""
+    itself: on the CPU the layer is replaced by a packed one once loaded. Under tensor
+    parallelism ``shards`` are this rank's sizes and ``windows`` say which rows of each
+    checkpoint tensor they are (``models/parallel.py``)."""
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool,
+                 windows: dict[str, Window] | None = None) -> None:
         super().__init__(in_features, sum(shards.values()), bias=bias)
         self.shards = dict(shards)
+        self.shard_windows = dict(windows or {})
 
     def shard_rows(self) -> dict[str, slice]:
         """Each shard's output rows."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mmserve.kernels.cpu_ops import fused_kernels
+from mmserve.models import parallel
 from mmserve.models.layers import (
     MergedLinear,
     PagedAttention,
@@ -18,6 +19,7 @@ from mmserve.models.layers import (
     get_activation,
     rotary_embedding_for,
 )
+from mmserve.models.parallel import Window
 
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 # Qwen2's attention: q/k/v biases always, none on the output projection.
@@ -29,21 +31,30 @@ def head_dim_of(config) -> int:
 
 
 class DecoderAttention(nn.Module):
+    """Self-attention over this rank's heads (all of them with one rank): q/k/v rows of its
+    heads, o_proj's matching input columns, and an all-reduce of o_proj's partial sums."""
+
     def __init__(self, config) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(config)
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = d = head_dim_of(config)
+        first_head, self.num_heads = parallel.even_share(total_heads, "attention heads")
+        first_kv_head, self.num_kv_heads = parallel.kv_heads_of_rank(total_kv_heads)
         # Qwen2 always has q/k/v biases; Llama and Mistral only when the config says so.
         qwen2 = config.model_type in _QWEN2_ATTENTION
         qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
         o_bias = not qwen2 and bool(getattr(config, "attention_bias", False))
         hidden = config.hidden_size
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        kv_rows = Window(0, first_kv_head * d, kv_size)
         self.qkv_proj = MergedLinear(
-            hidden, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias=qkv_bias)
+            hidden, {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias=qkv_bias,
+            windows={"q_proj": Window(0, first_head * d, q_size), "k_proj": kv_rows,
+                     "v_proj": kv_rows} if parallel.tp_size() > 1 else None)
         self.qkv_sizes = [q_size, kv_size, kv_size]
         self.o_proj = nn.Linear(q_size, hidden, bias=o_bias)
+        parallel.row_parallel(self.o_proj, first_head * d, q_size)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -56,18 +67,24 @@ class DecoderAttention(nn.Module):
         # with three projections.
         v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()
         q, k = apply_rotary(q, k, rope)
-        return self.o_proj(self.attn(q, k, v).reshape(n, -1))
+        return parallel.all_reduce(self.o_proj(self.attn(q, k, v).reshape(n, -1)))
 
 
 class DecoderMLP(nn.Module):
+    """The gated MLP over this rank's share of the intermediate size (all of it with one
+    rank), down_proj's partial sums all-reduced."""
+
     def __init__(self, config) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size,
-                                         {"gate_proj": size, "up_proj": size}, bias=bias)
+        start, size = parallel.even_share(config.intermediate_size, "MLP intermediate size")
+        rows = Window(0, start, size)
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=bias,
+            windows={"gate_proj": rows, "up_proj": rows} if parallel.tp_size() > 1 else None)
         self.intermediate_size = size
         self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        parallel.row_parallel(self.down_proj, start, size)
         self.act = get_activation(config.hidden_act)
         self.fused_silu = config.hidden_act == "silu"
 
@@ -78,7 +95,7 @@ class DecoderMLP(nn.Module):
         else:  # in place: a third tensor beside the merged output would raise the peak
             h = self.act(gate).mul_(up)
         del gate, up  # the merged output goes before down_proj allocates its own
-        return self.down_proj(h)
+        return parallel.all_reduce(self.down_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -111,7 +128,8 @@ class LlamaModel(nn.Module):
             raise ValueError(
                 f"sliding-window attention (sliding_window={window}) is not supported yet; "
                 "use a checkpoint without it.")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = parallel.VocabParallelEmbedding(config.vocab_size,
+                                                            config.hidden_size)
         self.rotary = rotary_embedding_for(config, head_dim_of(config))
         self.layers = nn.ModuleList(DecoderLayer(config)
                                     for _ in range(config.num_hidden_layers))

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from mmserve.models import parallel
 from mmserve.models.layers import PagedAttention, get_activation
 from mmserve.models.llama import LlamaModel
 from mmserve.models.vision import VisionTransformer
@@ -68,9 +69,10 @@ class LlavaForConditionalGeneration(nn.Module):
         self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False)
                                         or getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+            self.lm_head = parallel.vocab_parallel_head(text.hidden_size, text.vocab_size)
         self.image_token_id = config.image_token_id
         self.hidden_size = text.hidden_size
+        self.vocab_size = text.vocab_size
 
     def skipped_checkpoint_weight(self, name: str) -> bool:
         """Weights in the checkpoint that this model deliberately does not use."""
@@ -117,5 +119,7 @@ class LlavaForConditionalGeneration(nn.Module):
         """Float32 logits, as transformers' ``generate`` samples from (and argmax over bfloat16
         is several times slower on the CPU)."""
         if self.tie_word_embeddings:
-            return (hidden @ self.model.language_model.embed_tokens.weight.T).float()
-        return self.lm_head(hidden).float()
+            logits = hidden @ self.model.language_model.embed_tokens.weight.T
+        else:
+            logits = self.lm_head(hidden)
+        return parallel.gather_vocab(logits, self.vocab_size).float()

@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mmserve.kernels.cpu_ops import packed_encoder_attention
+from mmserve.models import parallel
 from mmserve.models.layers import PagedAttention, RMSNorm, get_activation
 from mmserve.models.llama import LlamaModel
 
@@ -265,9 +266,10 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)
                                         or getattr(text, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+            self.lm_head = parallel.vocab_parallel_head(text.hidden_size, text.vocab_size)
         self.image_token_id = config.image_token_id
         self.hidden_size = text.hidden_size
+        self.vocab_size = text.vocab_size
 
     def skipped_checkpoint_weight(self, name: str) -> bool:
         return self.tie_word_embeddings and name == "lm_head.weight"
@@ -292,8 +294,10 @@ class Qwen2VLForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tie_word_embeddings:
-            return (hidden @ self.model.language_model.embed_tokens.weight.T).float()
-        return self.lm_head(hidden).float()
+            logits = hidden @ self.model.language_model.embed_tokens.weight.T
+        else:
+            logits = self.lm_head(hidden)
+        return parallel.gather_vocab(logits, self.vocab_size).float()
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):  # noqa: N801

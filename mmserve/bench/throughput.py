@@ -72,7 +72,7 @@ def run_throughput(
     use_tqdm: bool = True,
 ) -> ThroughputRun:
     """Queue every request of ``workload``, step ``engine`` until all finish, measure."""
-    flops = ModelFlops.from_hf_config(engine.model.config)
+    flops = ModelFlops.from_hf_config(engine.hf_config)
     stats0 = engine.stats()
     params = sampling_params_for(workload)
 

@@ -33,7 +33,8 @@ from mmserve.step import ModelOutput, SchedulerOutput, StepTimes, TokenLogprobs
 from mmserve.worker import memory_profiler
 from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import runner_class
-from mmserve.worker.dry_run import profile_blocks
+from mmserve.worker.dry_run import check_tensor_parallel, profile_blocks
+from mmserve.worker.executor import MultiprocExecutor, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +88,27 @@ class LLMEngine:
         runner_cls = runner_class(device)
         # Read before the weights load: on the CPU they come out of the RAM available now.
         memory_bytes = memory_profiler.device_memory(torch.device(device))
-        if device == "cuda" and config.kv_cache_memory is None:
+        if (device == "cuda" and config.kv_cache_memory is None
+                and config.tensor_parallel_size == 1):
             self._check_free_gpu_memory(config, memory_bytes)
-        self.model, weights_bytes = runner_cls.load_model(config.model, hf_config, dtype)
+        self.hf_config = hf_config
+        if config.tensor_parallel_size > 1:
+            # Workers load their shards and build their runners; this process holds none.
+            check_tensor_parallel(hf_config, dtype, config.tensor_parallel_size)
+            self.model = None
+            self.runner = MultiprocExecutor(WorkerSpec(
+                config.model, device, dtype, config.block_size, config.seed,
+                config.cpu_threads if isinstance(config.cpu_threads, int) else None,
+                config.tensor_parallel_size, config.worker_timeout))
+            weights_bytes = self.runner.weights_bytes
+        else:
+            self.model, weights_bytes = runner_cls.load_model(config.model, hf_config, dtype)
+            # No KV cache until the plan sizes it.
+            self.runner = runner_cls(self.model, 0, config.block_size, dtype, config.seed)
+            if device == "cuda":
+                _live_engines.add(self)
+            self.runner.set_threads(config.cpu_threads)
         self.weights_bytes = weights_bytes
-        # No KV cache until the plan sizes it.
-        self.runner = runner_cls(self.model, 0, config.block_size, dtype, config.seed)
-        if device == "cuda":
-            _live_engines.add(self)
-        self.runner.set_threads(config.cpu_threads)
         # The same planning as `mmserve plan`, with the real weights and, on a GPU, the
         # allocator's peak; on the CPU the meta-device dry run is what a real run allocates.
         startup = plan_for(config, hf_config, self.processor.family, device,
@@ -121,7 +134,8 @@ class LLMEngine:
             ),
             kv_cache,
             self.encoder_budget,
-            KVLending(kv_cache.pool, self.runner.kv_block_elements, self.model.hidden_size,
+            KVLending(kv_cache.pool, self.runner.kv_block_elements,
+                      hf_config.text_config.hidden_size,
                       take_prefix_blocks=self.plan.encoder_displaces_prefix)
             if self.plan.encoder_borrowing else None,
             queue_aware_eviction=config.encoder_cache_eviction == "queue-aware",
@@ -312,7 +326,12 @@ class LLMEngine:
             return outputs, StepRecord(SchedulerOutput(), schedule_s=time.perf_counter() - t0)
         self._constrain(scheduler_output)
         schedule_s = time.perf_counter() - t0
-        result = self.runner.execute(scheduler_output, self._encoder_pixels(scheduler_output))
+        try:
+            result = self.runner.execute(scheduler_output,
+                                         self._encoder_pixels(scheduler_output))
+        except EngineDeadError as e:  # a tensor-parallel worker died or hung
+            self._dead = str(e)
+            raise
         t1 = time.perf_counter()
         self._note_prompt_logprobs(result)
         failed = self._handle_failures(scheduler_output, result)

@@ -59,7 +59,7 @@ class PlanInputs:
     """Everything the plan needs, measured by the engine or estimated by ``mmserve plan``."""
 
     device: str  # "cpu" or "cuda"
-    memory_bytes: int  # GPU total memory, or the RAM available at start-up
+    memory_bytes: int  # GPU total memory, or the RAM available at start-up (per rank)
     gpu_memory_utilization: float
     weights_bytes: int
     activation_bytes: int  # peak of the profile run
@@ -81,6 +81,9 @@ class PlanInputs:
     encoder_borrowing: bool = False
     encoder_flops_per_byte: float = 0.0
     prefill_flops_per_byte: float = 0.0
+    # Ranks of tensor parallelism: every figure above is one rank's (its GPU, or its share of
+    # the RAM; its weights, activations, KV heads and encoder cache).
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,7 @@ class MemoryPlan:
     encoder_borrowing: bool = False
     encoder_flops_per_byte: float = 0.0
     prefill_flops_per_byte: float = 0.0
+    tensor_parallel_size: int = 1  # > 1: every figure is one rank's
 
     @property
     def encoder_displaces_prefix(self) -> bool:
@@ -163,13 +167,18 @@ class MemoryPlan:
             return " (estimate)" if name in self.estimated else ""
 
         base = "available RAM" if self.device == "cpu" else "GPU memory"
+        ranks = self.tensor_parallel_size
+        per_rank = f", per rank of {ranks}" if ranks > 1 else ""
+        if ranks > 1:
+            base = (f"({base} / {ranks} ranks)" if self.device == "cpu"
+                    else f"{base} of each of {ranks} GPUs")
         kv_note = {"memory": "all the memory left",
                    "kv_cache_memory": "set by kv_cache_memory",
                    "max_num_seqs x max_model_len": (
                        f"all that max_num_seqs x max_model_len can use; the memory allows "
                        f"{self.kv_budget_blocks} blocks")}[self.kv_cache_limited_by]
         lines = [
-            f"memory plan on {self.device}: budget {_size(self.budget_bytes)} = "
+            f"memory plan on {self.device}{per_rank}: budget {_size(self.budget_bytes)} = "
             f"{self.gpu_memory_utilization:g} x {_size(self.memory_bytes)} {base}"
             f"{est('memory_bytes')}",
             f"  weights           {_size(self.weights_bytes):>11}{est('weights_bytes')}",
@@ -287,6 +296,7 @@ def plan_memory(inp: PlanInputs) -> MemoryPlan:
         encoder_borrowing=inp.encoder_borrowing,
         encoder_flops_per_byte=inp.encoder_flops_per_byte,
         prefill_flops_per_byte=inp.prefill_flops_per_byte,
+        tensor_parallel_size=inp.tensor_parallel_size,
         estimated=inp.estimated,
         warnings=tuple(warnings),
     )

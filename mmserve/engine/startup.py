@@ -32,6 +32,7 @@ from mmserve.worker.dry_run import (
     decoder_flops_per_token,
     dry_run_peak,
     encoder_flops_per_token,
+    kv_heads_per_rank,
     meta_model,
 )
 
@@ -120,7 +121,8 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
                               images_per_step(config, budget))
     step = batch.scheduler_output
     marked = set(estimated)
-    model = meta_model(hf_config, dtype)  # shapes only: sizes, dry runs, FLOPs
+    ranks = config.tensor_parallel_size
+    model = meta_model(hf_config, dtype, ranks)  # rank 0's shapes: sizes, dry runs, FLOPs
     if weights_bytes is None:
         weights_bytes = memory_profiler.tensor_bytes(model)
         if device != "cpu":
@@ -129,8 +131,10 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
         # On the CPU, the most threads the runner will use (their scratch is counted).
         threads = 0 if device != "cpu" else cpu_threads.max_threads(
             config.cpu_threads if isinstance(config.cpu_threads, int) else None)
+        if ranks > 1 and not isinstance(config.cpu_threads, int):
+            threads = max(1, threads // ranks)  # the workers share the cores out
         peak = dry_run_peak(model, step, batch.encoder_pixels, config.block_size, dtype,
-                            threads)
+                            threads, ranks)
         method = "tensors of a meta-device dry run of the profile batch"
         if device != "cpu":
             marked.add("activation_bytes")
@@ -189,12 +193,16 @@ def plan_inputs(
     text = hf_config.text_config
     dtype_bytes = torch.empty((), dtype=config.torch_dtype).element_size()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    ranks = config.tensor_parallel_size
+    kv_heads = kv_heads_per_rank(
+        getattr(text, "num_key_value_heads", None) or text.num_attention_heads, ranks)
     util = config.gpu_memory_utilization or default_memory_utilization(device)
     tokens_per_image = encoder_budget.max_tokens_per_item
     return PlanInputs(
         device=device,
-        memory_bytes=memory_bytes,
+        # The CPU's ranks share its RAM; each GPU rank has its own.
+        memory_bytes=memory_bytes // ranks if device == "cpu" else memory_bytes,
+        tensor_parallel_size=ranks,
         gpu_memory_utilization=util,
         weights_bytes=weights_bytes,
         activation_bytes=activation_bytes,

@@ -15,6 +15,8 @@ from torch.overrides import TorchFunctionMode
 
 from mmserve.inputs import EncoderInput
 from mmserve.kernels import cpu_ops
+from mmserve.models import parallel
+from mmserve.models.parallel import kv_heads_per_rank  # noqa: F401 (the plan's, from here)
 from mmserve.models.registry import get_model_class
 from mmserve.step import SchedulerOutput
 from mmserve.worker.memory_profiler import track_peak_bytes
@@ -42,10 +44,12 @@ class MetaModelRunner(ModelRunner):
         self.allocate_kv_cache(num_blocks)
 
 
-def meta_model(hf_config, dtype: torch.dtype) -> nn.Module:
-    """The architecture with every weight on the meta device: sizes without data."""
+def meta_model(hf_config, dtype: torch.dtype, tensor_parallel_size: int = 1) -> nn.Module:
+    """The architecture with every weight on the meta device: sizes without data (rank 0's
+    share of them under tensor parallelism; ranks hold equal shares). A model that cannot be
+    split ``tensor_parallel_size`` ways is a ``ValueError`` saying why."""
     rng = torch.get_rng_state()
-    with torch.device(META):
+    with torch.device(META), parallel.tensor_parallel(0, tensor_parallel_size):
         model = get_model_class(hf_config)(hf_config)
     torch.set_rng_state(rng)  # parameter initialisers must not move the seeded global RNG
     model = model.to(dtype)
@@ -55,13 +59,20 @@ def meta_model(hf_config, dtype: torch.dtype) -> nn.Module:
     return model.eval()
 
 
+def check_tensor_parallel(hf_config, dtype: torch.dtype, tensor_parallel_size: int) -> None:
+    """A ``ValueError`` saying why, when the model cannot be split that many ways (heads,
+    KV heads or the MLP not divisible), before any worker starts."""
+    meta_model(hf_config, dtype, tensor_parallel_size)
+
+
 def profile_blocks(batch: SchedulerOutput) -> int:
     """KV blocks the profile batch writes into."""
     return 1 + max(b for r in batch.requests for b in r.block_ids)
 
 
 def dry_run_peak(model: nn.Module, batch: SchedulerOutput, encoder_pixels: EncoderPixels,
-                 block_size: int, dtype: torch.dtype, threads: int) -> int:
+                 block_size: int, dtype: torch.dtype, threads: int,
+                 tensor_parallel_size: int = 1) -> int:
     """Peak bytes of tensors that running ``batch`` (whose images have ``encoder_pixels``)
     creates, counted on the meta device.
 
@@ -72,7 +83,8 @@ def dry_run_peak(model: nn.Module, batch: SchedulerOutput, encoder_pixels: Encod
     device (a test checks both sides).
     """
     runner = MetaModelRunner(model, profile_blocks(batch), block_size, dtype)
-    with _FusedAttentionOnMeta():
+    # As rank 0 (of ``meta_model(..., tensor_parallel_size)``): its share of the images.
+    with _FusedAttentionOnMeta(), parallel.tensor_parallel(0, tensor_parallel_size):
         _, peak = track_peak_bytes(lambda: runner.profile_run(batch, encoder_pixels), threads)
     return peak + INPUT_BYTES_PER_TOKEN * batch.num_scheduled_tokens
 

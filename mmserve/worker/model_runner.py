@@ -20,7 +20,9 @@ from mmserve.kernels.paged_attention import (
     build_attention_metadata,
     paged_attention,
 )
+from mmserve.models import parallel
 from mmserve.models.forward_context import AttentionBackend, forward_context
+from mmserve.models.parallel import CollectiveError
 from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from mmserve.worker.cpu_allocator import (
     advise_huge_pages,
@@ -92,6 +94,8 @@ class ModelRunner:
         try:
             self._execute(scheduler_output, encoder_pixels, out)
             return out
+        except CollectiveError:
+            raise  # the ranks' group is broken: no request can run (the engine stops)
         except Exception as e:  # noqa: BLE001 (contained below, and logged)
             if len(requests) <= 1:
                 out.errors = {r.request_id: _reason(e) for r in requests}
@@ -103,6 +107,8 @@ class ModelRunner:
         for req in requests:
             try:
                 self._execute(scheduler_output.only(req), encoder_pixels, out)
+            except CollectiveError:
+                raise
             except Exception as e:  # noqa: BLE001
                 out.errors[req.request_id] = _reason(e)
                 logger.error("engine step failed for request %s: %s", req.request_id,
@@ -251,14 +257,59 @@ class ModelRunner:
         hashes = [h for h in scheduler_output.images_to_encode if h not in self.encoder_outputs]
         if not hashes:
             return
+        tokens = scheduler_output.images_to_encode
+        if parallel.tp_size() > 1:
+            self.encoder_outputs.update(self._encode_data_parallel(hashes, tokens,
+                                                                   encoder_pixels))
+            return
+        self.encoder_outputs.update(self._encode(hashes, tokens, encoder_pixels))
+
+    def _encode(self, hashes: list[str], tokens: Mapping[str, int],
+                encoder_pixels: EncoderPixels) -> dict[str, torch.Tensor]:
+        """``hashes``' embeddings, each checked against the tokens its prompt has for it."""
+        if not hashes:
+            return {}
         items = [self._encoder_input(encoder_pixels[h]) for h in hashes]
         embeds = self.model.encode_images(items)  # one [tokens, hidden] per image
         for h, e in zip(hashes, embeds, strict=True):
-            expected = scheduler_output.images_to_encode[h]
-            if e.shape[0] != expected:
+            if e.shape[0] != tokens[h]:
                 raise RuntimeError(f"image {h[:12]} became {e.shape[0]} embeddings, but its "
-                                   f"prompt has {expected} placeholder tokens")
-            self.encoder_outputs[h] = e
+                                   f"prompt has {tokens[h]} placeholder tokens")
+        return dict(zip(hashes, embeds, strict=True))
+
+    def _encode_data_parallel(self, hashes: list[str], tokens: Mapping[str, int],
+                              encoder_pixels: EncoderPixels) -> dict[str, torch.Tensor]:
+        """The vision tower data-parallel: each rank encodes its share of the images (split
+        by their token counts), then every rank receives every embedding. A failure on any
+        rank fails the encoding on all of them with its reason, so the ranks stay in step
+        (and rerun the step request by request together)."""
+        owner = split_by_tokens(hashes, tokens, parallel.tp_size())
+        mine = [h for h in hashes if owner[h] == parallel.tp_rank()]
+        error = None
+        try:
+            local = self._encode(mine, tokens, encoder_pixels)
+        except CollectiveError:
+            raise
+        except Exception as e:  # noqa: BLE001 (raised on every rank below)
+            local, error = {}, _reason(e)
+        failures = [(rank, reason) for rank, reason in enumerate(parallel.gather_objects(error))
+                    if reason is not None]
+        if failures:
+            rank, reason = failures[0]
+            raise RuntimeError(f"{reason} (encoding on tensor-parallel rank {rank})")
+        found = {}
+        for rank in range(parallel.tp_size()):
+            theirs = [h for h in hashes if owner[h] == rank]
+            if not theirs:
+                continue
+            if rank == parallel.tp_rank():
+                flat = torch.cat([local[h] for h in theirs]).to(self.dtype)
+            else:
+                flat = torch.empty(sum(tokens[h] for h in theirs), self.model.hidden_size,
+                                   dtype=self.dtype, device=self.device)
+            parallel.broadcast(flat, rank)
+            found.update(zip(theirs, flat.split([tokens[h] for h in theirs]), strict=True))
+        return found
 
     def _encoder_input(self, item: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pixel tensors on this runner's device in its dtype; integer tensors (image grids,
@@ -477,6 +528,18 @@ def flat_positions(reqs: list[ScheduledRequest], num_padding: int = 0,
         row.extend([0] * num_padding)
     positions = torch.tensor(flat, dtype=torch.long, device=device)
     return positions[0] if rows == 1 else positions
+
+
+def split_by_tokens(hashes: list[str], tokens: Mapping[str, int], ranks: int) -> dict[str, int]:
+    """Which rank encodes each image: the largest first, each to the rank with the fewest
+    tokens so far (ties to the lower rank), the same on every rank."""
+    load = [0] * ranks
+    owner = {}
+    for h in sorted(hashes, key=lambda h: (-tokens[h], h)):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        owner[h] = rank
+        load[rank] += tokens[h]
+    return owner
 
 
 def _reason(error: BaseException) -> str:
