@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 # Seconds a worker gets to exit after ``close`` before it is killed.
 CLOSE_GRACE_S = 10.0
+# Seconds a call may take beyond ``WorkerSpec.timeout`` (the collectives' own timeout).
+TIMEOUT_MARGIN_S = 5.0
 # Seconds the other ranks get to answer once one has failed (to name the one that hung).
 FAILURE_GRACE_S = 2.0
 # Seconds between a worker's looks at whether its parent is still there.
@@ -181,7 +183,9 @@ class MultiprocExecutor:
             except OSError as e:
                 self._fail(f"tensor-parallel worker rank {rank} {self._exit_status(rank)} "
                            f"(cannot be reached: {e})")
-        return self._replies(method, self.spec.timeout, every)
+        # The ranks' own collectives time out first, so that a rank waiting on a silent one
+        # reports, and the silent one is named.
+        return self._replies(method, self.spec.timeout + TIMEOUT_MARGIN_S, every)
 
     def _replies(self, method: str, timeout: float, every: bool = False) -> Any:
         """Every rank's answer to the call just sent: rank 0's, or all of them (``every``).
@@ -191,7 +195,8 @@ class MultiprocExecutor:
         answers: dict[int, Any] = {}
         problems: list[str] = []
         pending = set(range(self.spec.size))
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -204,9 +209,11 @@ class MultiprocExecutor:
                     try:
                         status, value = conn.recv()
                     except (EOFError, OSError):
-                        status, value = "error", self._exit_status(rank)
+                        status, value = "gone", None
                     if status == "ok":
                         answers[rank] = value
+                    elif status == "gone":
+                        problems.append(f"rank {rank} {self._exit_status(rank)}")
                     else:
                         problems.append(f"rank {rank} failed: {value}")
                 elif not self._procs[rank].is_alive():
@@ -217,9 +224,9 @@ class MultiprocExecutor:
             if problems:
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         if pending:
-            waited = timeout if not problems else FAILURE_GRACE_S
+            waited = time.monotonic() - started
             problems.insert(0, f"rank(s) {', '.join(map(str, sorted(pending)))} did not answer "
-                            f"within {waited:g} s (hung? raise --worker-timeout if steps are "
+                            f"in {waited:.0f} s (hung? raise --worker-timeout if steps are "
                             "this slow)")
         if problems:
             self._fail(f"tensor-parallel workers stopped during {method!r}: "
@@ -336,8 +343,12 @@ _EVERY_RANK = ("measure_profile_peak", "get")
 
 
 def _send_error(conn: Connection, error: BaseException) -> None:
+    from mmserve.models.parallel import CollectiveError
+
     text = "".join(traceback.format_exception_only(type(error), error)).strip()
-    logger.error("tensor-parallel worker failed: %s", text, exc_info=error)
+    # A broken group's traceback says nothing the message does not; anything else's does.
+    logger.error("tensor-parallel worker failed: %s", text,
+                 exc_info=None if isinstance(error, CollectiveError) else error)
     try:
         conn.send(("error", text[:2000]))
     except OSError:
