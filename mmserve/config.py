@@ -97,6 +97,10 @@ class EngineConfig:
         1, "ranks the decoder is split across (one worker process each, joined by "
         "torch.distributed: NCCL on GPUs, one per GPU; gloo on the CPU, sharing its cores); "
         "every rank holds the whole vision tower and encodes its share of a step's images")
+    mm_encoder_tp_mode: str = flag(
+        "data", "how tensor parallelism runs the vision tower: 'data' (a whole copy on every "
+        "rank, each encoding its share of a step's images) or 'weights' (its layers split "
+        "like the decoder's, every rank on every image)", choices=("data", "weights"))
     worker_timeout: float = flag(
         300.0, "seconds a tensor-parallel worker may take to answer one step (or a collective "
         "to complete) before the engine stops with an error naming it")
@@ -174,6 +178,9 @@ class EngineConfig:
                      "kv_cache_memory", "encoder_cache_size", "max_image_pixels", "cpu_threads",
                      "tensor_parallel_size"):
             positive(name, getattr(self, name))
+        if self.mm_encoder_tp_mode not in ("data", "weights"):
+            raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'weights', got "
+                             f"{self.mm_encoder_tp_mode!r}.")
         if not self.worker_timeout > 0:
             raise ValueError(f"worker_timeout must be positive seconds, got "
                              f"{self.worker_timeout}.")

@@ -85,11 +85,11 @@ def _fill(key: str, target: torch.Tensor, tensor, window: Window | None) -> None
     full = tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape())
     expected = tuple(target.shape)
     if window is not None and not window.rank0_only:
-        expected = (*expected[:window.dim], window.length, *expected[window.dim + 1:])
-        if full[window.dim] < window.start + window.length:
+        expected = (*expected[:window.dim], window.size, *expected[window.dim + 1:])
+        if full[window.dim] < window.end:
             raise ValueError(f"weight {key} has shape {full}, too small for this rank's "
-                             f"share (rows {window.start}:{window.start + window.length})")
-        full = (*full[:window.dim], window.length, *full[window.dim + 1:])
+                             f"share (to {window.end} along dimension {window.dim})")
+        full = (*full[:window.dim], window.size, *full[window.dim + 1:])
     if full != expected:
         raise ValueError(f"weight {key} has shape {full}, the model expects {expected}")
     value = window.read(tensor) if window is not None else (
@@ -97,8 +97,8 @@ def _fill(key: str, target: torch.Tensor, tensor, window: Window | None) -> None
     if value.shape == target.shape:
         target.copy_(value)
         return
-    target.narrow(window.dim, 0, window.length).copy_(value)
-    target.narrow(window.dim, window.length, target.shape[window.dim] - window.length).zero_()
+    target.narrow(window.dim, 0, window.size).copy_(value)
+    target.narrow(window.dim, window.size, target.shape[window.dim] - window.size).zero_()
 
 
 def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, Any]]:

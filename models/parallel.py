@@ -40,6 +40,9 @@ class _State:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed's process group; None: planning on one process
+    # The vision tower split like the decoder (``--mm-encoder-tp-mode weights``) instead of
+    # whole on every rank (``data``).
+    split_encoder: bool = False
 
 
 _state = _State()
@@ -53,18 +56,23 @@ def tp_size() -> int:
     return _state.size
 
 
-def init_tensor_parallel(rank: int, size: int, group: Any) -> None:
+def split_encoder() -> bool:
+    """Whether the vision tower is split across the ranks (else each holds all of it)."""
+    return _state.split_encoder and _state.size > 1
+
+
+def init_tensor_parallel(rank: int, size: int, group: Any, split_encoder: bool = False) -> None:
     """This process serves ``rank`` of ``size`` in ``group`` (a worker, once, at start)."""
     global _state
-    _state = _State(rank, size, group)
+    _state = _State(rank, size, group, split_encoder)
 
 
 @contextlib.contextmanager
-def tensor_parallel(rank: int, size: int) -> Iterator[None]:
+def tensor_parallel(rank: int, size: int, split_encoder: bool = False) -> Iterator[None]:
     """Build (on the meta device) the model as rank ``rank`` of ``size`` holds it: planning."""
     global _state
     saved = _state
-    _state = _State(rank, size, None)
+    _state = _State(rank, size, None, split_encoder)
     try:
         yield
     finally:
@@ -124,28 +132,50 @@ def gather_objects(value: Any) -> list[Any]:
 @dataclass(frozen=True)
 class Window:
     """The part of a checkpoint tensor this rank loads: ``length`` entries from ``start``
-    along ``dim``. ``rank0_only``: the whole tensor on rank 0 and zeros elsewhere (the bias of
-    a row-parallel layer, added once by the all-reduce)."""
+    along ``dim`` (and, for ``count`` > 1, as many from ``start + stride``, ``start + 2 *
+    stride``...: this rank's rows of q, k and v stacked in one tensor). ``rank0_only``: the
+    whole tensor on rank 0 and zeros elsewhere (the bias of a row-parallel layer, added once
+    by the all-reduce)."""
 
     dim: int = 0
     start: int = 0
     length: int = 0
     rank0_only: bool = False
+    stride: int = 0
+    count: int = 1
+
+    @property
+    def size(self) -> int:
+        """Entries along ``dim`` this rank holds."""
+        return self.length * self.count
+
+    @property
+    def end(self) -> int:
+        """One past the last entry read along ``dim``."""
+        return self.start + (self.count - 1) * self.stride + self.length
 
     def read(self, source) -> torch.Tensor:
         """This window of ``source``: a tensor, or a lazy safetensors slice (read partly)."""
         if self.rank0_only:
             return source if isinstance(source, torch.Tensor) else source[:]
-        if isinstance(source, torch.Tensor):
-            return source.narrow(self.dim, self.start, self.length)
-        index = (slice(None),) * self.dim + (slice(self.start, self.start + self.length),)
-        return source[index]
+        parts = []
+        for i in range(self.count):
+            start = self.start + i * self.stride
+            if isinstance(source, torch.Tensor):
+                parts.append(source.narrow(self.dim, start, self.length))
+            else:
+                parts.append(source[(slice(None),) * self.dim
+                                    + (slice(start, start + self.length),)])
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
-def even_share(total: int, what: str) -> tuple[int, int]:
+def even_share(total: int, what: str, encoder: bool = False) -> tuple[int, int]:
     """This rank's ``(start, length)`` of ``total`` split evenly; ``what`` names it in the
-    error when it does not split."""
+    error when it does not split. ``encoder``: a vision-tower layer, whole unless the tower
+    is split."""
     size = _state.size
+    if encoder and not split_encoder():
+        return 0, total
     if total % size:
         raise ValueError(f"tensor_parallel_size={size} must divide the model's {total} {what}; "
                          f"choose a size that does")
@@ -173,10 +203,21 @@ def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
 
 def set_windows(layer: nn.Module, **windows: Window) -> nn.Module:
     """Record which part of the checkpoint's tensors ``layer``'s parameters hold (by
-    parameter name); nothing is recorded with one rank, where they hold all of it."""
+    parameter name); nothing is recorded where they hold all of it."""
     if _state.size > 1:
         layer.checkpoint_windows = dict(windows)
     return layer
+
+
+def column_parallel(layer: nn.Linear, start: int, length: int, stride: int = 0,
+                    count: int = 1) -> nn.Linear:
+    """``layer`` holds output rows ``start : start + length`` (of each of ``count`` stacked
+    blocks ``stride`` rows apart), its bias the same rows."""
+    window = Window(0, start, length, stride=stride, count=count)
+    windows = {"weight": window}
+    if layer.bias is not None:
+        windows["bias"] = window
+    return set_windows(layer, **windows)
 
 
 def row_parallel(layer: nn.Linear, start: int, length: int) -> nn.Linear:
@@ -186,6 +227,21 @@ def row_parallel(layer: nn.Linear, start: int, length: int) -> nn.Linear:
     if layer.bias is not None:
         windows["bias"] = Window(rank0_only=True)
     return set_windows(layer, **windows)
+
+
+def split_encoder_mlp(into: list[nn.Linear], out: nn.Linear, start: int, size: int) -> None:
+    """A vision-tower MLP, where the tower is split: the layers ``into`` the hidden units
+    column-parallel, the one ``out`` of them row-parallel."""
+    if split_encoder():
+        for layer in into:
+            column_parallel(layer, start, size)
+        row_parallel(out, start, size)
+
+
+def encoder_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """``all_reduce`` for a vision-tower layer's partial sums: only where the tower is
+    split."""
+    return all_reduce(x) if split_encoder() else x
 
 
 def vocab_share(vocab_size: int) -> tuple[int, int, int]:

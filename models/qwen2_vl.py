@@ -69,11 +69,21 @@ class VisionRotary(nn.Module):
 
 
 class VisionAttention(nn.Module):
+    """Attention over this rank's heads where the tower is split (``parallel.split_encoder``;
+    its rows of q, k and v, stacked in one checkpoint tensor), over all of them otherwise."""
+
     def __init__(self, dim: int, num_heads: int) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
+        self.head_dim = dim // num_heads
+        first, self.num_heads = parallel.even_share(num_heads, "vision attention heads",
+                                                    encoder=True)
+        width = self.num_heads * self.head_dim
+        self.qkv = nn.Linear(dim, 3 * width)
+        self.proj = nn.Linear(width, dim)
+        if parallel.split_encoder():
+            parallel.column_parallel(self.qkv, first * self.head_dim, width, stride=dim,
+                                     count=3)
+            parallel.row_parallel(self.proj, first * self.head_dim, width)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 boundaries: list[int]) -> torch.Tensor:
@@ -83,7 +93,7 @@ class VisionAttention(nn.Module):
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
         out = packed_encoder_attention(q, k, v, boundaries, self.head_dim ** -0.5)
-        return self.proj(out.reshape(n, -1))
+        return parallel.encoder_all_reduce(self.proj(out.reshape(n, -1)))
 
 
 class VisionMLP(nn.Module):
@@ -91,12 +101,14 @@ class VisionMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
+        start, hidden = parallel.even_share(hidden, "vision MLP size", encoder=True)
         self.fc1 = nn.Linear(dim, hidden)
         self.act = get_activation(act)
         self.fc2 = nn.Linear(hidden, dim)
+        parallel.split_encoder_mlp([self.fc1], self.fc2, start, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        return parallel.encoder_all_reduce(self.fc2(self.act(self.fc1(x))))
 
 
 class GatedVisionMLP(nn.Module):
@@ -104,13 +116,16 @@ class GatedVisionMLP(nn.Module):
 
     def __init__(self, dim: int, hidden: int, act: str) -> None:
         super().__init__()
+        start, hidden = parallel.even_share(hidden, "vision MLP size", encoder=True)
         self.gate_proj = nn.Linear(dim, hidden)
         self.up_proj = nn.Linear(dim, hidden)
         self.down_proj = nn.Linear(hidden, dim)
         self.act = get_activation(act)
+        parallel.split_encoder_mlp([self.gate_proj, self.up_proj], self.down_proj, start, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return parallel.encoder_all_reduce(
+            self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class VisionBlock(nn.Module):

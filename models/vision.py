@@ -6,39 +6,52 @@ import torch
 from torch import nn
 
 from mmserve.kernels.cpu_ops import encoder_attention
+from mmserve.models import parallel
 from mmserve.models.layers import get_activation
 
 
 class VisionAttention(nn.Module):
+    """Attention over this rank's heads where the tower is split (``parallel.split_encoder``),
+    over all of them otherwise."""
+
     def __init__(self, config) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // self.num_heads
         d = config.hidden_size
-        self.q_proj = nn.Linear(d, d)
-        self.k_proj = nn.Linear(d, d)
-        self.v_proj = nn.Linear(d, d)
-        self.out_proj = nn.Linear(d, d)
+        self.head_dim = d // config.num_attention_heads
+        first, self.num_heads = parallel.even_share(config.num_attention_heads,
+                                                    "vision attention heads", encoder=True)
+        width = self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(d, width)
+        self.k_proj = nn.Linear(d, width)
+        self.v_proj = nn.Linear(d, width)
+        self.out_proj = nn.Linear(width, d)
+        if parallel.split_encoder():
+            for proj in (self.q_proj, self.k_proj, self.v_proj):
+                parallel.column_parallel(proj, first * self.head_dim, width)
+            parallel.row_parallel(self.out_proj, first * self.head_dim, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, d = x.shape
+        b, n, _ = x.shape
         shape = (b, n, self.num_heads, self.head_dim)
         q = self.q_proj(x).view(shape)  # [b, n, heads, head_dim]
         k = self.k_proj(x).view(shape)
         v = self.v_proj(x).view(shape)
         o = encoder_attention(q, k, v, self.head_dim ** -0.5)
-        return self.out_proj(o.reshape(b, n, d))
+        return parallel.encoder_all_reduce(self.out_proj(o.reshape(b, n, -1)))
 
 
 class VisionMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        start, size = parallel.even_share(config.intermediate_size, "vision MLP size",
+                                          encoder=True)
+        self.fc1 = nn.Linear(config.hidden_size, size)
+        self.fc2 = nn.Linear(size, config.hidden_size)
+        parallel.split_encoder_mlp([self.fc1], self.fc2, start, size)
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        return parallel.encoder_all_reduce(self.fc2(self.act(self.fc1(x))))
 
 
 class VisionEncoderLayer(nn.Module):

@@ -24,7 +24,8 @@ from mmserve.errors import EngineDeadError
 from mmserve.models import loader, parallel
 from mmserve.processing.processor import InputProcessor
 from mmserve.testing import build_tiny_checkpoint
-from mmserve.worker.dry_run import check_tensor_parallel
+from mmserve.worker.dry_run import check_tensor_parallel, meta_model
+from mmserve.worker.memory_profiler import tensor_bytes
 from mmserve.worker.model_runner import split_by_tokens
 from tests.conftest import assert_no_leaks
 from tests.test_parity import mixed_batch, shared_batch
@@ -134,6 +135,26 @@ def test_each_rank_reads_only_its_shards(tp_checkpoints: dict[str, str], monkeyp
     assert sum(c0.values()) < sum(full_counts.values())
 
 
+def test_a_split_vision_tower_reads_its_heads_of_stacked_qkv(
+        tp_checkpoints: dict[str, str], monkeypatch) -> None:
+    """Qwen2-VL's vision attention keeps q, k and v in one tensor: a rank of a split tower
+    holds its heads' rows of each; data-parallel, every rank holds all of it."""
+    path = tp_checkpoints["qwen2.5-vl"]
+    full, _ = _load_as(path, 0, 1, monkeypatch)
+    qkv = dict(full.named_parameters())["model.visual.blocks.0.attn.qkv.weight"]
+    q, k, v = qkv.chunk(3)
+    half = q.shape[0] // 2
+    for rank in (0, 1):
+        with parallel.tensor_parallel(rank, 2, split_encoder=True):
+            model = loader.load_model(path, AutoConfig.from_pretrained(path), torch.float32)
+        held = dict(model.named_parameters())["model.visual.blocks.0.attn.qkv.weight"]
+        rows = slice(half * rank, half * (rank + 1))
+        assert torch.equal(held, torch.cat([q[rows], k[rows], v[rows]]))
+    whole, _ = _load_as(path, 1, 2, monkeypatch)
+    assert torch.equal(dict(whole.named_parameters())["model.visual.blocks.0.attn.qkv.weight"],
+                       qkv)
+
+
 def test_row_parallel_bias_counts_on_rank_zero_only(tp_checkpoints: dict[str, str],
                                                    monkeypatch) -> None:
     """Qwen2's q/k/v biases split with their rows; a row-parallel bias (Llama with
@@ -214,20 +235,28 @@ def _run_both(llm: LLM) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_two_ranks_give_one_ranks_tokens(tp_checkpoints: dict[str, str], name: str) -> None:
+@pytest.mark.parametrize(("name", "encoder_mode"), [
+    *((name, "data") for name in FAMILIES),
+    ("siglip-qwen2-one-kv-head", "weights"), ("qwen2.5-vl", "weights")])
+def test_two_ranks_give_one_ranks_tokens(tp_checkpoints: dict[str, str], name: str,
+                                         encoder_mode: str) -> None:
     """float32 greedy tokens of two ranks equal one rank's (which equal transformers',
     ``test_parity.py``), with images split across steps, preemption, and encoder and prefix
-    cache hits."""
+    cache hits; the vision tower data-parallel or split."""
     path = tp_checkpoints[name]
     with LLM(path, **_settings(path, 1)) as one:
         expected = _run_both(one)
         blocks = one.engine.plan.num_blocks
-    with LLM(path, **_settings(path, 2)) as two:
+    with LLM(path, mm_encoder_tp_mode=encoder_mode, **_settings(path, 2)) as two:
         assert two.engine.plan.num_blocks == blocks == 12
         assert _run_both(two) == expected
         stats = two.stats()
         pids = two.engine.runner.pids
+        weights = two.engine.weights_bytes
+    # What each worker loaded: the vision tower whole, or its share.
+    data_parallel = tensor_bytes(meta_model(AutoConfig.from_pretrained(path), torch.float32, 2))
+    assert (weights == data_parallel) == (encoder_mode == "data")
+    assert weights <= data_parallel
     assert stats["num_preemptions"] > 0
     assert stats["encoder_cache_hits"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert all(not _alive(pid) for pid in pids)

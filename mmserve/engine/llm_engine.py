@@ -94,12 +94,13 @@ class LLMEngine:
         self.hf_config = hf_config
         if config.tensor_parallel_size > 1:
             # Workers load their shards and build their runners; this process holds none.
-            check_tensor_parallel(hf_config, dtype, config.tensor_parallel_size)
+            split_encoder = config.mm_encoder_tp_mode == "weights"
+            check_tensor_parallel(hf_config, dtype, config.tensor_parallel_size, split_encoder)
             self.model = None
             self.runner = MultiprocExecutor(WorkerSpec(
                 config.model, device, dtype, config.block_size, config.seed,
                 config.cpu_threads if isinstance(config.cpu_threads, int) else None,
-                config.tensor_parallel_size, config.worker_timeout))
+                config.tensor_parallel_size, config.worker_timeout, split_encoder))
             weights_bytes = self.runner.weights_bytes
         else:
             self.model, weights_bytes = runner_cls.load_model(config.model, hf_config, dtype)

@@ -121,8 +121,9 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
                               images_per_step(config, budget))
     step = batch.scheduler_output
     marked = set(estimated)
-    ranks = config.tensor_parallel_size
-    model = meta_model(hf_config, dtype, ranks)  # rank 0's shapes: sizes, dry runs, FLOPs
+    ranks, split_encoder = config.tensor_parallel_size, config.mm_encoder_tp_mode == "weights"
+    # Rank 0's shapes: sizes, dry runs, FLOPs.
+    model = meta_model(hf_config, dtype, ranks, split_encoder)
     if weights_bytes is None:
         weights_bytes = memory_profiler.tensor_bytes(model)
         if device != "cpu":
@@ -134,7 +135,7 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
         if ranks > 1 and not isinstance(config.cpu_threads, int):
             threads = max(1, threads // ranks)  # the workers share the cores out
         peak = dry_run_peak(model, step, batch.encoder_pixels, config.block_size, dtype,
-                            threads, ranks)
+                            threads, ranks, split_encoder)
         method = "tensors of a meta-device dry run of the profile batch"
         if device != "cpu":
             marked.add("activation_bytes")

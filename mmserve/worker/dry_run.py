@@ -44,12 +44,14 @@ class MetaModelRunner(ModelRunner):
         self.allocate_kv_cache(num_blocks)
 
 
-def meta_model(hf_config, dtype: torch.dtype, tensor_parallel_size: int = 1) -> nn.Module:
+def meta_model(hf_config, dtype: torch.dtype, tensor_parallel_size: int = 1,
+               split_encoder: bool = False) -> nn.Module:
     """The architecture with every weight on the meta device: sizes without data (rank 0's
-    share of them under tensor parallelism; ranks hold equal shares). A model that cannot be
-    split ``tensor_parallel_size`` ways is a ``ValueError`` saying why."""
+    share of them under tensor parallelism, the vision tower split too with
+    ``split_encoder``; ranks hold equal shares). A model that cannot be split
+    ``tensor_parallel_size`` ways is a ``ValueError`` saying why."""
     rng = torch.get_rng_state()
-    with torch.device(META), parallel.tensor_parallel(0, tensor_parallel_size):
+    with torch.device(META), parallel.tensor_parallel(0, tensor_parallel_size, split_encoder):
         model = get_model_class(hf_config)(hf_config)
     torch.set_rng_state(rng)  # parameter initialisers must not move the seeded global RNG
     model = model.to(dtype)
@@ -59,10 +61,11 @@ def meta_model(hf_config, dtype: torch.dtype, tensor_parallel_size: int = 1) -> 
     return model.eval()
 
 
-def check_tensor_parallel(hf_config, dtype: torch.dtype, tensor_parallel_size: int) -> None:
+def check_tensor_parallel(hf_config, dtype: torch.dtype, tensor_parallel_size: int,
+                          split_encoder: bool = False) -> None:
     """A ``ValueError`` saying why, when the model cannot be split that many ways (heads,
     KV heads or the MLP not divisible), before any worker starts."""
-    meta_model(hf_config, dtype, tensor_parallel_size)
+    meta_model(hf_config, dtype, tensor_parallel_size, split_encoder)
 
 
 def profile_blocks(batch: SchedulerOutput) -> int:
@@ -72,7 +75,7 @@ def profile_blocks(batch: SchedulerOutput) -> int:
 
 def dry_run_peak(model: nn.Module, batch: SchedulerOutput, encoder_pixels: EncoderPixels,
                  block_size: int, dtype: torch.dtype, threads: int,
-                 tensor_parallel_size: int = 1) -> int:
+                 tensor_parallel_size: int = 1, split_encoder: bool = False) -> int:
     """Peak bytes of tensors that running ``batch`` (whose images have ``encoder_pixels``)
     creates, counted on the meta device.
 
@@ -83,8 +86,10 @@ def dry_run_peak(model: nn.Module, batch: SchedulerOutput, encoder_pixels: Encod
     device (a test checks both sides).
     """
     runner = MetaModelRunner(model, profile_blocks(batch), block_size, dtype)
-    # As rank 0 (of ``meta_model(..., tensor_parallel_size)``): its share of the images.
-    with _FusedAttentionOnMeta(), parallel.tensor_parallel(0, tensor_parallel_size):
+    # As rank 0 (of ``meta_model(..., tensor_parallel_size, split_encoder)``): its share of
+    # the images, or of the vision tower's layers.
+    with _FusedAttentionOnMeta(), parallel.tensor_parallel(0, tensor_parallel_size,
+                                                           split_encoder):
         _, peak = track_peak_bytes(lambda: runner.profile_run(batch, encoder_pixels), threads)
     return peak + INPUT_BYTES_PER_TOKEN * batch.num_scheduled_tokens
 

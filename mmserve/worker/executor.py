@@ -63,6 +63,7 @@ class WorkerSpec:
     cpu_threads: int | None  # None: the cores this process may use, shared out evenly
     size: int
     timeout: float  # seconds a call (or a collective inside it) may take
+    split_encoder: bool = False  # the vision tower split across ranks (else data-parallel)
 
 
 class MultiprocExecutor:
@@ -96,15 +97,18 @@ class MultiprocExecutor:
     # ------------------------------------------------------------ the runner's calls
     def execute(self, scheduler_output: SchedulerOutput,
                 encoder_pixels: EncoderPixels) -> ModelOutput:
-        """The step on every rank, each sent the pixels of the images it encodes."""
-        tokens = scheduler_output.images_to_encode
-        owner = split_by_tokens([h for h in tokens if h in encoder_pixels], tokens,
-                                self.spec.size)
+        """The step on every rank, each sent the pixels of the images it encodes (all of
+        them where the vision tower is split)."""
         step = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
-        payloads = [pickle.dumps(("execute", (step, {h: p for h, p in encoder_pixels.items()
-                                                     if owner.get(h) == rank})),
-                                 protocol=pickle.HIGHEST_PROTOCOL)
-                    for rank in range(self.spec.size)]
+        if self.spec.split_encoder:
+            payloads = [_dumps(("execute", (step, encoder_pixels)))] * self.spec.size
+        else:
+            tokens = scheduler_output.images_to_encode
+            owner = split_by_tokens([h for h in tokens if h in encoder_pixels], tokens,
+                                    self.spec.size)
+            payloads = [_dumps(("execute", (step, {h: p for h, p in encoder_pixels.items()
+                                                   if owner.get(h) == rank})))
+                        for rank in range(self.spec.size)]
         return self._call_each(payloads, "execute")
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -148,7 +152,7 @@ class MultiprocExecutor:
             return
         self._closed = True
         if self._dead is None:
-            payload = pickle.dumps(("close", ()))
+            payload = _dumps(("close", ()))
             for conn in self._conns:
                 try:
                     conn.send_bytes(payload)
@@ -169,8 +173,7 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------ calls and answers
     def _call(self, method: str, *args: Any, every: bool = False) -> Any:
-        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-        return self._call_each([payload] * self.spec.size, method, every)
+        return self._call_each([_dumps((method, args))] * self.spec.size, method, every)
 
     def _call_each(self, payloads: list[bytes], method: str, every: bool = False) -> Any:
         if self._dead is not None:
@@ -261,6 +264,10 @@ class MultiprocExecutor:
                 proc.join(2.0)
 
 
+def _dumps(call: tuple[str, tuple]) -> bytes:
+    return pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -296,7 +303,7 @@ def _start(spec: WorkerSpec, rank: int, port: int):
     dist.init_process_group("nccl" if spec.device == "cuda" else "gloo",
                             init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=spec.size, timeout=timedelta(seconds=spec.timeout))
-    parallel.init_tensor_parallel(rank, spec.size, dist.group.WORLD)
+    parallel.init_tensor_parallel(rank, spec.size, dist.group.WORLD, spec.split_encoder)
     hf_config = AutoConfig.from_pretrained(spec.model, local_files_only=True)
     runner_cls = runner_class(spec.device)
     model, weights_bytes = runner_cls.load_model(spec.model, hf_config, spec.dtype)

@@ -258,7 +258,7 @@ class ModelRunner:
         if not hashes:
             return
         tokens = scheduler_output.images_to_encode
-        if parallel.tp_size() > 1:
+        if parallel.tp_size() > 1 and not parallel.split_encoder():
             self.encoder_outputs.update(self._encode_data_parallel(hashes, tokens,
                                                                    encoder_pixels))
             return
