@@ -97,6 +97,10 @@ class EngineConfig:
         1, "ranks the decoder is split across (one worker process each, joined by "
         "torch.distributed: NCCL on GPUs, one per GPU; gloo on the CPU, sharing its cores); "
         "every rank holds the whole vision tower and encodes its share of a step's images")
+    distributed_executor_backend: str = flag(
+        "auto", "where the model runs: 'uni' (in the engine's process), 'mp' (worker "
+        "processes, one per rank, as tensor parallelism needs); auto: uni for one rank, mp "
+        "for more", choices=("auto", "uni", "mp"))
     mm_encoder_tp_mode: str = flag(
         "data", "how tensor parallelism runs the vision tower: 'data' (a whole copy on every "
         "rank, each encoding its share of a step's images) or 'weights' (its layers split "
@@ -178,13 +182,20 @@ class EngineConfig:
                      "kv_cache_memory", "encoder_cache_size", "max_image_pixels", "cpu_threads",
                      "tensor_parallel_size"):
             positive(name, getattr(self, name))
+        ranks = self.tensor_parallel_size
+        if self.distributed_executor_backend not in ("auto", "uni", "mp"):
+            raise ValueError(f"distributed_executor_backend must be 'auto', 'uni' or 'mp', got "
+                             f"{self.distributed_executor_backend!r}.")
+        if self.distributed_executor_backend == "uni" and ranks > 1:
+            raise ValueError(f"tensor_parallel_size={ranks} runs one worker process per rank; "
+                             "distributed_executor_backend='uni' runs one rank in this "
+                             "process: use 'mp' (or auto).")
         if self.mm_encoder_tp_mode not in ("data", "weights"):
             raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'weights', got "
                              f"{self.mm_encoder_tp_mode!r}.")
         if not self.worker_timeout > 0:
             raise ValueError(f"worker_timeout must be positive seconds, got "
                              f"{self.worker_timeout}.")
-        ranks = self.tensor_parallel_size
         if ranks > 1 and self.resolved_device == "cuda" and torch.cuda.device_count() < ranks:
             raise ValueError(f"tensor_parallel_size={ranks} needs {ranks} GPUs, one per rank; "
                              f"torch sees {torch.cuda.device_count()}.")
@@ -202,6 +213,11 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' "
                              "(or 'auto'), or install a CUDA build of torch.")
+
+    @property
+    def worker_processes(self) -> bool:
+        """Whether the model runs in worker processes (``MultiprocExecutor``)."""
+        return self.distributed_executor_backend == "mp" or self.tensor_parallel_size > 1
 
     @property
     def resolved_device(self) -> str:

@@ -25,6 +25,7 @@ from mmserve.models import loader, parallel
 from mmserve.processing.processor import InputProcessor
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.worker.dry_run import check_tensor_parallel, meta_model
+from mmserve.worker.executor import MultiprocExecutor
 from mmserve.worker.memory_profiler import tensor_bytes
 from mmserve.worker.model_runner import split_by_tokens
 from tests.conftest import assert_no_leaks
@@ -260,6 +261,27 @@ def test_two_ranks_give_one_ranks_tokens(tp_checkpoints: dict[str, str], name: s
     assert stats["num_preemptions"] > 0
     assert stats["encoder_cache_hits"] > 0 and stats["prefix_cache_hit_tokens"] > 0
     assert all(not _alive(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_one_rank_in_a_worker_process_gives_the_same_tokens(clip_llama: str) -> None:
+    """``distributed_executor_backend="mp"`` with one rank: the worker-process path (the one
+    several GPUs take, with NCCL) on one device."""
+    prompts = mixed_batch()
+    with LLM(clip_llama, dtype="float32", device="cpu") as uni:
+        expected = [o.token_ids for o in uni.generate(prompts, GREEDY)]
+    with LLM(clip_llama, dtype="float32", device="cpu",
+             distributed_executor_backend="mp") as mp:
+        assert isinstance(mp.engine.runner, MultiprocExecutor)
+        assert len(mp.engine.runner.pids) == 1
+        assert [o.token_ids for o in mp.generate(prompts, GREEDY)] == expected
+
+
+def test_settings_that_cannot_work_together_say_so(clip_llama: str) -> None:
+    with pytest.raises(ValueError, match="use 'mp'"):
+        EngineConfig(clip_llama, tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig(clip_llama, tensor_parallel_size=0)
 
 
 @pytest.mark.slow

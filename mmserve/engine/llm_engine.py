@@ -89,10 +89,10 @@ class LLMEngine:
         # Read before the weights load: on the CPU they come out of the RAM available now.
         memory_bytes = memory_profiler.device_memory(torch.device(device))
         if (device == "cuda" and config.kv_cache_memory is None
-                and config.tensor_parallel_size == 1):
+                and not config.worker_processes):
             self._check_free_gpu_memory(config, memory_bytes)
         self.hf_config = hf_config
-        if config.tensor_parallel_size > 1:
+        if config.worker_processes:
             # Workers load their shards and build their runners; this process holds none.
             split_encoder = config.mm_encoder_tp_mode == "weights"
             check_tensor_parallel(hf_config, dtype, config.tensor_parallel_size, split_encoder)
