@@ -153,7 +153,9 @@ def _engine_summary(engine) -> dict[str, Any]:
             "max_num_batched_tokens": c.max_num_batched_tokens, "block_size": c.block_size,
             "enable_prefix_caching": c.enable_prefix_caching,
             "encoder_cache_tokens": engine.encoder_budget.cache_tokens,
-            "kv_cache_bytes": engine.plan.kv_cache_bytes, "torch_threads": _threads()}
+            "tensor_parallel_size": c.tensor_parallel_size,
+            "kv_cache_bytes": engine.plan.kv_cache_bytes * c.tensor_parallel_size,
+            "torch_threads": _threads()}
 
 
 def _workload_summary(workload) -> dict[str, Any]:

@@ -92,6 +92,9 @@ class _Abort:
 
 
 _STOP = object()
+# Seconds between two looks at the engine's health while it has nothing to step (a
+# tensor-parallel worker that dies while the server is idle turns /health 503 within this).
+IDLE_CHECK_S = 1.0
 
 
 class AsyncEngine:
@@ -234,8 +237,13 @@ class AsyncEngine:
         try:
             while True:
                 # Block only when there is nothing to step.
-                block = not engine.has_unfinished_requests()
-                commands = [self._commands.get()] if block else []
+                commands = []
+                while not engine.has_unfinished_requests():
+                    try:  # idle: look at the engine's workers now and then
+                        commands.append(self._commands.get(timeout=IDLE_CHECK_S))
+                        break
+                    except queue.Empty:
+                        engine.check_health()
                 while True:
                     try:
                         commands.append(self._commands.get_nowait())

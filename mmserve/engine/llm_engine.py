@@ -488,6 +488,17 @@ class LLMEngine:
             prompt_logprobs=prompt_logprobs,
         )
 
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` if the engine cannot serve (closed, or a tensor-parallel
+        worker gone), without a step: what the server looks at while idle."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            self.runner.check_health()
+        except EngineDeadError as e:
+            self._dead = str(e)
+            raise
+
     # ----------------------------------------------------------------- lifetime
     @property
     def device_bytes(self) -> int:

@@ -143,6 +143,16 @@ class MultiprocExecutor:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
+    def check_health(self) -> None:
+        """Raise ``EngineDeadError`` (ending the others) if a worker has exited: between
+        steps, where no call would notice."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        for rank, proc in enumerate(self._procs):
+            if not self._closed and not proc.is_alive():
+                self._fail(f"tensor-parallel worker rank {rank} {self._exit_status(rank)} "
+                           "while the engine was idle")
+
     def release_memory(self) -> None:
         """Nothing of the workers' memory stays once they exit (``close``)."""
 

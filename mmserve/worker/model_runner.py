@@ -235,6 +235,10 @@ class ModelRunner:
         """The compute threads of the last step, where the device has them (the CPU)."""
         return None
 
+    def check_health(self) -> None:
+        """Nothing to look at in the engine's own process (worker processes are looked at by
+        ``MultiprocExecutor.check_health``)."""
+
     def capture_model(self, max_num_seqs: int, max_model_len: int,
                       position_rows: int = 1) -> None:
         """Prepare fast paths for decode batches (CUDA graphs) whose positions have
