@@ -110,7 +110,7 @@ def server_command(kind: str, args, model: str, port: int) -> list[str]:
         vllm_bin = Path(args.vllm_python).absolute().parent / "vllm"
         return [str(vllm_bin), "serve", model, "--host", "127.0.0.1", *common,
                 "--limit-mm-per-prompt", '{"image": 1}', "--enable-prefix-caching",
-                "--disable-log-requests", "--seed", "0", *shlex.split(args.vllm_args)]
+                "--seed", "0", *shlex.split(args.vllm_args)]
     return [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", "--model", model,
             "--host", "127.0.0.1", *common, "--limit-mm-per-prompt", "1",
             "--kv-cache-memory", str(args.kv_cache_gib << 30), *shlex.split(args.mmserve_args)]

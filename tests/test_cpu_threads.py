@@ -79,6 +79,64 @@ def test_adaptive_threads_follow_a_load_that_comes_and_goes(monkeypatch):
     assert torch.get_num_threads() == 2
 
 
+def test_a_look_while_the_engine_waited_judges_nothing(monkeypatch):
+    """Other processes busy while this one had no work (a client building its requests):
+    nothing it competed for, so no core is given up."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    torch.set_num_threads(2)
+    cores = FakeCores()
+    threads = AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock)
+    cores.advance(3.0, own_cores=0.1, other_cores=1.0)
+    threads.update()
+    assert torch.get_num_threads() == 2
+    cores.advance(0.6, own_cores=1.34, other_cores=0.66)  # the same load beside its threads
+    threads.update()
+    assert torch.get_num_threads() == 1
+
+
+def _hold_one_thread(cores: FakeCores, threads: AdaptiveThreads, other_cores: float) -> None:
+    """Looks at one thread until just before the probe, the others taking ``other_cores``."""
+    looked = 0.0
+    while looked + 0.6 < cpu_threads.PROBE_AFTER_S:
+        cores.advance(0.6, own_cores=1.0, other_cores=other_cores)
+        threads.update()
+        looked += 0.6
+        assert torch.get_num_threads() == 1
+
+
+def test_a_given_up_core_is_probed_again(monkeypatch):
+    """After PROBE_AFTER_S on fewer threads, one look with all of them: a spinning process
+    still takes its share there (the core is given up again), a process that only filled the
+    free core does not (it is kept)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    torch.set_num_threads(2)
+    cores = FakeCores()
+    threads = AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock)
+    cores.advance(0.6, own_cores=1.34, other_cores=0.66)
+    threads.update()
+    assert torch.get_num_threads() == 1
+
+    _hold_one_thread(cores, threads, other_cores=1.0)  # spinning: all of the free core
+    cores.advance(0.6, own_cores=1.0, other_cores=1.0)
+    threads.update()
+    assert torch.get_num_threads() == 2  # the probe
+    cores.advance(0.6, own_cores=1.34, other_cores=0.66)  # still there beside two threads
+    threads.update()
+    assert torch.get_num_threads() == 1
+
+    _hold_one_thread(cores, threads, other_cores=0.9)  # a client filling the free core...
+    cores.advance(0.6, own_cores=1.0, other_cores=0.9)
+    threads.update()
+    assert torch.get_num_threads() == 2
+    cores.advance(0.6, own_cores=1.7, other_cores=0.3)  # ...takes little beside two threads
+    threads.update()
+    assert torch.get_num_threads() == 2
+    for _ in range(20):  # and nothing is given up or probed while that lasts
+        cores.advance(0.6, own_cores=1.7, other_cores=0.3)
+        threads.update()
+        assert torch.get_num_threads() == 2
+
+
 def test_a_later_engine_starts_from_the_users_thread_count(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     torch.set_num_threads(3)  # the user's choice: the ceiling, never raised past
