@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import time
 
@@ -286,19 +287,28 @@ def test_settings_that_cannot_work_together_say_so(clip_llama: str) -> None:
 
 @pytest.mark.slow
 def test_sampling_logprobs_and_n_match_one_rank(tp_checkpoints: dict[str, str]) -> None:
-    """Seeded sampling, log-probabilities and n completions come out of rank 0 as one rank
-    gives them."""
+    """Seeded sampling, log-probabilities, n completions, prompt logprobs and structured
+    output come out of rank 0 as one rank gives them."""
     path = tp_checkpoints["qwen2-vl"]
     params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=3, n=2, logprobs=2)
+    constrained = SamplingParams(max_tokens=24, temperature=0.0, prompt_logprobs=1,
+                                 structured_outputs={"regex": "(red|green|blue) [0-9]{2}"})
     prompts = mixed_batch()[:4]
 
     def run(ranks: int):
         with LLM(path, dtype="float32", device="cpu", tensor_parallel_size=ranks) as llm:
             outs = llm.generate(prompts, params)
-        return [[(c.token_ids, [round(lp.logprob, 4) for lp in c.logprobs]) for c in o.outputs]
-                for o in outs]
+            guided = llm.generate(prompts[:2], constrained)
+        sampled = [c.token_ids for o in outs for c in o.outputs]
+        logprobs = [lp.logprob for o in outs for c in o.outputs for lp in c.logprobs]
+        logprobs += [lp.logprob for o in guided for lp in o.prompt_logprobs[1:]]
+        return sampled, [o.text for o in guided], logprobs
 
-    assert run(2) == run(1)
+    two, one = run(2), run(1)
+    assert two[:2] == one[:2] and len(one[0]) == 8
+    assert all(re.fullmatch("(red|green|blue) [0-9]{2}", text) for text in one[1])
+    # The ranks' partial sums add up in another order: equal within float32 rounding.
+    assert two[2] == pytest.approx(one[2], abs=1e-4) and len(one[2]) > 100
 
 
 def _alive(pid: int) -> bool:
