@@ -92,6 +92,9 @@ class EngineConfig:
         "use (torch's thread count at most), one fewer for each core other processes keep "
         "busy, checked twice a second", parse=int_or_auto)
     seed: int = flag(0, "seed of torch and of the runner's sampling")
+    async_scheduling: bool = flag(
+        False, "schedule each step while the one before computes, the runner's steps on a "
+        "thread (or in the worker processes) of their own; outputs are the same")
     # Parallelism.
     tensor_parallel_size: int = flag(
         1, "ranks the decoder is split across (one worker process each, joined by "

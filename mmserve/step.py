@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# A token the step before this one samples, not yet known when this step was scheduled
+# (asynchronous scheduling): the runner writes in the token it sampled for the request.
+PENDING_TOKEN = -1
+
+
 @dataclass
 class ImageSlice:
     """Copy ``embeddings[image_hash][src_start : src_start + length]`` to ``dst_start``."""
@@ -32,7 +37,7 @@ class ImageSlice:
 @dataclass
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]
+    token_ids: list[int]  # the last may be PENDING_TOKEN (scheduled ahead of its sampling)
     start_pos: int  # num_computed_tokens before this step
     block_ids: list[int]
     image_slices: list[ImageSlice]

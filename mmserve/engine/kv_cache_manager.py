@@ -91,7 +91,9 @@ class KVCacheManager:
         if self.enable_caching:
             # Publish blocks that these tokens fill. Safe before the forward pass: each layer
             # writes every scheduled token's K/V before any sequence attends.
-            num_full = total // self.block_size
+            # Only tokens already known: a token scheduled ahead of its sampling
+            # (asynchronous scheduling) publishes its block on a later call.
+            num_full = min(total, req.num_tokens) // self.block_size
             first = self._num_published.get(req.request_id, 0)
             if num_full > first:
                 hashes = self._block_hashes(req, num_full)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import itertools
 import logging
 import os
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +31,12 @@ from mmserve.inputs import EncoderInput
 from mmserve.outputs import RequestOutput
 from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
-from mmserve.step import ModelOutput, SchedulerOutput, StepTimes, TokenLogprobs
+from mmserve.step import PENDING_TOKEN, ModelOutput, SchedulerOutput, StepTimes, TokenLogprobs
 from mmserve.worker import memory_profiler
 from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import runner_class
 from mmserve.worker.dry_run import check_tensor_parallel, profile_blocks
-from mmserve.worker.executor import MultiprocExecutor, WorkerSpec
+from mmserve.worker.executor import MultiprocExecutor, StepThread, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,14 @@ class StepRecord:
 # Every engine of this process that holds GPU memory, so that a start which finds too little
 # free can say which of them hold it.
 _live_engines: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
+
+
+class _SchedulingFailed(Exception):
+    """Scheduling raised; every request was failed (``outputs``)."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        super().__init__("scheduling failed")
+        self.outputs = outputs
 
 
 class LLMEngine:
@@ -155,6 +165,19 @@ class LLMEngine:
         self._release_threshold = max(64 << 20, self.plan.activation_bytes)
         self._failed_steps_in_a_row = 0
         self._dead: str | None = None
+        # Steps handed to the runner and not finished yet, oldest first: one, or two while
+        # one runs and the next was scheduled ahead (asynchronous scheduling, where the
+        # runner's steps run beside this thread: ``_steps``; else their results wait in
+        # ``_results``). ``_stale``: requests whose result in the next step is void.
+        self._submitted: deque[SchedulerOutput] = deque()
+        self._results: deque[ModelOutput] = deque()
+        self._stale: set[str] = set()
+        self._schedule_s = 0.0  # the current step's scheduling time, so far
+        self.num_steps_ahead = 0  # steps scheduled while the one before computed
+        self._steps: StepThread | MultiprocExecutor | None = None
+        if config.async_scheduling:
+            self._steps = (self.runner if isinstance(self.runner, MultiprocExecutor)
+                           else StepThread(self.runner))
         logger.info("mmserve engine ready, dtype=%s, encoder compute budget %d tokens per "
                     "step\n%s", dtype, self.encoder_budget.compute_tokens, self.plan.summary())
 
@@ -298,6 +321,9 @@ class LLMEngine:
         self._matchers.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether a request is waiting or running. With asynchronous scheduling a step
+        scheduled ahead may still be in flight when none is (its work is void: every request
+        in it has finished); the next ``step`` collects it."""
         return self.scheduler.has_unfinished()
 
     # ----------------------------------------------------------------- step
@@ -315,27 +341,114 @@ class LLMEngine:
     def step_with_record(self) -> tuple[list[RequestOutput], StepRecord]:
         """``step``, and a ``StepRecord`` of what it did: the batch it scheduled, the runner's
         timings and the time spent scheduling, updating and detokenizing (``mmserve bench``
-        builds its per-step timeline from these)."""
+        builds its per-step timeline from these).
+
+        With ``async_scheduling`` the next step is scheduled and handed to the runner while
+        this one computes (``_schedule_ahead``), and this one's outputs are made while the
+        next computes; a step returns the outputs of the step before it then."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        self._schedule_s = 0.0
+        if not self._submitted:
+            try:
+                scheduler_output = self._schedule()
+            except _SchedulingFailed as failed:
+                return failed.outputs, StepRecord(SchedulerOutput(),
+                                                  schedule_s=self._schedule_s)
+            self._submit(scheduler_output)
+        try:
+            self._schedule_ahead()
+        except _SchedulingFailed as failed:  # every request is failed: drop what is in flight
+            for _ in self._submitted:
+                self._collect()
+            self._submitted.clear()
+            return failed.outputs, StepRecord(SchedulerOutput(), schedule_s=self._schedule_s)
+        scheduler_output = self._submitted.popleft()
+        result = self._collect()
+        t0 = time.perf_counter()
+        outputs = self._finish_step(scheduler_output, result)
+        return outputs, StepRecord(scheduler_output, result.times,
+                                   self._schedule_s + time.perf_counter() - t0)
+
+    def _schedule(self, pending: frozenset[str] = frozenset()) -> SchedulerOutput:
+        """The next step, its constrained requests' bitmasks added; a failure of the books
+        fails every request (``_SchedulingFailed`` carries their outputs). Its time goes
+        into the step's ``schedule_s``."""
         t0 = time.perf_counter()
         try:
-            scheduler_output = self.scheduler.schedule()
+            return self._schedule_timed(pending)
+        finally:
+            self._schedule_s += time.perf_counter() - t0
+
+    def _schedule_timed(self, pending: frozenset[str]) -> SchedulerOutput:
+        try:
+            scheduler_output = (self.scheduler.schedule(pending) if pending
+                                else self.scheduler.schedule())
         except Exception as e:  # a bug in the books: fail what is in flight, keep the engine
             logger.exception("scheduling failed; failing every request in flight")
-            outputs = self._fail_all(f"scheduling failed: {type(e).__name__}: {e}")
-            return outputs, StepRecord(SchedulerOutput(), schedule_s=time.perf_counter() - t0)
+            raise _SchedulingFailed(
+                self._fail_all(f"scheduling failed: {type(e).__name__}: {e}")) from e
         self._constrain(scheduler_output)
-        schedule_s = time.perf_counter() - t0
+        return scheduler_output
+
+    def _submit(self, scheduler_output: SchedulerOutput) -> None:
+        pixels = self._encoder_pixels(scheduler_output)
+        if self._steps is None:  # synchronous: run it now
+            self._results.append(self._dead_on_worker_loss(
+                lambda: self.runner.execute(scheduler_output, pixels)))
+        else:
+            self._dead_on_worker_loss(lambda: self._steps.submit(scheduler_output, pixels))
+        self._submitted.append(scheduler_output)
+
+    def _collect(self) -> ModelOutput:
+        if self._steps is None:
+            return self._results.popleft()
+        return self._dead_on_worker_loss(self._steps.collect)
+
+    def _dead_on_worker_loss(self, call):
         try:
-            result = self.runner.execute(scheduler_output,
-                                         self._encoder_pixels(scheduler_output))
+            return call()
         except EngineDeadError as e:  # a tensor-parallel worker died or hung
             self._dead = str(e)
             raise
-        t1 = time.perf_counter()
+
+    def _schedule_ahead(self) -> None:
+        """With asynchronous scheduling, schedule and submit the step after the one in
+        flight, its requests that sample there given ``PENDING_TOKEN``s. Not while a request
+        with a grammar samples there (its next bitmask needs that token): the step after is
+        then scheduled once it is known."""
+        if self._steps is None or len(self._submitted) != 1 or self._stale:
+            return  # (after a failure, the step in flight is partly void: wait for it)
+        in_flight = self._submitted[0]
+        pending = frozenset(r.request_id for r in in_flight.requests if r.sample)
+        if self._matchers and any(rid in self._matchers for rid in pending):
+            return
+        ahead = self._schedule(pending)
+        if (ahead.requests or ahead.freed_encoder_hashes or ahead.encoder_restores
+                or ahead.encoder_spills or ahead.finished_request_ids):
+            self._submit(ahead)
+            self.num_steps_ahead += 1
+
+    def _finish_step(self, scheduler_output: SchedulerOutput,
+                     result: ModelOutput) -> list[RequestOutput]:
+        """Apply a step's result: failures, sampled tokens, stops, detokenized outputs."""
+        stale, self._stale = self._stale, set()
+        if stale:  # their step before failed: what this one did for them is void
+            for found in (result.sampled, result.errors, result.logprobs,
+                          result.prompt_logprobs):
+                for rid in stale:
+                    found.pop(rid, None)
+            scheduler_output = dataclasses.replace(scheduler_output, requests=[
+                r for r in scheduler_output.requests if r.request_id not in stale])
         self._note_prompt_logprobs(result)
         failed = self._handle_failures(scheduler_output, result)
+        if self._submitted:  # the step after, scheduled ahead: void for requests whose
+            # token it computes from did not come, or whose step here failed or is redone
+            nxt = self._submitted[0]
+            self._stale = {r.request_id for r in nxt.requests
+                           if r.request_id in result.errors
+                           or (r.token_ids[-1] == PENDING_TOKEN
+                               and r.request_id not in result.sampled)}
         changed = self.scheduler.update(scheduler_output, result)
         self.num_steps += 1
         outputs = [self._error_output(req) for req in failed]
@@ -350,8 +463,7 @@ class LLMEngine:
             if detok.stopped and not req.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             outputs.append(self._output(req, detok))
-        schedule_s += time.perf_counter() - t1
-        return outputs, StepRecord(scheduler_output, result.times, schedule_s)
+        return outputs
 
     def _constrain(self, scheduler_output: SchedulerOutput) -> None:
         """Give each constrained request that samples in this step the bitmask of the tokens
@@ -522,6 +634,9 @@ class LLMEngine:
         if scheduler is not None:
             for req in [*scheduler.running, *scheduler.waiting]:
                 self.abort_request(req.request_id)
+        steps = getattr(self, "_steps", None)
+        if isinstance(steps, StepThread):
+            steps.close()  # after the steps in flight
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.close()

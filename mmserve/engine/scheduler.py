@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from mmserve.engine.encoder_cache import EncoderBudget, EncoderCacheManager, KVLending
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.request import Request, RequestStatus
-from mmserve.step import ImageSlice, ModelOutput, ScheduledRequest, SchedulerOutput
+from mmserve.step import (
+    PENDING_TOKEN,
+    ImageSlice,
+    ModelOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -159,23 +165,30 @@ class Scheduler:
         return slices
 
     # ----------------------------------------------------------------- step
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, pending: frozenset[str] = frozenset()) -> SchedulerOutput:
         """The next step. If scheduling raises (a bug in the books; the engine then fails
         the requests in flight), the encoder-cache entries it reserved are forgotten: their
-        images were never encoded, and a later hit must not read nothing."""
+        images were never encoded, and a later hit must not read nothing.
+
+        ``pending``: scheduling ahead (asynchronous scheduling), while the step before runs;
+        these requests sample a token in that step. Each gets its next token scheduled as
+        ``PENDING_TOKEN`` (the runner writes in what it sampled), unless that token will end
+        it (``max_tokens``, ``max_model_len``); nobody is preempted (a request that does not
+        fit waits for the next step, scheduled once this one's tokens are known)."""
         out = SchedulerOutput()
         try:
-            return self._schedule(out)
+            return self._schedule(out, pending)
         except Exception:
             for image_hash in out.images_to_encode:
                 self.encoder_cache.discard(image_hash)
             raise
 
-    def _schedule(self, out: SchedulerOutput) -> SchedulerOutput:
+    def _schedule(self, out: SchedulerOutput, pending: frozenset[str]) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
         compute_budget = self.encoder_compute_budget
         scheduled: list[tuple[Request, int]] = []
         preempted = False
+        ahead = bool(pending)
 
         def commit(req: Request, num_new: int, to_encode: list[int]) -> None:
             for i in to_encode:
@@ -191,20 +204,26 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, token_budget)
+            total = self._num_tokens(req, pending)
+            num_new = min(total - req.num_computed_tokens, token_budget)
             to_encode, num_new, new_compute_budget, _ = self._schedule_images(
                 req, req.num_computed_tokens, num_new, compute_budget)
-            if num_new == 0:
+            if num_new <= 0:
                 i += 1
                 continue
-            while self.kv_cache.allocate_slots(req, num_new) is None:
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
+            if ahead:
+                if self.kv_cache.allocate_slots(req, num_new) is None:
+                    preempted = True  # no room without preempting: the rest waits a step
                     break
-            if req.status != RequestStatus.RUNNING:
-                break
+            else:
+                while self.kv_cache.allocate_slots(req, num_new) is None:
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.status != RequestStatus.RUNNING:
+                    break
             commit(req, num_new, to_encode)
             compute_budget = new_compute_budget
             token_budget -= num_new
@@ -240,13 +259,15 @@ class Scheduler:
         for req, num_new in scheduled:
             start = req.num_computed_tokens
             assert num_new > 0, f"scheduled {num_new} tokens for {req}"
+            token_ids = req.all_token_ids[start:start + num_new]
+            token_ids += [PENDING_TOKEN] * (num_new - len(token_ids))
             out.requests.append(ScheduledRequest(
                 request_id=req.request_id,
-                token_ids=req.all_token_ids[start:start + num_new],
+                token_ids=token_ids,
                 start_pos=start,
                 block_ids=self.kv_cache.block_ids(req),
                 image_slices=self._image_slices(req, start, num_new),
-                sample=start + num_new == req.num_tokens,
+                sample=start + num_new == self._num_tokens(req, pending),
                 sampling_params=req.sampling_params,
                 positions=req.positions(start, start + num_new),
                 prompt_logprob_targets=(
@@ -254,7 +275,7 @@ class Scheduler:
                     else req.all_token_ids[start + 1:min(start + num_new + 1,
                                                          req.num_prompt_tokens)]),
             ))
-            # Tokens count as computed once scheduled: the step runs synchronously.
+            # Tokens count as computed once scheduled: steps run in the order scheduled.
             req.num_computed_tokens += num_new
             self._release_passed_images(req)
         ops = self.encoder_cache.take_ops()
@@ -262,6 +283,15 @@ class Scheduler:
         out.encoder_restores, out.encoder_spills = ops.restores, ops.spills
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
+
+    def _num_tokens(self, req: Request, pending: frozenset[str]) -> int:
+        """The tokens ``req`` will have once the step in flight ends: one more when it samples
+        there, unless that token ends it (it is not scheduled then)."""
+        if req.request_id not in pending:
+            return req.num_tokens
+        ends = (req.num_output_tokens + 1 >= req.sampling_params.max_tokens
+                or req.num_tokens + 1 >= self.max_model_len)
+        return req.num_tokens + (not ends)
 
     def _release_passed_images(self, req: Request) -> None:
         """Drop references to images whose every placeholder is now computed."""

@@ -19,10 +19,12 @@ exits).
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import socket
 import threading
@@ -43,12 +45,12 @@ logger = logging.getLogger(__name__)
 
 # Seconds a worker gets to exit after ``close`` before it is killed.
 CLOSE_GRACE_S = 10.0
+# Seconds the workers may take to start (import, join the group, load their shards) at least.
+START_TIMEOUT_S = 600.0
 # Seconds a call may take beyond ``WorkerSpec.timeout`` (the collectives' own timeout).
 TIMEOUT_MARGIN_S = 5.0
 # Seconds the other ranks get to answer once one has failed (to name the one that hung).
 FAILURE_GRACE_S = 2.0
-# Seconds between a worker's looks at whether its parent is still there.
-PARENT_CHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -75,21 +77,32 @@ class MultiprocExecutor:
         self.dtype = spec.dtype
         self._dead: str | None = None
         self._closed = False
+        self._seq = 0  # calls sent so far (the start is call 0)
+        self._steps: collections.deque[int] = collections.deque()  # steps' calls, uncollected
+        self._kv_cache_bytes = 0
         ctx = multiprocessing.get_context("spawn")
         port = _free_port()
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
-        for rank in range(spec.size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(spec, rank, port, theirs),
-                               name=f"mmserve-tp-rank{rank}", daemon=True)
-            proc.start()
-            theirs.close()
-            self._conns.append(ours)
-            self._procs.append(proc)
-        # Loading takes as long as it takes; a hung start still ends.
-        ready = self._replies("start", max(spec.timeout, 600.0), every=True)
-        self.weights_bytes = max(ready)  # per rank: its shards and the whole vision tower
+        try:
+            for rank in range(spec.size):
+                ours, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_worker_main, args=(spec, rank, port, theirs),
+                                   name=f"mmserve-tp-rank{rank}", daemon=True)
+                self._conns.append(ours)
+                proc.start()
+                theirs.close()
+                self._procs.append(proc)
+            # Loading takes as long as it takes; a hung start still ends.
+            ready = self._replies(0, "start", max(spec.timeout, START_TIMEOUT_S), every=True)
+            self.weights_bytes = max(ready)  # per rank: its shards and the whole vision tower
+            self._num_threads = self._call("get", "num_threads")
+        except BaseException:  # a failed or interrupted start leaves no worker behind
+            self._closed = True
+            self._kill_all()
+            for conn in self._conns:
+                conn.close()
+            raise
         logger.info("tensor parallelism: %d workers (pids %s), %s", spec.size,
                     ", ".join(str(p.pid) for p in self._procs),
                     "NCCL" if spec.device == "cuda" else "gloo")
@@ -97,22 +110,37 @@ class MultiprocExecutor:
     # ------------------------------------------------------------ the runner's calls
     def execute(self, scheduler_output: SchedulerOutput,
                 encoder_pixels: EncoderPixels) -> ModelOutput:
-        """The step on every rank, each sent the pixels of the images it encodes (all of
-        them where the vision tower is split)."""
+        self.submit(scheduler_output, encoder_pixels)
+        return self.collect()
+
+    def collect(self) -> ModelOutput:
+        """The result of the oldest step submitted and not collected yet."""
+        if not self._steps:
+            raise RuntimeError("no step in flight to collect")
+        # The ranks' own collectives time out first, so that a rank waiting on a silent one
+        # reports, and the silent one is named.
+        return self._replies(self._steps.popleft(), "execute",
+                             self.spec.timeout + TIMEOUT_MARGIN_S)
+
+    def submit(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels) -> None:
+        """Send the step to every rank, each with the pixels of the images it encodes (all of
+        them where the vision tower is split); the workers run steps in the order sent."""
         step = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
         if self.spec.split_encoder:
-            payloads = [_dumps(("execute", (step, encoder_pixels)))] * self.spec.size
+            payloads = [_dumps((self._seq + 1, "execute", (step, encoder_pixels)))
+                        ] * self.spec.size
         else:
-            tokens = scheduler_output.images_to_encode
-            owner = split_by_tokens([h for h in tokens if h in encoder_pixels], tokens,
-                                    self.spec.size)
-            payloads = [_dumps(("execute", (step, {h: p for h, p in encoder_pixels.items()
-                                                   if owner.get(h) == rank})))
+            tokens = scheduler_output.images_to_encode  # split as the runners split them
+            owner = split_by_tokens(list(tokens), tokens, self.spec.size)
+            payloads = [_dumps((self._seq + 1, "execute",
+                                (step, {h: p for h, p in encoder_pixels.items()
+                                        if owner.get(h) == rank})))
                         for rank in range(self.spec.size)]
-        return self._call_each(payloads, "execute")
+        self._steps.append(self._send(payloads))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", num_blocks)
+        self._kv_cache_bytes = sum(self._call("get", "kv_cache_bytes", every=True))
 
     def capture_model(self, max_num_seqs: int, max_model_len: int,
                       position_rows: int = 1) -> None:
@@ -133,11 +161,12 @@ class MultiprocExecutor:
     @property
     def kv_cache_bytes(self) -> int:
         """Every rank's KV cache together."""
-        return sum(self._call("get", "kv_cache_bytes", every=True))
+        return self._kv_cache_bytes
 
     @property
     def num_threads(self) -> int | None:
-        return self._call("get", "num_threads")
+        """Rank 0's compute threads (fixed when it started)."""
+        return self._num_threads
 
     @property
     def pids(self) -> list[int]:
@@ -183,9 +212,14 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------ calls and answers
     def _call(self, method: str, *args: Any, every: bool = False) -> Any:
-        return self._call_each([_dumps((method, args))] * self.spec.size, method, every)
+        if self._steps:  # the workers answer in order: it would wait for the steps
+            raise RuntimeError(f"{method!r} called with {len(self._steps)} step(s) in flight")
+        seq = self._send([_dumps((self._seq + 1, method, args))] * self.spec.size)
+        return self._replies(seq, method, self.spec.timeout + TIMEOUT_MARGIN_S, every)
 
-    def _call_each(self, payloads: list[bytes], method: str, every: bool = False) -> Any:
+    def _send(self, payloads: list[bytes]) -> int:
+        """Send call ``self._seq + 1`` (its payloads carry that number); returns it."""
+        self._seq += 1
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if self._closed:
@@ -196,17 +230,16 @@ class MultiprocExecutor:
             except OSError as e:
                 self._fail(f"tensor-parallel worker rank {rank} {self._exit_status(rank)} "
                            f"(cannot be reached: {e})")
-        # The ranks' own collectives time out first, so that a rank waiting on a silent one
-        # reports, and the silent one is named.
-        return self._replies(method, self.spec.timeout + TIMEOUT_MARGIN_S, every)
+        return self._seq
 
-    def _replies(self, method: str, timeout: float, every: bool = False) -> Any:
-        """Every rank's answer to the call just sent: rank 0's, or all of them (``every``).
-        A rank that fails, dies or stays silent past ``timeout`` ends the executor. After a
-        failure the others get ``FAILURE_GRACE_S`` to answer too: a rank that fails a
-        collective is usually waiting on one that died or hangs, which the error then names."""
+    def _replies(self, seq: int, method: str, timeout: float, every: bool = False) -> Any:
+        """Every rank's answer to call ``seq``: rank 0's, or all of them (``every``); answers
+        to earlier calls (left by one interrupted, e.g. by Ctrl-C) are dropped. A rank that
+        fails, dies or stays silent past ``timeout`` ends the executor. After a failure the
+        others get ``FAILURE_GRACE_S`` to answer too: a rank that fails a collective is usually
+        waiting on one that died or hangs, which the error then names first."""
         answers: dict[int, Any] = {}
-        problems: list[str] = []
+        problems: list[tuple[int, str]] = []  # (order in the message, what)
         pending = set(range(self.spec.size))
         started = time.monotonic()
         deadline = started + timeout
@@ -220,17 +253,20 @@ class MultiprocExecutor:
                 conn = self._conns[rank]
                 if conn.poll():
                     try:
-                        status, value = conn.recv()
+                        answer_seq, status, value = conn.recv()
                     except (EOFError, OSError):
-                        status, value = "gone", None
+                        answer_seq, status, value = seq, "gone", None
+                    if answer_seq < seq:
+                        continue  # an earlier call's, nobody waits for it any more
                     if status == "ok":
                         answers[rank] = value
                     elif status == "gone":
-                        problems.append(f"rank {rank} {self._exit_status(rank)}")
-                    else:
-                        problems.append(f"rank {rank} failed: {value}")
+                        problems.append((0, f"rank {rank} {self._exit_status(rank)}"))
+                    else:  # a rank waiting on a collective is rarely the cause: named last
+                        problems.append((2 if "CollectiveError" in value else 0,
+                                         f"rank {rank} failed: {value}"))
                 elif not self._procs[rank].is_alive():
-                    problems.append(f"rank {rank} {self._exit_status(rank)}")
+                    problems.append((0, f"rank {rank} {self._exit_status(rank)}"))
                 else:
                     continue
                 pending.discard(rank)
@@ -238,12 +274,12 @@ class MultiprocExecutor:
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         if pending:
             waited = time.monotonic() - started
-            problems.insert(0, f"rank(s) {', '.join(map(str, sorted(pending)))} did not answer "
-                            f"in {waited:.0f} s (hung? raise --worker-timeout if steps are "
-                            "this slow)")
+            problems.append((1, f"rank(s) {', '.join(map(str, sorted(pending)))} did not "
+                                f"answer in {waited:.0f} s (hung? raise --worker-timeout if "
+                                "steps are this slow)"))
         if problems:
             self._fail(f"tensor-parallel workers stopped during {method!r}: "
-                       + "; ".join(problems))
+                       + "; ".join(text for _, text in sorted(problems, key=lambda p: p[0])))
         return [answers[r] for r in range(self.spec.size)] if every else answers[0]
 
     def _exit_status(self, rank: int) -> str:
@@ -274,6 +310,43 @@ class MultiprocExecutor:
                 proc.join(2.0)
 
 
+class StepThread:
+    """A runner in this process, its steps run on a thread of their own in the order
+    submitted: the engine schedules the next step while this one computes (asynchronous
+    scheduling without worker processes). ``MultiprocExecutor`` has the same ``submit`` and
+    ``collect``."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="mmserve-steps", daemon=True)
+        self._thread.start()
+
+    def submit(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels) -> None:
+        self._todo.put((scheduler_output, encoder_pixels))
+
+    def collect(self) -> ModelOutput:
+        """The result of the oldest step submitted and not collected yet (what its
+        ``execute`` raised is raised here)."""
+        ok, value = self._done.get()
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        """Stop the thread once the steps submitted have run."""
+        self._todo.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (step := self._todo.get()) is not None:
+            try:
+                self._done.put((True, self.runner.execute(*step)))
+            except BaseException as e:  # noqa: BLE001 (raised by collect, on the engine's thread)
+                self._done.put((False, e))
+
+
 def _dumps(call: tuple[str, tuple]) -> bytes:
     return pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -292,7 +365,7 @@ def _worker_main(spec: WorkerSpec, rank: int, port: int, conn: Connection) -> No
     _exit_with_parent()
     try:
         runner = _start(spec, rank, port)
-        conn.send(("ok", runner.weights_bytes))
+        conn.send((0, "ok", runner.weights_bytes))
     except BaseException as e:  # noqa: BLE001 (reported to the engine, which raises it)
         _send_error(conn, e)
         return
@@ -310,10 +383,15 @@ def _start(spec: WorkerSpec, rank: int, port: int):
     if spec.device == "cuda":
         torch.cuda.set_device(rank)
     torch.manual_seed(spec.seed)
-    dist.init_process_group("nccl" if spec.device == "cuda" else "gloo",
-                            init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=spec.size, timeout=timedelta(seconds=spec.timeout))
-    parallel.init_tensor_parallel(rank, spec.size, dist.group.WORLD, spec.split_encoder)
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    # Joining waits for the slowest rank's imports (START_TIMEOUT_S); the model's collectives
+    # get the step's timeout, in a group of their own.
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=spec.size,
+                            timeout=timedelta(seconds=max(spec.timeout, START_TIMEOUT_S)))
+    group = dist.new_group(list(range(spec.size)), timeout=timedelta(seconds=spec.timeout),
+                           backend=backend)
+    parallel.init_tensor_parallel(rank, spec.size, group, spec.split_encoder)
     hf_config = AutoConfig.from_pretrained(spec.model, local_files_only=True)
     runner_cls = runner_class(spec.device)
     model, weights_bytes = runner_cls.load_model(spec.model, hf_config, spec.dtype)
@@ -331,7 +409,7 @@ def _serve(runner, rank: int, conn: Connection) -> None:
 
     while True:
         try:
-            method, args = pickle.loads(conn.recv_bytes())
+            seq, method, args = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             break  # the engine is gone
         if method == "close":
@@ -344,9 +422,9 @@ def _serve(runner, rank: int, conn: Connection) -> None:
                 result = runner.execute(pickle.loads(args[0]), args[1])
             else:
                 result = getattr(runner, method)(*args)
-            conn.send(("ok", result if rank == 0 or method in _EVERY_RANK else None))
+            conn.send((seq, "ok", result if rank == 0 or method in _EVERY_RANK else None))
         except BaseException as e:  # noqa: BLE001 (reported; a broken group ends the worker)
-            _send_error(conn, e)
+            _send_error(conn, e, seq)
             if isinstance(e, CollectiveError | KeyboardInterrupt | SystemExit):
                 break
     try:
@@ -359,7 +437,7 @@ def _serve(runner, rank: int, conn: Connection) -> None:
 _EVERY_RANK = ("measure_profile_peak", "get")
 
 
-def _send_error(conn: Connection, error: BaseException) -> None:
+def _send_error(conn: Connection, error: BaseException, seq: int = 0) -> None:
     from mmserve.models.parallel import CollectiveError
 
     text = "".join(traceback.format_exception_only(type(error), error)).strip()
@@ -367,19 +445,21 @@ def _send_error(conn: Connection, error: BaseException) -> None:
     logger.error("tensor-parallel worker failed: %s", text,
                  exc_info=None if isinstance(error, CollectiveError) else error)
     try:
-        conn.send(("error", text[:2000]))
+        conn.send((seq, "error", text[:2000]))
     except OSError:
         pass
 
 
 def _exit_with_parent() -> None:
-    """Exit once the engine's process is gone (killed, crashed), whatever this one is doing."""
-    parent = os.getppid()
+    """Exit once the engine's process is gone (killed, crashed), whatever this one is doing
+    (multiprocessing's sentinel of the parent becomes ready when it ends, even if that was
+    before this process got here)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
 
     def watch() -> None:
-        while True:
-            time.sleep(PARENT_CHECK_S)
-            if os.getppid() != parent:
-                os._exit(1)
+        wait([parent.sentinel])
+        os._exit(1)
 
     threading.Thread(target=watch, name="mmserve-parent-watch", daemon=True).start()

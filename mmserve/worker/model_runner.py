@@ -7,6 +7,7 @@ The runner reads its step messages from ``mmserve/step.py`` and nothing of the e
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -23,7 +24,13 @@ from mmserve.kernels.paged_attention import (
 from mmserve.models import parallel
 from mmserve.models.forward_context import AttentionBackend, forward_context
 from mmserve.models.parallel import CollectiveError
-from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from mmserve.step import (
+    PENDING_TOKEN,
+    ModelOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from mmserve.worker.cpu_allocator import (
     advise_huge_pages,
     keep_freed_memory,
@@ -63,6 +70,10 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(seed)
+        # Each request's token sampled in its last step that sampled: what a step scheduled
+        # ahead of it (PENDING_TOKEN, asynchronous scheduling) computes next.
+        self.last_sampled: dict[str, int] = {}
+        self._image_owners: dict[str, int] = {}  # this step's images' encoding ranks
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -89,22 +100,32 @@ class ModelRunner:
             self._write_kv_blocks(block_ids, self.encoder_outputs.pop(h))
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
-        requests = scheduler_output.requests
+            self.last_sampled.pop(rid, None)
         out = ModelOutput()
+        scheduler_output = self._fill_pending(scheduler_output, out)
+        self._assign_images(scheduler_output)
         try:
             self._execute(scheduler_output, encoder_pixels, out)
-            return out
+            return self._note_sampled(scheduler_output, out)
         except CollectiveError:
             raise  # the ranks' group is broken: no request can run (the engine stops)
         except Exception as e:  # noqa: BLE001 (contained below, and logged)
+            if parallel.tp_size() > 1 and _may_differ_between_ranks(e):
+                # Raised on this rank alone, perhaps mid-layer: the ranks' collectives no
+                # longer pair up, so nothing can be rerun in step (as vLLM, the engine stops).
+                raise CollectiveError(f"tensor-parallel rank {parallel.tp_rank()}: "
+                                      f"{_reason(e)}") from e
+            requests = scheduler_output.requests
             if len(requests) <= 1:
-                out.errors = {r.request_id: _reason(e) for r in requests}
+                out.errors.update({r.request_id: _reason(e) for r in requests})
                 logger.error("engine step failed for request %s: %s",
-                             ", ".join(out.errors) or "(none)", _reason(e), exc_info=e)
-                return self._with_failed_images(scheduler_output, out)
+                             ", ".join(r.request_id for r in requests) or "(none)",
+                             _reason(e), exc_info=e)
+                return self._note_sampled(scheduler_output,
+                                          self._with_failed_images(scheduler_output, out))
             logger.warning("an engine step of %d requests failed (%s); running each alone to "
                            "find the ones responsible", len(requests), _reason(e))
-        for req in requests:
+        for req in scheduler_output.requests:
             try:
                 self._execute(scheduler_output.only(req), encoder_pixels, out)
             except CollectiveError:
@@ -113,7 +134,48 @@ class ModelRunner:
                 out.errors[req.request_id] = _reason(e)
                 logger.error("engine step failed for request %s: %s", req.request_id,
                              _reason(e), exc_info=e)
-        return self._with_failed_images(scheduler_output, out)
+        return self._note_sampled(scheduler_output,
+                                  self._with_failed_images(scheduler_output, out))
+
+    def _assign_images(self, scheduler_output: SchedulerOutput) -> None:
+        """Which rank encodes each of the step's images (tensor parallelism, the tower
+        data-parallel): fixed for the whole step, as the executor split the pixels, so that
+        a rerun of one request finds them where they were sent."""
+        to_encode = scheduler_output.images_to_encode
+        self._image_owners.clear()
+        self._image_owners.update(split_by_tokens(list(to_encode), to_encode,
+                                                  parallel.tp_size()))
+
+    def _fill_pending(self, scheduler_output: SchedulerOutput,
+                      out: ModelOutput) -> SchedulerOutput:
+        """The step with each ``PENDING_TOKEN`` (a token scheduled ahead of its sampling)
+        replaced by the token this runner sampled for the request; a request that has none
+        (its step before failed) leaves the step, in ``out.errors``. The engine's message is
+        not changed (a copy is)."""
+        requests = scheduler_output.requests
+        if not any(r.token_ids[-1] == PENDING_TOKEN for r in requests):
+            return scheduler_output
+        kept = []
+        for r in requests:
+            if r.token_ids[-1] == PENDING_TOKEN:
+                token = self.last_sampled.get(r.request_id)
+                if token is None:
+                    out.errors[r.request_id] = "its step before produced no token"
+                    continue
+                r = dataclasses.replace(r, token_ids=[*r.token_ids[:-1], token])
+            kept.append(r)
+        return dataclasses.replace(scheduler_output, requests=kept)
+
+    def _note_sampled(self, scheduler_output: SchedulerOutput, out: ModelOutput) -> ModelOutput:
+        """Remember each request's sampled token (forget it where sampling failed)."""
+        for r in scheduler_output.requests:
+            if r.sample:
+                token = out.sampled.get(r.request_id)
+                if token is None:
+                    self.last_sampled.pop(r.request_id, None)
+                else:
+                    self.last_sampled[r.request_id] = token
+        return out
 
     def _with_failed_images(self, scheduler_output: SchedulerOutput,
                             out: ModelOutput) -> ModelOutput:
@@ -222,6 +284,7 @@ class ModelRunner:
         self.kv_caches = []
         self.encoder_outputs.clear()
         self.generators.clear()
+        self.last_sampled.clear()
         self.model = None
 
     @classmethod
@@ -287,7 +350,7 @@ class ModelRunner:
         by their token counts), then every rank receives every embedding. A failure on any
         rank fails the encoding on all of them with its reason, so the ranks stay in step
         (and rerun the step request by request together)."""
-        owner = split_by_tokens(hashes, tokens, parallel.tp_size())
+        owner = self._image_owners
         mine = [h for h in hashes if owner[h] == parallel.tp_rank()]
         error = None
         try:
@@ -450,6 +513,7 @@ class ModelRunner:
         run work on the meta device).
         """
         try:
+            self._assign_images(batch)
             self._run_encoder(batch, encoder_pixels)
             input_ids, positions, meta, sample_rows = self._prepare_inputs(batch.requests)
             embeds = self._embed(input_ids, batch.requests)
@@ -458,6 +522,7 @@ class ModelRunner:
         finally:
             for h in batch.images_to_encode:
                 self.encoder_outputs.pop(h, None)
+            self._image_owners.clear()
 
 
 class CPUModelRunner(ModelRunner):
@@ -532,6 +597,14 @@ def flat_positions(reqs: list[ScheduledRequest], num_padding: int = 0,
         row.extend([0] * num_padding)
     positions = torch.tensor(flat, dtype=torch.long, device=device)
     return positions[0] if rows == 1 else positions
+
+
+def _may_differ_between_ranks(error: BaseException) -> bool:
+    """Errors that one rank may raise while the others do not (memory, the device): under
+    tensor parallelism they cannot be contained. Others come from the step's inputs, which
+    every rank has alike, so every rank raises them at the same point."""
+    return (isinstance(error, MemoryError | torch.OutOfMemoryError)
+            or "CUDA" in str(error) or "out of memory" in str(error).lower())
 
 
 def split_by_tokens(hashes: list[str], tokens: Mapping[str, int], ranks: int) -> dict[str, int]:

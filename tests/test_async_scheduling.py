@@ -1,0 +1,190 @@
+"""Asynchronous scheduling (``async_scheduling``): each step is scheduled while the one before
+computes, its decodes given the tokens that step samples on the runner's side; the outputs are
+the synchronous engine's, token for token in float32, through chunked prefill that splits
+images, cache hits, stops, sampling, structured output, aborts and failures, with the runner
+in this process or in tensor-parallel workers."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from mmserve import LLM, SamplingParams
+from mmserve.testing import build_tiny_checkpoint
+from tests.conftest import assert_no_leaks
+from tests.test_parity import mixed_batch, shared_batch
+from tests.test_server import IMAGES, Server, data_url, image_message, wait_drained
+from tests.test_step_failures import GREEDY, PROMPTS, _chat, _poisoned
+from tests.test_tensor_parallel import _settings
+
+LONG = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_checkpoint("qwen2_vl", tmp_path_factory.mktemp("async") / "q"))
+
+
+def _run(llm: LLM, batches: list[list[dict]], params: SamplingParams | list = LONG) -> list:
+    found = []
+    for batch in batches:
+        found += [(o.token_ids, o.finish_reason) for o in llm.generate(batch, params)]
+        assert_no_leaks(llm.engine)
+    return found
+
+
+@pytest.mark.parametrize("family", ["clip-llama", "qwen2-vl"])
+def test_same_tokens_through_chunked_prefill_and_cache_hits(
+        checkpoints: dict[str, str], qwen2_vl: str, family: str) -> None:
+    """Images split across steps, a KV cache that makes the synchronous engine preempt
+    (scheduled ahead, nobody is preempted: a request that does not fit waits a step), then
+    prefix and encoder cache hits; a second generate collects the step left in flight."""
+    path = qwen2_vl if family == "qwen2-vl" else checkpoints[family]
+    batches = [mixed_batch(), shared_batch()]
+    with LLM(path, **_settings(path, 1)) as sync:
+        expected = _run(sync, batches)
+        assert sync.stats()["num_preemptions"] > 0
+    with LLM(path, async_scheduling=True, **_settings(path, 1)) as ahead:
+        assert _run(ahead, batches) == expected
+        stats = ahead.stats()
+        assert ahead.engine.num_steps_ahead > stats["num_steps"] // 2
+    assert stats["encoder_cache_hits"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_stops_sampling_logprobs_and_grammars_match(clip_llama: str) -> None:
+    """EOS and stop strings end requests a step early (the token computed ahead for them is
+    dropped), seeded sampling with n, logprobs and a grammar (whose next bitmask waits for
+    its token) in one batch."""
+    prompts = mixed_batch()[:6]
+    params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=False),
+              SamplingParams(max_tokens=16, temperature=0.0, stop=["e", "a"]),
+              SamplingParams(max_tokens=10, temperature=0.8, seed=7, n=3, logprobs=2),
+              SamplingParams(max_tokens=10, temperature=1.0, top_p=0.7, top_k=20),
+              SamplingParams(max_tokens=24, temperature=0.0,
+                             structured_outputs={"regex": "(yes|no), [a-z]{3,6}"}),
+              SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=1)]
+
+    def run(**flags) -> list:
+        with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=4, seed=3,
+                 **flags) as llm:
+            outs = llm.generate(prompts, params)
+            assert_no_leaks(llm.engine)
+        return [[(c.token_ids, c.finish_reason, c.text,
+                  [round(lp.logprob, 3) for lp in c.logprobs or []]) for c in o.outputs]
+                + [[round(lp.logprob, 3) for lp in o.prompt_logprobs or [] if lp is not None]]
+                for o in outs]
+
+    expected = run()
+    assert run(async_scheduling=True) == expected
+    assert expected[1][0][1] == "stop" and expected[4][0][1] == "stop"
+
+
+def _drain(engine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_aborts_between_steps(clip_llama: str) -> None:
+    """A request aborted while the next step is already scheduled ahead: the others finish
+    as they do synchronously, and nothing leaks."""
+    def run(**flags) -> list:
+        with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=4, **flags) as llm:
+            engine = llm.engine
+            ids = [engine.add_request(p, LONG) for p in [*PROMPTS, _chat("bye", [])]]
+            for _ in range(4):
+                engine.step()
+            engine.abort_request(ids[1])
+            done = _drain(engine)
+            assert ids[1] not in done
+            assert_no_leaks(engine)
+            return [done[i].token_ids for i in ids if i != ids[1]]
+
+    assert run(async_scheduling=True) == run()
+
+
+def test_failures_mid_run(clip_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose sampling fails (its step ahead has no token to compute from) is
+    failed alone; a step that fails once for everyone is retried; the others' tokens are the
+    synchronous engine's."""
+    def run(**flags) -> list:
+        with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=4, **flags) as llm:
+            engine = llm.engine
+            ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+            poisoned = engine.add_request(_chat("x", []), _poisoned(temperature=1e-300))
+            done = {}
+            for _ in range(3):
+                done.update((o.request_id, o) for o in engine.step() if o.finished)
+            real, calls = engine.runner._forward, {"n": 0}
+
+            def flaky(*args, **kwargs):  # noqa: ANN202
+                calls["n"] += 1
+                if calls["n"] <= 1 + len(PROMPTS):  # the batch, then each request alone
+                    raise RuntimeError("transient")
+                return real(*args, **kwargs)
+
+            monkeypatch.setattr(engine.runner, "_forward", flaky)
+            done.update(_drain(engine))
+            assert calls["n"] > 1 + len(PROMPTS)
+            monkeypatch.undo()
+            assert_no_leaks(engine)
+            return [(done[i].token_ids, done[i].finish_reason) for i in [*ids, poisoned]]
+
+    expected = run()
+    assert run(async_scheduling=True) == expected
+    assert expected[-1][1] == "error" and all(r != "error" for _, r in expected[:-1])
+
+
+@pytest.mark.slow
+def test_with_tensor_parallel_workers(clip_llama: str) -> None:
+    """Two worker processes run the steps scheduled ahead in order (each rank writes in its
+    own sampled tokens)."""
+    batches = [mixed_batch(), shared_batch()]
+    with LLM(clip_llama, **_settings(clip_llama, 1)) as sync:
+        expected = _run(sync, batches)
+    settings = _settings(clip_llama, 2)
+    with LLM(clip_llama, async_scheduling=True, **settings) as ahead:
+        assert _run(ahead, batches) == expected
+        assert ahead.engine.num_steps_ahead > 0
+
+
+@pytest.mark.slow
+def test_the_server_with_async_scheduling(clip_llama: str, tmp_path) -> None:
+    """Concurrent chat requests (streamed and not) to ``mmserve serve --async-scheduling``:
+    each answer is the one ``LLM`` gives synchronously; the server drains and stays up."""
+    prompts = [("what is in this picture?", [IMAGES[0]]), ("compare these two", IMAGES[1:3]),
+               ("say something", []), ("and this?", [IMAGES[2]])]
+    with LLM(clip_llama, dtype="float32") as llm:
+        expected = [llm.generate(
+            {"messages": [{"role": "user", "content": [{"type": "image"}] * len(images)
+                           + [{"type": "text", "text": text}]}], "images": images},
+            SamplingParams(max_tokens=16, temperature=0.0))[0].text for text, images in prompts]
+    server = Server(clip_llama, "--served-model-name", "tiny", "--async-scheduling",
+                    log=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+        def ask(i: int) -> str:
+            text, images = prompts[i % len(prompts)]
+            messages = image_message(text, *[data_url(im) for im in images])
+            if i % 2:
+                chunks = client.chat.completions.create(
+                    model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True)
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            return client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=16,
+                temperature=0).choices[0].message.content
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, range(16)))
+        assert answers == [expected[i % len(prompts)] for i in range(16)]
+        wait_drained(server.url)
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    finally:
+        server.stop()
