@@ -13,7 +13,9 @@ import openai
 import pytest
 
 from mmserve import LLM, SamplingParams
+from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
 from mmserve.testing import build_tiny_checkpoint
+from mmserve.worker.executor import StepThread
 from tests.conftest import assert_no_leaks
 from tests.test_parity import mixed_batch, shared_batch
 from tests.test_server import IMAGES, Server, data_url, image_message, wait_drained
@@ -80,6 +82,28 @@ def test_stops_sampling_logprobs_and_grammars_match(clip_llama: str) -> None:
     expected = run()
     assert run(async_scheduling=True) == expected
     assert expected[1][0][1] == "stop" and expected[4][0][1] == "stop"
+
+
+def test_a_step_left_uncollected_is_never_taken_for_a_later_one() -> None:
+    """An interrupted caller (Ctrl-C while waiting) leaves a step's result behind: the next
+    ``collect`` gets its own step's result, not that one."""
+    class Runner:
+        def execute(self, scheduler_output, encoder_pixels):
+            return ModelOutput(sampled={r.request_id: 1 for r in scheduler_output.requests})
+
+    def step(rid: str) -> SchedulerOutput:
+        return SchedulerOutput(requests=[ScheduledRequest(rid, [5], 0, [0], [], True,
+                                                          GREEDY, [[0]])])
+
+    steps = StepThread(Runner())
+    try:
+        first = steps.submit(step("a"), {})
+        second = steps.submit(step("b"), {})
+        assert second > first
+        assert steps.collect(second).sampled == {"b": 1}  # "a"'s result is dropped
+        assert steps.collect(steps.submit(step("c"), {})).sampled == {"c": 1}
+    finally:
+        steps.close()
 
 
 def _drain(engine) -> dict:

@@ -167,10 +167,10 @@ class LLMEngine:
         self._dead: str | None = None
         # Steps handed to the runner and not finished yet, oldest first: one, or two while
         # one runs and the next was scheduled ahead (asynchronous scheduling, where the
-        # runner's steps run beside this thread: ``_steps``; else their results wait in
-        # ``_results``). ``_stale``: requests whose result in the next step is void.
-        self._submitted: deque[SchedulerOutput] = deque()
-        self._results: deque[ModelOutput] = deque()
+        # runner's steps run beside this thread, ``_steps``: each with its number there;
+        # synchronously, with its result). ``_stale``: requests whose result in the next
+        # step is void.
+        self._submitted: deque[tuple[SchedulerOutput, Any]] = deque()
         self._stale: set[str] = set()
         self._schedule_s = 0.0  # the current step's scheduling time, so far
         self.num_steps_ahead = 0  # steps scheduled while the one before computed
@@ -359,12 +359,10 @@ class LLMEngine:
         try:
             self._schedule_ahead()
         except _SchedulingFailed as failed:  # every request is failed: drop what is in flight
-            for _ in self._submitted:
-                self._collect()
-            self._submitted.clear()
+            while self._submitted:
+                self._take()
             return failed.outputs, StepRecord(SchedulerOutput(), schedule_s=self._schedule_s)
-        scheduler_output = self._submitted.popleft()
-        result = self._collect()
+        scheduler_output, result = self._take()
         t0 = time.perf_counter()
         outputs = self._finish_step(scheduler_output, result)
         return outputs, StepRecord(scheduler_output, result.times,
@@ -394,16 +392,20 @@ class LLMEngine:
     def _submit(self, scheduler_output: SchedulerOutput) -> None:
         pixels = self._encoder_pixels(scheduler_output)
         if self._steps is None:  # synchronous: run it now
-            self._results.append(self._dead_on_worker_loss(
-                lambda: self.runner.execute(scheduler_output, pixels)))
+            result = self._dead_on_worker_loss(
+                lambda: self.runner.execute(scheduler_output, pixels))
+            self._submitted.append((scheduler_output, result))
         else:
-            self._dead_on_worker_loss(lambda: self._steps.submit(scheduler_output, pixels))
-        self._submitted.append(scheduler_output)
+            seq = self._dead_on_worker_loss(
+                lambda: self._steps.submit(scheduler_output, pixels))
+            self._submitted.append((scheduler_output, seq))
 
-    def _collect(self) -> ModelOutput:
+    def _take(self) -> tuple[SchedulerOutput, ModelOutput]:
+        """The oldest step submitted, and its result (waiting for it)."""
+        scheduler_output, handle = self._submitted.popleft()
         if self._steps is None:
-            return self._results.popleft()
-        return self._dead_on_worker_loss(self._steps.collect)
+            return scheduler_output, handle
+        return scheduler_output, self._dead_on_worker_loss(lambda: self._steps.collect(handle))
 
     def _dead_on_worker_loss(self, call):
         try:
@@ -419,7 +421,7 @@ class LLMEngine:
         then scheduled once it is known."""
         if self._steps is None or len(self._submitted) != 1 or self._stale:
             return  # (after a failure, the step in flight is partly void: wait for it)
-        in_flight = self._submitted[0]
+        in_flight = self._submitted[0][0]
         pending = frozenset(r.request_id for r in in_flight.requests if r.sample)
         if self._matchers and any(rid in self._matchers for rid in pending):
             return
@@ -444,7 +446,7 @@ class LLMEngine:
         failed = self._handle_failures(scheduler_output, result)
         if self._submitted:  # the step after, scheduled ahead: void for requests whose
             # token it computes from did not come, or whose step here failed or is redone
-            nxt = self._submitted[0]
+            nxt = self._submitted[0][0]
             self._stale = {r.request_id for r in nxt.requests
                            if r.request_id in result.errors
                            or (r.token_ids[-1] == PENDING_TOKEN

@@ -19,7 +19,6 @@ exits).
 
 from __future__ import annotations
 
-import collections
 import logging
 import multiprocessing
 import os
@@ -78,7 +77,7 @@ class MultiprocExecutor:
         self._dead: str | None = None
         self._closed = False
         self._seq = 0  # calls sent so far (the start is call 0)
-        self._steps: collections.deque[int] = collections.deque()  # steps' calls, uncollected
+        self._steps: list[int] = []  # steps' call numbers, not collected yet
         self._kv_cache_bytes = 0
         ctx = multiprocessing.get_context("spawn")
         port = _free_port()
@@ -110,21 +109,20 @@ class MultiprocExecutor:
     # ------------------------------------------------------------ the runner's calls
     def execute(self, scheduler_output: SchedulerOutput,
                 encoder_pixels: EncoderPixels) -> ModelOutput:
-        self.submit(scheduler_output, encoder_pixels)
-        return self.collect()
+        return self.collect(self.submit(scheduler_output, encoder_pixels))
 
-    def collect(self) -> ModelOutput:
-        """The result of the oldest step submitted and not collected yet."""
-        if not self._steps:
-            raise RuntimeError("no step in flight to collect")
+    def collect(self, seq: int) -> ModelOutput:
+        """The result of step ``seq``; answers to earlier steps nobody collected (an
+        interrupted caller's) are dropped."""
+        self._steps = [s for s in self._steps if s > seq]
         # The ranks' own collectives time out first, so that a rank waiting on a silent one
         # reports, and the silent one is named.
-        return self._replies(self._steps.popleft(), "execute",
-                             self.spec.timeout + TIMEOUT_MARGIN_S)
+        return self._replies(seq, "execute", self.spec.timeout + TIMEOUT_MARGIN_S)
 
-    def submit(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels) -> None:
+    def submit(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels) -> int:
         """Send the step to every rank, each with the pixels of the images it encodes (all of
-        them where the vision tower is split); the workers run steps in the order sent."""
+        them where the vision tower is split); the workers run steps in the order sent.
+        Returns its number, for ``collect``."""
         step = pickle.dumps(scheduler_output, protocol=pickle.HIGHEST_PROTOCOL)
         if self.spec.split_encoder:
             payloads = [_dumps((self._seq + 1, "execute", (step, encoder_pixels)))
@@ -136,7 +134,9 @@ class MultiprocExecutor:
                                 (step, {h: p for h, p in encoder_pixels.items()
                                         if owner.get(h) == rank})))
                         for rank in range(self.spec.size)]
-        self._steps.append(self._send(payloads))
+        seq = self._send(payloads)
+        self._steps.append(seq)
+        return seq
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", num_blocks)
@@ -320,16 +320,23 @@ class StepThread:
         self.runner = runner
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._seq = 0
         self._thread = threading.Thread(target=self._run, name="mmserve-steps", daemon=True)
         self._thread.start()
 
-    def submit(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels) -> None:
-        self._todo.put((scheduler_output, encoder_pixels))
+    def submit(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels) -> int:
+        """Queue the step; returns its number, for ``collect``."""
+        self._seq += 1
+        self._todo.put((self._seq, scheduler_output, encoder_pixels))
+        return self._seq
 
-    def collect(self) -> ModelOutput:
-        """The result of the oldest step submitted and not collected yet (what its
-        ``execute`` raised is raised here)."""
-        ok, value = self._done.get()
+    def collect(self, seq: int) -> ModelOutput:
+        """The result of step ``seq`` (what its ``execute`` raised is raised here); results
+        of earlier steps nobody collected (an interrupted caller's) are dropped."""
+        while True:
+            done, ok, value = self._done.get()
+            if done >= seq:
+                break
         if not ok:
             raise value
         return value
@@ -341,10 +348,12 @@ class StepThread:
 
     def _run(self) -> None:
         while (step := self._todo.get()) is not None:
+            seq, scheduler_output, encoder_pixels = step
             try:
-                self._done.put((True, self.runner.execute(*step)))
+                self._done.put((seq, True, self.runner.execute(scheduler_output,
+                                                               encoder_pixels)))
             except BaseException as e:  # noqa: BLE001 (raised by collect, on the engine's thread)
-                self._done.put((False, e))
+                self._done.put((seq, False, e))
 
 
 def _dumps(call: tuple[str, tuple]) -> bytes:
