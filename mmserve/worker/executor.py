@@ -140,7 +140,7 @@ class MultiprocExecutor:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._call("allocate_kv_cache", num_blocks)
-        self._kv_cache_bytes = sum(self._call("get", "kv_cache_bytes", every=True))
+        self._kv_cache_bytes = self._call("get", "kv_cache_bytes")
 
     def capture_model(self, max_num_seqs: int, max_model_len: int,
                       position_rows: int = 1) -> None:
@@ -160,7 +160,8 @@ class MultiprocExecutor:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Every rank's KV cache together."""
+        """Rank 0's KV cache (every rank holds as many blocks of its KV heads), like
+        ``weights_bytes``: what one device holds."""
         return self._kv_cache_bytes
 
     @property
