@@ -265,6 +265,23 @@ def test_two_ranks_give_one_ranks_tokens(tp_checkpoints: dict[str, str], name: s
 
 
 @pytest.mark.slow
+def test_embeddings_borrowing_kv_blocks_with_two_ranks(clip_llama: str) -> None:
+    """The elastic encoder cache: embeddings spilled into free KV blocks (each rank into
+    its own, of its own KV heads) and taken back give one rank's tokens."""
+    def run(ranks: int):
+        with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=1,
+                 max_num_batched_tokens=64, encoder_cache_size=20,
+                 tensor_parallel_size=ranks) as llm:
+            tokens = [o.token_ids for o in llm.generate(shared_batch(), GREEDY)]
+            assert_no_leaks(llm.engine)
+            return tokens, llm.stats()
+
+    (one, _), (two, stats) = run(1), run(2)
+    assert two == one
+    assert stats["encoder_cache_spills"] > 0 and stats["encoder_cache_restores"] > 0
+
+
+@pytest.mark.slow
 def test_one_rank_in_a_worker_process_gives_the_same_tokens(clip_llama: str) -> None:
     """``distributed_executor_backend="mp"`` with one rank: the worker-process path (the one
     several GPUs take, with NCCL) on one device."""
@@ -276,6 +293,8 @@ def test_one_rank_in_a_worker_process_gives_the_same_tokens(clip_llama: str) -> 
         assert isinstance(mp.engine.runner, MultiprocExecutor)
         assert len(mp.engine.runner.pids) == 1
         assert [o.token_ids for o in mp.generate(prompts, GREEDY)] == expected
+        workers = mp.engine.runner._procs
+    assert [w.exitcode for w in workers] == [0]  # closed, not killed
 
 
 def test_settings_that_cannot_work_together_say_so(clip_llama: str) -> None:

@@ -79,7 +79,7 @@ class MultiprocExecutor:
         self._seq = 0  # calls sent so far (the start is call 0)
         self._steps: list[int] = []  # steps' call numbers, not collected yet
         self._kv_cache_bytes = 0
-        ctx = multiprocessing.get_context("spawn")
+        ctx = torch.multiprocessing.get_context("spawn")
         port = _free_port()
         self._conns: list[Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
@@ -192,7 +192,7 @@ class MultiprocExecutor:
             return
         self._closed = True
         if self._dead is None:
-            payload = _dumps(("close", ()))
+            payload = _dumps((0, "close", ()))
             for conn in self._conns:
                 try:
                     conn.send_bytes(payload)
