@@ -9,7 +9,12 @@ collectives inside the model (NCCL on CUDA, gloo on the CPU) join them. What cro
 worker is a call: a method name and its arguments, pickled once, the step messages of
 ``step.py`` included, and of a step's images only the pixels of those the rank encodes (the
 vision tower is data-parallel: ``ModelRunner._encode_data_parallel``). Every rank answers
-each call; rank 0's answer is the result.
+each call, tagged with its number; rank 0's answer is the result.
+
+Asynchronous scheduling hands steps over with ``submit`` and takes their results with
+``collect`` (by number), so that the engine schedules the next step while one runs: the
+workers run steps in the order sent, and ``StepThread`` does the same for a runner in the
+engine's own process, on a thread of its own.
 
 A worker that dies, fails a collective or does not answer within ``timeout`` seconds stops
 the executor: the engine raises ``EngineDeadError`` naming the rank, and every worker is ended
