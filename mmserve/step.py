@@ -68,6 +68,9 @@ class SchedulerOutput:
     encoder_restores: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     encoder_spills: dict[str, list[int]] = field(default_factory=dict)
     finished_request_ids: list[str] = field(default_factory=list)
+    # Scheduled while the step before it still ran (asynchronous scheduling): a request that
+    # step failed for has nothing to continue from here.
+    ahead: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:

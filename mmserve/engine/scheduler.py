@@ -175,7 +175,7 @@ class Scheduler:
         ``PENDING_TOKEN`` (the runner writes in what it sampled), unless that token will end
         it (``max_tokens``, ``max_model_len``); nobody is preempted (a request that does not
         fit waits for the next step, scheduled once this one's tokens are known)."""
-        out = SchedulerOutput()
+        out = SchedulerOutput(ahead=bool(pending))
         try:
             return self._schedule(out, pending)
         except Exception:

@@ -74,6 +74,7 @@ class ModelRunner:
         # ahead of it (PENDING_TOKEN, asynchronous scheduling) computes next.
         self.last_sampled: dict[str, int] = {}
         self._image_owners: dict[str, int] = {}  # this step's images' encoding ranks
+        self._failed: set[str] = set()  # the requests the last step failed for
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -149,14 +150,20 @@ class ModelRunner:
     def _fill_pending(self, scheduler_output: SchedulerOutput,
                       out: ModelOutput) -> SchedulerOutput:
         """The step with each ``PENDING_TOKEN`` (a token scheduled ahead of its sampling)
-        replaced by the token this runner sampled for the request; a request that has none
-        (its step before failed) leaves the step, in ``out.errors``. The engine's message is
-        not changed (a copy is)."""
+        replaced by the token this runner sampled for the request. In a step scheduled ahead,
+        a request the step before failed for, or that has no token, leaves the step (in
+        ``out.errors``, which the engine ignores): it would compute, and draw random numbers,
+        for nothing. The engine's message is not changed (a copy is)."""
         requests = scheduler_output.requests
-        if not any(r.token_ids[-1] == PENDING_TOKEN for r in requests):
+        failed, self._failed = self._failed, set()
+        if not scheduler_output.ahead or not (
+                failed or any(r.token_ids[-1] == PENDING_TOKEN for r in requests)):
             return scheduler_output
         kept = []
         for r in requests:
+            if r.request_id in failed:  # scheduled before its step failed: nothing to run
+                out.errors[r.request_id] = "its step before failed"
+                continue
             if r.token_ids[-1] == PENDING_TOKEN:
                 token = self.last_sampled.get(r.request_id)
                 if token is None:
@@ -167,7 +174,9 @@ class ModelRunner:
         return dataclasses.replace(scheduler_output, requests=kept)
 
     def _note_sampled(self, scheduler_output: SchedulerOutput, out: ModelOutput) -> ModelOutput:
-        """Remember each request's sampled token (forget it where sampling failed)."""
+        """Remember each request's sampled token (forget it where sampling failed), and the
+        requests the step failed for (a step scheduled ahead of this one skips them)."""
+        self._failed = set(out.errors)
         for r in scheduler_output.requests:
             if r.sample:
                 token = out.sampled.get(r.request_id)
