@@ -13,13 +13,15 @@ import openai
 import pytest
 
 from mmserve import LLM, SamplingParams
+from mmserve.engine.llm_engine import MAX_FAILED_STEPS
+from mmserve.errors import EngineDeadError
 from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.worker.executor import StepThread
-from tests.conftest import assert_no_leaks
+from tests.conftest import assert_no_leaks, make_image
 from tests.test_parity import mixed_batch, shared_batch
 from tests.test_server import IMAGES, Server, data_url, image_message, wait_drained
-from tests.test_step_failures import GREEDY, PROMPTS, _chat, _poisoned
+from tests.test_step_failures import GREEDY, PROMPTS, WHITE, _chat, _poisoned
 from tests.test_tensor_parallel import _settings
 
 LONG = SamplingParams(max_tokens=12, temperature=0.0)
@@ -212,3 +214,87 @@ def test_the_server_with_async_scheduling(clip_llama: str, tmp_path) -> None:
         assert httpx.get(f"{server.url}/health").status_code == 200
     finally:
         server.stop()
+
+
+def test_a_broken_device_still_stops_the_engine(clip_llama: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps that keep failing for everyone: the void step after each failure counts
+    neither way, so the engine stops after MAX_FAILED_STEPS failed steps, as synchronously."""
+    with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=4,
+             async_scheduling=True) as llm:
+        engine = llm.engine
+        for p in PROMPTS:
+            engine.add_request(p, SamplingParams(max_tokens=40, temperature=0.0,
+                                                 ignore_eos=True))
+        for _ in range(6):
+            engine.step()
+
+        def lost(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(engine.runner, "_forward", lost)
+        errors = []
+        with pytest.raises(EngineDeadError, match="device lost"):
+            for _ in range(3 * MAX_FAILED_STEPS):
+                errors += [o for o in engine.step() if o.finish_reason == "error"]
+        assert errors == []
+        assert_no_leaks(engine)
+
+
+def test_an_aborted_request_whose_chunk_fails_leaves_nothing_cached(
+        clip_llama: str) -> None:
+    """Aborted while its first chunk (whose image then fails to encode) is in flight: the
+    blocks that chunk published leave the prefix cache, so a later prompt sharing them
+    computes them instead of reading what was never written."""
+    system = {"role": "system", "content": "you are a helpful assistant who answers briefly "
+                                           "and well " * 2}
+
+    def with_system(text: str, images: list) -> dict:
+        content = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
+        return {"messages": [system, {"role": "user", "content": content}], "images": images}
+
+    with LLM(clip_llama, dtype="float32", max_model_len=256, max_num_seqs=4, block_size=4,
+             async_scheduling=True) as llm:
+        engine = llm.engine
+        model = engine.runner.model
+        real = model.encode_pixels
+
+        def encode(pixels):
+            if bool((pixels.flatten(1).min(dim=1).values > 1.0).any()):
+                raise RuntimeError("cannot encode a white image")
+            return real(pixels)
+
+        model.encode_pixels = encode
+        expected = llm.generate(with_system("hi", []), GREEDY)[0].token_ids
+        engine.reset_caches()
+        engine.add_request(_chat("keep running", []), SamplingParams(
+            max_tokens=30, temperature=0.0, ignore_eos=True))
+        engine.step()
+        engine.step()
+        doomed = engine.add_request(with_system("what?", [WHITE]), GREEDY)
+        engine.step()  # its first chunk is in flight now
+        engine.abort_request(doomed)
+        _drain(engine)
+        assert_no_leaks(engine)
+        again = llm.generate(with_system("hi", []), GREEDY)[0]
+        assert again.token_ids == expected and again.num_cached_tokens == 0
+
+
+@pytest.mark.slow
+def test_large_messages_both_ways_do_not_block_the_workers(tmp_path) -> None:
+    """A step's large answer (prompt logprobs of a long prompt) going back while the next,
+    large step (an image's pixels) is sent: each worker reads its calls on a thread of its
+    own, so neither pipe waits on the other."""
+    path = str(build_tiny_checkpoint("qwen2_vl", tmp_path / "q"))
+    long_prompt = " ".join(f"w{i}" for i in range(400))
+    image = {"messages": [{"role": "user", "content": [{"type": "image"},
+                                                       {"type": "text", "text": "hi"}]}],
+             "images": [make_image(1, (448, 448))]}
+    with LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2,
+             async_scheduling=True, max_num_seqs=4, worker_timeout=60,
+             max_num_batched_tokens=1500) as llm:
+        outs = llm.generate([long_prompt, image],
+                            [SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=20),
+                             SamplingParams(max_tokens=3, temperature=0.0)])
+        assert all(o.finish_reason == "length" for o in outs)
+        assert len(outs[0].prompt_logprobs) > 400

@@ -88,19 +88,26 @@ class KVCacheManager:
         blocks.extend(computed_blocks)
         if num_needed > 0:
             blocks.extend(self.pool.allocate(num_needed))
-        if self.enable_caching:
-            # Publish blocks that these tokens fill. Safe before the forward pass: each layer
-            # writes every scheduled token's K/V before any sequence attends.
-            # Only tokens already known: a token scheduled ahead of its sampling
-            # (asynchronous scheduling) publishes its block on a later call.
-            num_full = min(total, req.num_tokens) // self.block_size
-            first = self._num_published.get(req.request_id, 0)
-            if num_full > first:
-                hashes = self._block_hashes(req, num_full)
-                for i in range(first, num_full):
-                    self.pool.cache_block(blocks[i], hashes[i])
-                self._num_published[req.request_id] = num_full
+        # Publish blocks that these tokens fill. Safe before the forward pass: each layer
+        # writes every scheduled token's K/V before any sequence attends. Only tokens
+        # already known: a token scheduled ahead of its sampling (asynchronous scheduling)
+        # publishes its block on a later call, or when the request finishes (``publish``).
+        self.publish(req, min(total, req.num_tokens))
         return blocks
+
+    def publish(self, req: Request, num_tokens: int) -> None:
+        """Put the request's blocks that its first ``num_tokens`` tokens fill in the prefix
+        cache (those not there yet)."""
+        if not self.enable_caching:
+            return
+        num_full = num_tokens // self.block_size
+        first = self._num_published.get(req.request_id, 0)
+        if num_full > first:
+            blocks = self.req_blocks[req.request_id]
+            hashes = self._block_hashes(req, num_full)
+            for i in range(first, num_full):
+                self.pool.cache_block(blocks[i], hashes[i])
+            self._num_published[req.request_id] = num_full
 
     def free(self, req: Request, keep_cached: bool = True) -> None:
         """Release the request's blocks, tail first, so shared prefixes stay cached longest.

@@ -172,6 +172,7 @@ class LLMEngine:
         # step is void.
         self._submitted: deque[tuple[SchedulerOutput, Any]] = deque()
         self._stale: set[str] = set()
+        self._aborting: set[str] = set()  # aborted, released once their steps are collected
         self._schedule_s = 0.0  # the current step's scheduling time, so far
         self.num_steps_ahead = 0  # steps scheduled while the one before computed
         self._steps: StepThread | MultiprocExecutor | None = None
@@ -314,11 +315,30 @@ class LLMEngine:
         return req.request_id
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        """Finish the request and release what it holds; no output of it follows. While a
+        step in flight holds it (asynchronous scheduling) its blocks are released once that
+        step is collected: if its chunk there fails, the blocks it published leave the
+        prefix cache as a failed request's do."""
         self._detokenizers.pop(request_id, None)
         self._logprobs.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self._matchers.remove(request_id)
+        req = self.scheduler.requests.get(request_id)
+        if req is not None and self._in_flight(request_id):
+            req.aborting = True
+            self._aborting.add(request_id)
+            return
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def _in_flight(self, request_id: str) -> bool:
+        return any(r.request_id == request_id for step, _ in self._submitted
+                   for r in step.requests)
+
+    def _release_aborted(self) -> None:
+        """Finish the aborted requests that no step in flight holds any more."""
+        for request_id in [r for r in self._aborting if not self._in_flight(r)]:
+            self._aborting.discard(request_id)
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         """Whether a request is waiting or running. With asynchronous scheduling a step
@@ -368,7 +388,7 @@ class LLMEngine:
         return outputs, StepRecord(scheduler_output, result.times,
                                    self._schedule_s + time.perf_counter() - t0)
 
-    def _schedule(self, pending: frozenset[str] = frozenset()) -> SchedulerOutput:
+    def _schedule(self, pending: frozenset[str] | None = None) -> SchedulerOutput:
         """The next step, its constrained requests' bitmasks added; a failure of the books
         fails every request (``_SchedulingFailed`` carries their outputs). Its time goes
         into the step's ``schedule_s``."""
@@ -378,10 +398,12 @@ class LLMEngine:
         finally:
             self._schedule_s += time.perf_counter() - t0
 
-    def _schedule_timed(self, pending: frozenset[str]) -> SchedulerOutput:
+    def _schedule_timed(self, pending: frozenset[str] | None) -> SchedulerOutput:
+        """``pending`` None: the step after the last one collected; else scheduling ahead
+        of the step in flight, whose sampling requests these are."""
         try:
-            scheduler_output = (self.scheduler.schedule(pending) if pending
-                                else self.scheduler.schedule())
+            scheduler_output = (self.scheduler.schedule() if pending is None
+                                else self.scheduler.schedule(pending, ahead=True))
         except Exception as e:  # a bug in the books: fail what is in flight, keep the engine
             logger.exception("scheduling failed; failing every request in flight")
             raise _SchedulingFailed(
@@ -417,11 +439,15 @@ class LLMEngine:
     def _schedule_ahead(self) -> None:
         """With asynchronous scheduling, schedule and submit the step after the one in
         flight, its requests that sample there given ``PENDING_TOKEN``s. Not while a request
-        with a grammar samples there (its next bitmask needs that token): the step after is
-        then scheduled once it is known."""
+        with a grammar samples there (its next bitmask needs that token), nor while the step
+        in flight encodes images (an image that fails must not be used, spilled or hit by
+        the next step), nor after a failure: the step after is then scheduled once the step
+        in flight is collected."""
         if self._steps is None or len(self._submitted) != 1 or self._stale:
             return  # (after a failure, the step in flight is partly void: wait for it)
         in_flight = self._submitted[0][0]
+        if in_flight.images_to_encode:
+            return  # which of its images fail to encode decides what may use or spill them
         pending = frozenset(r.request_id for r in in_flight.requests if r.sample)
         if self._matchers and any(rid in self._matchers for rid in pending):
             return
@@ -453,8 +479,10 @@ class LLMEngine:
                                and r.request_id not in result.sampled)}
         changed = self.scheduler.update(scheduler_output, result)
         self.num_steps += 1
-        outputs = [self._error_output(req) for req in failed]
+        outputs = [self._error_output(req) for req in failed if not req.aborting]
         for req in changed:
+            if req.aborting:
+                continue
             if (logprobs := self._logprobs.get(req.request_id)) is not None:
                 logprobs.append(result.logprobs[req.request_id])
             detok = self._detokenizers[req.request_id]
@@ -465,6 +493,8 @@ class LLMEngine:
             if detok.stopped and not req.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             outputs.append(self._output(req, detok))
+        if self._aborting:
+            self._release_aborted()
         return outputs
 
     def _constrain(self, scheduler_output: SchedulerOutput) -> None:
@@ -521,7 +551,10 @@ class LLMEngine:
     def _handle_failures(self, scheduler_output: SchedulerOutput,
                          result: ModelOutput) -> list[Request]:
         """Fail or retry the requests the step failed for (see ``MAX_FAILED_STEPS``); returns
-        those finished with an error. Raises ``EngineDeadError`` when the device is gone."""
+        those finished with an error. Raises ``EngineDeadError`` when the device is gone. A
+        step with no request left (all void, scheduled ahead of a failure) counts nothing."""
+        if not scheduler_output.requests:
+            return []
         # "In a row": a request the step ran without error starts counting anew.
         for sched in scheduler_output.requests:
             if sched.request_id not in result.errors:

@@ -67,6 +67,9 @@ class Request:
         self.num_preemptions = 0
         self.error: str | None = None  # why a step failed for it (status FINISHED_ERROR)
         self.num_failed_steps = 0  # steps in a row that failed for it
+        # Aborted while a step still in flight holds it (asynchronous scheduling): never
+        # scheduled again, released once that step is collected.
+        self.aborting = False
         # Prompt tokens found in the prefix cache when first admitted (None until then).
         self.num_cached_tokens: int | None = None
         # Prefix-cache hashes of this request's full blocks, filled by the KV cache manager.

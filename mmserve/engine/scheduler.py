@@ -165,7 +165,8 @@ class Scheduler:
         return slices
 
     # ----------------------------------------------------------------- step
-    def schedule(self, pending: frozenset[str] = frozenset()) -> SchedulerOutput:
+    def schedule(self, pending: frozenset[str] = frozenset(),
+                 ahead: bool = False) -> SchedulerOutput:
         """The next step. If scheduling raises (a bug in the books; the engine then fails
         the requests in flight), the encoder-cache entries it reserved are forgotten: their
         images were never encoded, and a later hit must not read nothing.
@@ -173,9 +174,10 @@ class Scheduler:
         ``pending``: scheduling ahead (asynchronous scheduling), while the step before runs;
         these requests sample a token in that step. Each gets its next token scheduled as
         ``PENDING_TOKEN`` (the runner writes in what it sampled), unless that token will end
-        it (``max_tokens``, ``max_model_len``); nobody is preempted (a request that does not
-        fit waits for the next step, scheduled once this one's tokens are known)."""
-        out = SchedulerOutput(ahead=bool(pending))
+        it (``max_tokens``, ``max_model_len``). ``ahead``: scheduling while a step runs,
+        whether or not anybody samples there: nobody is preempted (a request that does not
+        fit waits for the next step, scheduled once this one's results are known)."""
+        out = SchedulerOutput(ahead=ahead or bool(pending))
         try:
             return self._schedule(out, pending)
         except Exception:
@@ -188,7 +190,7 @@ class Scheduler:
         compute_budget = self.encoder_compute_budget
         scheduled: list[tuple[Request, int]] = []
         preempted = False
-        ahead = bool(pending)
+        ahead = out.ahead
 
         def commit(req: Request, num_new: int, to_encode: list[int]) -> None:
             for i in to_encode:
@@ -204,6 +206,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             req = self.running[i]
+            if req.aborting:
+                i += 1
+                continue
             total = self._num_tokens(req, pending)
             num_new = min(total - req.num_computed_tokens, token_budget)
             to_encode, num_new, new_compute_budget, _ = self._schedule_images(
@@ -334,6 +339,9 @@ class Scheduler:
             changed.append(req)
             status = self._check_stop(req, token)
             if status is not None:
+                # A block its last computed tokens fill, if a step scheduled ahead left it
+                # unpublished (the token it sampled last is never computed).
+                self.kv_cache.publish(req, min(req.num_computed_tokens, req.num_tokens - 1))
                 self.running.remove(req)
                 self._free(req, status)
         return changed

@@ -324,6 +324,9 @@ class StepThread:
 
     def __init__(self, runner) -> None:
         self.runner = runner
+        # torch's thread count is each thread's own: the steps' thread starts with this one's
+        # (a fixed --cpu-threads; the adaptive policy then sets it from the steps' thread).
+        self._threads = torch.get_num_threads()
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._seq = 0
@@ -353,6 +356,7 @@ class StepThread:
         self._thread.join()
 
     def _run(self) -> None:
+        torch.set_num_threads(self._threads)
         while (step := self._todo.get()) is not None:
             seq, scheduler_output, encoder_pixels = step
             try:
@@ -422,11 +426,12 @@ def _serve(runner, rank: int, conn: Connection) -> None:
 
     from mmserve.models.parallel import CollectiveError
 
+    calls = _read_ahead(conn)
     while True:
-        try:
-            seq, method, args = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
+        call = calls.get()
+        if call is None:
             break  # the engine is gone
+        seq, method, args = pickle.loads(call)
         if method == "close":
             runner.close()
             break
@@ -446,6 +451,24 @@ def _serve(runner, rank: int, conn: Connection) -> None:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 (exiting anyway)
         pass
+
+
+def _read_ahead(conn: Connection) -> queue.SimpleQueue:
+    """The engine's calls, read off the pipe by a thread as they come (None once it is
+    closed): the engine may send the next step while this one's large answer is still
+    going back, and neither side must block the other's pipe."""
+    calls: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        while True:
+            try:
+                calls.put(conn.recv_bytes())
+            except (EOFError, OSError):
+                calls.put(None)
+                return
+
+    threading.Thread(target=read, name="mmserve-calls", daemon=True).start()
+    return calls
 
 
 # Calls whose answer the engine reads from every rank.

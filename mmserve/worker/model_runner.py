@@ -569,6 +569,10 @@ class CPUModelRunner(ModelRunner):
 
     @property
     def num_threads(self) -> int:
+        """The compute threads of the last step (read from any thread: torch's count is a
+        thread's own, and steps may run on a thread of their own)."""
+        if self.adaptive_threads is not None:
+            return self.adaptive_threads.threads
         return torch.get_num_threads()
 
     def close(self) -> None:
