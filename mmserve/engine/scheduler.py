@@ -189,7 +189,9 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         compute_budget = self.encoder_compute_budget
         scheduled: list[tuple[Request, int]] = []
-        preempted = False
+        # A running request lacked room (it preempted others, or, scheduling ahead, waits):
+        # no waiting request is admitted this step.
+        short = False
         ahead = out.ahead
 
         def commit(req: Request, num_new: int, to_encode: list[int]) -> None:
@@ -218,13 +220,13 @@ class Scheduler:
                 continue
             if ahead:
                 if self.kv_cache.allocate_slots(req, num_new) is None:
-                    preempted = True  # no room without preempting: the rest waits a step
+                    short = True  # no room without preempting: the rest waits a step
                     break
             else:
                 while self.kv_cache.allocate_slots(req, num_new) is None:
                     victim = self.running.pop()
                     self._preempt(victim)
-                    preempted = True
+                    short = True
                     if victim is req:
                         break
                 if req.status != RequestStatus.RUNNING:
@@ -235,7 +237,7 @@ class Scheduler:
             i += 1
 
         # Then waiting requests, first come first served; none after a preemption this step.
-        while (self.waiting and token_budget > 0 and not preempted
+        while (self.waiting and token_budget > 0 and not short
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             # Prompt logprobs need every prompt position computed, cached or not.
