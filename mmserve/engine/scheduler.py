@@ -236,7 +236,7 @@ class Scheduler:
             token_budget -= num_new
             i += 1
 
-        # Then waiting requests, first come first served; none after a preemption this step.
+        # Then waiting requests, first come first served; none once a running one lacked room.
         while (self.waiting and token_budget > 0 and not short
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
