@@ -51,11 +51,16 @@ class FakeCores:
         return self.sample.wall_s
 
 
-def test_adaptive_threads_follow_a_load_that_comes_and_goes(monkeypatch):
+def _two_cores(monkeypatch) -> tuple[FakeCores, AdaptiveThreads]:
+    """The policy on a process with cores 0 and 1 and two threads, over a fake timeline."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     torch.set_num_threads(2)
     cores = FakeCores()
-    threads = AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock)
+    return cores, AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock)
+
+
+def test_adaptive_threads_follow_a_load_that_comes_and_goes(monkeypatch):
+    cores, threads = _two_cores(monkeypatch)
     assert threads.max_threads == 2 and torch.get_num_threads() == 2
 
     cores.advance(0.6, own_cores=1.9, other_cores=0.05)  # quiet
@@ -82,10 +87,7 @@ def test_adaptive_threads_follow_a_load_that_comes_and_goes(monkeypatch):
 def test_a_look_while_the_engine_waited_judges_nothing(monkeypatch):
     """Other processes busy while this one had no work (a client building its requests):
     nothing it competed for, so no core is given up."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    torch.set_num_threads(2)
-    cores = FakeCores()
-    threads = AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock)
+    cores, threads = _two_cores(monkeypatch)
     cores.advance(3.0, own_cores=0.1, other_cores=1.0)
     threads.update()
     assert torch.get_num_threads() == 2
@@ -108,10 +110,7 @@ def test_a_given_up_core_is_probed_again(monkeypatch):
     """After PROBE_AFTER_S on fewer threads, one look with all of them: a spinning process
     still takes its share there (the core is given up again), a process that only filled the
     free core does not (it is kept)."""
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    torch.set_num_threads(2)
-    cores = FakeCores()
-    threads = AdaptiveThreads(interval_s=0.5, read=cores, clock=cores.clock)
+    cores, threads = _two_cores(monkeypatch)
     cores.advance(0.6, own_cores=1.34, other_cores=0.66)
     threads.update()
     assert torch.get_num_threads() == 1

@@ -124,12 +124,15 @@ def test_failed_request_leaves_nothing_in_the_prefix_cache(clip_llama: str) -> N
     assert ok.num_cached_tokens == 0 and ok.finish_reason in ("stop", "length")
 
 
-def test_a_broken_device_stops_the_engine(clip_llama: str,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_broken_device_stops_the_engine(clip_llama: str, monkeypatch: pytest.MonkeyPatch,
+                                          async_scheduling: bool) -> None:
     """Steps that fail for every request, requests that ran fine before among them, mean the
     device or engine is broken: after MAX_FAILED_STEPS of them the engine says so, every
-    request is finished and released, and later steps refuse at once."""
-    llm = LLM(clip_llama, dtype="float32", max_model_len=96, max_num_seqs=4)
+    request is finished and released, and later steps refuse at once. Scheduled ahead, the
+    void step after each failure counts neither way."""
+    llm = LLM(clip_llama, dtype="float32", max_model_len=96, max_num_seqs=4,
+              async_scheduling=async_scheduling)
     engine = llm.engine
     for p in PROMPTS:
         engine.add_request(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
@@ -142,9 +145,10 @@ def test_a_broken_device_stops_the_engine(clip_llama: str,
     monkeypatch.setattr(engine.runner, "_forward", lost)
     errors = []
     with pytest.raises(EngineDeadError, match="device lost"):
-        for _ in range(MAX_FAILED_STEPS + 1):
+        for _ in range(3 * MAX_FAILED_STEPS):
             errors += [o for o in engine.step() if o.finish_reason == "error"]
     assert errors == []  # requests that ran fine before are retried, not failed, until then
+    assert_no_leaks(engine)
     assert not engine.has_unfinished_requests()
     stats = engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]

@@ -339,11 +339,15 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
+def _two_ranks(path: str, worker_timeout: float) -> tuple[LLM, list[int]]:
+    llm = LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2,
+              worker_timeout=worker_timeout)
+    return llm, llm.engine.runner.pids
+
+
 @pytest.mark.slow
 def test_a_killed_worker_stops_the_engine_naming_it(clip_llama: str) -> None:
-    llm = LLM(clip_llama, dtype="float32", device="cpu", tensor_parallel_size=2,
-              worker_timeout=30)
-    pids = llm.engine.runner.pids
+    llm, pids = _two_ranks(clip_llama, worker_timeout=30)
     os.kill(pids[1], signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
@@ -357,9 +361,7 @@ def test_a_killed_worker_stops_the_engine_naming_it(clip_llama: str) -> None:
 
 @pytest.mark.slow
 def test_a_hung_worker_stops_the_engine_within_the_timeout(clip_llama: str) -> None:
-    llm = LLM(clip_llama, dtype="float32", device="cpu", tensor_parallel_size=2,
-              worker_timeout=3)
-    pids = llm.engine.runner.pids
+    llm, pids = _two_ranks(clip_llama, worker_timeout=3)
     os.kill(pids[1], signal.SIGSTOP)
     start = time.monotonic()
     try:

@@ -142,6 +142,8 @@ class ModelRunner:
         """Which rank encodes each of the step's images (tensor parallelism, the tower
         data-parallel): fixed for the whole step, as the executor split the pixels, so that
         a rerun of one request finds them where they were sent."""
+        if parallel.tp_size() == 1 or parallel.split_encoder():
+            return  # every image is encoded here
         to_encode = scheduler_output.images_to_encode
         self._image_owners.clear()
         self._image_owners.update(split_by_tokens(list(to_encode), to_encode,
