@@ -2,14 +2,17 @@
 
 Engine steps are synchronous torch work, so they run in a dedicated thread, never on the event
 loop: the server stays responsive (``/health`` answers) during long steps. The thread owns the
-``LLMEngine`` alone. The event loop talks to it through a command queue (add, abort) that the
-thread drains between steps, and gets outputs back through ``loop.call_soon_threadsafe``, one
-call per step, which fans them out to per-request asyncio queues. No lock guards engine state
-because only one thread ever touches it; the stats the server reads are a snapshot the thread
-publishes after each step. A request's prompt processing (chat template, tokenizer, image
+``LLMEngine`` alone; best, it is the thread the engine was built on (``ComputeThread``:
+torch's parallel regions run slower once a second thread has started some). The event loop
+talks to it through a command queue (add, abort) that the thread drains between steps, and
+gets outputs back through ``loop.call_soon_threadsafe``, one call per step, which fans them
+out to per-request asyncio queues. No lock guards engine state because only one thread ever
+touches it; the stats the server reads are a snapshot the thread publishes after each step.
+A request's prompt processing (chat template, tokenizer, image
 processor) runs on a small pool of preprocessing threads of its own while the engine keeps
 stepping (the processor serialises only its tokenizer call, so one large image does not stall
-the small ones); the engine thread only queues the finished ``Request``.
+the small ones), each computing with one torch thread; the engine thread only queues the
+finished ``Request``.
 
 A step that fails for some requests finishes those with ``finish_reason="error"`` and goes on
 (``LLMEngine.step``). Only a broken engine (``EngineDeadError``, or an exception that escapes
@@ -24,10 +27,9 @@ import contextlib
 import logging
 import os
 import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,6 +38,7 @@ from mmserve.engine.request import Request
 from mmserve.errors import EngineDeadError
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
+from mmserve.worker.compute_thread import ComputeThread, single_threaded
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +101,8 @@ IDLE_CHECK_S = 1.0
 
 
 class AsyncEngine:
-    """Runs ``engine`` in a background thread once ``start()`` is called from the event loop.
+    """Runs ``engine`` on ``compute`` (the thread it was built on; default: a thread of its
+    own) once ``start()`` is called from the event loop.
 
     ``max_waiting`` bounds the requests admitted beyond the ``max_num_seqs`` that run at once;
     ``add_request`` refuses more with ``QueueFullError``. ``preprocess_workers`` threads turn
@@ -109,40 +113,51 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
                  observer: RequestObserver | None = None,
                  preprocess_workers: int | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 compute: ComputeThread | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.observer = observer
         self._streams: dict[str, RequestStream] = {}
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._own_compute = compute is None
+        self._compute = compute or ComputeThread()
+        self._loop_done: Future[None] | None = None  # the engine loop, once started
         self._error: BaseException | None = None
         self.on_dead = on_dead
         workers = preprocess_workers or max(2, min(4, os.cpu_count() or 2))
-        self._preprocess = ThreadPoolExecutor(workers, thread_name_prefix="mmserve-preprocess")
+        self._preprocess = ThreadPoolExecutor(workers, thread_name_prefix="mmserve-preprocess",
+                                              initializer=single_threaded)
         self._stats: dict[str, Any] = engine.stats()
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the stepping thread; call from the event loop that will read the outputs."""
-        if self._thread is not None:
+        """Start the engine loop; call from the event loop that will read the outputs."""
+        if self._loop_done is not None:
             raise RuntimeError("the engine loop is already started")
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="mmserve-engine", daemon=True)
-        self._thread.start()
+        self._loop_done = self._compute.submit(self._run)
 
     async def shutdown(self) -> None:
-        """Stop the thread after its current step; requests still in flight fail."""
-        if self._thread is None:
+        """Stop the engine loop after its current step; requests still in flight fail."""
+        if self._loop_done is None:
             return
-        self._commands.put(_STOP)
-        await asyncio.to_thread(self._thread.join)
+        self.stop()
+        await asyncio.wrap_future(self._loop_done)
+        if self._own_compute:
+            self._compute.close()
         self._preprocess.shutdown(wait=False, cancel_futures=True)
+
+    def stop(self) -> None:
+        """Ask the engine loop to stop after its current step, from any thread, without
+        waiting (``shutdown`` waits); harmless when it has stopped."""
+        self._commands.put(_STOP)
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        return (self._loop_done is not None and not self._loop_done.done()
+                and self._error is None)
 
     @property
     def error(self) -> BaseException | None:

@@ -33,6 +33,7 @@ from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import PENDING_TOKEN, ModelOutput, SchedulerOutput, StepTimes, TokenLogprobs
 from mmserve.worker import memory_profiler
+from mmserve.worker.compute_thread import ComputeThread
 from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import runner_class
 from mmserve.worker.dry_run import check_tensor_parallel, profile_blocks
@@ -102,6 +103,12 @@ class LLMEngine:
                 and not config.worker_processes):
             self._check_free_gpu_memory(config, memory_bytes)
         self.hf_config = hf_config
+        # With asynchronous scheduling a runner in this process computes on a thread of its
+        # own; it is built there too, and everything it does runs there (torch's parallel
+        # regions run slower once a second thread has started some: compute_thread.py).
+        self._compute = (ComputeThread("mmserve-steps")
+                         if config.async_scheduling and not config.worker_processes else None)
+        on_runner_thread = self._on_runner_thread
         if config.worker_processes:
             # Workers load their shards and build their runners; this process holds none.
             split_encoder = config.mm_encoder_tp_mode == "weights"
@@ -113,12 +120,14 @@ class LLMEngine:
                 config.tensor_parallel_size, config.worker_timeout, split_encoder))
             weights_bytes = self.runner.weights_bytes
         else:
-            self.model, weights_bytes = runner_cls.load_model(config.model, hf_config, dtype)
+            self.model, weights_bytes = on_runner_thread(runner_cls.load_model, config.model,
+                                                         hf_config, dtype)
             # No KV cache until the plan sizes it.
-            self.runner = runner_cls(self.model, 0, config.block_size, dtype, config.seed)
+            self.runner = on_runner_thread(runner_cls, self.model, 0, config.block_size, dtype,
+                                           config.seed)
             if device == "cuda":
                 _live_engines.add(self)
-            self.runner.set_threads(config.cpu_threads)
+            on_runner_thread(self.runner.set_threads, config.cpu_threads)
         self.weights_bytes = weights_bytes
         # The same planning as `mmserve plan`, with the real weights and, on a GPU, the
         # allocator's peak; on the CPU the meta-device dry run is what a real run allocates.
@@ -130,10 +139,10 @@ class LLMEngine:
             logger.warning("memory plan: %s", warning)
         self.config = config.replace(max_model_len=self.plan.max_model_len,
                                      max_num_seqs=self.plan.max_num_seqs)
-        self.runner.allocate_kv_cache(self.plan.num_blocks)
+        on_runner_thread(self.runner.allocate_kv_cache, self.plan.num_blocks)
         if not config.enforce_eager:
-            self.runner.capture_model(self.plan.max_num_seqs, self.plan.max_model_len,
-                                      self.processor.family.position_rows)
+            on_runner_thread(self.runner.capture_model, self.plan.max_num_seqs,
+                             self.plan.max_model_len, self.processor.family.position_rows)
         kv_cache = KVCacheManager(self.plan.num_blocks, config.block_size,
                                   config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -178,7 +187,7 @@ class LLMEngine:
         self._steps: StepThread | MultiprocExecutor | None = None
         if config.async_scheduling:
             self._steps = (self.runner if isinstance(self.runner, MultiprocExecutor)
-                           else StepThread(self.runner))
+                           else StepThread(self.runner, self._compute))
         logger.info("mmserve engine ready, dtype=%s, encoder compute budget %d tokens per "
                     "step\n%s", dtype, self.encoder_budget.compute_tokens, self.plan.summary())
 
@@ -197,11 +206,18 @@ class LLMEngine:
     def _measure_profile_peak(self, batch: ProfileBatch) -> tuple[int, str]:
         """Run the profile batch on the device; its allocator's peak (the planned KV cache
         replaces the blocks the batch writes)."""
-        self.runner.allocate_kv_cache(profile_blocks(batch.scheduler_output))
-        peak = self.runner.measure_profile_peak(batch.scheduler_output, batch.encoder_pixels)
+        self._on_runner_thread(self.runner.allocate_kv_cache,
+                               profile_blocks(batch.scheduler_output))
+        peak = self._on_runner_thread(self.runner.measure_profile_peak,
+                                      batch.scheduler_output, batch.encoder_pixels)
         return peak, f"measured: {self.runner.device.type} allocator peak of the profile run"
 
     # ----------------------------------------------------------------- requests
+    def _on_runner_thread(self, fn, *args):
+        """``fn(*args)`` on the thread the runner computes on."""
+        compute = getattr(self, "_compute", None)
+        return fn(*args) if compute is None else compute.call(fn, *args)
+
     def add_request(
         self,
         prompt: dict[str, Any] | str,
@@ -674,12 +690,15 @@ class LLMEngine:
             steps.close()  # after the steps in flight
         runner = getattr(self, "runner", None)
         if runner is not None:
-            runner.close()
+            self._on_runner_thread(runner.close)
         self.model = None
         _live_engines.discard(self)
         gc.collect()  # tensors held only by reference cycles (tracebacks, closures)
         if runner is not None:
-            runner.release_memory()
+            self._on_runner_thread(runner.release_memory)
+        compute = getattr(self, "_compute", None)
+        if compute is not None:
+            compute.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # also at interpreter exit, half torn down

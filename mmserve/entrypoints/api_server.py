@@ -51,6 +51,7 @@ from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
+from mmserve.worker.compute_thread import ComputeThread
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +158,10 @@ def _error_response(err: ApiError) -> JSONResponse:
 class OpenAIServer:
     """Request handlers over one ``AsyncEngine``."""
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: LLMEngine, config: ServerConfig,
+                 compute: ComputeThread | None = None) -> None:
+        """``compute``: the thread ``engine`` was built on, to step it on (``ComputeThread``);
+        by default a thread of its own."""
         self.config = config
         self.model = config.served_model_name
         self.max_model_len = engine.config.max_model_len
@@ -166,7 +170,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model, self._stats)
         self.engine = AsyncEngine(engine, config.max_queue, observer=self.metrics,
-                                  on_dead=self._engine_died)
+                                  on_dead=self._engine_died, compute=compute)
         # Set by ``serve``: the uvicorn server to stop if the engine dies.
         self.http_server: Any = None
 
@@ -605,6 +609,7 @@ def serve(args: argparse.Namespace) -> int:
     from mmserve.entrypoints.http_protocol import with_header_timeout
 
     model = args.model_path or args.model
+    compute = ComputeThread("mmserve-engine")
     try:
         if model is None:
             model = str(demo_model_path())
@@ -619,11 +624,14 @@ def serve(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout,
             shutdown_timeout_s=args.shutdown_timeout,
         )
-        engine = LLMEngine(EngineConfig(model=model, **engine_kwargs(args)))
+        # Built on the thread that will step it: torch's parallel regions run slower once a
+        # second thread has started some (worker/compute_thread.py).
+        engine = compute.call(LLMEngine, EngineConfig(model=model, **engine_kwargs(args)))
     except (FileNotFoundError, ValueError) as e:
+        compute.close()
         print(f"mmserve serve: {e}", file=sys.stderr)
         return 2
-    server = OpenAIServer(engine, config)
+    server = OpenAIServer(engine, config, compute)
     # On SIGTERM uvicorn stops accepting connections and lets the requests in flight finish
     # for up to --shutdown-timeout seconds, cancels what is left, then runs the lifespan
     # shutdown that stops the engine loop (failing any request still in it).
@@ -635,7 +643,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         http.run()
     finally:
-        engine.close()
+        server.engine.stop()  # normally stopped by the lifespan's shutdown already
+        compute.call(engine.close)
+        compute.close()
     if server.engine.error is not None:
         print(f"mmserve serve: the engine stopped: {server.engine.error}", file=sys.stderr)
         return 1

@@ -14,7 +14,7 @@ each call, tagged with its number; rank 0's answer is the result.
 Asynchronous scheduling hands steps over with ``submit`` and takes their results with
 ``collect`` (by number), so that the engine schedules the next step while one runs: the
 workers run steps in the order sent, and ``StepThread`` does the same for a runner in the
-engine's own process, on a thread of its own.
+engine's own process, on the thread it was built on.
 
 A worker that dies, fails a collective or does not answer within ``timeout`` seconds stops
 the executor: the engine raises ``EngineDeadError`` naming the rank, and every worker is ended
@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 import traceback
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -43,6 +44,7 @@ import torch
 
 from mmserve.errors import EngineDeadError
 from mmserve.step import ModelOutput, SchedulerOutput
+from mmserve.worker.compute_thread import ComputeThread
 from mmserve.worker.model_runner import EncoderPixels, split_by_tokens
 
 logger = logging.getLogger(__name__)
@@ -317,53 +319,38 @@ class MultiprocExecutor:
 
 
 class StepThread:
-    """A runner in this process, its steps run on a thread of their own in the order
-    submitted: the engine schedules the next step while this one computes (asynchronous
-    scheduling without worker processes). ``MultiprocExecutor`` has the same ``submit`` and
-    ``collect``."""
+    """A runner in this process whose steps run on ``compute`` (the thread it was built on,
+    ``compute_thread.py``; default: a thread of its own) in the order submitted: the engine
+    schedules the next step while this one computes (asynchronous scheduling without worker
+    processes). ``MultiprocExecutor`` has the same ``submit`` and ``collect``."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, compute: ComputeThread | None = None) -> None:
         self.runner = runner
-        # torch's thread count is each thread's own: the steps' thread starts with this one's
-        # (a fixed --cpu-threads; the adaptive policy then sets it from the steps' thread).
-        self._threads = torch.get_num_threads()
-        self._todo: queue.SimpleQueue = queue.SimpleQueue()
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._own_compute = compute is None
+        self._compute = compute or ComputeThread("mmserve-steps")
+        self._results: dict[int, Future[ModelOutput]] = {}
         self._seq = 0
-        self._thread = threading.Thread(target=self._run, name="mmserve-steps", daemon=True)
-        self._thread.start()
 
     def submit(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels) -> int:
         """Queue the step; returns its number, for ``collect``."""
         self._seq += 1
-        self._todo.put((self._seq, scheduler_output, encoder_pixels))
+        self._results[self._seq] = self._compute.submit(self.runner.execute, scheduler_output,
+                                                        encoder_pixels)
         return self._seq
 
     def collect(self, seq: int) -> ModelOutput:
         """The result of step ``seq`` (what its ``execute`` raised is raised here); results
         of earlier steps nobody collected (an interrupted caller's) are dropped."""
-        while True:
-            done, ok, value = self._done.get()
-            if done >= seq:
-                break
-        if not ok:
-            raise value
-        return value
+        for earlier in [n for n in self._results if n < seq]:
+            del self._results[earlier]
+        return self._results.pop(seq).result()
 
     def close(self) -> None:
-        """Stop the thread once the steps submitted have run."""
-        self._todo.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        torch.set_num_threads(self._threads)
-        while (step := self._todo.get()) is not None:
-            seq, scheduler_output, encoder_pixels = step
-            try:
-                self._done.put((seq, True, self.runner.execute(scheduler_output,
-                                                               encoder_pixels)))
-            except BaseException as e:  # noqa: BLE001 (raised by collect, on the engine's thread)
-                self._done.put((seq, False, e))
+        """Once the steps submitted have run, stop the thread if it is this object's own."""
+        if self._own_compute:
+            self._compute.close()
+        else:
+            self._compute.call(lambda: None)
 
 
 def _dumps(call: tuple[str, tuple]) -> bytes:
