@@ -150,3 +150,28 @@ def test_the_nucleus_is_the_same_found_among_the_best_tokens_or_by_a_full_sort()
             expected = set(range(5000))
         assert set(torch.isfinite(got[row]).nonzero().flatten().tolist()) == expected, row
     assert torch.isfinite(got[1]).sum() > 256  # the flat row went past the first candidates
+
+
+def test_one_bad_logit_makes_the_row_not_finite() -> None:
+    """A single NaN or infinite logit, or every token at -inf, fails the row (its total
+    probability is not finite), not its neighbours."""
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(12))
+    logits[0, 7] = float("nan")
+    logits[1, 3] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, :40] = float("-inf")  # some tokens ruled out: fine
+    out = sample_each(logits, [SamplingParams(temperature=1.0)] * 5,
+                      lambda i: torch.Generator().manual_seed(i))
+    assert all(isinstance(out[i], RuntimeError) and "not finite" in str(out[i])
+               for i in range(3))
+    assert isinstance(out[3], int) and out[3] >= 40 and isinstance(out[4], int)
+
+
+def test_bfloat16_logits_draw_what_their_float32_values_draw() -> None:
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(13))
+    logits = logits.to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(top_k=5, seed=2), SamplingParams(top_p=0.8, seed=3),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, seed=4)]
+    for _ in range(3):
+        assert (sample(logits, params, _gens(6)) == sample(logits.float(), params, _gens(6)))

@@ -30,6 +30,7 @@ def sample_each(
     generator: Callable[[int], torch.Generator],  # row -> its generator, made on demand
 ) -> list[int | Exception]:
     """The next token of every row, or the exception its sampling raised."""
+    logits = logits.float()  # (torch's CPU argmax over bfloat16 takes 4x as long as this)
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy.tolist()
@@ -62,11 +63,11 @@ def sample_each(
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw a token for each row: the tokens, and whether each row's probabilities were
-    finite (where they are not, its token means nothing)."""
+    """Draw a token for each row of float32 ``logits``: the tokens, and whether each row's
+    probabilities were finite (where they are not, its token means nothing)."""
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], device=device)
-    x = logits.float() / temperature.unsqueeze(1)
+    x = logits / temperature.unsqueeze(1)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):  # keep each row's k best (ties with the k-th included)
         top = x.topk(max(ks), dim=-1).values
@@ -76,11 +77,13 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         x = x.masked_fill(filtered & (x < kth), float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         x = _top_p(x, [p.top_p for p in params])
-    probs = x.softmax(-1)
-    finite = torch.isfinite(probs).all(-1)
     # Inverse transform: the first token whose cumulative probability passes a uniform
-    # variate (side="right": a token of probability 0 spans nothing and is never drawn).
-    cdf = probs.cumsum(-1)
+    # variate times the row's total (side="right": a token of probability 0 spans nothing and
+    # is never drawn). A row with a NaN or an infinite logit, or with every token filtered
+    # out, has probabilities, and so a total, that are NaN: not finite.
+    cdf = x.softmax(-1).cumsum(-1)
+    total = cdf[:, -1]
+    finite = torch.isfinite(total) & (total > 0)
     u = torch.empty(len(generators), 1, device=device)
     rows_of: dict[int, list[int]] = {}  # generator -> the rows that draw from it, in order
     for row, gen in enumerate(generators):
@@ -92,7 +95,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         else:
             u[torch.tensor(rows, device=device)] = torch.empty(
                 len(rows), 1, device=device).uniform_(generator=gen)
-    tokens = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    tokens = torch.searchsorted(cdf, u * total.unsqueeze(1), right=True).squeeze(1)
     return tokens.clamp_(max=vocab - 1), finite
 
 
