@@ -62,11 +62,16 @@ def test_helper_threads_compute_single_threaded() -> None:
         single_threaded()
         counts.append(torch.get_num_threads())
 
-    t = threading.Thread(target=helper)
-    t.start()
-    t.join()
-    assert counts == [1]
-    assert torch.get_num_threads() == before  # the calling thread's count is its own
+    def later() -> None:
+        counts.append(torch.get_num_threads())
+
+    for target in (helper, later):
+        t = threading.Thread(target=target)
+        t.start()
+        t.join()
+    # The helper's count is its own: neither the caller's nor a later thread's changes.
+    assert counts == [1, before]
+    assert torch.get_num_threads() == before
 
 
 def test_the_engine_loop_runs_on_the_thread_given() -> None:

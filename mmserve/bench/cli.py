@@ -50,7 +50,8 @@ def _make_engine(model: str, args: argparse.Namespace, overrides: dict[str, Any]
 def _peak(args: argparse.Namespace, engine) -> float | None:
     from mmserve.bench.flops import measure_matmul_peak
 
-    return None if args.no_peak else measure_matmul_peak(engine.runner.dtype)
+    return None if args.no_peak else engine.on_runner_thread(measure_matmul_peak,
+                                                             engine.runner.dtype)
 
 
 def _throughput(args: argparse.Namespace) -> int:

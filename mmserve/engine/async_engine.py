@@ -121,8 +121,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._own_compute = compute is None
-        self._compute = compute or ComputeThread()
+        self._own_compute = compute is None  # then made by ``start``
+        self._compute = compute
         self._loop_done: Future[None] | None = None  # the engine loop, once started
         self._error: BaseException | None = None
         self.on_dead = on_dead
@@ -137,6 +137,8 @@ class AsyncEngine:
         if self._loop_done is not None:
             raise RuntimeError("the engine loop is already started")
         self._loop = asyncio.get_running_loop()
+        if self._compute is None:
+            self._compute = ComputeThread()
         self._loop_done = self._compute.submit(self._run)
 
     async def shutdown(self) -> None:
@@ -145,7 +147,7 @@ class AsyncEngine:
             return
         self.stop()
         await asyncio.wrap_future(self._loop_done)
-        if self._own_compute:
+        if self._own_compute and self._compute is not None:
             self._compute.close()
         self._preprocess.shutdown(wait=False, cancel_futures=True)
 

@@ -8,6 +8,7 @@ import gc
 import itertools
 import logging
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -108,7 +109,7 @@ class LLMEngine:
         # regions run slower once a second thread has started some: compute_thread.py).
         self._compute = (ComputeThread("mmserve-steps")
                          if config.async_scheduling and not config.worker_processes else None)
-        on_runner_thread = self._on_runner_thread
+        on_runner_thread = self.on_runner_thread
         if config.worker_processes:
             # Workers load their shards and build their runners; this process holds none.
             split_encoder = config.mm_encoder_tp_mode == "weights"
@@ -131,9 +132,11 @@ class LLMEngine:
         self.weights_bytes = weights_bytes
         # The same planning as `mmserve plan`, with the real weights and, on a GPU, the
         # allocator's peak; on the CPU the meta-device dry run is what a real run allocates.
-        startup = plan_for(config, hf_config, self.processor.family, device,
-                           memory_bytes, weights_bytes,
-                           None if device == "cpu" else self._measure_profile_peak)
+        # (On the runner's thread too: the dry run builds the model on the meta device, and
+        # its rotary tables are computed.)
+        startup = on_runner_thread(plan_for, config, hf_config, self.processor.family, device,
+                                   memory_bytes, weights_bytes,
+                                   None if device == "cpu" else self._measure_profile_peak)
         self.plan, self.encoder_budget = startup.plan, startup.encoder_budget
         for warning in self.plan.warnings:
             logger.warning("memory plan: %s", warning)
@@ -206,15 +209,17 @@ class LLMEngine:
     def _measure_profile_peak(self, batch: ProfileBatch) -> tuple[int, str]:
         """Run the profile batch on the device; its allocator's peak (the planned KV cache
         replaces the blocks the batch writes)."""
-        self._on_runner_thread(self.runner.allocate_kv_cache,
+        self.on_runner_thread(self.runner.allocate_kv_cache,
                                profile_blocks(batch.scheduler_output))
-        peak = self._on_runner_thread(self.runner.measure_profile_peak,
+        peak = self.on_runner_thread(self.runner.measure_profile_peak,
                                       batch.scheduler_output, batch.encoder_pixels)
         return peak, f"measured: {self.runner.device.type} allocator peak of the profile run"
 
     # ----------------------------------------------------------------- requests
-    def _on_runner_thread(self, fn, *args):
-        """``fn(*args)`` on the thread the runner computes on."""
+    def on_runner_thread(self, fn, *args):
+        """``fn(*args)`` on the thread the runner computes on (this one, unless asynchronous
+        scheduling gave the runner a thread of its own): torch work beside the engine's, such
+        as a benchmark's measurement, belongs there (``compute_thread.py``)."""
         compute = getattr(self, "_compute", None)
         return fn(*args) if compute is None else compute.call(fn, *args)
 
@@ -690,17 +695,24 @@ class LLMEngine:
             steps.close()  # after the steps in flight
         runner = getattr(self, "runner", None)
         if runner is not None:
-            self._on_runner_thread(runner.close)
+            self.on_runner_thread(runner.close)
         self.model = None
         _live_engines.discard(self)
         gc.collect()  # tensors held only by reference cycles (tracebacks, closures)
         if runner is not None:
-            self._on_runner_thread(runner.release_memory)
+            self.on_runner_thread(runner.release_memory)
         compute = getattr(self, "_compute", None)
         if compute is not None:
             compute.close()
 
     def __del__(self) -> None:
+        compute = getattr(self, "_compute", None)
+        if compute is not None and threading.get_ident() == compute.ident:
+            # Collected by the garbage collector on the runner's own thread, maybe inside a
+            # step: close once the work in hand is done.
+            with contextlib.suppress(Exception):
+                compute.submit(self.close)
+            return
         with contextlib.suppress(Exception):  # also at interpreter exit, half torn down
             self.close()
 

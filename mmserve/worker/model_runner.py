@@ -568,6 +568,7 @@ class CPUModelRunner(ModelRunner):
         else:
             self.adaptive_threads = None
             torch.set_num_threads(threads)
+        self._threads_set_here = torch.get_num_threads()
 
     @property
     def num_threads(self) -> int:
@@ -575,7 +576,7 @@ class CPUModelRunner(ModelRunner):
         thread's own, and steps may run on a thread of their own)."""
         if self.adaptive_threads is not None:
             return self.adaptive_threads.threads
-        return torch.get_num_threads()
+        return getattr(self, "_threads_set_here", None) or torch.get_num_threads()
 
     def close(self) -> None:
         """``ModelRunner.close``, and torch's thread count back to what it was before the

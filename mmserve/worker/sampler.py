@@ -30,7 +30,8 @@ def sample_each(
     generator: Callable[[int], torch.Generator],  # row -> its generator, made on demand
 ) -> list[int | Exception]:
     """The next token of every row, or the exception its sampling raised."""
-    logits = logits.float()  # (torch's CPU argmax over bfloat16 takes 4x as long as this)
+    if logits.device.type == "cpu":  # torch's CPU argmax over bfloat16 takes 4x as long
+        logits = logits.float()
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy.tolist()
@@ -63,11 +64,11 @@ def sample_each(
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw a token for each row of float32 ``logits``: the tokens, and whether each row's
-    probabilities were finite (where they are not, its token means nothing)."""
+    """Draw a token for each row: the tokens, and whether each row's probabilities were
+    finite (where they are not, its token means nothing)."""
     device, vocab = logits.device, logits.shape[-1]
     temperature = torch.tensor([p.temperature for p in params], device=device)
-    x = logits / temperature.unsqueeze(1)
+    x = logits.float() / temperature.unsqueeze(1)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):  # keep each row's k best (ties with the k-th included)
         top = x.topk(max(ks), dim=-1).values
@@ -83,7 +84,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     # out, has probabilities, and so a total, that are NaN: not finite.
     cdf = x.softmax(-1).cumsum(-1)
     total = cdf[:, -1]
-    finite = torch.isfinite(total) & (total > 0)
+    finite = torch.isfinite(total)
     u = torch.empty(len(generators), 1, device=device)
     rows_of: dict[int, list[int]] = {}  # generator -> the rows that draw from it, in order
     for row, gen in enumerate(generators):
