@@ -6,6 +6,7 @@ the interpreter exits."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import subprocess
 import sys
 import textwrap
@@ -137,3 +138,35 @@ def test_the_interpreter_exits_with_an_engine_left_open(clip_llama: str,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("3")
+
+
+def test_a_fixed_thread_count_is_reported_as_the_runner_computes(clip_llama: str) -> None:
+    llm = LLM(clip_llama, device="cpu", dtype="float32", max_model_len=256,
+              async_scheduling=True, cpu_threads=1)
+    try:
+        assert llm.engine.on_runner_thread(torch.get_num_threads) == 1
+        assert llm.engine.stats()["cpu_threads"] == 1
+    finally:
+        llm.close()
+
+
+def test_an_engine_that_fails_to_start_leaves_no_thread(
+        clip_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failed call's frames (the half-built engine among them) are not kept by the
+    runner's thread, so the engine is collected and closes it."""
+    def fail(self, num_blocks):
+        raise MemoryError("no room for the KV cache")
+
+    monkeypatch.setattr(CPUModelRunner, "allocate_kv_cache", fail)
+
+    def steps_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "mmserve-steps"]
+
+    before = len(steps_threads())
+    with pytest.raises(MemoryError, match="no room"):
+        LLM(clip_llama, device="cpu", dtype="float32", max_model_len=256,
+            async_scheduling=True)
+    gc.collect()
+    for t in steps_threads():
+        t.join(timeout=10)
+    assert len(steps_threads()) == before

@@ -556,6 +556,7 @@ class CPUModelRunner(ModelRunner):
         super().__init__(*args, **kwargs)
         self.attention = cpu_attention_backend()  # compiled kernels when they build
         self.adaptive_threads: AdaptiveThreads | None = None
+        self.fixed_threads: int | None = None  # set by set_threads, read from any thread
 
     def _advise_kv_cache(self, cache: torch.Tensor) -> None:
         advise_huge_pages(cache)  # decode attention reads blocks scattered across it
@@ -567,8 +568,8 @@ class CPUModelRunner(ModelRunner):
             self.adaptive_threads = AdaptiveThreads()
         else:
             self.adaptive_threads = None
+            self.fixed_threads = threads
             torch.set_num_threads(threads)
-        self._threads_set_here = torch.get_num_threads()
 
     @property
     def num_threads(self) -> int:
@@ -576,7 +577,7 @@ class CPUModelRunner(ModelRunner):
         thread's own, and steps may run on a thread of their own)."""
         if self.adaptive_threads is not None:
             return self.adaptive_threads.threads
-        return getattr(self, "_threads_set_here", None) or torch.get_num_threads()
+        return self.fixed_threads or torch.get_num_threads()
 
     def close(self) -> None:
         """``ModelRunner.close``, and torch's thread count back to what it was before the
