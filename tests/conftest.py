@@ -14,17 +14,29 @@ from PIL import Image
 # transformers), so the switch must be set before any test module is collected.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-else:
-    # Every engine on the GPU (in this process and the servers it starts) takes a small share
-    # of it by default, not nine tenths: the test checkpoints are tiny, and the suite runs
-    # several engines at once (a module's engine beside a server under test). Parallel workers
-    # (pytest-xdist's -n) split the GPU between them: at most three engines each, 60% in all.
-    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    os.environ.setdefault("MMSERVE_GPU_MEMORY_UTILIZATION",
-                          f"{min(0.1, 0.6 / (3 * _workers)):.3f}")
 
+from mmserve.engine.memory_plan import GPU_MEMORY_UTILIZATION_ENV  # noqa: E402
 from mmserve.kernels import cpu_ops  # noqa: E402
 from mmserve.testing import build_tiny_checkpoint  # noqa: E402
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On a GPU, every engine of a test process (and of the servers it starts) takes a small
+    share of the GPU by default, not nine tenths: the test checkpoints are tiny, and the suite
+    runs several engines at once (a module's engine beside a server under test). Parallel
+    workers (pytest-xdist's -n) split the GPU between them: at most three engines each, 60% in
+    all. ``MMSERVE_GPU_MEMORY_UTILIZATION`` set by hand wins.
+
+    Set here, in the processes that run tests, and not at import: xdist's controller imports
+    this module too, runs no test, and its environment is what the workers start from (a
+    share it computed for one process would reach each of them)."""
+    if not torch.cuda.is_available() or GPU_MEMORY_UTILIZATION_ENV in os.environ:
+        return
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # xdist's controller
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ[GPU_MEMORY_UTILIZATION_ENV] = f"{min(0.1, 0.6 / (3 * workers)):.3f}"
+
 
 # The checkpoints the parity tests cover: name -> (family, the family builder's options).
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -79,3 +91,20 @@ def assert_no_leaks(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
     assert stats["encoder_cache_referenced_entries"] == 0, stats
+
+
+def generate_all_at_once(llm, prompts: list, params) -> list:
+    """``llm.generate(prompts, params)`` with every prompt queued before the first step, as
+    when requests reach a server together; outputs in input order.
+
+    ``generate`` lets a GPU engine start on the first prompts while threads preprocess the
+    rest, so how many run at once there depends on timing; a test about contention
+    (preemption) needs them all waiting from the start."""
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished_requests():
+            break
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+    return [done[rid] for rid in ids]

@@ -16,7 +16,9 @@ import textwrap
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -478,3 +480,22 @@ def test_a_side_over_the_limit_is_refused_from_the_header() -> None:
         load_image(_png_header(MAX_IMAGE_SIDE + 1, 1_000), 50_000_000)
     assert load_image(Image.new("L", (MAX_IMAGE_SIDE, 200)), 50_000_000).size == (
         MAX_IMAGE_SIDE, 200)
+
+
+def test_one_lazily_opened_image_loads_from_many_threads_at_once(tmp_path: Path) -> None:
+    """The same PIL image passed in several prompts, opened but not yet decoded (what
+    ``Image.open`` gives), is preprocessed by several threads at once beside a GPU engine:
+    Pillow's lazy load is not safe from two threads, so each must get the whole image."""
+    path = tmp_path / "lazy.png"
+    make_image(3, (256, 256)).save(path)
+    expected = Image.open(path).convert("RGB").tobytes()
+    def load(image: Image.Image, start: threading.Barrier) -> bytes:
+        start.wait()
+        return load_image(image, 10**7).tobytes()
+
+    for _ in range(20):
+        image = Image.open(path)  # header read, pixels not yet
+        start = threading.Barrier(8)
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(load, [image] * 8, [start] * 8))
+        assert all(r == expected for r in results)

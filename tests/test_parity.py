@@ -16,7 +16,7 @@ from transformers import AutoProcessor
 from mmserve import LLM, SamplingParams
 from mmserve.kernels import cpu_ops
 from mmserve.testing.oracle import hf_greedy_generate
-from tests.conftest import ARCHS, assert_no_leaks, make_image
+from tests.conftest import ARCHS, assert_no_leaks, generate_all_at_once, make_image
 
 MAX_TOKENS = 12
 IMAGES = [make_image(i, size) for i, size in enumerate(
@@ -113,7 +113,10 @@ def test_parity_under_preemption(checkpoints: dict[str, str], arch: str) -> None
     llm = LLM(path, dtype="float32", block_size=16, max_model_len=128, max_num_seqs=8,
               kv_cache_memory=8 * 16 * _kv_bytes_per_token(path), enable_prefix_caching=False)
     assert llm.engine.plan.num_blocks == 8
-    assert run(llm, prompts) == reference(path, prompts)
+    outs = generate_all_at_once(llm, prompts, SamplingParams(max_tokens=MAX_TOKENS,
+                                                             temperature=0.0))
+    assert_no_leaks(llm.engine)
+    assert [o.token_ids for o in outs] == reference(path, prompts)
     assert llm.stats()["num_preemptions"] > 0
 
 

@@ -14,7 +14,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.processing.hf_processors import load_qwen2_vl_processor
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.testing.oracle import hf_greedy_generate
-from tests.conftest import assert_no_leaks, make_image
+from tests.conftest import assert_no_leaks, generate_all_at_once, make_image
 
 MAX_TOKENS = 10
 # Tiny and upscaled, square, thin, wide, tall, and larger than max_pixels allows.
@@ -119,7 +119,10 @@ def test_parity_under_preemption(qwen: dict[str, str], name: str) -> None:
     prompts = mixed_batch()
     llm = LLM(path, dtype="float32", block_size=16, max_model_len=256, max_num_seqs=8,
               kv_cache_memory=16 * 16 * _kv_bytes_per_token(path), enable_prefix_caching=False)
-    assert run(llm, prompts) == reference(path, prompts)
+    outs = generate_all_at_once(llm, prompts, SamplingParams(max_tokens=MAX_TOKENS,
+                                                             temperature=0.0))
+    assert_no_leaks(llm.engine)
+    assert [o.token_ids for o in outs] == reference(path, prompts)
     assert llm.stats()["num_preemptions"] > 0
 
 

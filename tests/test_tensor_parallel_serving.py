@@ -32,7 +32,7 @@ from tests.test_bench import WORKLOAD_FLAGS, _check_throughput, bench
 from tests.test_plan_cli import MEMORY, plan_json, small_machine  # noqa: F401 (a fixture)
 from tests.test_server import IMAGES, Server, data_url, image_message, wait_drained
 
-TP = ("--tensor-parallel-size", "2")
+TP = ("--tensor-parallel-size", "2", "--device", "cpu")  # ranks on the CPU: one GPU is not two
 
 
 # ----------------------------------------------------------------- processes, from /proc
@@ -121,7 +121,7 @@ def test_chat_with_images_equals_one_process(tp_server: Server, clip_llama: str)
     client = openai.OpenAI(base_url=f"{tp_server.url}/v1", api_key="unused", max_retries=0)
     prompts = [("what is in this picture?", [IMAGES[0]]),
                ("compare these two", [IMAGES[1], IMAGES[2]])]
-    with LLM(clip_llama, dtype="float32") as llm:
+    with LLM(clip_llama, dtype="float32", device="cpu") as llm:
         tokenizer = llm.engine.processor.tokenizer
         expected = [llm.generate(
             {"messages": [{"role": "user", "content": [{"type": "image"}] * len(images)
@@ -251,7 +251,7 @@ def test_serve_refuses_a_model_that_does_not_split(clip_llama: str) -> None:
     and status 2 before any worker starts, not a traceback."""
     proc = subprocess.run(
         [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", clip_llama, "--dtype",
-         "float32", "--port", "1", "--tensor-parallel-size", "3"],
+         "float32", "--device", "cpu", "--port", "1", "--tensor-parallel-size", "3"],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "tensor_parallel_size=3" in proc.stderr and "4 attention heads" in proc.stderr
@@ -326,7 +326,8 @@ def test_bench_sweep_over_tensor_parallel_size(clip_llama: str, tmp_path: Path, 
     same workload gives the same counts."""
     out = tmp_path / "sweep.json"
     assert bench(["sweep", "--model", clip_llama, *WORKLOAD_FLAGS, "--no-peak",
-                  "--param", "tensor_parallel_size=1,2", "--json", str(out)]) == 0
+                  "--param", "tensor_parallel_size=1,2", "--device", "cpu", "--json",
+                  str(out)]) == 0
     assert "tensor_parallel_size" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["param"] == "tensor_parallel_size" and data["values"] == [1, 2]

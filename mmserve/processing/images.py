@@ -49,6 +49,9 @@ most 336 x 67,200. Hardly any real picture is thinner; change this constant to a
 PIXELS_SETTING = "--max-image-pixels (max_image_pixels in the Python API)"
 
 _pillow_limit_lock = threading.Lock()
+# Pillow decodes an opened image on first use, and two threads doing so at once break it: one
+# image object passed in several prompts is loaded under a lock (one of a few, by the object).
+_image_load_locks = [threading.Lock() for _ in range(16)]
 
 
 def match_pillow_pixel_limit(max_pixels: int) -> None:
@@ -74,6 +77,8 @@ def load_image(image: ImageLike, max_pixels: int) -> Image.Image:
     header before any pixel is decoded."""
     if isinstance(image, Image.Image):
         _check_size(image.size, max_pixels, "the image")
+        with _image_load_locks[id(image) % len(_image_load_locks)]:
+            image.load()
         return image.convert("RGB")
     with _open(image, max_pixels) as (img, what):
         try:
