@@ -47,6 +47,43 @@ def test_entry_point_and_command_build_what_the_family_builder_builds(
     assert not _same(other, direct)
 
 
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_weights_drawn_on_a_device_are_the_cpu_builds(tmp_path: Path, family: str) -> None:
+    """``device=``: the model is built on the meta device and every weight drawn on the
+    device (how the large bench checkpoints are made on a GPU). On the CPU that gives the same
+    checkpoint as transformers' own construction: no weight is left as allocated."""
+    classic = build_tiny_checkpoint(family, tmp_path / "classic", seed=5)
+    assert _same(build_tiny_checkpoint(family, tmp_path / "meta", seed=5, device="cpu"),
+                 classic)
+
+
+def test_published_layout_renames_sharded_weights(tmp_path: Path) -> None:
+    """Weights saved in shards (what transformers writes for billions of parameters): each
+    shard and the index take the published names."""
+    from safetensors.torch import save_file
+
+    from mmserve.testing.llava import _to_published_layout, published_weight_name
+
+    names = {
+        "model-00001-of-00002.safetensors": ["model.vision_tower.vision_model.pre_layrnorm.weight",
+                                             "model.multi_modal_projector.linear_1.weight"],
+        "model-00002-of-00002.safetensors": ["model.language_model.norm.weight", "lm_head.weight"],
+    }
+    for shard, keys in names.items():
+        save_file({k: torch.full((2,), float(i)) for i, k in enumerate(keys)}, tmp_path / shard)
+    index = {"metadata": {}, "weight_map": {k: shard for shard, keys in names.items()
+                                            for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    _to_published_layout(tmp_path)
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    for shard, keys in names.items():
+        published = [published_weight_name(k) for k in keys]
+        assert sorted(load_file(tmp_path / shard)) == sorted(published)
+        assert all(weight_map[k] == shard for k in published)
+    assert "vision_tower.vision_model.pre_layrnorm.weight" in weight_map
+    assert "multi_modal_projector.linear_1.weight" in weight_map
+
+
 def test_unknown_family_and_option_are_errors(tmp_path: Path) -> None:
     assert "llava" in FAMILIES
     with pytest.raises(ValueError, match="unknown checkpoint family 'nope'; families: llava, "

@@ -26,7 +26,15 @@ in the vision tower and merger; 421 MB in bfloat16):
 | decoder | Qwen2: 12 layers, hidden 768, MLP 2048 (SiLU), 12 query heads, 2 KV heads, head 64 |
 | positions | M-RoPE, sections 8 / 12 / 12 (temporal, height, width), theta 1e6 |
 
-Both: a 32000-piece byte-level BPE vocabulary in which every id decodes to text, and 4096
+Two at real sizes, for GPUs (their weights are drawn there when there is one), in the
+``llava`` checkpoint's layout and vocabulary:
+
+| name | vision tower | decoder | parameters |
+| --- | --- | --- | --- |
+| ``llava-1.4b`` | CLIP ViT-L/14 at 336 px (24 layers, hidden 1024; 576 tokens an image) | Llama, TinyLlama's shapes: 22 layers, hidden 2048, MLP 5632, 32 query heads, 4 KV heads | 1.4B |
+| ``llava-7b`` | the same | Llama, LLaVA-1.5-7B's: 32 layers, hidden 4096, MLP 11008, 32 heads, 32 KV heads | 7.1B |
+
+All: a 32000-piece byte-level BPE vocabulary in which every id decodes to text, and 4096
 positions. The weights are drawn by the family's tiny-checkpoint builder (`build_tiny_llava`,
 `build_tiny_qwen2_vl`), so the scheme that makes greedy outputs varied is the same. Those
 builders would pad a vocabulary this large with special tokens that decode to nothing; here the
@@ -78,7 +86,16 @@ class BenchCheckpoint:
     sample_prompt: str  # one rendered chat, in the tokenizer's training corpus
     # The family builder's other keywords (e.g. the weights' layout), recorded in the marker.
     options: dict[str, Any] = field(default_factory=dict)
+    # Weights drawn on the GPU when there is one (``random_model``): billions of parameters
+    # take seconds there, many minutes on a CPU.
+    draw_on_gpu: bool = False
 
+
+_LLAVA_SAMPLE_PROMPT = ("SYSTEM: You are a helpful assistant.\nUSER: What is in this picture?\n"
+                        "ASSISTANT:")
+# CLIP ViT-L/14 at 336 px, LLaVA-1.5's vision tower (MLP 4 x 1024): 576 tokens an image.
+_CLIP_L_336 = {"image_size": 336, "patch_size": 14, "vision_hidden": 1024, "vision_layers": 24,
+               "vision_heads": 16}
 
 BENCH_CHECKPOINTS: dict[str, BenchCheckpoint] = {
     "llava": BenchCheckpoint(
@@ -99,10 +116,33 @@ BENCH_CHECKPOINTS: dict[str, BenchCheckpoint] = {
         },
         special_tokens=LLAVA_SPECIAL_TOKENS,
         chat_template=llava_fixture.CHAT_TEMPLATE,
-        sample_prompt="SYSTEM: You are a helpful assistant.\nUSER: What is in this picture?\n"
-                      "ASSISTANT:",
+        sample_prompt=_LLAVA_SAMPLE_PROMPT,
         # The Hub's weight names, which vLLM's LLaVA loader requires.
         options={"layout": "published"},
+    ),
+    # LLaVA-1.5's vision tower and projector before a TinyLlama-sized decoder: 1.4B parameters.
+    "llava-1.4b": BenchCheckpoint(
+        family="llava",
+        shapes={**_CLIP_L_336, "text_hidden": 2048, "text_layers": 22, "text_heads": 32,
+                "text_kv_heads": 4, "intermediate_size": 5632, "vocab_size": 32000,
+                "max_position_embeddings": 4096},
+        special_tokens=LLAVA_SPECIAL_TOKENS,
+        chat_template=llava_fixture.CHAT_TEMPLATE,
+        sample_prompt=_LLAVA_SAMPLE_PROMPT,
+        options={"layout": "published"},
+        draw_on_gpu=True,
+    ),
+    # LLaVA-1.5-7B's shapes: 7.1B parameters.
+    "llava-7b": BenchCheckpoint(
+        family="llava",
+        shapes={**_CLIP_L_336, "text_hidden": 4096, "text_layers": 32, "text_heads": 32,
+                "text_kv_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
+                "max_position_embeddings": 4096},
+        special_tokens=LLAVA_SPECIAL_TOKENS,
+        chat_template=llava_fixture.CHAT_TEMPLATE,
+        sample_prompt=_LLAVA_SAMPLE_PROMPT,
+        options={"layout": "published"},
+        draw_on_gpu=True,
     ),
     "qwen2_5_vl": BenchCheckpoint(
         family="qwen2_5_vl",
@@ -186,12 +226,19 @@ def default_bench_dir(name: str = DEFAULT_BENCH_CHECKPOINT) -> Path:
     return Path(cache) / "mmserve" / f"bench-{name}"
 
 
+def weights_device(checkpoint: BenchCheckpoint) -> str | None:
+    """Where the checkpoint's weights are drawn: a GPU if it asks for one and there is one,
+    else None (the CPU, as transformers builds the model)."""
+    return "cuda" if checkpoint.draw_on_gpu and torch.cuda.is_available() else None
+
+
 def build_bench_checkpoint(path: str | Path, name: str = DEFAULT_BENCH_CHECKPOINT,
-                           seed: int = 0, **shapes: Any) -> Path:
+                           seed: int = 0, device: str | None = None, **shapes: Any) -> Path:
     """Write the bench checkpoint ``name`` to ``path`` (bfloat16 weights) and return the path.
 
-    ``shapes`` replace some of its shapes (tests build it scaled down). The files are written
-    into a sibling directory first, which then replaces ``path`` (and whatever was there).
+    ``shapes`` replace some of its shapes (tests build it scaled down); ``device`` is where
+    the weights are drawn (default: ``weights_device``). The files are written into a sibling
+    directory first, which then replaces ``path`` (and whatever was there).
     """
     from mmserve.testing.oracle import load_hf_processor
 
@@ -207,7 +254,8 @@ def build_bench_checkpoint(path: str | Path, name: str = DEFAULT_BENCH_CHECKPOIN
         # the processor is then saved again with the full-text tokenizer (same special-token
         # ids).
         build_tiny_checkpoint(checkpoint.family, staging, **shapes, **checkpoint.options,
-                              dtype=torch.bfloat16, seed=seed)
+                              dtype=torch.bfloat16, seed=seed,
+                              device=device or weights_device(checkpoint))
         processor = load_hf_processor(staging)
         processor.tokenizer = build_bench_tokenizer(checkpoint, shapes["vocab_size"],
                                                     shapes["max_position_embeddings"], seed)
@@ -254,7 +302,9 @@ def ensure_bench_checkpoint(path: str | Path | None = None,
     """The bench checkpoint ``name`` at ``path`` (default: `default_bench_dir`), built first
     unless a complete one with these shapes is there.
 
-    Building takes about a minute on two cores; keep the directory between runs.
+    Building ``llava`` or ``qwen2_5_vl`` takes about a minute on two cores; keep the directory
+    between runs. The larger ones draw their weights on a GPU when there is one (drawing takes
+    seconds there; writing ``llava-7b``'s 14 GB takes longer); on a CPU they take many minutes.
     """
     out = Path(path) if path is not None else default_bench_dir(name)
     marker = out / _MARKER

@@ -33,7 +33,8 @@ _PROJECTOR_GAIN = 2.0
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int, never_generate: list[int], projector: str) -> None:
+def init_weights(model: nn.Module, seed: int, never_generate: list[int], projector: str,
+                 device: torch.device | str | None = None) -> None:
     """Deterministically re-initialise every parameter of ``model`` in float32.
 
     Embeddings get unit variance, linear/conv weights ``N(0, 1/fan_in)`` (scaled by
@@ -44,10 +45,11 @@ def init_weights(model: nn.Module, seed: int, never_generate: list[int], project
     order. Finally the ``lm_head`` rows of ``never_generate`` are zeroed so that greedy decoding
     never picks them.
     """
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device or "cpu").manual_seed(seed)
 
     def normal(shape: torch.Size, std: float, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, dtype=torch.float32) * std + mean
+        return torch.randn(shape, generator=generator, dtype=torch.float32,
+                           device=device) * std + mean
 
     for module_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
@@ -80,11 +82,23 @@ def random_model(
     seed: int,
     never_generate: list[int],
     projector: str,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """``model_class(config)`` with the seeded weights of `init_weights`, in float32.
 
     The global torch generator is left as it was: construction draws from it, under a fork.
+    With a ``device`` (a GPU, for checkpoints of billions of parameters: seconds instead of
+    many minutes), the model is built on the meta device and its parameters are drawn on
+    ``device`` by that device's generator: the same numbers as without on the CPU, others on a
+    GPU. Such a model is only fit for saving: the buffers computed at construction (rotary
+    frequencies) are not set.
     """
+    if device is not None:
+        with torch.device("meta"):
+            model = model_class(config)
+        model.to_empty(device=device)
+        init_weights(model, seed, never_generate, projector, device)
+        return model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)

@@ -17,6 +17,7 @@ which transformers 5 and mmserve load as well, and which vLLM's LLaVA loader req
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 from typing import Any
@@ -206,15 +207,23 @@ def published_weight_name(name: str) -> str:
 
 
 def _to_published_layout(out: pathlib.Path) -> None:
-    """Rename the weights transformers saved at ``out`` to the published layout."""
+    """Rename the weights transformers saved at ``out`` (one file, or shards and their
+    index) to the published layout."""
     from safetensors.torch import load_file, save_file
 
-    weights_file = out / "model.safetensors"
-    weights = load_file(weights_file)
-    renamed = {published_weight_name(name): t for name, t in weights.items()}
-    if len(renamed) != len(weights):
-        raise RuntimeError("two weights map onto one published name")
-    save_file(renamed, weights_file, metadata={"format": "pt"})
+    for weights_file in sorted(out.glob("model*.safetensors")):
+        weights = load_file(weights_file)
+        renamed = {published_weight_name(name): t for name, t in weights.items()}
+        if len(renamed) != len(weights):
+            raise RuntimeError("two weights map onto one published name")
+        del weights
+        save_file(renamed, weights_file, metadata={"format": "pt"})
+    index_file = out / "model.safetensors.index.json"
+    if index_file.exists():
+        index = json.loads(index_file.read_text())
+        index["weight_map"] = {published_weight_name(name): shard
+                               for name, shard in index["weight_map"].items()}
+        index_file.write_text(json.dumps(index, indent=2))
 
 
 def build_tiny_llava(
@@ -238,6 +247,7 @@ def build_tiny_llava(
     vision_feature_select_strategy: str | None = None,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    device: torch.device | str | None = None,
     layout: str = "transformers",
 ) -> pathlib.Path:
     """Write a tiny random ``LlavaForConditionalGeneration`` checkpoint to ``path``.
@@ -264,6 +274,8 @@ def build_tiny_llava(
             defaults to ``"default"`` for CLIP and ``"full"`` for SigLIP.
         dtype: Dtype of the saved weights (they are drawn in float32 and then cast).
         seed: Seed of the weight initialisation.
+        device: Where the weights are drawn (``random_model``); None: the CPU, built as
+            transformers builds the model.
         layout: ``"transformers"`` (the weight names transformers' ``save_pretrained`` writes)
             or ``"published"`` (the Hub's names, ``vision_tower.vision_model.*``; vLLM loads
             only these); the same seed gives the same weights in both.
@@ -340,6 +352,7 @@ def build_tiny_llava(
         seed=seed,
         never_generate=[unk_id, bos_id, pad_id, image_token_id],
         projector="multi_modal_projector",
+        device=device,
     )
     processor = LlavaProcessor(
         image_processor=build_image_processor(vision, image_size),

@@ -242,6 +242,7 @@ def build_tiny_qwen2_vl(
     tie_word_embeddings: bool = False,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> pathlib.Path:
     """Write a tiny random Qwen2-VL or Qwen2.5-VL checkpoint to ``path``.
 
@@ -281,6 +282,8 @@ def build_tiny_qwen2_vl(
         tie_word_embeddings: Share the embedding with the output layer (no ``lm_head`` saved).
         dtype: Dtype of the saved weights (they are drawn in float32 and then cast).
         seed: Seed of the weight initialisation.
+        device: Where the weights are drawn (``random_model``); None: the CPU, built as
+            transformers builds the model.
 
     Returns:
         The checkpoint directory as a `pathlib.Path`.
@@ -359,7 +362,8 @@ def build_tiny_qwen2_vl(
 
     never_generate = [i for token, i in ids.items() if token not in (IM_END, ENDOFTEXT)]
     model = random_model(getattr(transformers, model_name), config, seed=seed,
-                         never_generate=never_generate, projector="merger")
+                         never_generate=never_generate, projector="merger",
+                         device=device)
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=min_pixels,
         max_pixels=max_pixels,
