@@ -17,11 +17,19 @@ Texts are compared for the requests both completed: in bfloat16, two correct imp
 can drift apart after some tokens (different reduction orders round differently and greedy
 argmax amplifies a tie), so the agreement is reported as exact matches and common-prefix
 lengths. ``--fp32-check M`` re-runs the first M mixed requests in float32 on both sides,
-where the outputs must be identical token for token.
+where the outputs must be identical token for token; with ``--dtype bfloat16`` it also runs
+them in bfloat16 on both sides and reports how many tokens of each agree with
+transformers-float32 (transformers' own bfloat16 is the yardstick for mmserve's).
+
+``--device cuda`` (the default where a GPU is visible) runs both on the GPU: transformers in its
+process, mmserve's engine beside it with ``--gpu-memory-utilization`` of the GPU (default 0.5).
+mmserve's report then gives the GPU's busy share of its runs from CUDA events.
 
     python benchmarks/compare_transformers.py            # builds the bench checkpoint if needed
     python benchmarks/compare_transformers.py --bench-checkpoint qwen2_5_vl \
         --image-sizes mixed --max-model-len 2048
+    python benchmarks/compare_transformers.py --device cuda --bench-checkpoint llava-1.4b \
+        --num-prompts 256 --image-sizes mixed --fp32-check 32 --fp32-max-tokens 48
 """
 
 from __future__ import annotations
@@ -88,15 +96,16 @@ class HFRunner:
     """transformers' own model class of the checkpoint (``architectures`` in its config, e.g.
     ``LlavaForConditionalGeneration``) with batched, left-padded greedy generate."""
 
-    def __init__(self, model_dir: str, dtype: torch.dtype) -> None:
+    def __init__(self, model_dir: str, dtype: torch.dtype, device: str = "cpu") -> None:
         import transformers
 
         from mmserve.testing.oracle import load_hf_processor
 
         config = transformers.AutoConfig.from_pretrained(model_dir)
         model_class = getattr(transformers, config.architectures[0])
-        self.model = model_class.from_pretrained(model_dir, dtype=dtype)
+        self.model = model_class.from_pretrained(model_dir, dtype=dtype).to(device)
         self.model.eval()
+        self.device = device
         # AutoProcessor, or for Qwen2-VL the same processor less its video processor (which
         # needs torchvision).
         self.processor = load_hf_processor(model_dir)
@@ -112,7 +121,7 @@ class HFRunner:
                  for r in reqs]
         images = [im for r in reqs for im in r.images]
         inputs = self.processor(text=texts, images=images or None, padding=True,
-                                return_tensors="pt")
+                                return_tensors="pt").to(self.device)
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(self.model.dtype)
         tok = self.processor.tokenizer
@@ -154,7 +163,7 @@ class HFRunner:
 _hf: HFRunner | None = None
 
 
-def hf_start(model_dir: str, dtype: str, threads: int | None, keep_heap: bool,
+def hf_start(model_dir: str, dtype: str, device: str, threads: int | None, keep_heap: bool,
              image_sizes: Sizes) -> None:
     global _hf
     if threads:
@@ -164,7 +173,7 @@ def hf_start(model_dir: str, dtype: str, threads: int | None, keep_heap: bool,
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    _hf = HFRunner(model_dir, _DTYPES[dtype])
+    _hf = HFRunner(model_dir, _DTYPES[dtype], device)
     warm = warm_up_workload(image_sizes, _hf.processor.tokenizer)
     _hf.generate(warm, list(range(len(warm.requests))))
 
@@ -184,6 +193,14 @@ def mmserve_engine(model_dir: str, dtype: str, max_model_len: int,
                    **settings: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_model_len=max_model_len,
                                   **settings))
+
+
+def release(device: str) -> None:
+    """Memory of models and engines dropped back to the allocator, and on a GPU to the
+    driver (the next one's free-memory check counts only what is free there)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 # mmserve's encoder-cache configurations, each compared in the same turns: the defaults (a
@@ -250,21 +267,34 @@ def agreement(a: list[list[int]], b: list[list[int]], tokenizer) -> dict[str, An
             "tokens_agreeing": sum(prefixes) / sum(lengths)}
 
 
-def fp32_check(model_dir: str, workload: Workload, count: int, max_len: int,
-               max_model_len: int) -> dict[str, Any]:
-    """The first ``count`` requests, outputs cut to ``max_len`` tokens, in float32 on both
-    sides; transformers runs each request alone (no padding) as the oracle."""
+def precision_check(model_dir: str, workload: Workload, count: int, max_len: int,
+                    max_model_len: int, device: str, dtype: str) -> dict[str, Any]:
+    """The first ``count`` requests, outputs cut to ``max_len`` tokens, each side's outputs
+    against transformers in float32 one request at a time (no padding), the oracle:
+    ``"float32"``, mmserve in float32 (which must equal it); with ``dtype`` bfloat16 also
+    ``"hf_bfloat16"`` and ``"mmserve_bfloat16"``, both sides in bfloat16."""
     reqs = [dataclasses.replace(r, output_len=min(r.output_len, max_len))
             for r in workload.requests[:count]]
     sub = dataclasses.replace(workload, requests=reqs)
-    hf = HFRunner(model_dir, torch.float32)
-    expected = [hf.generate(sub, [i])[0] for i in range(len(reqs))]
-    tokenizer = hf.processor.tokenizer
-    del hf
-    gc.collect()
-    engine = mmserve_engine(model_dir, "float32", max_model_len=max_model_len)
-    got = [o.token_ids for o in run_throughput(engine, sub, use_tqdm=False).outputs]
-    return agreement(expected, got, tokenizer)
+    dtypes = ["float32"] + ([dtype] if dtype != "float32" else [])
+    hf_out: dict[str, list[list[int]]] = {}
+    for name in dtypes:
+        hf = HFRunner(model_dir, _DTYPES[name], device)
+        hf_out[name] = [hf.generate(sub, [i])[0] for i in range(len(reqs))]
+        tokenizer = hf.processor.tokenizer
+        del hf
+        release(device)
+    found = {}
+    for name in dtypes:
+        engine = mmserve_engine(model_dir, name, max_model_len=max_model_len, device=device)
+        got = [o.token_ids for o in run_throughput(engine, sub, use_tqdm=False).outputs]
+        engine.close()
+        release(device)
+        found["float32" if name == "float32" else f"mmserve_{name}"] = agreement(
+            hf_out["float32"], got, tokenizer)
+        if name != "float32":
+            found[f"hf_{name}"] = agreement(hf_out["float32"], hf_out[name], tokenizer)
+    return found
 
 
 # ----------------------------------------------------------------- main
@@ -277,7 +307,8 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return (f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{cpu}, {torch.get_num_threads()} torch threads{gpu}, torch {torch.__version__}, "
             f"Python {platform.python_version()}")
 
 
@@ -296,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-prefix-len", type=int, default=64,
                    help="tokens of the mixed workload's shared system prompt")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where both run (default: cuda when a GPU is visible)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="on a GPU, mmserve's share of it (transformers runs beside it)")
     p.add_argument("--hf-batch-sizes", default="16,32,64",
                    help="batch sizes to try for transformers (one batch each, first workload)")
     p.add_argument("--hf-batch-size", type=int, help="use this batch size, no search")
@@ -332,12 +367,18 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
 
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_gpu = ({"gpu_memory_utilization": args.gpu_memory_utilization} if device == "cuda"
+              else {})
     if args.model and args.bench_checkpoint:
         p.error("give --model or --bench-checkpoint, not both")
     model_dir = args.model or str(ensure_bench_checkpoint(
         name=args.bench_checkpoint or DEFAULT_BENCH_CHECKPOINT))
     print(f"machine: {machine()}")
-    print(f"model: {model_dir}, dtype {args.dtype}, images {format_sizes(args.image_sizes)}")
+    print(f"model: {model_dir}, dtype {args.dtype}, device {device}, "
+          f"images {format_sizes(args.image_sizes)}")
     configs = workload_configs(args.num_prompts, args.image_sizes, args.shared_prefix_len,
                                args.seed)
     from transformers import AutoTokenizer
@@ -352,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     # --hf-keep-heap asks for it. The two sides take turns, each run right after the other,
     # so that a change in the machine's speed moves both figures of one ratio alike.
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    pool.submit(hf_start, model_dir, args.dtype, args.threads, args.hf_keep_heap,
+    pool.submit(hf_start, model_dir, args.dtype, device, args.threads, args.hf_keep_heap,
                 args.image_sizes).result()
     configs_run = args.mmserve_configs.split(",")
     for c in configs_run:
@@ -361,12 +402,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_mmserve(config: str, workload: Workload, hand_sized: int):
         """A fresh, warmed-up engine of ``config`` runs ``workload`` once."""
-        engine = mmserve_engine(model_dir, args.dtype, args.max_model_len,
-                                **cache_settings(config, hand_sized))
+        engine = mmserve_engine(model_dir, args.dtype, args.max_model_len, device=device,
+                                **on_gpu, **cache_settings(config, hand_sized))
         warm_up_mmserve(engine, args.image_sizes)
         run = run_throughput(engine, workload, use_tqdm=False)
-        del engine
-        gc.collect()
+        engine.close()
+        release(device)
         return run
 
     rows, details, cache_rows = [], [], []
@@ -445,15 +486,26 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['encoder_share_of_step_time']:.1%} of step time")
         print(f"{name}: mmserve time shares: " + ", ".join(
             f"{k} {v:.1%}" for k, v in share.items()))
+        print(f"{name}: mmserve's device busy {r['device_busy_share']:.1%} of the run "
+              f"({r['device_busy_s']:.2f} of {r['elapsed_s']:.2f} s, from "
+              f"{r['device_busy_from']}: the spans of its encoder, forward and sampling)")
         print(f"{name}: mmserve sched+prep share at ~{r['full_batch_mean_running']:.0f} running: "
               f"{r['full_batch_sched_prep_share']:.1%} of {r['full_batch_mean_step_ms']:.0f} ms "
               f"per step")
     if args.fp32_check:
-        check = fp32_check(model_dir, build_workload(configs["mixed"], tokenizer),
-                           args.fp32_check, args.fp32_max_tokens, args.max_model_len)
+        found = precision_check(model_dir, build_workload(configs["mixed"], tokenizer),
+                                args.fp32_check, args.fp32_max_tokens, args.max_model_len,
+                                device, args.dtype)
+        check = found["float32"]
         print(f"\nfloat32 check ({check['requests']} mixed requests, up to "
               f"{args.fp32_max_tokens} tokens, transformers one request at a time): "
               f"{check['token_exact']}/{check['requests']} identical token for token")
+        if args.dtype != "float32":
+            hf, mm = found[f"hf_{args.dtype}"], found[f"mmserve_{args.dtype}"]
+            print(f"{args.dtype} against transformers-float32 (same requests): tokens agreeing "
+                  f"(common prefix) transformers-{args.dtype} {hf['tokens_agreeing']:.1%}, "
+                  f"mmserve-{args.dtype} {mm['tokens_agreeing']:.1%}; identical requests "
+                  f"{hf['token_exact']} and {mm['token_exact']} of {hf['requests']}")
         if check["token_exact"] != check["requests"]:
             return 1
     return 0

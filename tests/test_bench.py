@@ -7,6 +7,7 @@ import asyncio
 import copy
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from mmserve.bench.serve import run_load, serve_results
 from mmserve.bench.stats import summarize
 from mmserve.bench.sweep import parse_param, run_sweep
 from mmserve.bench.workload import WorkloadConfig, build_workload
+from mmserve.worker.busy_timer import BusyTimer
 from tests.test_bench_plots import assert_plot
 
 # Tiny checkpoint: 32 px images, patch 8 -> 16 image tokens.
@@ -184,11 +186,36 @@ def test_bench_throughput_end_to_end(clip_llama: str, tmp_path, capsys) -> None:
     assert sum(s["prepare_s"] for s in steps) == pytest.approx(r["time_s"]["prepare"])
     assert sum(s["schedule_s"] for s in steps) == pytest.approx(r["time_s"]["scheduling"])
     assert r["time_s"]["forward"] > 0 and r["time_s"]["encoder"] > 0
+    # The device's busy time: spans of the runner's encoder, forward and sampling; on the CPU
+    # the wall time they took, which lies inside the runner's timings of those parts.
+    assert 0 < r["device_busy_s"] <= r["elapsed_s"]
+    assert r["device_busy_share"] == pytest.approx(r["device_busy_s"] / r["elapsed_s"])
+    if torch.cuda.is_available():
+        assert r["device_busy_from"] == "CUDA events"
+    else:
+        assert r["device_busy_from"] == "the runner's wall time"
+        parts = sum(r["time_s"][k] for k in ("encoder", "forward", "sample"))
+        assert 0.5 * parts < r["device_busy_s"] <= parts
     assert r["matmul_peak_flops_per_s"] > 0
     assert 0.0 < r["share_of_matmul_peak"] < 1.0
     assert r["achieved_flops_per_s"] == pytest.approx(
         sum(r["model_flops"].values()) / r["elapsed_s"])
     assert_plot(plot)
+
+
+def test_busy_timer_sums_its_spans_and_counts_one_that_raises() -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    timer = BusyTimer(device)
+    x = torch.ones(256, 256, device=device)
+    start = time.perf_counter()
+    with timer.span():
+        for _ in range(20):
+            x = (x @ x).clamp_(-1, 1)
+    with pytest.raises(RuntimeError), timer.span():
+        raise RuntimeError("a step that fails")
+    busy = timer.total_s()
+    assert timer.num_spans == 2
+    assert 0 < busy <= time.perf_counter() - start
 
 
 def test_bench_sweep_encoder_cache_size(clip_llama: str, tmp_path, capsys) -> None:

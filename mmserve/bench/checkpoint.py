@@ -29,10 +29,11 @@ in the vision tower and merger; 421 MB in bfloat16):
 Two at real sizes, for GPUs (their weights are drawn there when there is one), in the
 ``llava`` checkpoint's layout and vocabulary:
 
-| name | vision tower | decoder | parameters |
-| --- | --- | --- | --- |
-| ``llava-1.4b`` | CLIP ViT-L/14 at 336 px (24 layers, hidden 1024; 576 tokens an image) | Llama, TinyLlama's shapes: 22 layers, hidden 2048, MLP 5632, 32 query heads, 4 KV heads | 1.4B |
-| ``llava-7b`` | the same | Llama, LLaVA-1.5-7B's: 32 layers, hidden 4096, MLP 11008, 32 heads, 32 KV heads | 7.1B |
+- ``llava-1.4b`` (1.41B parameters): CLIP ViT-L/14 at 336 px (24 layers, hidden 1024; 576
+  tokens an image) and a Llama decoder of TinyLlama's shapes (22 layers, hidden 2048, MLP 5632,
+  32 query heads, 4 KV heads);
+- ``llava-7b`` (7.06B): the same vision tower and LLaVA-1.5-7B's decoder (32 layers, hidden
+  4096, MLP 11008, 32 heads, 32 KV heads).
 
 All: a 32000-piece byte-level BPE vocabulary in which every id decodes to text, and 4096
 positions. The weights are drawn by the family's tiny-checkpoint builder (`build_tiny_llava`,

@@ -77,6 +77,7 @@ def run_throughput(
     params = sampling_params_for(workload)
 
     faults0 = _minor_page_faults()
+    device_timer = engine.time_device()
     start = time.perf_counter()
     ids: list[str] = []
     image_tokens: list[int] = []  # placeholder tokens of every requested image, by the model
@@ -125,6 +126,8 @@ def run_throughput(
                 finish_s[out.request_id] = t1 - start
     bar.close()
     elapsed = time.perf_counter() - start
+    device_busy_s = None if device_timer is None else device_timer.total_s()
+    engine.time_device(on=False)
 
     ordered = [done[rid] for rid in ids]
     stats = engine.stats()
@@ -133,6 +136,10 @@ def run_throughput(
                        image_tokens)
     faults = _minor_page_faults()
     results["minor_page_faults"] = None if faults is None else faults - faults0
+    results["device_busy_s"] = device_busy_s
+    results["device_busy_share"] = None if device_busy_s is None else device_busy_s / elapsed
+    results["device_busy_from"] = (None if device_timer is None else "CUDA events"
+                                   if device_timer.cuda else "the runner's wall time")
     # Every request was queued at time 0, so these are latencies under a full backlog.
     results["ttft_s"] = summarize([first_token_s[rid] for rid in ids])
     results["e2e_latency_s"] = summarize([finish_s[rid] for rid in ids])
@@ -285,6 +292,7 @@ def throughput_table(r: dict[str, Any], title: str = "mmserve bench throughput")
                                 ("scheduling + update + detok", "scheduling"),
                                 ("other", "other"))),
             ("vision encoder share of step time", f"{r['encoder_share_of_step_time']:.1%}"),
+            (f"device busy ({r['device_busy_from'] or 'not measured'})", _device_busy(r)),
             ("minor page faults", "not measured" if r["minor_page_faults"] is None
              else f"{r['minor_page_faults']:,}"),
             (f"sched + prep share, {r['full_batch_steps']} steps at "
@@ -307,3 +315,10 @@ def throughput_table(r: dict[str, Any], title: str = "mmserve bench throughput")
 def _tokens_per_image(r: dict[str, Any]) -> str:
     t = r["tokens_per_image"]
     return "no images" if t is None else f"{t['min']:,} / {t['median']:,g} / {t['max']:,}"
+
+
+def _device_busy(r: dict[str, Any]) -> str:
+    """The device's busy time and share of the run: the spans of the runner's encoder,
+    forward and sampling (``worker/busy_timer.py``)."""
+    busy = r.get("device_busy_s")
+    return "" if busy is None else f"{busy:.2f} s  {r['device_busy_share']:6.1%}"

@@ -34,6 +34,7 @@ from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import PENDING_TOKEN, ModelOutput, SchedulerOutput, StepTimes, TokenLogprobs
 from mmserve.worker import memory_profiler
+from mmserve.worker.busy_timer import BusyTimer
 from mmserve.worker.compute_thread import ComputeThread
 from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import runner_class
@@ -666,6 +667,15 @@ class LLMEngine:
         except EngineDeadError as e:
             self._dead = str(e)
             raise
+
+    def time_device(self, on: bool = True) -> BusyTimer | None:
+        """Time the device's work in each step from now on (``busy_timer.py``): the timer,
+        whose ``total_s()`` sums it. ``on=False`` stops timing. None where the runner is in
+        worker processes (tensor parallelism)."""
+        if self.model is None:
+            return None
+        self.runner.busy_timer = BusyTimer(self.runner.device) if on else None
+        return self.runner.busy_timer
 
     # ----------------------------------------------------------------- lifetime
     @property

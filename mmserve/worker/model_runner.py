@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from mmserve.step import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from mmserve.worker.busy_timer import BusyTimer
 from mmserve.worker.cpu_allocator import (
     advise_huge_pages,
     keep_freed_memory,
@@ -75,6 +77,8 @@ class ModelRunner:
         self.last_sampled: dict[str, int] = {}
         self._image_owners: dict[str, int] = {}  # this step's images' encoding ranks
         self._failed: set[str] = set()  # the requests the last step failed for
+        # Set while someone measures how long the device computes (``busy_timer.py``).
+        self.busy_timer: BusyTimer | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -203,7 +207,8 @@ class ModelRunner:
         times = out.times
         requests = scheduler_output.requests
         t0 = time.perf_counter()
-        self._run_encoder(scheduler_output, encoder_pixels)
+        with self._busy():
+            self._run_encoder(scheduler_output, encoder_pixels)
         t1 = time.perf_counter()
         times.encoder += t1 - t0
         if not requests:
@@ -212,30 +217,18 @@ class ModelRunner:
         embeds = self._embed(input_ids, requests)
         t2 = time.perf_counter()
         times.prepare += t2 - t1
-        hidden = self._forward(positions, embeds, meta)
         sampled = [r for r in requests if r.sample]
-        logits = self.model.compute_logits(hidden[sample_rows]) if sampled else None
-        prompt_logprobs = self._prompt_logprobs(requests, hidden)
+        with self._busy():
+            hidden = self._forward(positions, embeds, meta)
+            logits = self.model.compute_logits(hidden[sample_rows]) if sampled else None
+            prompt_logprobs = self._prompt_logprobs(requests, hidden)
         t3 = time.perf_counter()
         times.forward += t3 - t2
         if logits is None:
             out.prompt_logprobs.update(prompt_logprobs)
             return
-        constrained = [i for i, r in enumerate(sampled) if r.token_bitmask is not None]
-        sample_from = logits if not constrained else apply_token_bitmasks(
-            logits, constrained, [sampled[i].token_bitmask for i in constrained])
-        tokens = sample_each(sample_from, [r.sampling_params for r in sampled],
-                             lambda i: self._generator(sampled[i]))
-        rows = [i for i, (r, token) in enumerate(zip(sampled, tokens, strict=True))
-                if r.sampling_params.logprobs is not None and not isinstance(token, Exception)]
-        logprobs = {}
-        if rows:
-            index = torch.tensor(rows, device=logits.device)
-            logprobs = dict(zip(
-                (sampled[i].request_id for i in rows),
-                token_logprobs(logits.index_select(0, index), [tokens[i] for i in rows],
-                               [sampled[i].sampling_params.logprobs for i in rows]),
-                strict=True))
+        with self._busy():
+            tokens, logprobs = self._sample(sampled, logits)
         times.sample += time.perf_counter() - t3
         for r, token in zip(sampled, tokens, strict=True):
             if isinstance(token, Exception):
@@ -246,6 +239,31 @@ class ModelRunner:
                 out.sampled[r.request_id] = token
         out.logprobs.update(logprobs)
         out.prompt_logprobs.update(prompt_logprobs)
+
+    def _sample(self, sampled: list[ScheduledRequest], logits: torch.Tensor
+                ) -> tuple[list[int | Exception], dict[str, TokenLogprobs]]:
+        """Each row's token (or the exception its sampling raised), under the row's grammar
+        bitmask if it has one, and the log-probabilities of the rows that ask for them."""
+        constrained = [i for i, r in enumerate(sampled) if r.token_bitmask is not None]
+        sample_from = logits if not constrained else apply_token_bitmasks(
+            logits, constrained, [sampled[i].token_bitmask for i in constrained])
+        tokens = sample_each(sample_from, [r.sampling_params for r in sampled],
+                             lambda i: self._generator(sampled[i]))
+        rows = [i for i, (r, token) in enumerate(zip(sampled, tokens, strict=True))
+                if r.sampling_params.logprobs is not None and not isinstance(token, Exception)]
+        if not rows:
+            return tokens, {}
+        index = torch.tensor(rows, device=logits.device)
+        return tokens, dict(zip(
+            (sampled[i].request_id for i in rows),
+            token_logprobs(logits.index_select(0, index), [tokens[i] for i in rows],
+                           [sampled[i].sampling_params.logprobs for i in rows]),
+            strict=True))
+
+    def _busy(self) -> AbstractContextManager:
+        """A span of device work for the busy timer, when one is set."""
+        timer = self.busy_timer
+        return nullcontext() if timer is None else timer.span()
 
     def _prompt_logprobs(self, requests: list[ScheduledRequest], hidden: torch.Tensor
                          ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
