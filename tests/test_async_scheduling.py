@@ -16,6 +16,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.worker.executor import StepThread
+from mmserve.worker.model_runner import CPUModelRunner, StepResult
 from tests.conftest import assert_no_leaks, make_image
 from tests.test_parity import mixed_batch, shared_batch
 from tests.test_server import IMAGES, Server, data_url, image_message, wait_drained
@@ -30,6 +31,15 @@ def qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_checkpoint("qwen2_vl", tmp_path_factory.mktemp("async") / "q"))
 
 
+@pytest.fixture(params=[False, True], ids=["tokens to Python at once", "tokens left on the device"])
+def deferred(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The CPU runner as it is, or leaving each step's sampled tokens on the device for the
+    engine's thread to bring to Python, as the CUDA runner does (``defer_sampled_tokens``):
+    the step scheduled ahead then reads its pending tokens from the device."""
+    monkeypatch.setattr(CPUModelRunner, "defer_sampled_tokens", request.param)
+    return request.param
+
+
 def _run(llm: LLM, batches: list[list[dict]], params: SamplingParams | list = LONG) -> list:
     found = []
     for batch in batches:
@@ -40,7 +50,7 @@ def _run(llm: LLM, batches: list[list[dict]], params: SamplingParams | list = LO
 
 @pytest.mark.parametrize("family", ["clip-llama", "qwen2-vl"])
 def test_same_tokens_through_chunked_prefill_and_cache_hits(
-        checkpoints: dict[str, str], qwen2_vl: str, family: str) -> None:
+        checkpoints: dict[str, str], qwen2_vl: str, family: str, deferred: bool) -> None:
     """Images split across steps, a KV cache that makes the synchronous engine preempt
     (scheduled ahead, nobody is preempted: a request that does not fit waits a step), then
     prefix and encoder cache hits; a second generate collects the step left in flight."""
@@ -56,7 +66,7 @@ def test_same_tokens_through_chunked_prefill_and_cache_hits(
     assert stats["encoder_cache_hits"] > 0 and stats["prefix_cache_hit_tokens"] > 0
 
 
-def test_stops_sampling_logprobs_and_grammars_match(clip_llama: str) -> None:
+def test_stops_sampling_logprobs_and_grammars_match(clip_llama: str, deferred: bool) -> None:
     """EOS and stop strings end requests a step early (the token computed ahead for them is
     dropped), seeded sampling with n, logprobs and a grammar (whose next bitmask waits for
     its token) in one batch."""
@@ -88,8 +98,9 @@ def test_a_step_left_uncollected_is_never_taken_for_a_later_one() -> None:
     """An interrupted caller (Ctrl-C while waiting) leaves a step's result behind: the next
     ``collect`` gets its own step's result, not that one."""
     class Runner:
-        def execute(self, scheduler_output, encoder_pixels):
-            return ModelOutput(sampled={r.request_id: 1 for r in scheduler_output.requests})
+        def launch(self, scheduler_output, encoder_pixels):
+            return StepResult(ModelOutput(
+                sampled={r.request_id: 1 for r in scheduler_output.requests}), [])
 
     def step(rid: str) -> SchedulerOutput:
         return SchedulerOutput(requests=[ScheduledRequest(rid, [5], 0, [0], [], True,
@@ -106,6 +117,38 @@ def test_a_step_left_uncollected_is_never_taken_for_a_later_one() -> None:
         steps.close()
 
 
+def test_a_deferred_step_brings_its_tokens_over_only_when_asked(
+        clip_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``defer_sampled_tokens`` a launched step's output has no tokens until
+    ``result()``; the steps scheduled ahead read theirs on the device, and the outputs are
+    the runner's that converts at once."""
+    prompts = mixed_batch()[:4]
+
+    def run(defer: bool) -> tuple[list, list]:
+        monkeypatch.setattr(CPUModelRunner, "defer_sampled_tokens", defer)
+        with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=4,
+                 async_scheduling=True) as llm:
+            runner, seen = llm.engine.runner, []
+            launch = runner.launch
+
+            def recording(*args):  # noqa: ANN202
+                step = launch(*args)
+                seen.append((len(step.deferred), dict(step.output.sampled)))
+                return step
+
+            monkeypatch.setattr(runner, "launch", recording)
+            outs = [o.token_ids for o in llm.generate(prompts, LONG)]
+            assert_no_leaks(llm.engine)
+            return outs, seen
+
+    expected, at_once = run(False)
+    got, deferred = run(True)
+    assert got == expected
+    assert all(n == 0 for n, _ in at_once) and any(sampled for _, sampled in at_once)
+    sampling = [(n, sampled) for n, sampled in deferred if n]
+    assert sampling and all(sampled == {} for _, sampled in sampling)
+
+
 def _drain(engine) -> dict:
     done = {}
     while engine.has_unfinished_requests():
@@ -115,7 +158,7 @@ def _drain(engine) -> dict:
     return done
 
 
-def test_aborts_between_steps(clip_llama: str) -> None:
+def test_aborts_between_steps(clip_llama: str, deferred: bool) -> None:
     """A request aborted while the next step is already scheduled ahead: the others finish
     as they do synchronously, and nothing leaks."""
     def run(**flags) -> list:
@@ -133,7 +176,8 @@ def test_aborts_between_steps(clip_llama: str) -> None:
     assert run(async_scheduling=True) == run()
 
 
-def test_failures_mid_run(clip_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failures_mid_run(clip_llama: str, monkeypatch: pytest.MonkeyPatch,
+                          deferred: bool) -> None:
     """A request whose sampling fails (its step ahead has no token to compute from) is
     failed alone; a step that fails once for everyone is retried; the others' tokens are the
     synchronous engine's."""
@@ -156,7 +200,7 @@ def test_failures_mid_run(clip_llama: str, monkeypatch: pytest.MonkeyPatch) -> N
             monkeypatch.setattr(engine.runner, "_forward", flaky)
             done.update(_drain(engine))
             assert calls["n"] > 1 + len(PROMPTS)
-            monkeypatch.undo()
+            monkeypatch.setattr(engine.runner, "_forward", real)
             assert_no_leaks(engine)
             return [(done[i].token_ids, done[i].finish_reason) for i in [*ids, poisoned]]
 

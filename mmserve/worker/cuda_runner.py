@@ -53,6 +53,7 @@ class CUDAModelRunner(ModelRunner):
     """Triton kernels on the GPU; decode-only batches replay CUDA graphs unless eager."""
 
     device = torch.device("cuda")
+    defer_sampled_tokens = True  # the next step launches while this one's tokens come over
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int

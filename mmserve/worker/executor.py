@@ -45,7 +45,7 @@ import torch
 from mmserve.errors import EngineDeadError
 from mmserve.step import ModelOutput, SchedulerOutput
 from mmserve.worker.compute_thread import ComputeThread
-from mmserve.worker.model_runner import EncoderPixels, split_by_tokens
+from mmserve.worker.model_runner import EncoderPixels, StepResult, split_by_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -328,22 +328,23 @@ class StepThread:
         self.runner = runner
         self._own_compute = compute is None
         self._compute = compute or ComputeThread("mmserve-steps")
-        self._results: dict[int, Future[ModelOutput]] = {}
+        self._results: dict[int, Future[StepResult]] = {}
         self._seq = 0
 
     def submit(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels) -> int:
         """Queue the step; returns its number, for ``collect``."""
         self._seq += 1
-        self._results[self._seq] = self._compute.submit(self.runner.execute, scheduler_output,
+        self._results[self._seq] = self._compute.submit(self.runner.launch, scheduler_output,
                                                         encoder_pixels)
         return self._seq
 
     def collect(self, seq: int) -> ModelOutput:
-        """The result of step ``seq`` (what its ``execute`` raised is raised here); results
+        """The result of step ``seq`` (what its ``launch`` raised is raised here), its
+        sampled tokens brought to Python on this thread while the runner's goes on; results
         of earlier steps nobody collected (an interrupted caller's) are dropped."""
         for earlier in [n for n in self._results if n < seq]:
             del self._results[earlier]
-        return self._results.pop(seq).result()
+        return self._results.pop(seq).result().result()
 
     def close(self) -> None:
         """Once the steps submitted have run, stop the thread if it is this object's own."""

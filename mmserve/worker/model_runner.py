@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -40,7 +41,12 @@ from mmserve.worker.cpu_allocator import (
 )
 from mmserve.worker.cpu_threads import AdaptiveThreads, restore_threads
 from mmserve.worker.memory_profiler import track_peak_bytes
-from mmserve.worker.sampler import apply_token_bitmasks, sample_each, token_logprobs
+from mmserve.worker.sampler import (
+    SampledTokens,
+    apply_token_bitmasks,
+    sample_on_device,
+    token_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +60,39 @@ PROMPT_LOGPROB_ROWS = 256
 EncoderPixels = Mapping[str, Mapping[str, torch.Tensor]]
 
 
+@dataclass
+class StepResult:
+    """A launched step (``ModelRunner.launch``): ``result()`` is its ``ModelOutput``, the
+    tokens it left on the device brought to Python. Any one thread may call it, once the
+    stepping thread has returned the step, while that thread goes on."""
+
+    output: ModelOutput
+    deferred: list[tuple[list[str], SampledTokens]]  # (the rows' requests, their tokens)
+
+    def result(self) -> ModelOutput:
+        out = self.output
+        for request_ids, drawn in self.deferred:
+            for rid, token in zip(request_ids, drawn.to_list(), strict=True):
+                if isinstance(token, Exception):
+                    out.errors[rid] = _reason(token)
+                    logger.error("sampling failed for request %s: %s", rid, _reason(token))
+                else:
+                    out.sampled[rid] = token
+        self.deferred = []
+        return out
+
+
 class ModelRunner:
     device = torch.device("cpu")
     # The torch reference; device runners set their own in __init__.
     attention: AttentionBackend = staticmethod(paged_attention)
+    # Whether ``launch`` leaves a step's sampled tokens on the device for ``StepResult`` to
+    # bring to Python (and the next step reads its pending tokens there): on a GPU the stepping
+    # thread then launches the next step while another thread waits for this one's tokens.
+    # On the CPU the step has computed them by then; converting at once there also keeps a
+    # row whose draw was not finite out of a step scheduled ahead (whose draws from the shared
+    # generator it would shift).
+    defer_sampled_tokens = False
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int
@@ -72,9 +107,10 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(seed)
-        # Each request's token sampled in its last step that sampled: what a step scheduled
-        # ahead of it (PENDING_TOKEN, asynchronous scheduling) computes next.
-        self.last_sampled: dict[str, int] = {}
+        # Where each request's token sampled in its last step that sampled is: that step's
+        # tokens on the device, and the row. A step scheduled ahead of it (PENDING_TOKEN,
+        # asynchronous scheduling) computes from it, read there.
+        self.last_sampled: dict[str, tuple[torch.Tensor, int]] = {}
         self._image_owners: dict[str, int] = {}  # this step's images' encoding ranks
         self._failed: set[str] = set()  # the requests the last step failed for
         # Set while someone measures how long the device computes (``busy_timer.py``).
@@ -84,7 +120,6 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.kv_caches)
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput,
                 encoder_pixels: EncoderPixels) -> ModelOutput:
         """Run one step: the sampled token of every request whose chunk completed, and where
@@ -97,6 +132,15 @@ class ModelRunner:
         request's chunk writes the same K/V values to the same slots each time, and its images
         are encoded with it.
         """
+        return self.launch(scheduler_output, encoder_pixels).result()
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput,
+               encoder_pixels: EncoderPixels) -> StepResult:
+        """``execute``'s step, returned once its work is issued: with
+        ``defer_sampled_tokens`` (and no row asking for log-probabilities) its sampled tokens
+        stay on the device until ``StepResult.result()``, which any thread may call while
+        this one launches the next step."""
         for h in scheduler_output.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
         for h, (num_tokens, block_ids) in scheduler_output.encoder_restores.items():
@@ -109,9 +153,11 @@ class ModelRunner:
         out = ModelOutput()
         scheduler_output = self._fill_pending(scheduler_output, out)
         self._assign_images(scheduler_output)
+        deferred: list[tuple[list[str], SampledTokens]] | None = (
+            [] if self.defer_sampled_tokens else None)
         try:
-            self._execute(scheduler_output, encoder_pixels, out)
-            return self._note_sampled(scheduler_output, out)
+            self._execute(scheduler_output, encoder_pixels, out, deferred)
+            return StepResult(self._note_sampled(scheduler_output, out), deferred or [])
         except CollectiveError:
             raise  # the ranks' group is broken: no request can run (the engine stops)
         except Exception as e:  # noqa: BLE001 (contained below, and logged)
@@ -126,8 +172,8 @@ class ModelRunner:
                 logger.error("engine step failed for request %s: %s",
                              ", ".join(r.request_id for r in requests) or "(none)",
                              _reason(e), exc_info=e)
-                return self._note_sampled(scheduler_output,
-                                          self._with_failed_images(scheduler_output, out))
+                return StepResult(self._note_sampled(
+                    scheduler_output, self._with_failed_images(scheduler_output, out)), [])
             logger.warning("an engine step of %d requests failed (%s); running each alone to "
                            "find the ones responsible", len(requests), _reason(e))
         for req in scheduler_output.requests:
@@ -139,8 +185,8 @@ class ModelRunner:
                 out.errors[req.request_id] = _reason(e)
                 logger.error("engine step failed for request %s: %s", req.request_id,
                              _reason(e), exc_info=e)
-        return self._note_sampled(scheduler_output,
-                                  self._with_failed_images(scheduler_output, out))
+        return StepResult(self._note_sampled(
+            scheduler_output, self._with_failed_images(scheduler_output, out)), [])
 
     def _assign_images(self, scheduler_output: SchedulerOutput) -> None:
         """Which rank encodes each of the step's images (tensor parallelism, the tower
@@ -155,11 +201,12 @@ class ModelRunner:
 
     def _fill_pending(self, scheduler_output: SchedulerOutput,
                       out: ModelOutput) -> SchedulerOutput:
-        """The step with each ``PENDING_TOKEN`` (a token scheduled ahead of its sampling)
-        replaced by the token this runner sampled for the request. In a step scheduled ahead,
-        a request the step before failed for, or that has no token, leaves the step (in
+        """The step without the requests it cannot run. In a step scheduled ahead, a
+        request the step before failed for, or that has no token there, leaves the step (in
         ``out.errors``, which the engine ignores): it would compute, and draw random numbers,
-        for nothing. The engine's message is not changed (a copy is)."""
+        for nothing. Each remaining ``PENDING_TOKEN`` (a token scheduled ahead of its
+        sampling) is read from the device when the step's inputs are made
+        (``_with_pending_tokens``). The engine's message is not changed (a copy is)."""
         requests = scheduler_output.requests
         failed, self._failed = self._failed, set()
         if not scheduler_output.ahead or not (
@@ -170,26 +217,39 @@ class ModelRunner:
             if r.request_id in failed:  # scheduled before its step failed: nothing to run
                 out.errors[r.request_id] = "its step before failed"
                 continue
-            if r.token_ids[-1] == PENDING_TOKEN:
-                token = self.last_sampled.get(r.request_id)
-                if token is None:
-                    out.errors[r.request_id] = "its step before produced no token"
-                    continue
-                r = dataclasses.replace(r, token_ids=[*r.token_ids[:-1], token])
+            if r.token_ids[-1] == PENDING_TOKEN and r.request_id not in self.last_sampled:
+                out.errors[r.request_id] = "its step before produced no token"
+                continue
             kept.append(r)
         return dataclasses.replace(scheduler_output, requests=kept)
 
+    def _with_pending_tokens(self, input_ids: torch.Tensor,
+                             reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """``input_ids`` with each ``PENDING_TOKEN`` replaced, on the device, by the token the
+        request's last step sampled there: nothing waits for that step's tokens to reach
+        Python."""
+        positions: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by source
+        end = 0
+        for r in reqs:
+            end += len(r.token_ids)
+            if r.token_ids[-1] == PENDING_TOKEN:
+                tokens, row = self.last_sampled[r.request_id]
+                _, rows, at = positions.setdefault(id(tokens), (tokens, [], []))
+                rows.append(row)
+                at.append(end - 1)
+        for tokens, rows, at in positions.values():
+            index = torch.tensor(rows, device=tokens.device)
+            input_ids[torch.tensor(at, device=input_ids.device)] = tokens[index]
+        return input_ids
+
     def _note_sampled(self, scheduler_output: SchedulerOutput, out: ModelOutput) -> ModelOutput:
-        """Remember each request's sampled token (forget it where sampling failed), and the
-        requests the step failed for (a step scheduled ahead of this one skips them)."""
+        """Forget where a request's token is where its step failed, and remember the requests
+        it failed for (a step scheduled ahead of this one skips them). Failures a deferred
+        step's tokens show later (``StepResult``) are the engine's to handle."""
         self._failed = set(out.errors)
         for r in scheduler_output.requests:
-            if r.sample:
-                token = out.sampled.get(r.request_id)
-                if token is None:
-                    self.last_sampled.pop(r.request_id, None)
-                else:
-                    self.last_sampled[r.request_id] = token
+            if r.sample and r.request_id in out.errors:
+                self.last_sampled.pop(r.request_id, None)
         return out
 
     def _with_failed_images(self, scheduler_output: SchedulerOutput,
@@ -199,11 +259,13 @@ class ModelRunner:
         return out
 
     def _execute(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels,
-                 out: ModelOutput) -> None:
+                 out: ModelOutput,
+                 deferred: list[tuple[list[str], SampledTokens]] | None = None) -> None:
         """One attempt at the step: its tokens (and log-probabilities) go into ``out`` once
         all of it has run, the seconds of each part into ``out.times``. A request whose
         sampling fails goes into ``out.errors`` (the others keep their tokens); anything else
-        that fails raises, leaving ``out``'s results as they were."""
+        that fails raises, leaving ``out``'s results as they were. With a ``deferred`` list
+        the sampled tokens go there, on the device, unless a row asks for log-probabilities."""
         times = out.times
         requests = scheduler_output.requests
         t0 = time.perf_counter()
@@ -214,6 +276,7 @@ class ModelRunner:
         if not requests:
             return
         input_ids, positions, meta, sample_rows = self._prepare_inputs(requests)
+        input_ids = self._with_pending_tokens(input_ids, requests)
         embeds = self._embed(input_ids, requests)
         t2 = time.perf_counter()
         times.prepare += t2 - t1
@@ -228,7 +291,15 @@ class ModelRunner:
             out.prompt_logprobs.update(prompt_logprobs)
             return
         with self._busy():
-            tokens, logprobs = self._sample(sampled, logits)
+            drawn = self._sample(sampled, logits)
+        wants_logprobs = any(r.sampling_params.logprobs is not None for r in sampled)
+        if deferred is not None and not wants_logprobs:
+            deferred.append(([r.request_id for r in sampled], drawn))
+            out.prompt_logprobs.update(prompt_logprobs)
+            times.sample += time.perf_counter() - t3
+            return
+        tokens = drawn.to_list()
+        logprobs = self._logprobs(sampled, logits, tokens) if wants_logprobs else {}
         times.sample += time.perf_counter() - t3
         for r, token in zip(sampled, tokens, strict=True):
             if isinstance(token, Exception):
@@ -240,21 +311,28 @@ class ModelRunner:
         out.logprobs.update(logprobs)
         out.prompt_logprobs.update(prompt_logprobs)
 
-    def _sample(self, sampled: list[ScheduledRequest], logits: torch.Tensor
-                ) -> tuple[list[int | Exception], dict[str, TokenLogprobs]]:
-        """Each row's token (or the exception its sampling raised), under the row's grammar
-        bitmask if it has one, and the log-probabilities of the rows that ask for them."""
+    def _sample(self, sampled: list[ScheduledRequest], logits: torch.Tensor) -> SampledTokens:
+        """Each row's token, under the row's grammar bitmask if it has one, left on the
+        device; where each is goes into ``last_sampled``."""
         constrained = [i for i, r in enumerate(sampled) if r.token_bitmask is not None]
         sample_from = logits if not constrained else apply_token_bitmasks(
             logits, constrained, [sampled[i].token_bitmask for i in constrained])
-        tokens = sample_each(sample_from, [r.sampling_params for r in sampled],
-                             lambda i: self._generator(sampled[i]))
+        drawn = sample_on_device(sample_from, [r.sampling_params for r in sampled],
+                                 lambda i: self._generator(sampled[i]))
+        for i, r in enumerate(sampled):
+            self.last_sampled[r.request_id] = (drawn.tokens, i)
+        return drawn
+
+    @staticmethod
+    def _logprobs(sampled: list[ScheduledRequest], logits: torch.Tensor,
+                  tokens: list[int | Exception]) -> dict[str, TokenLogprobs]:
+        """The log-probabilities of the rows that ask for them and have a token."""
         rows = [i for i, (r, token) in enumerate(zip(sampled, tokens, strict=True))
                 if r.sampling_params.logprobs is not None and not isinstance(token, Exception)]
         if not rows:
-            return tokens, {}
+            return {}
         index = torch.tensor(rows, device=logits.device)
-        return tokens, dict(zip(
+        return dict(zip(
             (sampled[i].request_id for i in rows),
             token_logprobs(logits.index_select(0, index), [tokens[i] for i in rows],
                            [sampled[i].sampling_params.logprobs for i in rows]),

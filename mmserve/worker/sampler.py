@@ -6,7 +6,9 @@ cumulative probabilities. The variate comes from the row's generator: a seeded r
 (so it draws what it draws alone, whatever shares the step), or, for the others, one draw of
 the runner's shared generator for all of them. The results reach Python in one transfer, with
 no per-row synchronization on a GPU, and nothing in it can assert on the device as
-``multinomial`` does on probabilities that are not finite.
+``multinomial`` does on probabilities that are not finite. ``sample_on_device`` leaves them on
+the device, their transfer started (``SampledTokens``), for a runner that writes them into the
+next step's inputs there and hands them to Python on another thread.
 
 A row that fails (a generator that cannot take its seed, probabilities that are not finite)
 fails alone: ``sample_each`` returns its exception in its place, so the runner fails that
@@ -17,11 +19,49 @@ rows' generators.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import TokenLogprobs
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampled tokens as the device holds them, on their way to the host.
+
+    ``sample_on_device`` starts their copy to pinned host memory behind the sampling kernels
+    on the stepping thread's stream, and ``to_list`` waits for that copy alone: on a GPU
+    another thread can turn the tokens into Python while the stepping thread launches the
+    next step (a plain ``.tolist()`` on the default stream would wait for that step too).
+    """
+
+    tokens: torch.Tensor  # [rows] on the device, what later steps read their inputs from
+    params: list[SamplingParams]
+    errors: dict[int, Exception]  # rows whose generator could not be made
+    _host: torch.Tensor  # [1 or 2, rows]: the tokens, and whether each row's draw was finite
+    _copied: torch.cuda.Event | None  # recorded after the copy (on a GPU)
+
+    def to_list(self) -> list[int | Exception]:
+        """The next token of every row, or the exception its sampling raised."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows = self._host.tolist()
+        values = rows[0]
+        if len(rows) == 1:
+            return values
+        out: list[int | Exception] = []
+        for i, (p, value, ok) in enumerate(zip(self.params, values, rows[1], strict=True)):
+            if i in self.errors:
+                out.append(self.errors[i])
+            elif ok or p.greedy:
+                out.append(value)
+            else:
+                out.append(RuntimeError(
+                    f"the sampling probabilities are not finite (temperature={p.temperature:g}"
+                    f", top_k={p.top_k}, top_p={p.top_p:g})"))
+        return out
 
 
 def sample_each(
@@ -30,19 +70,28 @@ def sample_each(
     generator: Callable[[int], torch.Generator],  # row -> its generator, made on demand
 ) -> list[int | Exception]:
     """The next token of every row, or the exception its sampling raised."""
+    return sample_on_device(logits, params, generator).to_list()
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # [num_requests, vocab]
+    params: list[SamplingParams],
+    generator: Callable[[int], torch.Generator],  # row -> its generator, made on demand
+) -> SampledTokens:
+    """``sample_each``'s tokens, left on the device with their copy to the host started."""
     if logits.device.type == "cpu":  # torch's CPU argmax over bfloat16 takes 4x as long as
         logits = logits.float()  # this copy and an argmax over float32 together
     greedy = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
-        return greedy.tolist()
-    out: list[int | Exception] = [0] * len(params)
+        return _to_host(greedy, params, {}, greedy.unsqueeze(0))
+    errors: dict[int, Exception] = {}
     generators: dict[int, torch.Generator] = {}
     for i, p in enumerate(params):
         if not p.greedy:
             try:
                 generators[i] = generator(i)
             except Exception as e:  # noqa: BLE001 (handed back for this row alone)
-                out[i] = e
+                errors[i] = e
     rows = list(generators)
     tokens, finite = greedy, torch.ones_like(greedy)
     if rows:
@@ -51,15 +100,19 @@ def sample_each(
                                  [generators[i] for i in rows])
         tokens = tokens.index_copy(0, index, drawn)
         finite = finite.index_copy(0, index, ok.long())
-    values, oks = torch.stack([tokens, finite]).tolist()  # the step's one transfer
-    for i, p in enumerate(params):
-        if p.greedy:
-            out[i] = values[i]
-        elif i in generators:
-            out[i] = values[i] if oks[i] else RuntimeError(
-                f"the sampling probabilities are not finite (temperature={p.temperature:g}, "
-                f"top_k={p.top_k}, top_p={p.top_p:g})")
-    return out
+    return _to_host(tokens, params, errors, torch.stack([tokens, finite]))
+
+
+def _to_host(tokens: torch.Tensor, params: list[SamplingParams], errors: dict[int, Exception],
+             rows: torch.Tensor) -> SampledTokens:
+    """``rows`` copied to the host: on a GPU into pinned memory, without waiting."""
+    if rows.device.type != "cuda":
+        return SampledTokens(tokens, params, errors, rows, None)
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return SampledTokens(tokens, params, errors, host, copied)
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
