@@ -98,9 +98,9 @@ def test_the_engine_loop_runs_on_the_thread_given() -> None:
 
 def test_async_scheduling_builds_steps_and_closes_its_runner_on_one_thread(
         clip_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    where: dict[str, set[int]] = {"load": set(), "execute": set(), "close": set()}
-    load, execute, close = (CPUModelRunner.load_model, CPUModelRunner.execute,
-                            CPUModelRunner.close)
+    where: dict[str, set[int]] = {"load": set(), "launch": set(), "close": set()}
+    load, launch, close = (CPUModelRunner.load_model, CPUModelRunner.launch,
+                           CPUModelRunner.close)
 
     def record(name, fn):
         def wrapped(*args, **kwargs):
@@ -109,7 +109,7 @@ def test_async_scheduling_builds_steps_and_closes_its_runner_on_one_thread(
         return wrapped
 
     monkeypatch.setattr(CPUModelRunner, "load_model", classmethod(record("load", load.__func__)))
-    monkeypatch.setattr(CPUModelRunner, "execute", record("execute", execute))
+    monkeypatch.setattr(CPUModelRunner, "launch", record("launch", launch))
     monkeypatch.setattr(CPUModelRunner, "close", record("close", close))
     llm = LLM(clip_llama, device="cpu", dtype="float32", max_model_len=256,
               async_scheduling=True)
@@ -118,7 +118,7 @@ def test_async_scheduling_builds_steps_and_closes_its_runner_on_one_thread(
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     ident = compute.ident
     llm.close()
-    assert where == {"load": {ident}, "execute": {ident}, "close": {ident}}
+    assert where == {"load": {ident}, "launch": {ident}, "close": {ident}}
     assert ident != threading.get_ident()
 
 

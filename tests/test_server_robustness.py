@@ -233,7 +233,7 @@ HARNESS = textwrap.dedent("""
     from mmserve.worker import cuda_runner, model_runner
 
     flag = sys.argv[1]
-    real_sample = model_runner.sample_each
+    real_sample = model_runner.sample_on_device
 
     def broken(real_forward):
         def forward(self, *args, **kwargs):
@@ -242,14 +242,17 @@ HARNESS = textwrap.dedent("""
             return real_forward(self, *args, **kwargs)
         return forward
 
-    def sample_each(logits, params, generator):
-        tokens = real_sample(logits, params, generator)
-        return [RuntimeError("probability tensor contains inf or nan (simulated)")
-                if p.seed == POISON_SEED else t for p, t in zip(params, tokens)]
+    def sample_on_device(logits, params, generator):
+        drawn = real_sample(logits, params, generator)
+        for i, p in enumerate(params):
+            if p.seed == POISON_SEED:
+                drawn.errors[i] = RuntimeError("probability tensor contains inf or nan "
+                                               "(simulated)")
+        return drawn
 
     for runner in (model_runner.ModelRunner, cuda_runner.CUDAModelRunner):  # each its own
         runner._forward = broken(runner._forward)
-    model_runner.sample_each = sample_each
+    model_runner.sample_on_device = sample_on_device
     from mmserve.entrypoints.cli import main
     sys.exit(main(sys.argv[2:]))
 """).replace("POISON_SEED", "424242")

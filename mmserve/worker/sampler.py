@@ -48,14 +48,14 @@ class SampledTokens:
         if self._copied is not None:
             self._copied.synchronize()
         rows = self._host.tolist()
-        values = rows[0]
-        if len(rows) == 1:
+        values, oks = rows[0], rows[1] if len(rows) > 1 else None
+        if oks is None and not self.errors:
             return values
         out: list[int | Exception] = []
-        for i, (p, value, ok) in enumerate(zip(self.params, values, rows[1], strict=True)):
+        for i, (p, value) in enumerate(zip(self.params, values, strict=True)):
             if i in self.errors:
                 out.append(self.errors[i])
-            elif ok or p.greedy:
+            elif oks is None or oks[i] or p.greedy:
                 out.append(value)
             else:
                 out.append(RuntimeError(
