@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmserve.kernels.paged_attention import padded_block_tables
 from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
 LOG2E = 1.4426950408889634
@@ -62,16 +63,15 @@ class TritonAttentionMetadata:
         width = max(1, width if max_blocks is None else max_blocks)
         if any(len(t) > width for t in block_tables):
             raise ValueError(f"a block table is longer than max_blocks={width}")
-        tables = torch.zeros(padded, width, dtype=torch.int32)
         slots: list[int] = []
         for i, (q_len, s_len, table) in enumerate(zip(query_lens, seq_lens, block_tables,
                                                       strict=True)):
             if not 0 < q_len <= s_len <= len(table) * block_size:
                 raise ValueError(f"sequence {i}: need 0 < query_len ({q_len}) <= seq_len "
                                  f"({s_len}) <= blocks x block_size ({len(table) * block_size})")
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
             slots.extend(table[p // block_size] * block_size + p % block_size
                          for p in range(s_len - q_len, s_len))
+        tables = padded_block_tables(block_tables, padded, width, torch.int32)
         # Padding sequences own one padding token each: a decode graph of size N has N rows.
         slots.extend([-1] * (padded - num_seqs))
         starts = [0]

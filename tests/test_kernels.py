@@ -13,6 +13,7 @@ import torch
 from mmserve.kernels.paged_attention import (
     AttentionMetadata,
     build_attention_metadata,
+    padded_block_tables,
     paged_attention,
     write_kv_cache,
 )
@@ -104,6 +105,15 @@ def _check(seqs, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, 
     assert torch.equal(cache, ref_cache.to(dtype))
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+
+
+def test_padded_block_tables_are_the_tables_then_zeros() -> None:
+    tables = [[7, 3, 9], [], [4], [5, 6]]
+    out = padded_block_tables(tables, 6, 4, torch.int32)
+    assert out.dtype == torch.int32
+    assert out.tolist() == [[7, 3, 9, 0], [0, 0, 0, 0], [4, 0, 0, 0], [5, 6, 0, 0],
+                            [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert padded_block_tables([], 2, 1, torch.long).tolist() == [[0], [0]]
 
 
 @pytest.mark.parametrize("seqs", [DECODES, PREFILLS, CHUNKS, MIXED],

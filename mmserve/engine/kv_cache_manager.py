@@ -26,6 +26,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}  # the same blocks' ids, for each step
         self._num_published: dict[str, int] = {}
 
     @property
@@ -85,9 +86,10 @@ class KVCacheManager:
             return None
         self.pool.touch(computed_blocks)
         blocks = self.req_blocks.setdefault(req.request_id, blocks)
-        blocks.extend(computed_blocks)
-        if num_needed > 0:
-            blocks.extend(self.pool.allocate(num_needed))
+        ids = self._req_block_ids.setdefault(req.request_id, [])
+        new = computed_blocks + (self.pool.allocate(num_needed) if num_needed > 0 else [])
+        blocks.extend(new)
+        ids.extend(b.block_id for b in new)
         # Publish blocks that these tokens fill. Safe before the forward pass: each layer
         # writes every scheduled token's K/V before any sequence attends. Only tokens
         # already known: a token scheduled ahead of its sampling (asynchronous scheduling)
@@ -116,10 +118,12 @@ class KVCacheManager:
         values) also withdraws the blocks only it holds from the prefix cache.
         """
         blocks = self.req_blocks.pop(req.request_id, [])
+        self._req_block_ids.pop(req.request_id, None)
         self._num_published.pop(req.request_id, None)
         if not keep_cached:
             self.pool.uncache([b for b in blocks if b.ref_cnt == 1])
         self.pool.free(list(reversed(blocks)))
 
     def block_ids(self, req: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req.request_id, [])]
+        """The request's block ids, in order: a copy, for a step's message."""
+        return list(self._req_block_ids.get(req.request_id, ()))

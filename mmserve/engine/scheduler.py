@@ -302,6 +302,8 @@ class Scheduler:
 
     def _release_passed_images(self, req: Request) -> None:
         """Drop references to images whose every placeholder is now computed."""
+        if not req.images:
+            return
         still_needed = {img.hash for img in req.images if img.end > req.num_computed_tokens}
         for i, image in enumerate(req.images):
             if image.hash not in still_needed:
