@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.paged_attention import padded_block_tables
+from mmserve.kernels.transfer import tensor_on, to_device
 from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
 LOG2E = 1.4426950408889634
@@ -80,10 +81,10 @@ class TritonAttentionMetadata:
         starts.extend([starts[-1]] * (padded - num_seqs))
         lens = list(seq_lens) + [0] * (padded - num_seqs)
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32).to(device),
-            block_tables=tables.to(device),
+            slot_mapping=tensor_on(slots, torch.int64, device),
+            query_start_loc=tensor_on(starts, torch.int32, device),
+            seq_lens=tensor_on(lens, torch.int32, device),
+            block_tables=to_device(tables, device),
             max_query_len=max(query_lens, default=0),
         )
 

@@ -17,6 +17,7 @@ from mmserve.kernels.paged_attention import (
     paged_attention,
     write_kv_cache,
 )
+from mmserve.kernels.transfer import tensor_on, to_device
 from mmserve.kernels.triton_attention import TritonAttentionMetadata, triton_paged_attention
 from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
@@ -105,6 +106,17 @@ def _check(seqs, num_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32, 
     assert torch.equal(cache, ref_cache.to(dtype))
     tol = TOLERANCES[dtype]
     torch.testing.assert_close(out.float(), ref_out, atol=tol, rtol=tol)
+
+
+def test_host_tensors_reach_the_device_whole() -> None:
+    """On a GPU through pinned memory without blocking; the values are read after the
+    stream has run the copies."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rows = [to_device(torch.arange(i, i + 1000), device) for i in range(20)]
+    flags = tensor_on([True, False], torch.bool, device)
+    assert all(r.device.type == device.type for r in rows) and flags.dtype == torch.bool
+    assert [r.sum().item() for r in rows] == [sum(range(i, i + 1000)) for i in range(20)]
+    assert flags.tolist() == [True, False]
 
 
 def test_padded_block_tables_are_the_tables_then_zeros() -> None:

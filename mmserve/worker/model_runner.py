@@ -23,6 +23,7 @@ from mmserve.kernels.paged_attention import (
     build_attention_metadata,
     paged_attention,
 )
+from mmserve.kernels.transfer import tensor_on, to_device
 from mmserve.models import parallel
 from mmserve.models.forward_context import AttentionBackend, forward_context
 from mmserve.models.parallel import CollectiveError
@@ -238,8 +239,8 @@ class ModelRunner:
                 rows.append(row)
                 at.append(end - 1)
         for tokens, rows, at in positions.values():
-            index = torch.tensor(rows, device=tokens.device)
-            input_ids[torch.tensor(at, device=input_ids.device)] = tokens[index]
+            index = tensor_on(rows, torch.long, tokens.device)
+            input_ids[tensor_on(at, torch.long, input_ids.device)] = tokens[index]
         return input_ids
 
     def _note_sampled(self, scheduler_output: SchedulerOutput, out: ModelOutput) -> ModelOutput:
@@ -503,7 +504,7 @@ class ModelRunner:
             start += len(r.token_ids)
         if not rows:
             return self.model.embed_tokens(input_ids)
-        row_index = torch.cat(rows).to(self.device)
+        row_index = to_device(torch.cat(rows), self.device)
         # Placeholder ids may lie outside the text vocabulary: embed a harmless id there.
         input_ids = input_ids.index_fill(0, row_index, 0)
         embeds = self.model.embed_tokens(input_ids)
@@ -529,9 +530,8 @@ class ModelRunner:
         # Padding rows embed token 0 at position 0; the metadata makes them compute nothing.
         ids.extend([0] * num_padding)
         dev = self.device
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                flat_positions(reqs, num_padding, dev), meta,
-                torch.tensor(sample_rows, dtype=torch.long, device=dev))
+        return (tensor_on(ids, torch.long, dev), flat_positions(reqs, num_padding, dev), meta,
+                tensor_on(sample_rows, torch.long, dev))
 
     def _attention_metadata(self, reqs: list[ScheduledRequest]) -> tuple[AttentionMetadata, int]:
         """The attention backend's metadata, and how many padding rows the batch needs."""
@@ -708,7 +708,7 @@ def flat_positions(reqs: list[ScheduledRequest], num_padding: int = 0,
             row.extend(values)
     for row in flat:
         row.extend([0] * num_padding)
-    positions = torch.tensor(flat, dtype=torch.long, device=device)
+    positions = tensor_on(flat, torch.long, device)
     return positions[0] if rows == 1 else positions
 
 

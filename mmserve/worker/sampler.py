@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmserve.kernels.transfer import tensor_on
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import TokenLogprobs
 
@@ -95,7 +96,7 @@ def sample_on_device(
     rows = list(generators)
     tokens, finite = greedy, torch.ones_like(greedy)
     if rows:
-        index = torch.tensor(rows, device=logits.device)
+        index = tensor_on(rows, torch.long, logits.device)
         drawn, ok = _sample_rows(logits.index_select(0, index), [params[i] for i in rows],
                                  [generators[i] for i in rows])
         tokens = tokens.index_copy(0, index, drawn)
@@ -120,14 +121,14 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     """Draw a token for each row: the tokens, and whether each row's probabilities were
     finite (where they are not, its token means nothing)."""
     device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = tensor_on([p.temperature for p in params], torch.float32, device)
     x = logits.float() / temperature.unsqueeze(1)
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):  # keep each row's k best (ties with the k-th included)
         top = x.topk(max(ks), dim=-1).values
-        k = torch.tensor([k or 1 for k in ks], device=device)
+        k = tensor_on([k or 1 for k in ks], torch.long, device)
         kth = top.gather(1, (k - 1).unsqueeze(1))
-        filtered = torch.tensor([k > 0 for k in ks], device=device).unsqueeze(1)
+        filtered = tensor_on([k > 0 for k in ks], torch.bool, device).unsqueeze(1)
         x = x.masked_fill(filtered & (x < kth), float("-inf"))
     if any(p.top_p < 1.0 for p in params):
         x = _top_p(x, [p.top_p for p in params])
@@ -147,7 +148,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         if len(rows) == len(generators):
             u.uniform_(generator=gen)
         else:
-            u[torch.tensor(rows, device=device)] = torch.empty(
+            u[tensor_on(rows, torch.long, device)] = torch.empty(
                 len(rows), 1, device=device).uniform_(generator=gen)
     tokens = torch.searchsorted(cdf, u * total.unsqueeze(1), right=True).squeeze(1)
     return tokens.clamp_(max=vocab - 1), finite
@@ -164,7 +165,7 @@ def _top_p(x: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     """``x`` with the tokens outside each row's nucleus at -inf: the fewest most likely
     tokens whose probabilities reach its top_p (rows with top_p 1 keep every token)."""
     device, vocab = x.device, x.shape[-1]
-    top_p = torch.tensor(top_ps, device=device).unsqueeze(1)
+    top_p = tensor_on(top_ps, torch.float32, device).unsqueeze(1)
     filtered = top_p < 1.0
     probs = x.softmax(-1)
     top, order = None, None
