@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,6 +241,15 @@ class EngineConfig:
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def require_model_dir(model: str) -> None:
+    """Raise ``FileNotFoundError`` saying what mmserve loads when ``model`` is not a
+    directory (transformers would take it for a name on the Hub, which mmserve never asks)."""
+    if not os.path.isdir(model):
+        raise FileNotFoundError(
+            f"model directory not found: {model!r}; mmserve loads local Hugging Face "
+            "checkpoints (config.json, *.safetensors, tokenizer and processor files).")
 
 
 def cpu_supports_bf16() -> bool:

@@ -80,6 +80,15 @@ def test_plan_reports_infeasible_settings(clip_llama, small_machine, capsys) -> 
     assert "expected an integer or 'auto'" in capsys.readouterr().err
 
 
+def test_plan_of_a_directory_that_is_not_there(tmp_path, capsys) -> None:
+    """A missing directory is named as one (transformers would take the path for a name on
+    the Hub and say it cannot reach it)."""
+    missing = str(tmp_path / "no-such-model")
+    assert main(["plan", missing, "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert f"model directory not found: {missing!r}" in err and "huggingface" not in err.lower()
+
+
 def test_plan_for_a_gpu_from_a_cpu_machine(clip_llama, capsys) -> None:
     out = plan_json(capsys, clip_llama, "--device=cuda", f"--device-memory={2**30}")
     assert out["plan"]["device"] == "cuda"

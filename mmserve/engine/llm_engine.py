@@ -7,7 +7,6 @@ import dataclasses
 import gc
 import itertools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, require_model_dir
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.encoder_cache import KVLending
 from mmserve.engine.kv_cache_manager import KVCacheManager
@@ -83,10 +82,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig
 
-        if not os.path.isdir(config.model):
-            raise FileNotFoundError(
-                f"model directory not found: {config.model!r}; mmserve loads local Hugging "
-                "Face checkpoints (config.json, *.safetensors, tokenizer and processor files).")
+        require_model_dir(config.model)
         torch.manual_seed(config.seed)
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         dtype = config.torch_dtype

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, require_model_dir
 from mmserve.engine.memory_plan import InfeasiblePlanError, MemoryPlan, feasible_pairs
 from mmserve.engine.startup import plan_for
 
@@ -57,6 +57,7 @@ def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None
     from mmserve.processing.registry import family_for
     from mmserve.worker import memory_profiler
 
+    require_model_dir(config.model)
     hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
     dtype = config.torch_dtype
     family = family_for(config.model, hf_config, config.mm_processor_kwargs,
