@@ -15,6 +15,8 @@ import pytest
 from mmserve import LLM, SamplingParams
 from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
 from mmserve.testing import build_tiny_checkpoint
+from mmserve.worker import model_runner
+from mmserve.worker.cpu_threads import AdaptiveThreads
 from mmserve.worker.executor import StepThread
 from mmserve.worker.model_runner import CPUModelRunner, StepResult
 from tests.conftest import assert_no_leaks, make_image
@@ -147,6 +149,57 @@ def test_a_deferred_step_brings_its_tokens_over_only_when_asked(
     assert all(n == 0 for n, _ in at_once) and any(sampled for _, sampled in at_once)
     sampling = [(n, sampled) for n, sampled in deferred if n]
     assert sampling and all(sampled == {} for _, sampled in sampling)
+
+
+def test_a_step_rerun_alone_computes_from_the_step_befores_tokens(
+        clip_llama: str, monkeypatch: pytest.MonkeyPatch, deferred: bool) -> None:
+    """A batched step that fails after sampling (here its log-probabilities) is rerun request
+    by request; the reruns of requests scheduled ahead read the tokens of the step before,
+    not the ones the failed attempt drew."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=1)
+    prompts = mixed_batch()[:3]
+    real = model_runner.token_logprobs
+
+    def run(fail: bool, **flags) -> list:
+        calls = {"n": 0}
+
+        def flaky(logits, tokens, num_top):  # noqa: ANN202
+            if fail and len(tokens) > 1:
+                calls["n"] += 1
+                if calls["n"] == 4:
+                    raise RuntimeError("transient")
+            return real(logits, tokens, num_top)
+
+        monkeypatch.setattr(model_runner, "token_logprobs", flaky)
+        with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=4, **flags) as llm:
+            outs = llm.generate(prompts, params)
+            assert_no_leaks(llm.engine)
+        assert not fail or calls["n"] >= 4
+        return [o.outputs[0].token_ids for o in outs]
+
+    expected = run(False)
+    assert run(True) == expected
+    assert run(True, async_scheduling=True) == expected
+
+
+def test_the_thread_policy_looks_before_steps_scheduled_ahead(
+        clip_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU runner's adaptive thread count is looked at before each step, whichever
+    thread runs it."""
+    calls = {"n": 0}
+    real = AdaptiveThreads.update
+
+    def counting(self, *args, **kwargs):  # noqa: ANN202
+        calls["n"] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(AdaptiveThreads, "update", counting)
+    for flags in ({}, {"async_scheduling": True}):
+        calls["n"] = 0
+        with LLM(clip_llama, dtype="float32", device="cpu", **flags) as llm:
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0.0))
+            steps = llm.stats()["num_steps"]
+        assert calls["n"] >= steps > 0, flags
 
 
 def _drain(engine) -> dict:

@@ -47,14 +47,17 @@ def test_entry_point_and_command_build_what_the_family_builder_builds(
     assert not _same(other, direct)
 
 
-@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
-def test_weights_drawn_on_a_device_are_the_cpu_builds(tmp_path: Path, family: str) -> None:
+@pytest.mark.parametrize("family, options", [("llava", {}), ("qwen2_vl", {}),
+                                             ("qwen2_5_vl", {"tie_word_embeddings": True})])
+def test_weights_drawn_on_a_device_are_the_cpu_builds(tmp_path: Path, family: str,
+                                                      options: dict) -> None:
     """``device=``: the model is built on the meta device and every weight drawn on the
     device (how the large bench checkpoints are made on a GPU). On the CPU that gives the same
-    checkpoint as transformers' own construction: no weight is left as allocated."""
-    classic = build_tiny_checkpoint(family, tmp_path / "classic", seed=5)
-    assert _same(build_tiny_checkpoint(family, tmp_path / "meta", seed=5, device="cpu"),
-                 classic)
+    checkpoint as transformers' own construction: no weight is left as allocated, and tied
+    embeddings stay one tensor."""
+    classic = build_tiny_checkpoint(family, tmp_path / "classic", seed=5, **options)
+    assert _same(build_tiny_checkpoint(family, tmp_path / "meta", seed=5, device="cpu",
+                                       **options), classic)
 
 
 def test_published_layout_renames_sharded_weights(tmp_path: Path) -> None:

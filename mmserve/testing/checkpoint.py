@@ -97,6 +97,7 @@ def random_model(
         with torch.device("meta"):
             model = model_class(config)
         model.to_empty(device=device)
+        model.tie_weights()  # to_empty gave tied parameters a tensor each
         init_weights(model, seed, never_generate, projector, device)
         return model
     with torch.random.fork_rng(devices=[]):

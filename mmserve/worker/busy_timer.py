@@ -9,11 +9,13 @@ the CPU had not launched yet (eager prefill launches hundreds; a decode step rep
 graph, one). On the CPU, whose cores are the device, a span is the wall time it took.
 
 Events are folded into the total as they complete, so a long run keeps only the spans the
-GPU has not reached yet.
+GPU has not reached yet. Spans are added on the thread that steps and read on any other (a
+benchmark's), under a lock.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -31,6 +33,7 @@ class BusyTimer:
         self.num_spans = 0
         self._busy_s = 0.0
         self._open: deque[tuple[Any, Any]] = deque()  # (start, end) not folded in yet
+        self._lock = threading.Lock()
 
     @contextmanager
     def span(self) -> Iterator[None]:
@@ -38,18 +41,21 @@ class BusyTimer:
         try:
             yield
         finally:
-            self._open.append((start, self._mark()))
-            self._fold(wait=False)
+            end = self._mark()
+            with self._lock:
+                self._open.append((start, end))
+                self._fold(wait=False)
 
     def total_s(self) -> float:
-        """Seconds of every span so far (on a GPU, once it has reached the last one)."""
-        self._fold(wait=True)
-        return self._busy_s
+        """Seconds of every span ended so far (on a GPU, once it has reached the last one)."""
+        with self._lock:
+            self._fold(wait=True)
+            return self._busy_s
 
     def _mark(self) -> Any:
         if not self.cuda:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
         event.record()
         return event
 

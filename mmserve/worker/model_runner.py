@@ -157,7 +157,8 @@ class ModelRunner:
         deferred: list[tuple[list[str], SampledTokens]] | None = (
             [] if self.defer_sampled_tokens else None)
         try:
-            self._execute(scheduler_output, encoder_pixels, out, deferred)
+            self.last_sampled.update(self._execute(scheduler_output, encoder_pixels, out,
+                                                   deferred))
             return StepResult(self._note_sampled(scheduler_output, out), deferred or [])
         except CollectiveError:
             raise  # the ranks' group is broken: no request can run (the engine stops)
@@ -179,7 +180,8 @@ class ModelRunner:
                            "find the ones responsible", len(requests), _reason(e))
         for req in scheduler_output.requests:
             try:
-                self._execute(scheduler_output.only(req), encoder_pixels, out)
+                self.last_sampled.update(
+                    self._execute(scheduler_output.only(req), encoder_pixels, out))
             except CollectiveError:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -261,12 +263,15 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels,
                  out: ModelOutput,
-                 deferred: list[tuple[list[str], SampledTokens]] | None = None) -> None:
+                 deferred: list[tuple[list[str], SampledTokens]] | None = None
+                 ) -> dict[str, tuple[torch.Tensor, int]]:
         """One attempt at the step: its tokens (and log-probabilities) go into ``out`` once
         all of it has run, the seconds of each part into ``out.times``. A request whose
         sampling fails goes into ``out.errors`` (the others keep their tokens); anything else
         that fails raises, leaving ``out``'s results as they were. With a ``deferred`` list
-        the sampled tokens go there, on the device, unless a row asks for log-probabilities."""
+        the sampled tokens go there, on the device, unless a row asks for log-probabilities.
+        Returns where each sampled token is (for ``last_sampled``, which the caller updates
+        only once the attempt has succeeded: a rerun reads the step before's tokens)."""
         times = out.times
         requests = scheduler_output.requests
         t0 = time.perf_counter()
@@ -275,7 +280,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         times.encoder += t1 - t0
         if not requests:
-            return
+            return {}
         input_ids, positions, meta, sample_rows = self._prepare_inputs(requests)
         input_ids = self._with_pending_tokens(input_ids, requests)
         embeds = self._embed(input_ids, requests)
@@ -290,15 +295,16 @@ class ModelRunner:
         times.forward += t3 - t2
         if logits is None:
             out.prompt_logprobs.update(prompt_logprobs)
-            return
+            return {}
         with self._busy():
             drawn = self._sample(sampled, logits)
+        where = {r.request_id: (drawn.tokens, i) for i, r in enumerate(sampled)}
         wants_logprobs = any(r.sampling_params.logprobs is not None for r in sampled)
         if deferred is not None and not wants_logprobs:
             deferred.append(([r.request_id for r in sampled], drawn))
             out.prompt_logprobs.update(prompt_logprobs)
             times.sample += time.perf_counter() - t3
-            return
+            return where
         tokens = drawn.to_list()
         logprobs = self._logprobs(sampled, logits, tokens) if wants_logprobs else {}
         times.sample += time.perf_counter() - t3
@@ -311,18 +317,16 @@ class ModelRunner:
                 out.sampled[r.request_id] = token
         out.logprobs.update(logprobs)
         out.prompt_logprobs.update(prompt_logprobs)
+        return where
 
     def _sample(self, sampled: list[ScheduledRequest], logits: torch.Tensor) -> SampledTokens:
         """Each row's token, under the row's grammar bitmask if it has one, left on the
-        device; where each is goes into ``last_sampled``."""
+        device."""
         constrained = [i for i, r in enumerate(sampled) if r.token_bitmask is not None]
         sample_from = logits if not constrained else apply_token_bitmasks(
             logits, constrained, [sampled[i].token_bitmask for i in constrained])
-        drawn = sample_on_device(sample_from, [r.sampling_params for r in sampled],
-                                 lambda i: self._generator(sampled[i]))
-        for i, r in enumerate(sampled):
-            self.last_sampled[r.request_id] = (drawn.tokens, i)
-        return drawn
+        return sample_on_device(sample_from, [r.sampling_params for r in sampled],
+                                lambda i: self._generator(sampled[i]))
 
     @staticmethod
     def _logprobs(sampled: list[ScheduledRequest], logits: torch.Tensor,
@@ -683,11 +687,13 @@ class CPUModelRunner(ModelRunner):
             self.adaptive_threads = None
             restore_threads()
 
-    def execute(self, scheduler_output: SchedulerOutput,
-                encoder_pixels: EncoderPixels) -> ModelOutput:
+    def launch(self, scheduler_output: SchedulerOutput,
+               encoder_pixels: EncoderPixels) -> StepResult:
+        """``ModelRunner.launch``, the thread count looked at first (every step runs through
+        here, with asynchronous scheduling too)."""
         if self.adaptive_threads is not None:
             self.adaptive_threads.update()
-        return super().execute(scheduler_output, encoder_pixels)
+        return super().launch(scheduler_output, encoder_pixels)
 
 
 def flat_positions(reqs: list[ScheduledRequest], num_padding: int = 0,

@@ -111,7 +111,7 @@ def _to_host(tokens: torch.Tensor, params: list[SamplingParams], errors: dict[in
         return SampledTokens(tokens, params, errors, rows, None)
     host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
     host.copy_(rows, non_blocking=True)
-    copied = torch.cuda.Event()
+    copied = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, leaving the core
     copied.record()
     return SampledTokens(tokens, params, errors, host, copied)
 
