@@ -97,16 +97,23 @@ def test_llava_bench_checkpoint_is_published_and_an_old_one_is_rebuilt(
     assert not any(n.startswith("vision_tower.embeddings.") for n in names)
     marker = json.loads((path / bench_checkpoint._MARKER).read_text())
     assert marker["layout"] == "published" and marker["format"] == 2
+    assert marker["weights_drawn_on"] == "cpu"  # recorded; a GPU's draws are other numbers
     # No staging or set-aside directories are left beside it.
     assert [p.name for p in path.parent.iterdir()] == ["bench-llava"]
     # A cached checkpoint of an older format (its marker lacks the format) is built again.
     weights = path / "model.safetensors"
     mtime = weights.stat().st_mtime_ns
-    old = {k: v for k, v in marker.items() if k not in ("format", "layout")}
+    old = {k: v for k, v in marker.items() if k not in ("format", "layout", "weights_drawn_on")}
     (path / bench_checkpoint._MARKER).write_text(json.dumps(old))
     assert bench_checkpoint.ensure_bench_checkpoint(name="llava") == path
     assert weights.stat().st_mtime_ns != mtime
     assert json.loads((path / bench_checkpoint._MARKER).read_text()) == marker
+    # One drawn on a GPU is the same checkpoint to a machine without one: kept, not rebuilt.
+    mtime = weights.stat().st_mtime_ns
+    (path / bench_checkpoint._MARKER).write_text(json.dumps({**marker,
+                                                             "weights_drawn_on": "cuda"}))
+    assert bench_checkpoint.ensure_bench_checkpoint(name="llava") == path
+    assert weights.stat().st_mtime_ns == mtime
     # mmserve runs it.
     llm = LLM(str(path), dtype="float32", max_model_len=256)
     out = llm.generate([{"prompt": "USER: <image>\nhi\nASSISTANT:",

@@ -85,6 +85,15 @@ def test_published_layout_renames_sharded_weights(tmp_path: Path) -> None:
         assert all(weight_map[k] == shard for k in published)
     assert "vision_tower.vision_model.pre_layrnorm.weight" in weight_map
     assert "multi_modal_projector.linear_1.weight" in weight_map
+    # Two shards whose names meet in one published name: refused, not one written over.
+    clash = tmp_path / "clash"
+    clash.mkdir()
+    save_file({"model.multi_modal_projector.linear_1.bias": torch.zeros(2)},
+              clash / "model-00001-of-00002.safetensors")
+    save_file({"multi_modal_projector.linear_1.bias": torch.ones(2)},
+              clash / "model-00002-of-00002.safetensors")
+    with pytest.raises(RuntimeError, match="one published name"):
+        _to_published_layout(clash)
 
 
 def test_unknown_family_and_option_are_errors(tmp_path: Path) -> None:

@@ -180,6 +180,7 @@ DEFAULT_BENCH_CHECKPOINT = "llava"
 
 # Written last: a directory holding it is complete and was built with these shapes.
 _MARKER = "mmserve_bench_checkpoint.json"
+_DRAWN_ON = "weights_drawn_on"  # "cpu" or "cuda", in the marker
 # Raised when what a checkpoint's files hold changes for the same shapes, so that a cached one
 # is built again. 2: the llava checkpoint's weights in the published layout.
 _FORMAT_VERSION = 2
@@ -250,19 +251,22 @@ def build_bench_checkpoint(path: str | Path, name: str = DEFAULT_BENCH_CHECKPOIN
     staging = out.with_name(f".{out.name}.building-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     start = time.perf_counter()
+    device = device or weights_device(checkpoint)
     try:
         # The builder draws the weights and writes config, processor and a padded tokenizer;
         # the processor is then saved again with the full-text tokenizer (same special-token
         # ids).
         build_tiny_checkpoint(checkpoint.family, staging, **shapes, **checkpoint.options,
-                              dtype=torch.bfloat16, seed=seed,
-                              device=device or weights_device(checkpoint))
+                              dtype=torch.bfloat16, seed=seed, device=device)
         processor = load_hf_processor(staging)
         processor.tokenizer = build_bench_tokenizer(checkpoint, shapes["vocab_size"],
                                                     shapes["max_position_embeddings"], seed)
         processor.save_pretrained(staging)
-        (staging / _MARKER).write_text(
-            json.dumps(_marker(name, seed, shapes, checkpoint.options), indent=1))
+        # Where the weights were drawn is recorded (a GPU's generator draws other numbers
+        # than the CPU's), not required: either is the checkpoint ``name``.
+        (staging / _MARKER).write_text(json.dumps(
+            {**_marker(name, seed, shapes, checkpoint.options),
+             _DRAWN_ON: torch.device(device or "cpu").type}, indent=1))
         _replace_dir(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -311,8 +315,11 @@ def ensure_bench_checkpoint(path: str | Path | None = None,
     marker = out / _MARKER
     checkpoint = bench_checkpoint(name)
     expected = _marker(name, seed, checkpoint.shapes, checkpoint.options)
-    if marker.is_file() and json.loads(marker.read_text()) == expected:
-        return out
+    if marker.is_file():
+        found = json.loads(marker.read_text())
+        found.pop(_DRAWN_ON, None)
+        if found == expected:
+            return out
     return build_bench_checkpoint(out, name, seed)
 
 

@@ -211,11 +211,13 @@ def _to_published_layout(out: pathlib.Path) -> None:
     index) to the published layout."""
     from safetensors.torch import load_file, save_file
 
+    seen: set[str] = set()
     for weights_file in sorted(out.glob("model*.safetensors")):
         weights = load_file(weights_file)
         renamed = {published_weight_name(name): t for name, t in weights.items()}
-        if len(renamed) != len(weights):
+        if len(renamed) != len(weights) or not seen.isdisjoint(renamed):
             raise RuntimeError("two weights map onto one published name")
+        seen.update(renamed)
         del weights
         save_file(renamed, weights_file, metadata={"format": "pt"})
     index_file = out / "model.safetensors.index.json"

@@ -72,6 +72,7 @@ class StepResult:
 
     def result(self) -> ModelOutput:
         out = self.output
+        start = time.perf_counter()
         for request_ids, drawn in self.deferred:
             for rid, token in zip(request_ids, drawn.to_list(), strict=True):
                 if isinstance(token, Exception):
@@ -79,6 +80,8 @@ class StepResult:
                     logger.error("sampling failed for request %s: %s", rid, _reason(token))
                 else:
                     out.sampled[rid] = token
+        if self.deferred:  # waiting for the tokens, and their conversion, count as sampling
+            out.times.sample += time.perf_counter() - start
         self.deferred = []
         return out
 
