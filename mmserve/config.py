@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,10 @@ class EngineConfig:
         "of --max-model-len fit", parse=int_or_auto)
     max_num_batched_tokens: int = flag(
         2048, "token budget of one engine step, decodes and prefill chunks together")
+    scheduler_delay_factor: float = flag(
+        0.0, "while requests decode, admit waiting ones only once the oldest has waited this "
+        "many times the last prompt step's duration (as vLLM's option of that name): fewer, "
+        "larger prompt steps interrupt the decodes; 0 admits them at once")
     # KV cache.
     block_size: int = flag(16, "tokens per KV-cache block")
     enable_prefix_caching: bool = flag(
@@ -197,6 +202,9 @@ class EngineConfig:
         if self.mm_encoder_tp_mode not in ("data", "weights"):
             raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'weights', got "
                              f"{self.mm_encoder_tp_mode!r}.")
+        if not (self.scheduler_delay_factor >= 0 and math.isfinite(self.scheduler_delay_factor)):
+            raise ValueError("scheduler_delay_factor must be a finite number >= 0, got "
+                             f"{self.scheduler_delay_factor!r}.")
         if not self.worker_timeout > 0:
             raise ValueError(f"worker_timeout must be positive seconds, got "
                              f"{self.worker_timeout}.")

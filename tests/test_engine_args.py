@@ -82,6 +82,7 @@ def test_parsed_defaults_are_the_dataclass_defaults(command: str) -> None:
      {"device": "cpu", "enforce_eager": True, "single_user_mode": True}),
     (["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1000000"],
      {"gpu_memory_utilization": 0.5, "kv_cache_memory": 1_000_000}),
+    (["--scheduler-delay-factor", "0.5"], {"scheduler_delay_factor": 0.5}),
 ])
 def test_flags_round_trip_into_the_config(argv: list[str], expected: dict) -> None:
     args = build_parser().parse_args(["serve", *argv])
@@ -105,3 +106,9 @@ def test_bad_values_are_usage_errors(argv: list[str], message: str, capsys) -> N
         build_parser().parse_args(["serve", *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", [-0.5, float("inf"), float("nan")])
+def test_a_scheduler_delay_factor_must_be_a_finite_number_not_below_zero(value: float) -> None:
+    with pytest.raises(ValueError, match="scheduler_delay_factor must be a finite number >= 0"):
+        EngineConfig(model="m", scheduler_delay_factor=value)

@@ -784,3 +784,41 @@ def test_a_schedule_that_raises_forgets_the_images_it_reserved(
             sched.schedule()
     assert not sched.encoder_cache.is_cached("img")
     assert sched.encoder_cache.num_free_tokens == sched.encoder_cache.cache_size
+
+
+def test_delay_factor_gathers_arrivals_while_requests_decode() -> None:
+    """``delay_factor`` (vLLM's ``scheduler_delay_factor``): with requests running, waiting
+    ones are admitted once the first has waited ``delay_factor`` times the last step that
+    admitted some, all that fit together; with nothing running, at once."""
+    now = [100.0]
+    kv = KVCacheManager(256, 16, True)
+    sched = Scheduler(SchedulerConfig(4, 64, 4096, 16, delay_factor=1.0), kv,
+                      compute_encoder_budget(32, 64, 4, 2, None), clock=lambda: now[0])
+
+    def arrive(rid: str) -> None:
+        req = make_req(rid, 20, seed=len(sched.requests), max_tokens=50)
+        req.arrival_time = now[0]
+        sched.add_request(req)
+
+    def step(at: float) -> list[str]:
+        now[0] = at
+        out = sched.schedule()
+        check_step(sched, out)
+        sched.update(out, ModelOutput(sampled={r.request_id: TOKEN for r in out.requests
+                                               if r.sample}))
+        return sorted(r.request_id for r in out.requests)
+
+    arrive("a")
+    assert step(100.0) == ["a"]  # nothing running: at once
+    now[0] = 100.5
+    arrive("b")
+    assert step(100.5) == ["a"]  # the prompt step took 0.5 s: b waits that long
+    now[0] = 100.8
+    arrive("c")
+    assert step(100.8) == ["a"]
+    assert step(101.1) == ["a", "b", "c"]  # b has waited 0.6 s: b and c together
+    # Without the factor a request is admitted in the step after it arrives.
+    sched.delay_factor = 0.0
+    now[0] = 101.2
+    arrive("d")
+    assert step(101.2) == ["a", "b", "c", "d"]

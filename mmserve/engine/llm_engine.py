@@ -151,6 +151,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.plan.max_model_len,
                 block_size=config.block_size,
+                delay_factor=config.scheduler_delay_factor,
             ),
             kv_cache,
             self.encoder_budget,

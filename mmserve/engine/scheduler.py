@@ -7,7 +7,9 @@ There is no prefill or decode phase. Every request has ``num_computed_tokens`` c
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mmserve.engine.encoder_cache import EncoderBudget, EncoderCacheManager, KVLending
@@ -30,6 +32,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     block_size: int
+    # While requests run, admit waiting ones only once the oldest has waited this many times
+    # the last prompt step's duration (0: at once).
+    delay_factor: float = 0.0
 
 
 class Scheduler:
@@ -40,10 +45,12 @@ class Scheduler:
         encoder_budget: EncoderBudget,
         lending: KVLending | None = None,
         queue_aware_eviction: bool = True,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """``lending``: how encoder outputs fit in the KV cache's blocks, to let them borrow
         free ones (None: they never do). ``queue_aware_eviction``: cached image embeddings
-        that waiting requests show are evicted last (else plain LRU)."""
+        that waiting requests show are evicted last (else plain LRU). ``clock``: the time of
+        requests' ``arrival_time``."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -52,6 +59,11 @@ class Scheduler:
             encoder_budget.cache_tokens, lending,
             self._waiting_image_hashes if queue_aware_eviction else None)
         self.encoder_compute_budget = encoder_budget.compute_tokens
+        self.delay_factor = config.delay_factor
+        self._clock = clock
+        self._last_schedule: float | None = None  # when the step before was scheduled
+        self._admitted_last = False  # whether that step admitted waiting requests
+        self._prompt_step_s = 0.0  # how long the last step that admitted some took
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -237,7 +249,9 @@ class Scheduler:
             i += 1
 
         # Then waiting requests, first come first served; none once a running one lacked room.
-        while (self.waiting and token_budget > 0 and not short
+        admit = self._admission_due()
+        admitted = len(self.running)
+        while (admit and self.waiting and token_budget > 0 and not short
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
             # Prompt logprobs need every prompt position computed, cached or not.
@@ -262,6 +276,7 @@ class Scheduler:
             commit(req, num_new, to_encode)
             compute_budget = new_compute_budget
             token_budget -= num_new
+        self._admitted_last = len(self.running) > admitted
 
         for req, num_new in scheduled:
             start = req.num_computed_tokens
@@ -290,6 +305,20 @@ class Scheduler:
         out.encoder_restores, out.encoder_spills = ops.restores, ops.spills
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
         return out
+
+    def _admission_due(self) -> bool:
+        """Whether waiting requests may be admitted in the step being scheduled: at once
+        without ``delay_factor`` or with nothing running; else once the first in the queue
+        has waited ``delay_factor`` times the duration of the last step that admitted some
+        (from its scheduling to the next step's), so that arrivals are prefilled together
+        instead of each in a long step of its own between the running requests' decodes."""
+        now = self._clock()
+        if self._admitted_last and self._last_schedule is not None:
+            self._prompt_step_s = now - self._last_schedule
+        self._last_schedule = now
+        if self.delay_factor <= 0 or not self.running or not self.waiting:
+            return True
+        return now - self.waiting[0].arrival_time >= self.delay_factor * self._prompt_step_s
 
     def _num_tokens(self, req: Request, pending: frozenset[str]) -> int:
         """The tokens ``req`` will have once the step in flight ends: one more when it samples
