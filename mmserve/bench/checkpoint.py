@@ -98,53 +98,36 @@ _LLAVA_SAMPLE_PROMPT = ("SYSTEM: You are a helpful assistant.\nUSER: What is in 
 _CLIP_L_336 = {"image_size": 336, "patch_size": 14, "vision_hidden": 1024, "vision_layers": 24,
                "vision_heads": 16}
 
+
+def _llava(shapes: dict[str, Any], draw_on_gpu: bool = False) -> BenchCheckpoint:
+    """A LLaVA bench checkpoint of these shapes, in the published layout (the Hub's weight
+    names, which vLLM's LLaVA loader requires), with a 32000-piece vocabulary and 4096
+    positions."""
+    return BenchCheckpoint(
+        family="llava",
+        shapes={**shapes, "vocab_size": 32000, "max_position_embeddings": 4096},
+        special_tokens=LLAVA_SPECIAL_TOKENS,
+        chat_template=llava_fixture.CHAT_TEMPLATE,
+        sample_prompt=_LLAVA_SAMPLE_PROMPT,
+        options={"layout": "published"},
+        draw_on_gpu=draw_on_gpu,
+    )
+
+
 BENCH_CHECKPOINTS: dict[str, BenchCheckpoint] = {
-    "llava": BenchCheckpoint(
-        family="llava",
-        shapes={
-            "image_size": 224,
-            "patch_size": 16,
-            "vision_hidden": 768,
-            "vision_layers": 12,
-            "vision_heads": 12,
-            "text_hidden": 768,
-            "text_layers": 12,
-            "text_heads": 12,
-            "text_kv_heads": 4,
-            "intermediate_size": 2048,
-            "vocab_size": 32000,
-            "max_position_embeddings": 4096,
-        },
-        special_tokens=LLAVA_SPECIAL_TOKENS,
-        chat_template=llava_fixture.CHAT_TEMPLATE,
-        sample_prompt=_LLAVA_SAMPLE_PROMPT,
-        # The Hub's weight names, which vLLM's LLaVA loader requires.
-        options={"layout": "published"},
-    ),
-    # LLaVA-1.5's vision tower and projector before a TinyLlama-sized decoder: 1.4B parameters.
-    "llava-1.4b": BenchCheckpoint(
-        family="llava",
-        shapes={**_CLIP_L_336, "text_hidden": 2048, "text_layers": 22, "text_heads": 32,
-                "text_kv_heads": 4, "intermediate_size": 5632, "vocab_size": 32000,
-                "max_position_embeddings": 4096},
-        special_tokens=LLAVA_SPECIAL_TOKENS,
-        chat_template=llava_fixture.CHAT_TEMPLATE,
-        sample_prompt=_LLAVA_SAMPLE_PROMPT,
-        options={"layout": "published"},
-        draw_on_gpu=True,
-    ),
-    # LLaVA-1.5-7B's shapes: 7.1B parameters.
-    "llava-7b": BenchCheckpoint(
-        family="llava",
-        shapes={**_CLIP_L_336, "text_hidden": 4096, "text_layers": 32, "text_heads": 32,
-                "text_kv_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
-                "max_position_embeddings": 4096},
-        special_tokens=LLAVA_SPECIAL_TOKENS,
-        chat_template=llava_fixture.CHAT_TEMPLATE,
-        sample_prompt=_LLAVA_SAMPLE_PROMPT,
-        options={"layout": "published"},
-        draw_on_gpu=True,
-    ),
+    "llava": _llava({"image_size": 224, "patch_size": 16, "vision_hidden": 768,
+                     "vision_layers": 12, "vision_heads": 12, "text_hidden": 768,
+                     "text_layers": 12, "text_heads": 12, "text_kv_heads": 4,
+                     "intermediate_size": 2048}),
+    # LLaVA-1.5's vision tower and projector before a TinyLlama-sized decoder: 1.41B
+    # parameters.
+    "llava-1.4b": _llava({**_CLIP_L_336, "text_hidden": 2048, "text_layers": 22,
+                          "text_heads": 32, "text_kv_heads": 4, "intermediate_size": 5632},
+                         draw_on_gpu=True),
+    # LLaVA-1.5-7B's shapes: 7.06B parameters.
+    "llava-7b": _llava({**_CLIP_L_336, "text_hidden": 4096, "text_layers": 32,
+                        "text_heads": 32, "text_kv_heads": 32, "intermediate_size": 11008},
+                       draw_on_gpu=True),
     "qwen2_5_vl": BenchCheckpoint(
         family="qwen2_5_vl",
         shapes={

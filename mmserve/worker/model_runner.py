@@ -162,7 +162,7 @@ class ModelRunner:
         try:
             self.last_sampled.update(self._execute(scheduler_output, encoder_pixels, out,
                                                    deferred))
-            return StepResult(self._note_sampled(scheduler_output, out), deferred or [])
+            return StepResult(self._note_failed(out), deferred or [])
         except CollectiveError:
             raise  # the ranks' group is broken: no request can run (the engine stops)
         except Exception as e:  # noqa: BLE001 (contained below, and logged)
@@ -177,8 +177,8 @@ class ModelRunner:
                 logger.error("engine step failed for request %s: %s",
                              ", ".join(r.request_id for r in requests) or "(none)",
                              _reason(e), exc_info=e)
-                return StepResult(self._note_sampled(
-                    scheduler_output, self._with_failed_images(scheduler_output, out)), [])
+                return StepResult(self._note_failed(
+                    self._with_failed_images(scheduler_output, out)), [])
             logger.warning("an engine step of %d requests failed (%s); running each alone to "
                            "find the ones responsible", len(requests), _reason(e))
         for req in scheduler_output.requests:
@@ -191,8 +191,8 @@ class ModelRunner:
                 out.errors[req.request_id] = _reason(e)
                 logger.error("engine step failed for request %s: %s", req.request_id,
                              _reason(e), exc_info=e)
-        return StepResult(self._note_sampled(
-            scheduler_output, self._with_failed_images(scheduler_output, out)), [])
+        return StepResult(self._note_failed(
+            self._with_failed_images(scheduler_output, out)), [])
 
     def _assign_images(self, scheduler_output: SchedulerOutput) -> None:
         """Which rank encodes each of the step's images (tensor parallelism, the tower
@@ -248,14 +248,13 @@ class ModelRunner:
             input_ids[tensor_on(at, torch.long, input_ids.device)] = tokens[index]
         return input_ids
 
-    def _note_sampled(self, scheduler_output: SchedulerOutput, out: ModelOutput) -> ModelOutput:
-        """Forget where a request's token is where its step failed, and remember the requests
-        it failed for (a step scheduled ahead of this one skips them). Failures a deferred
-        step's tokens show later (``StepResult``) are the engine's to handle."""
+    def _note_failed(self, out: ModelOutput) -> ModelOutput:
+        """Remember the requests the step failed for (a step scheduled ahead of this one
+        skips them), and forget where their tokens are. Failures a deferred step's tokens show
+        later (``StepResult``) are the engine's to handle."""
         self._failed = set(out.errors)
-        for r in scheduler_output.requests:
-            if r.sample and r.request_id in out.errors:
-                self.last_sampled.pop(r.request_id, None)
+        for rid in self._failed:
+            self.last_sampled.pop(rid, None)
         return out
 
     def _with_failed_images(self, scheduler_output: SchedulerOutput,
@@ -339,7 +338,7 @@ class ModelRunner:
                 if r.sampling_params.logprobs is not None and not isinstance(token, Exception)]
         if not rows:
             return {}
-        index = torch.tensor(rows, device=logits.device)
+        index = tensor_on(rows, torch.long, logits.device)
         return dict(zip(
             (sampled[i].request_id for i in rows),
             token_logprobs(logits.index_select(0, index), [tokens[i] for i in rows],
