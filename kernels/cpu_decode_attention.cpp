@@ -210,16 +210,14 @@ inline __m512 sum_lanes_of_16(__m512 v[16]) {
                        _mm512_shuffle_f32x4(h01, h23, 0b11011101));
 }
 
-// Where token t's row of one KV head lives in the paged cache (head_rows already points at
-// the head's first dimension).
+// Where token t's row of one KV head lives in the paged cache: head_rows points at the head's
+// first dimension in the cache, offsets[t] is the row's distance from there (worked out once
+// per sequence, so that no key's address takes a division by the block size).
 struct PagedRows {
   const uint16_t* head_rows;
-  const int64_t* table;
-  int64_t block_size, block_stride, token_stride;
+  const int64_t* offsets;
 
-  const uint16_t* operator()(int64_t t) const {
-    return head_rows + table[t / block_size] * block_stride + (t % block_size) * token_stride;
-  }
+  const uint16_t* operator()(int64_t t) const { return head_rows + offsets[t]; }
 };
 
 // Scaled scores of `group` bfloat16 query heads against a sequence's keys, 16 keys at a time:
@@ -331,6 +329,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     std::vector<uint16_t> prob_bits;  // bfloat16 probabilities of the fast path
+    std::vector<int64_t> row_offsets;  // the fast path's rows of the sequence `offsets_of`
+    int64_t offsets_of = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t len = lens[seq];
@@ -359,10 +359,19 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       if constexpr (std::is_same_v<T, c10::BFloat16> && kHeadDim % 32 == 0 && kHeadDim > 0) {
         const auto* q_bits = reinterpret_cast<const uint16_t*>(q_ptr) +
                              (seq * num_heads + kv_head * group) * head_dim;
-        const PagedRows keys{reinterpret_cast<const uint16_t*>(k_ptr) + head_offset, table,
-                             block_size, block_stride, token_stride};
-        const PagedRows values{reinterpret_cast<const uint16_t*>(v_ptr) + head_offset, table,
-                               block_size, block_stride, token_stride};
+        if (offsets_of != seq) {  // a sequence's KV heads are consecutive items
+          row_offsets.resize(len);
+          for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+            const int64_t block = table[t0 / block_size] * block_stride;
+            for (int64_t i = 0; i < std::min(block_size, len - t0); ++i)
+              row_offsets[t0 + i] = block + i * token_stride;
+          }
+          offsets_of = seq;
+        }
+        const PagedRows keys{reinterpret_cast<const uint16_t*>(k_ptr) + head_offset,
+                             row_offsets.data()};
+        const PagedRows values{reinterpret_cast<const uint16_t*>(v_ptr) + head_offset,
+                               row_offsets.data()};
         bf16_scores<kHeadDim>(q_bits, group, keys, len, fscale, scores.data());
         softmax_rows(scores.data(), group, len);
         prob_bits.resize(group * (len + 1));

@@ -11,8 +11,12 @@
 // packed_linear(x [M, K], panels, bias, N) -> x @ weight.T + bias, [M, N]; the bias float32,
 //                                         zero-padded to whole panels, or None
 //
-// Each work item is one panel (32 outputs) for up to 64 rows: tiles of 8 rows by 32 outputs
-// accumulate in 16 float32 registers over all of K, then round to bfloat16 once.
+// Each work item is one panel (32 outputs) for a chunk of up to 64 rows: tiles of 8 rows by
+// 32 outputs accumulate in 16 float32 registers over all of K, then round to bfloat16 once.
+// A decode step's chunk (16 rows or fewer) reads its panel from memory, not from cache, so it
+// goes through K in blocks that every tile uses while they are in L1 (the sums parked between
+// blocks), prefetching the next block: the panel is read once per step and the memory kept
+// busy while the second tile computes. Summation order is the same either way.
 
 #include <ATen/ATen.h>
 
@@ -32,17 +36,35 @@ constexpr int64_t kCols = 32;       // outputs per panel (two vectors of 16 floa
 constexpr int64_t kTileRows = 8;    // rows per register tile
 constexpr int64_t kChunkRows = 64;  // rows per work item
 
+// Chunks of up to kStreamRows rows stream their panel in blocks of kBlockPairs input pairs
+// (16 KiB); larger chunks compute from cache, a whole panel per tile.
+constexpr int64_t kStreamRows = 16;
+constexpr int64_t kBlockPairs = 128;
+
+// Rows [0, R) of a tile over input pairs [0, pairs) of one block of a panel. The sums start
+// from `sums` (or the bias, or zero, on the first block) and go back to `sums`, or, on the
+// last block, round to bfloat16 into `out`.
 template <int64_t R>
 void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pairs,
-          const float* bias, uint16_t* out, int64_t out_stride, int64_t cols) {
+          float* sums, bool first, const float* bias, uint16_t* out, int64_t out_stride,
+          int64_t cols, const uint16_t* prefetch) {
   __m512 acc[R][2];
   for (int64_t r = 0; r < R; ++r) {
-    acc[r][0] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    acc[r][1] = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    if (!first) {
+      acc[r][0] = _mm512_loadu_ps(sums + r * kCols);
+      acc[r][1] = _mm512_loadu_ps(sums + r * kCols + 16);
+    } else {
+      acc[r][0] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+      acc[r][1] = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    }
   }
   for (int64_t p = 0; p < pairs; ++p) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kCols);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kCols + kCols);
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols + kCols), _MM_HINT_T0);
+    }
     for (int64_t r = 0; r < R; ++r) {
       uint32_t pair;
       std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof pair);
@@ -50,6 +72,13 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
     }
+  }
+  if (out == nullptr) {
+    for (int64_t r = 0; r < R; ++r) {
+      _mm512_storeu_ps(sums + r * kCols, acc[r][0]);
+      _mm512_storeu_ps(sums + r * kCols + 16, acc[r][1]);
+    }
+    return;
   }
   const __mmask16 lo = mmserve_cpu::first_lanes(cols), hi = mmserve_cpu::first_lanes(cols - 16);
   for (int64_t r = 0; r < R; ++r) {
@@ -59,8 +88,8 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
   }
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*,
-                        uint16_t*, int64_t, int64_t);
+using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, bool,
+                        const float*, uint16_t*, int64_t, int64_t, const uint16_t*);
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
                                           tile<5>, tile<6>, tile<7>, tile<8>};
 
@@ -130,19 +159,33 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // Rows are split into chunks of at most kChunkRows, all of about the same size, so that
+  // threads given equal numbers of items get equal work (197 rows: 50, 50, 50 and 47, not 64,
+  // 64, 64 and 5, which left one of two threads 59 rows behind).
   const int64_t x_stride = x.stride(0), chunks = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t chunk_rows = chunks > 0 ? (rows + chunks - 1) / chunks : 0;
   // Items are (row chunk, panel), panels inner: consecutive items of one thread share rows.
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / panels, panel = item % panels;
-      const int64_t row_end = std::min(rows, (chunk + 1) * kChunkRows);
+      const int64_t row_begin = chunk * chunk_rows, row_end = std::min(rows, row_begin + chunk_rows);
       const int64_t cols = std::min<int64_t>(kCols, out_features - panel * kCols);
       const uint16_t* w = wp + panel * pairs * 2 * kCols;
       const float* b = bp ? bp + panel * kCols : nullptr;
-      for (int64_t r = chunk * kChunkRows; r < row_end; r += kTileRows) {
-        const int64_t n = std::min(kTileRows, row_end - r);
-        kTiles[n](xp + r * x_stride, x_stride, w, pairs, b, op + r * out_features + panel * kCols,
-                  out_features, cols);
+      const bool stream = row_end - row_begin <= kStreamRows;
+      const int64_t block_pairs = stream ? kBlockPairs : std::max<int64_t>(pairs, 1);
+      float sums[kStreamRows * kCols];  // the tiles' sums between blocks
+      // At least one block, so that a weight without inputs still writes its bias.
+      for (int64_t p0 = 0; p0 == 0 || p0 < pairs; p0 += block_pairs) {
+        const int64_t block = std::min(block_pairs, pairs - p0);
+        const bool first = p0 == 0, last = p0 + block == pairs;
+        for (int64_t r = row_begin; r < row_end; r += kTileRows) {
+          const int64_t n = std::min(kTileRows, row_end - r);
+          kTiles[n](xp + r * x_stride + 2 * p0, x_stride, w + p0 * 2 * kCols, block,
+                    sums + (r - row_begin) * kCols, first, b,
+                    last ? op + r * out_features + panel * kCols : nullptr, out_features, cols,
+                    stream && r == row_begin ? w + (p0 + block) * 2 * kCols : nullptr);
+        }
       }
     }
   });

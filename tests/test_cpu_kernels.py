@@ -508,6 +508,10 @@ def _bf16_linear(in_features, out_features, bias, seed):
     (64, 768, 32000, False),  # a decode step through the LM head
     (200, 2048, 768, True),  # several row chunks, a tile tail, bias
     (9, 768, 256, False),
+    # Decode-sized chunks go through the inputs in blocks of 128 pairs: a last block of 116
+    # pairs, two tiles, bias.
+    (16, 1000, 96, True),
+    (65, 256, 64, False),  # two chunks of 33 rows rather than 64 and 1
 ])
 def test_packed_linear_matches_torch(packed, rows, in_features, out_features, bias):
     linear = _bf16_linear(in_features, out_features, bias, seed=rows)
