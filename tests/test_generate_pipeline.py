@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from mmserve import LLM, SamplingParams
-from mmserve.entrypoints import llm as llm_module
+from mmserve.engine import prompt_feed
 from mmserve.errors import InvalidInputError
 from tests.conftest import assert_no_leaks, make_image
 
@@ -38,7 +38,7 @@ def alone(llm: LLM) -> list[list[int]]:
 def preprocess_on(request, monkeypatch):
     """Both ways of preprocessing: threads (beside a GPU engine) and between steps (CPU)."""
     if request.param == "threads":
-        monkeypatch.setattr(llm_module, "_preprocess_pool",
+        monkeypatch.setattr(prompt_feed, "preprocess_pool",
                             lambda device: ThreadPoolExecutor(2))
     return request.param
 
@@ -47,7 +47,7 @@ def test_the_engine_steps_while_later_prompts_are_preprocessed(llm, alone, monke
                                                               preprocess_on):
     """With threads, as soon as the first prompt is ready; between steps, beyond the window
     (4 prompts here: max_num_seqs=2 and no floor)."""
-    monkeypatch.setattr(llm_module, "MIN_REQUESTS_AHEAD", 0)
+    monkeypatch.setattr(prompt_feed, "MIN_REQUESTS_AHEAD", 0)
     engine = llm.engine
     stepped = threading.Event()
     real_step, real_process = engine.step, engine.process_request
@@ -76,8 +76,8 @@ def test_the_engine_steps_while_later_prompts_are_preprocessed(llm, alone, monke
 def test_prompts_held_ahead_of_the_engine_are_bounded(llm, alone, monkeypatch, preprocess_on):
     """max_num_seqs=2 and no floor: at most 4 of the call's prompts preprocessed or running
     at once."""
-    assert llm_module.requests_ahead(2) == 64 and llm_module.requests_ahead(100) == 200
-    monkeypatch.setattr(llm_module, "MIN_REQUESTS_AHEAD", 0)
+    assert prompt_feed.requests_ahead(2) == 64 and prompt_feed.requests_ahead(100) == 200
+    monkeypatch.setattr(prompt_feed, "MIN_REQUESTS_AHEAD", 0)
     engine = llm.engine
     real_step, real_process = engine.step, engine.process_request
     count = {"processed": 0, "finished": 0, "most": 0}
@@ -110,3 +110,41 @@ def test_a_bad_prompt_aborts_the_calls_requests_and_the_engine_goes_on(llm, alon
         llm.generate(prompts, GREEDY)
     assert_no_leaks(llm.engine)
     assert [o.token_ids for o in llm.generate([_prompt(0), _prompt(1)], GREEDY)] == alone[:2]
+
+
+def test_the_throughput_bench_feeds_the_engine_as_generate_does(llm, monkeypatch, preprocess_on):
+    """``run_throughput`` shares generate's feed: with threads its first step does not wait
+    for the last prompt, and the outputs are the same either way (and leave nothing held)."""
+    from mmserve.bench.throughput import run_throughput
+    from mmserve.bench.workload import WorkloadConfig, build_workload
+
+    engine = llm.engine
+    workload = build_workload(WorkloadConfig(num_prompts=6, image_sizes=((40, 32), (48, 32)),
+                                             output_len=(3, 5), prompt_len=4),
+                              engine.processor.tokenizer)
+    stepped = threading.Event()
+    real_step, real_process = engine.step_with_record, engine.process_request
+    waited: list[bool] = []
+
+    def step_with_record():
+        stepped.set()
+        return real_step()
+
+    def process_request(prompt, params=None, request_id=None):
+        if prompt["images"][0] is last_image and preprocess_on == "threads":
+            waited.append(stepped.wait(timeout=10))
+        return real_process(prompt, params, request_id)
+
+    last_image = workload.requests[-1].images[0]
+    monkeypatch.setattr(engine, "step_with_record", step_with_record)
+    monkeypatch.setattr(engine, "process_request", process_request)
+    run = run_throughput(engine, workload, use_tqdm=False)
+    assert waited == ([True] if preprocess_on == "threads" else [])
+    assert [len(o.token_ids) for o in run.outputs] == [r.output_len for r in workload.requests]
+    monkeypatch.setattr(engine, "process_request", real_process)
+    alone = [llm.generate(r.prompt(), SamplingParams(max_tokens=r.output_len, temperature=0.0,
+                                                      ignore_eos=True))[0].token_ids
+             for r in workload.requests]
+    assert [o.token_ids for o in run.outputs] == alone
+    assert run.results["time_s"]["preprocessing"] > 0
+    assert_no_leaks(engine)

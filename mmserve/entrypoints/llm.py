@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -13,6 +11,7 @@ from tqdm.auto import tqdm
 from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.memory_plan import MemoryPlan
+from mmserve.engine.prompt_feed import PromptFeed
 from mmserve.outputs import RequestOutput
 from mmserve.processing.images import ImageLike
 from mmserve.sampling_params import SamplingParams
@@ -130,32 +129,13 @@ class LLM:
         engine = self.engine
         ids = [[engine.next_request_id() for _ in range(p.n)] for p in params]  # per prompt
         wanted = {rid for group in ids for rid in group}
-        window = requests_ahead(engine.scheduler.max_num_seqs)
-        pending: dict[int, Future] = {}  # prompt index -> its preprocessing
-        submitted = queued = 0  # prompts handed to the pool; to the engine
-        requests = 0  # completions of the submitted prompts
         done: dict[str, RequestOutput] = {}
-        pool = _preprocess_pool(engine.config.resolved_device)
+        feed = PromptFeed(engine, prompts, params, ids)
         try:
             with tqdm(total=len(wanted), desc="Processed prompts",
                       disable=not use_tqdm) as bar:
                 while len(done) < len(wanted):
-                    while submitted < len(prompts) and requests - len(done) < window:
-                        pending[submitted] = pool.submit(engine.process_request,
-                                                         prompts[submitted], params[submitted],
-                                                         ids[submitted][0])
-                        requests += params[submitted].n
-                        submitted += 1
-                    # Queue the prompts that are ready, in order; wait for the next one only
-                    # when the engine has nothing else to do.
-                    while queued < submitted and (pending[queued].done()
-                                                  or not engine.has_unfinished_requests()):
-                        req = pending.pop(queued).result()
-                        children = ([req] if req.sampling_params.n == 1
-                                    else engine.fork_request(req, ids[queued]))
-                        for child in children:
-                            engine.add_processed_request(child)
-                        queued += 1
+                    feed.top_up(len(done))
                     if not engine.has_unfinished_requests():
                         break  # nothing queued, nothing to queue: see below
                     for out in engine.step():
@@ -163,15 +143,10 @@ class LLM:
                             done[out.request_id] = out
                             bar.update(1)
         except BaseException:
-            for future in pending.values():
-                future.cancel()
-            for group in ids[:queued]:
-                for rid in group:
-                    if rid not in done:
-                        engine.abort_request(rid)
+            feed.abort(done)
             raise
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            feed.close()
         missing = [rid for group in ids for rid in group if rid not in done]
         if missing:  # the engine lost track of them: a bug, not a state to hang in
             for rid in missing:
@@ -183,38 +158,3 @@ class LLM:
 def _with_completions(outs: list[RequestOutput]) -> RequestOutput:
     """A prompt's output: its first completion's, with every completion in ``outputs``."""
     return replace(outs[0], outputs=[out.completion(i) for i, out in enumerate(outs)])
-
-
-# The fewest requests of a ``generate`` call the engine may hold at once, whatever its
-# max_num_seqs: waiting requests are what the scheduler plans the encoder cache by (an image a
-# later request needs again is kept, or waits in free KV blocks).
-MIN_REQUESTS_AHEAD = 64
-
-
-def requests_ahead(max_num_seqs: int) -> int:
-    """How many requests of a ``generate`` call are held preprocessed or running at once."""
-    return max(2 * max_num_seqs, MIN_REQUESTS_AHEAD)
-
-
-def _preprocess_pool(device: str) -> Executor:
-    """Where ``generate`` preprocesses prompts. Beside a GPU engine, threads: one per four
-    cores this process may use (image decoding and resizing release the GIL), at least one, at
-    most eight. On the CPU the calling thread, between steps: the engine's steps already take
-    every core, and a thread beside them only contends (a 48-image caption batch of the demo
-    model ran 0.5x as fast with one, on 2 cores)."""
-    if device == "cpu":
-        return _InlineExecutor()
-    workers = max(1, min(8, len(os.sched_getaffinity(0)) // 4))
-    return ThreadPoolExecutor(workers, thread_name_prefix="mmserve-prep")
-
-
-class _InlineExecutor(Executor):
-    """Runs each task when it is submitted, in the submitting thread."""
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 (raised where the result is taken)
-            future.set_exception(e)
-        return future
