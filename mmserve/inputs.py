@@ -7,14 +7,51 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 # One image's encoder input: the named tensors its family's processing made for it alone, as
-# the model's ``encode_images`` takes them ("pixel_values", and e.g. "image_grid_thw").
+# the model's ``encode_images`` takes them ("pixel_values", and e.g. "image_grid_thw"). Beside
+# a GPU, "pixel_values" may be the resized pixels still as integers (uint8), with the
+# ``PixelArithmetic`` that finishes them under PIXEL_ARITHMETIC: the runner does that on the
+# device, for a step's images at once.
 EncoderInput = Mapping[str, Any]
+PIXEL_ARITHMETIC = "pixel_arithmetic"
 
 
 def encoder_input_bytes(item: EncoderInput) -> int:
     """Bytes the tensors of one encoder input hold."""
-    return sum(t.nelement() * t.element_size() for t in item.values())
+    return sum(t.nelement() * t.element_size() for t in item.values()
+               if isinstance(t, torch.Tensor))
+
+
+def with_integer_pixels(item: EncoderInput, arithmetic: PixelArithmetic) -> EncoderInput:
+    """``item`` whose pixel values are resized integers, as uint8, with the arithmetic that
+    finishes them."""
+    return {**item, "pixel_values": item["pixel_values"].to(torch.uint8),
+            PIXEL_ARITHMETIC: arithmetic}
+
+
+@dataclass(frozen=True)
+class PixelArithmetic:
+    """What an image processor does to resized pixels: rescale and normalize by channel, as
+    one table per channel of the float32 value each of the 256 integer values becomes
+    (``table[c, v]``), worked out once by the processor's own arithmetic, so a lookup gives
+    the same bits the processor would. ``channels`` is the pixel values' channel count: they
+    are read as ``[n, channels, rest]`` (``[images, 3, height, width]`` and Qwen2-VL's
+    ``[patches, 3 * temporal * patch * patch]`` both are)."""
+
+    table: torch.Tensor  # float32 [channels, 256]
+    channels: int
+
+    def apply(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The finished float32 pixel values of integer ``pixels`` (uint8), on their device."""
+        table = self.table.to(pixels.device)
+        grouped = pixels.reshape(pixels.shape[0], self.channels, -1)
+        out = torch.empty(grouped.shape, dtype=torch.float32, device=pixels.device)
+        for c in range(self.channels):
+            values = grouped[:, c].reshape(-1).int()
+            out[:, c] = table[c].index_select(0, values).view(grouped.shape[0], -1)
+        return out.view(pixels.shape)
 
 
 @dataclass

@@ -87,7 +87,8 @@ class LLMEngine:
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         dtype = config.torch_dtype
         self.processor = InputProcessor(config.model, hf_config, config.max_image_pixels,
-                                        config.mm_processor_kwargs, config.max_image_size)
+                                        config.mm_processor_kwargs, config.max_image_size,
+                                        config.resolved_device)
         eos = self.processor.eos_token_id
         self.grammars = GrammarCompiler(self.processor.tokenizer,
                                         hf_config.get_text_config().vocab_size,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from mmserve.config import EngineConfig
 from mmserve.engine.encoder_cache import EncoderBudget
 from mmserve.engine.memory_plan import max_num_seqs_bound
-from mmserve.inputs import EncoderInput
+from mmserve.inputs import EncoderInput, with_integer_pixels
 from mmserve.processing.family import MultiModalFamily
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import ImageSlice, ScheduledRequest, SchedulerOutput
@@ -88,11 +88,16 @@ def profile_batch_for(config: EngineConfig, hf_config, family: MultiModalFamily,
     worst-case dummy image, of ``max_tokens_per_item`` tokens, and where the family has items
     of any size and the cache has room, one more that spends the rest of the step's encoder
     budget."""
+    # The dummies as the engine's preprocessing sends images: on a GPU, integer pixels that
+    # the runner finishes there.
+    arithmetic = family.pixel_arithmetic_for(config.resolved_device)
+    sent = ((lambda item: item) if arithmetic is None
+            else (lambda item: with_integer_pixels(item, arithmetic)))
     extra = None
     rest = encoder_budget.compute_tokens - num_images * encoder_budget.max_tokens_per_item
     if 0 < num_images < encoder_budget.cache_items and rest > 0:
         item = family.dummy_encoder_input_of(rest)
-        extra = (rest, item) if item is not None else None
+        extra = (rest, sent(item)) if item is not None else None
     return profile_batch(
         num_tokens=config.max_num_batched_tokens,
         max_num_seqs=max_num_seqs_bound(config),
@@ -100,7 +105,7 @@ def profile_batch_for(config: EngineConfig, hf_config, family: MultiModalFamily,
         block_size=config.block_size,
         num_images=num_images,
         tokens_per_image=encoder_budget.max_tokens_per_item,
-        encoder_input=family.dummy_encoder_input(),
+        encoder_input=sent(family.dummy_encoder_input()),
         position_rows=family.position_rows,
         extra_image=extra,
     )

@@ -13,14 +13,19 @@ in its own module and registers by Hugging Face architecture name in
 
 from __future__ import annotations
 
+import functools
+import logging
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 
-from mmserve.inputs import EncoderInput, ImageInput
+from mmserve.inputs import EncoderInput, ImageInput, PixelArithmetic, with_integer_pixels
+
+logger = logging.getLogger(__name__)
 
 
 class MultiModalFamily(ABC):
@@ -72,10 +77,69 @@ class MultiModalFamily(ABC):
         return None
 
     @abstractmethod
-    def encoder_input(self, image: Image.Image) -> EncoderInput:
+    def encoder_input(self, image: Image.Image, **overrides: Any) -> EncoderInput:
         """The encoder's input for one decoded RGB image, as the processor makes it: named
         tensors ("pixel_values", and what else the family's encoder takes, such as an image
-        grid), the model's ``encode_images`` input for this image alone."""
+        grid), the model's ``encode_images`` input for this image alone. ``overrides`` are
+        image-processor settings over those in force (``device_encoder_input`` turns the
+        rescaling and normalization off)."""
+
+    @functools.cached_property
+    def device_pixel_arithmetic(self) -> PixelArithmetic | None:
+        """The image processor's rescaling and normalization under the settings in force, as
+        a table for a device to look the resized pixels up in, or None where the processor's
+        pixel values are not exactly that lookup (then it keeps doing all of it). Checked on
+        a noise image, bit for bit."""
+        ip, kw = self.image_processor, self.mm_processor_kwargs
+        setting = lambda name: kw.get(name, getattr(ip, name, None))  # noqa: E731
+        # transformers' arithmetic: the rescale in float64, rounded to float32 once, then
+        # (x - mean) / std in float32.
+        values = np.arange(256, dtype=np.float64)
+        if setting("do_rescale"):
+            values = values * setting("rescale_factor")
+        values = values.astype(np.float32)
+        channels = 3
+        table = np.tile(values, (channels, 1))
+        if setting("do_normalize"):
+            mean, std = setting("image_mean"), setting("image_std")
+            mean = np.array(mean if isinstance(mean, Collection) else [mean] * channels,
+                            dtype=np.float32)
+            std = np.array(std if isinstance(std, Collection) else [std] * channels,
+                           dtype=np.float32)
+            table = (table - mean[:, None]) / std[:, None]
+        arithmetic = PixelArithmetic(torch.from_numpy(np.ascontiguousarray(table)), channels)
+        noise = Image.fromarray(np.random.default_rng(0).integers(
+            0, 256, (37, 53, 3), dtype=np.uint8))
+        try:
+            expected = self.encoder_input(noise)["pixel_values"]
+            raw = self.device_encoder_input(noise, arithmetic)["pixel_values"]
+            same = torch.equal(arithmetic.apply(raw), expected)
+        except (ValueError, RuntimeError, TypeError) as e:
+            same, reason = False, f"{type(e).__name__}: {e}"
+        else:
+            reason = "its pixel values differ from a lookup of the resized integers"
+        if not same:
+            logger.info("%s: the image processor keeps rescaling and normalizing on the CPU "
+                        "(%s)", type(ip).__name__, reason)
+            return None
+        return arithmetic
+
+    def device_encoder_input(self, image: Image.Image,
+                             arithmetic: PixelArithmetic) -> EncoderInput:
+        """``encoder_input`` left as the resized integer pixels (uint8, a quarter of the
+        bytes) with ``arithmetic`` to finish them where they are encoded."""
+        item = self.encoder_input(image, do_rescale=False, do_normalize=False)
+        pixels = item["pixel_values"]
+        if pixels.is_floating_point() and not torch.equal(pixels, pixels.round().clamp(0, 255)):
+            raise ValueError("the image processor's resized pixels are not integers of 0-255")
+        return with_integer_pixels(item, arithmetic)
+
+    def pixel_arithmetic_for(self, device: str) -> PixelArithmetic | None:
+        """Where the rescaling and normalization run for an engine on ``device``: on a GPU,
+        there (the arithmetic, where the processor's output is exactly its lookup), for a
+        step's images at once; None: in preprocessing, on the CPU, where the engine's steps
+        already take every core."""
+        return self.device_pixel_arithmetic if device == "cuda" else None
 
     def dummy_encoder_input(self) -> EncoderInput:
         """The profile run's encoder input: ``encoder_input(dummy_image())`` with its pixel

@@ -97,12 +97,12 @@ class LlavaFamily(MultiModalFamily):
         height, width = self._side
         return Image.new("RGB", (width, height))
 
-    def encoder_input(self, image: Image.Image) -> dict[str, torch.Tensor]:
-        return {"pixel_values": self.pixel_values(image)}
+    def encoder_input(self, image: Image.Image, **overrides: Any) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.pixel_values(image, **overrides)}
 
-    def pixel_values(self, image: Image.Image) -> torch.Tensor:
+    def pixel_values(self, image: Image.Image, **overrides: Any) -> torch.Tensor:
         """The same call LlavaProcessor makes (its images kwargs: return_tensors and the
         ``mm_processor_kwargs``), on one image: the processor treats images independently, so
         the values equal a batch call's."""
         return self.image_processor([image], return_tensors="pt",
-                                    **self.mm_processor_kwargs)["pixel_values"]
+                                    **{**self.mm_processor_kwargs, **overrides})["pixel_values"]

@@ -60,11 +60,14 @@ class InputProcessor:
 
     def __init__(self, model_dir: str, hf_config, max_image_pixels: int,
                  mm_processor_kwargs: dict[str, Any] | None = None,
-                 max_image_size: tuple[int, int] | None = None) -> None:
+                 max_image_size: tuple[int, int] | None = None, device: str = "cpu") -> None:
         """``mm_processor_kwargs`` go to the image processor on every call (the family's
         start-up probes included) and into every image's hash; a key it does not take, or a
-        value it refuses, is a ``ValueError`` here, at start-up."""
+        value it refuses, is a ``ValueError`` here, at start-up. ``device`` is the engine's:
+        on a GPU the pixels' rescaling and normalization are left to it
+        (``MultiModalFamily.pixel_arithmetic_for``)."""
         self.family = family_for(model_dir, hf_config, mm_processor_kwargs, max_image_size)
+        self.pixel_arithmetic = self.family.pixel_arithmetic_for(device)
         self._decoded_copies = _decoded_copies(self.family.image_processor)
         self.processor = self.family.processor
         self.tokenizer = self.family.tokenizer
@@ -239,7 +242,8 @@ class InputProcessor:
         release the GIL in their heavy loops, so other requests proceed meanwhile."""
         img = load_image(image, self.max_image_pixels)
         digest = image_hash(img, self.mm_processor_kwargs)
-        pixel_values = self.family.encoder_input(img)
+        pixel_values = (self.family.encoder_input(img) if self.pixel_arithmetic is None
+                        else self.family.device_encoder_input(img, self.pixel_arithmetic))
         peak = _preprocess_peak_bytes(img.size, self.family.resized_pixels(*img.size),
                                       pixel_values, self._decoded_copies)
         return _PreprocessedImage(digest, pixel_values,

@@ -203,8 +203,9 @@ class Qwen2VLFamily(MultiModalFamily):
                 "image_grid_thw": torch.tensor([[1, rows, cols]])}
 
     # ----------------------------------------------------------------- processing
-    def encoder_input(self, image: Image.Image) -> dict[str, torch.Tensor]:
-        out = self.image_processor([image], return_tensors="pt", **self.processor_kwargs)
+    def encoder_input(self, image: Image.Image, **overrides: Any) -> dict[str, torch.Tensor]:
+        out = self.image_processor([image], return_tensors="pt",
+                                   **{**self.processor_kwargs, **overrides})
         grid = out["image_grid_thw"]
         expected = self.num_image_tokens(*image.size)
         if int(grid.prod()) // self.merge_size ** 2 != expected:

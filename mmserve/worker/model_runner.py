@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mmserve.inputs import PIXEL_ARITHMETIC, EncoderInput
 from mmserve.kernels.cpu_ops import cpu_attention_backend, pack_linear_layers
 from mmserve.kernels.paged_attention import (
     AttentionMetadata,
@@ -450,7 +451,7 @@ class ModelRunner:
         """``hashes``' embeddings, each checked against the tokens its prompt has for it."""
         if not hashes:
             return {}
-        items = [self._encoder_input(encoder_pixels[h]) for h in hashes]
+        items = self._encoder_inputs([encoder_pixels[h] for h in hashes])
         embeds = self.model.encode_images(items)  # one [tokens, hidden] per image
         for h, e in zip(hashes, embeds, strict=True):
             if e.shape[0] != tokens[h]:
@@ -492,11 +493,27 @@ class ModelRunner:
             found.update(zip(theirs, flat.split([tokens[h] for h in theirs]), strict=True))
         return found
 
-    def _encoder_input(self, item: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Pixel tensors on this runner's device in its dtype; integer tensors (image grids,
-        which the model reads into Python) stay on the CPU."""
-        return {name: t.to(self.device, self.dtype) if t.is_floating_point() else t
-                for name, t in item.items()}
+    def _encoder_inputs(self, items: list[EncoderInput]) -> list[dict[str, torch.Tensor]]:
+        """The images' tensors on this runner's device: pixels in its dtype, integer tensors
+        (image grids, which the model reads into Python) left on the CPU. Pixels sent as
+        integers (``PIXEL_ARITHMETIC``) are finished here, all of one arithmetic and shape
+        in one copy and one lookup."""
+        out, groups = [], {}
+        for i, item in enumerate(items):
+            item = dict(item)
+            arithmetic = item.pop(PIXEL_ARITHMETIC, None)
+            if arithmetic is not None:
+                key = (id(arithmetic), item["pixel_values"].shape[1:])
+                groups.setdefault(key, (arithmetic, []))[1].append(i)
+            out.append({name: t.to(self.device, self.dtype) if t.is_floating_point() else t
+                        for name, t in item.items()})
+        for arithmetic, members in groups.values():
+            pixels = [out[i]["pixel_values"] for i in members]
+            finished = arithmetic.apply(to_device(torch.cat(pixels), self.device))
+            for i, p in zip(members, finished.to(self.dtype).split([len(p) for p in pixels]),
+                            strict=True):
+                out[i]["pixel_values"] = p
+        return out
 
     def _embed(self, input_ids: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """Token embeddings with image embeddings scattered over their placeholders."""
