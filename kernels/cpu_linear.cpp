@@ -80,6 +80,18 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
     }
     return;
   }
+  // Output rows a multiple of 4 KiB apart put a tile's rows in one cache set: 12% slower at
+  // 4096 outputs. Whole cache lines are then written past the cache (no read for ownership).
+  if (cols == kCols && (out_stride * 2) % 4096 == 0 &&
+      (reinterpret_cast<uintptr_t>(out) & 63) == 0) {
+    for (int64_t r = 0; r < R; ++r) {
+      const __m256i a = (__m256i)_mm512_cvtneps_pbh(acc[r][0]);
+      const __m256i b = (__m256i)_mm512_cvtneps_pbh(acc[r][1]);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + r * out_stride),
+                          _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    }
+    return;
+  }
   const __mmask16 lo = mmserve_cpu::first_lanes(cols), hi = mmserve_cpu::first_lanes(cols - 16);
   for (int64_t r = 0; r < R; ++r) {
     uint16_t* dst = out + r * out_stride;
@@ -188,6 +200,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
         }
       }
     }
+    _mm_sfence();  // the streamed rows (tile's) are seen by whatever reads the output next
   });
 #endif
   return out;

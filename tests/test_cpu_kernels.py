@@ -512,6 +512,9 @@ def _bf16_linear(in_features, out_features, bias, seed):
     # pairs, two tiles, bias.
     (16, 1000, 96, True),
     (65, 256, 64, False),  # two chunks of 33 rows rather than 64 and 1
+    # Output rows a multiple of 4 KiB long: written with streaming stores.
+    (37, 64, 2048, True),
+    (3, 128, 4096, False),
 ])
 def test_packed_linear_matches_torch(packed, rows, in_features, out_features, bias):
     linear = _bf16_linear(in_features, out_features, bias, seed=rows)
