@@ -434,6 +434,34 @@ def test_preemption_with_images_releases_and_reacquires_encoder_entries() -> Non
     assert_no_leaks(sched)
 
 
+def test_decode_steps_do_not_look_at_images_already_released(monkeypatch) -> None:
+    """Once a request's images have all passed, its decode steps release nothing again (at
+    hundreds of requests a step, looking at every image each step was a sixth of the
+    engine's scheduling time); a retried step that goes back before an image references it
+    again, and it is released again once passed."""
+    sched = make_sched(max_num_batched_tokens=64, max_tokens_per_item=16)
+    images = [ImageInput("a", 2, 8), ImageInput("b", 12, 8), ImageInput("a", 24, 8)]
+    req = make_req("r", 40, images, max_tokens=8)
+    sched.add_request(req)
+    releases: list[int] = []
+    real = sched.encoder_cache.release
+    monkeypatch.setattr(sched.encoder_cache, "release",
+                        lambda r, idx: releases.append(idx) or real(r, idx))
+    step(sched)  # the whole prompt, and its first token
+    assert sorted(releases) == [0, 1, 2] and sched.encoder_cache.num_referenced_entries() == 0
+    releases.clear()
+    step(sched)
+    step(sched)
+    assert releases == []  # decode steps
+    sched.retry_request("r", 20)  # a failed step: redo from inside the third image
+    out = step(sched)
+    assert [sl.image_hash for sl in out.requests[0].image_slices] == ["a"]
+    assert releases == [0, 1, 2]  # referenced again for the redone tokens, then released
+    assert sched.encoder_cache.num_referenced_entries() == 0
+    drain(sched)
+    assert_no_leaks(sched)
+
+
 # ----------------------------------------------------------------------------- stops
 
 

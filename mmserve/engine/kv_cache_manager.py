@@ -75,8 +75,13 @@ class KVCacheManager:
         ``computed_blocks`` are prefix-cache hits for a request being admitted. Returns the
         request's whole block list, or None (and changes nothing) when the pool is too small.
         """
-        computed_blocks = computed_blocks or []
         blocks = self.req_blocks.get(req.request_id, [])
+        if not computed_blocks and blocks:  # a running request (most steps: no new block)
+            total = req.num_computed_tokens + num_new_tokens
+            if total <= len(blocks) * self.block_size:
+                self.publish(req, min(total, req.num_tokens))
+                return blocks
+        computed_blocks = computed_blocks or []
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         total = num_computed + num_new_tokens
         num_needed = cdiv(total, self.block_size) - len(blocks) - len(computed_blocks)

@@ -60,6 +60,10 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.images = images or []
+        self.images_end = max((image.end for image in self.images), default=0)
+        # num_computed_tokens when the scheduler last released passed images (-1: never, or
+        # since they went back); once past images_end, there is nothing left to release.
+        self.images_checked_at = -1
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
@@ -106,6 +110,9 @@ class Request:
         stored positions, generated ones ``index + decode_offset`` in every row. The only place
         positions are sliced, so chunked prefill, prefix hits and recomputation after a
         preemption see the same numbers."""
+        if start >= self.num_prompt_tokens:  # generated tokens only (every decode step)
+            generated = range(start + self.decode_offset, end + self.decode_offset)
+            return [list(generated) for _ in range(len(self.prompt_positions))]
         prompt_end = min(end, self.num_prompt_tokens)
         rows = self.prompt_positions[:, start:prompt_end].tolist()
         if end > prompt_end:

@@ -104,6 +104,7 @@ class Scheduler:
         self.encoder_cache.release_all(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.images_checked_at = -1
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -168,6 +169,8 @@ class Scheduler:
         return to_encode, num_new, compute_budget, referenced
 
     def _image_slices(self, req: Request, num_computed: int, num_new: int) -> list[ImageSlice]:
+        if num_computed >= req.images_end:  # past every image (every decode step)
+            return []
         end = num_computed + num_new
         slices = []
         for image in req.images:
@@ -330,9 +333,13 @@ class Scheduler:
         return req.num_tokens + (not ends)
 
     def _release_passed_images(self, req: Request) -> None:
-        """Drop references to images whose every placeholder is now computed."""
-        if not req.images:
+        """Drop references to images whose every placeholder is now computed. Once every
+        image has passed and been released, the request is not looked at again (decode steps
+        cost nothing per image) until its computed tokens go back (a preemption, a retried
+        step), which may reference images again."""
+        if req.images_checked_at >= req.images_end:  # text-only requests too
             return
+        req.images_checked_at = req.num_computed_tokens
         still_needed = {img.hash for img in req.images if img.end > req.num_computed_tokens}
         for i, image in enumerate(req.images):
             if image.hash not in still_needed:
@@ -352,6 +359,7 @@ class Scheduler:
         req = self.requests.get(request_id)
         if req is not None and req.status == RequestStatus.RUNNING:
             req.num_computed_tokens = min(req.num_computed_tokens, start_pos)
+            req.images_checked_at = -1
 
     def update(self, out: SchedulerOutput, result: ModelOutput) -> list[Request]:
         """Append sampled tokens and apply stop conditions. Returns requests that got a token.
