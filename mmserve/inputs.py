@@ -35,17 +35,19 @@ def with_integer_pixels(item: EncoderInput, arithmetic: PixelArithmetic) -> Enco
 class PixelArithmetic:
     """What an image processor does to resized pixels: rescale and normalize by channel, as
     one table per channel of the float32 value each of the 256 integer values becomes
-    (``table[c, v]``), worked out once by the processor's own arithmetic, so a lookup gives
-    the same bits the processor would. ``channels`` is the pixel values' channel count: they
+    (``table[c, v]``), read off the processor's own output once
+    (``MultiModalFamily.device_pixel_arithmetic``), so a lookup gives the same bits it would. ``channels`` is the pixel values' channel count: they
     are read as ``[n, channels, rest]`` (``[images, 3, height, width]`` and Qwen2-VL's
     ``[patches, 3 * temporal * patch * patch]`` both are)."""
 
     table: torch.Tensor  # float32 [channels, 256]
     channels: int
 
-    def apply(self, pixels: torch.Tensor) -> torch.Tensor:
-        """The finished float32 pixel values of integer ``pixels`` (uint8), on their device."""
-        table = self.table.to(pixels.device)
+    def apply(self, pixels: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        """The finished float32 pixel values of integer ``pixels`` (uint8), on their device.
+        ``table``: ``self.table`` already there (a runner keeps one per table, so that steps
+        do not copy it, and wait, each time)."""
+        table = self.table.to(pixels.device) if table is None else table
         grouped = pixels.reshape(pixels.shape[0], self.channels, -1)
         out = torch.empty(grouped.shape, dtype=torch.float32, device=pixels.device)
         for c in range(self.channels):

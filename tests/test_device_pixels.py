@@ -84,6 +84,39 @@ def test_settings_that_change_the_arithmetic_change_the_table(models, kwargs):
                        family.encoder_input(image)["pixel_values"])
 
 
+def test_the_table_is_read_off_whatever_arithmetic_the_processor_does(models, monkeypatch):
+    """transformers' torchvision backend folds rescaling into normalization, (x - 255 mean) /
+    (255 std), which rounds differently from the PIL backend's two steps: the table is the
+    processor's own output, so it matches either."""
+    family = _family(models["llava"])
+    real = family.encoder_input
+    ip = family.image_processor
+    mean = torch.tensor(ip.image_mean).view(1, 3, 1, 1)
+    std = torch.tensor(ip.image_std).view(1, 3, 1, 1)
+
+    def fused(image, **overrides):
+        item = dict(real(image, do_rescale=False, do_normalize=False))
+        if overrides.get("do_normalize", True):
+            item["pixel_values"] = (item["pixel_values"].float() - mean * 255) / (std * 255)
+        return item
+
+    monkeypatch.setattr(family, "encoder_input", fused)
+    arithmetic = family.device_pixel_arithmetic
+    assert arithmetic is not None
+    image = _noise(5, (90, 60))
+    got = arithmetic.apply(family.device_encoder_input(image, arithmetic)["pixel_values"])
+    assert torch.equal(got, fused(image)["pixel_values"])
+    assert not torch.equal(got, real(image)["pixel_values"])  # not the PIL backend's bits
+
+
+def test_a_probe_that_misses_values_keeps_the_arithmetic_on_the_cpu(models, monkeypatch):
+    """Every value of every channel must have been seen: a probe of 8 x 8 pixels (64 values)
+    cannot vouch for the other 192."""
+    family = _family(models["llava"])
+    monkeypatch.setattr(family, "unresized_size", lambda: (8, 8))
+    assert family.device_pixel_arithmetic is None
+
+
 def test_a_processor_that_is_not_a_lookup_keeps_its_arithmetic(models, monkeypatch):
     """Pixel values that are not a function of each resized value alone (here a processor
     that adds a little of the mean colour) make the family keep preprocessing on the CPU."""
@@ -104,6 +137,27 @@ def test_only_a_gpu_engine_leaves_the_arithmetic_to_its_device(models):
     family = _family(models["qwen2_5_vl"])
     assert family.pixel_arithmetic_for("cpu") is None
     assert family.pixel_arithmetic_for("cuda") is family.device_pixel_arithmetic
+
+
+def test_a_plan_for_a_gpu_profiles_the_integer_pixels(models):
+    """``mmserve plan --device cuda`` on a machine without one dry-runs on the CPU's meta
+    device, with the pixels a GPU engine would be sent."""
+    from transformers import AutoConfig
+
+    from mmserve.config import EngineConfig
+    from mmserve.engine.encoder_cache import compute_encoder_budget
+    from mmserve.engine.profile_batch import profile_batch_for
+
+    model = models["llava"]
+    family = _family(model)
+    config = EngineConfig(model=model, device="cpu", max_model_len=256, max_num_seqs=4)
+    budget = compute_encoder_budget(family.max_tokens_per_item, 256, 4, 1, None)
+    hf_config = AutoConfig.from_pretrained(model, local_files_only=True)
+    for device, dtype in (("cpu", torch.float32), ("cuda", torch.uint8)):
+        batch = profile_batch_for(config, hf_config, family, budget, 1, device)
+        (item,) = batch.encoder_pixels.values()
+        assert item["pixel_values"].dtype == dtype
+        assert (PIXEL_ARITHMETIC in item) == (device == "cuda")
 
 
 def _prompts(n: int) -> list[dict]:
@@ -139,4 +193,5 @@ def test_an_engine_finishing_pixels_on_its_device_gives_the_same_tokens(models, 
         got = [o.token_ids for o in generate_all_at_once(llm, prompts, params)]
         assert got == expected
         assert max(encoded) > 1  # a step encoded several images together
+        assert len(engine.runner._pixel_tables) == 1  # copied to the device once
         assert_no_leaks(engine)

@@ -134,7 +134,7 @@ def _sweep_panels(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str, list[t
          [("images encoded", "encoder_items_computed"),
           ("evictions (capacity)", "encoder_cache_evictions"),
           ("evictions (KV pressure)", "encoder_cache_kv_pressure_evictions")]),
-        ("Latency (all requests queued at once)", "seconds",
+        ("Latency (a full backlog from the start)", "seconds",
          [("TTFT p50", "ttft_s.median"), ("TTFT p99", "ttft_s.p99"),
           ("E2E p50", "e2e_latency_s.median"), ("E2E p99", "e2e_latency_s.p99")]),
     ]

@@ -103,6 +103,8 @@ def run_throughput(
     try:
         while len(done) < len(ids):
             feed.top_up(len(done))
+            if not engine.has_unfinished_requests():
+                break  # nothing queued, nothing to queue: see below
             t0 = time.perf_counter()
             outputs, record = engine.step_with_record()
             t1 = time.perf_counter()
@@ -136,6 +138,9 @@ def run_throughput(
         feed.close()
         bar.close()
     preprocess_s = feed.wait_s
+    missing = [rid for rid in ids if rid not in done]
+    if missing:  # the engine lost track of them: a bug, not a state to hang in
+        raise RuntimeError(f"the engine stopped without finishing requests {missing}")
     elapsed = time.perf_counter() - start
     device_busy_s = None if device_timer is None else device_timer.total_s()
     engine.time_device(on=False)
@@ -151,7 +156,8 @@ def run_throughput(
     results["device_busy_share"] = None if device_busy_s is None else device_busy_s / elapsed
     results["device_busy_from"] = (None if device_timer is None else "CUDA events"
                                    if device_timer.cuda else "the runner's wall time")
-    # Every request was queued at time 0, so these are latencies under a full backlog.
+    # From the start of the run, with the workload fed as fast as the engine takes it: latencies
+    # under a full backlog.
     results["ttft_s"] = summarize([first_token_s[rid] for rid in ids])
     results["e2e_latency_s"] = summarize([finish_s[rid] for rid in ids])
     return ThroughputRun(results, steps, ordered)

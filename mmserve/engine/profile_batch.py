@@ -83,14 +83,16 @@ def profile_batch(
 
 
 def profile_batch_for(config: EngineConfig, hf_config, family: MultiModalFamily,
-                      encoder_budget: EncoderBudget, num_images: int) -> ProfileBatch:
+                      encoder_budget: EncoderBudget, num_images: int,
+                      device: str | None = None) -> ProfileBatch:
     """``profile_batch`` for an engine's settings and checkpoint: its images are the family's
     worst-case dummy image, of ``max_tokens_per_item`` tokens, and where the family has items
     of any size and the cache has room, one more that spends the rest of the step's encoder
-    budget."""
+    budget. ``device``: the one planned for (default: the settings' own).
+    """
     # The dummies as the engine's preprocessing sends images: on a GPU, integer pixels that
     # the runner finishes there.
-    arithmetic = family.pixel_arithmetic_for(config.resolved_device)
+    arithmetic = family.pixel_arithmetic_for(device or config.resolved_device)
     sent = ((lambda item: item) if arithmetic is None
             else (lambda item: with_integer_pixels(item, arithmetic)))
     extra = None

@@ -118,7 +118,7 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
     dtype = config.torch_dtype
     budget = encoder_budget_for(config, family.max_tokens_per_item)
     batch = profile_batch_for(config, hf_config, family, budget,
-                              images_per_step(config, budget))
+                              images_per_step(config, budget), device)
     step = batch.scheduler_output
     marked = set(estimated)
     ranks, split_encoder = config.tensor_parallel_size, config.mm_encoder_tp_mode == "weights"

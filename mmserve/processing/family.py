@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -88,51 +88,42 @@ class MultiModalFamily(ABC):
     def device_pixel_arithmetic(self) -> PixelArithmetic | None:
         """The image processor's rescaling and normalization under the settings in force, as
         a table for a device to look the resized pixels up in, or None where the processor's
-        pixel values are not exactly that lookup (then it keeps doing all of it). Checked on
-        a noise image, bit for bit."""
-        ip, kw = self.image_processor, self.mm_processor_kwargs
-        setting = lambda name: kw.get(name, getattr(ip, name, None))  # noqa: E731
-        # transformers' arithmetic: the rescale in float64, rounded to float32 once, then
-        # (x - mean) / std in float32.
-        values = np.arange(256, dtype=np.float64)
-        if setting("do_rescale"):
-            values = values * setting("rescale_factor")
-        values = values.astype(np.float32)
-        channels = 3
-        table = np.tile(values, (channels, 1))
-        if setting("do_normalize"):
-            mean, std = setting("image_mean"), setting("image_std")
-            mean = np.array(mean if isinstance(mean, Collection) else [mean] * channels,
-                            dtype=np.float32)
-            std = np.array(std if isinstance(std, Collection) else [std] * channels,
-                           dtype=np.float32)
-            table = (table - mean[:, None]) / std[:, None]
-        arithmetic = PixelArithmetic(torch.from_numpy(np.ascontiguousarray(table)), channels)
-        noise = Image.fromarray(np.random.default_rng(0).integers(
-            0, 256, (37, 53, 3), dtype=np.uint8))
+        pixel values are not such a lookup (then it keeps doing all of it).
+
+        The table is read off the processor's own output (whichever backend: PIL's rescale
+        then normalize, torchvision's fused one), on a probe image of a size the processor
+        does not resize whose every channel holds every value 0-255, with the rescaling and
+        normalization on and off: each value must always become the same number, and every
+        value must occur."""
         try:
-            expected = self.encoder_input(noise)["pixel_values"]
-            raw = self.device_encoder_input(noise, arithmetic)["pixel_values"]
-            same = torch.equal(arithmetic.apply(raw), expected)
+            probe = _every_value_probe(self.unresized_size())
+            full = self.encoder_input(probe)["pixel_values"]
+            raw = self.encoder_input(probe, do_rescale=False, do_normalize=False)["pixel_values"]
+            arithmetic = _table_from(raw, full)
         except (ValueError, RuntimeError, TypeError) as e:
-            same, reason = False, f"{type(e).__name__}: {e}"
+            arithmetic, reason = None, f"{type(e).__name__}: {e}"
         else:
-            reason = "its pixel values differ from a lookup of the resized integers"
-        if not same:
-            logger.info("%s: the image processor keeps rescaling and normalizing on the CPU "
-                        "(%s)", type(ip).__name__, reason)
-            return None
+            reason = "its output is not a lookup of each resized value"
+        if arithmetic is None:
+            logger.warning("%s: pixels are rescaled and normalized on the CPU, not on the GPU "
+                           "(%s)", type(self.image_processor).__name__, reason)
         return arithmetic
+
+    def unresized_size(self) -> tuple[int, int]:
+        """A (width, height) the image processor keeps as it is (resizing to itself; a crop
+        may follow), at least 16 x 16. The default: the square of the resize output of the
+        dummy image, for processors that resize to one shortest edge (LLaVA's CLIP and
+        SigLIP processors)."""
+        side = max(16, math.isqrt(self.resized_pixels(*self.dummy_image().size)))
+        return side, side
 
     def device_encoder_input(self, image: Image.Image,
                              arithmetic: PixelArithmetic) -> EncoderInput:
         """``encoder_input`` left as the resized integer pixels (uint8, a quarter of the
-        bytes) with ``arithmetic`` to finish them where they are encoded."""
-        item = self.encoder_input(image, do_rescale=False, do_normalize=False)
-        pixels = item["pixel_values"]
-        if pixels.is_floating_point() and not torch.equal(pixels, pixels.round().clamp(0, 255)):
-            raise ValueError("the image processor's resized pixels are not integers of 0-255")
-        return with_integer_pixels(item, arithmetic)
+        bytes) with ``arithmetic`` to finish them where they are encoded (integers 0-255
+        whatever the image: ``device_pixel_arithmetic`` checked the processor makes them)."""
+        return with_integer_pixels(
+            self.encoder_input(image, do_rescale=False, do_normalize=False), arithmetic)
 
     def pixel_arithmetic_for(self, device: str) -> PixelArithmetic | None:
         """Where the rescaling and normalization run for an engine on ``device``: on a GPU,
@@ -245,3 +236,40 @@ def _resized_pixels(image_processor, w: int, h: int, kwargs: dict[str, Any]) -> 
     if get("height") and get("width"):
         return get("height") * get("width")
     return w * h  # another rule: assume no shrinking
+
+
+def _every_value_probe(size: tuple[int, int]) -> Image.Image:
+    """An RGB image of ``size`` (at least 256 pixels) whose every channel holds every value:
+    pixel i of channel c is (i * (2c + 1)) mod 256, so a crop of whole rows keeps them all
+    once it keeps 256 pixels."""
+    w, h = size
+    i = np.arange(w * h).reshape(h, w)
+    pixels = np.stack([(i * (2 * c + 1)) % 256 for c in range(3)], axis=-1).astype(np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _table_from(raw: torch.Tensor, full: torch.Tensor, channels: int = 3) -> PixelArithmetic | None:
+    """The table mapping each channel's resized value in ``raw`` to the processor's number
+    in ``full`` (read as ``[n, channels, rest]``, like ``PixelArithmetic.apply``), or None
+    unless the values are integers 0-255, each maps to one number, and all 256 occur."""
+    if raw.shape != full.shape or raw.shape[0] == 0:
+        return None
+    values = raw.reshape(raw.shape[0], channels, -1).transpose(0, 1).reshape(channels, -1)
+    numbers = full.reshape(full.shape[0], channels, -1).transpose(0, 1).reshape(channels, -1)
+    if not torch.equal(values, values.round().clamp(0, 255)):
+        return None
+    values = values.long()
+    table = torch.empty(channels, 256, dtype=torch.float32)
+    for c in range(channels):
+        order = values[c].argsort()
+        v, x = values[c][order], numbers[c][order].float()
+        keys, first = torch.unique_consecutive(v, return_counts=True)
+        if len(keys) != 256:
+            return None
+        starts = first.cumsum(0) - first
+        table[c] = x[starts]
+        if not torch.equal(x, table[c][v]):  # one number for every occurrence of a value
+            return None
+    arithmetic = PixelArithmetic(table, channels)
+    return arithmetic if torch.equal(arithmetic.apply(raw.to(torch.uint8)), full) else None
+

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mmserve.inputs import EncoderInput, ImageInput, encoder_input_bytes
+from mmserve.inputs import PIXEL_ARITHMETIC, EncoderInput, ImageInput, encoder_input_bytes
 from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, load_image
 from mmserve.processing.registry import family_for
 
@@ -309,12 +309,15 @@ def _preprocess_peak_bytes(size: tuple[int, int], resized: int, pixel_values: En
     copies of the decoded RGB pixels (Pillow's decode, the RGB conversion and the processor's
     own conversion, array and resize input), four of the resized uint8 image before the crop
     (PIL's output and its array copies: what makes thin images expensive), and the float
-    output. The torchvision backend's three copies were measured on one 3000 x 2000 image
-    (58.3 MB at the peak, the estimate 54.5 MB).
+    output (counted as float32 where the pixels leave as integers for a GPU, which Qwen2-VL's
+    processor still makes as float32 first). The torchvision backend's three copies were
+    measured on one 3000 x 2000 image (58.3 MB at the peak, the estimate 54.5 MB).
     """
     w, h = size
-    return (decoded_copies * w * h * 3 + 4 * resized * 3
-            + 2 * encoder_input_bytes(pixel_values))
+    output = encoder_input_bytes(pixel_values)
+    if PIXEL_ARITHMETIC in pixel_values:
+        output += 3 * pixel_values["pixel_values"].nelement()  # uint8 -> float32
+    return decoded_copies * w * h * 3 + 4 * resized * 3 + 2 * output
 
 
 def _check_unicode(text: str, where: str) -> None:

@@ -182,6 +182,12 @@ class Qwen2VLFamily(MultiModalFamily):
         best = max(sizes, key=lambda s: (self.num_image_tokens(*s), -s[0] * s[1]))
         return self.num_image_tokens(*best), best
 
+    def unresized_size(self) -> tuple[int, int]:
+        """The smallest square the resize rule keeps: a side that is a multiple of the patch
+        factor with at least ``min_pixels`` (and 256) pixels."""
+        side = self.factor * max(1, math.ceil(math.sqrt(max(self.min_pixels, 256)) / self.factor))
+        return side, side
+
     def dummy_image(self) -> Image.Image:
         """An image of ``max_tokens_per_item`` tokens (of those, the one of fewest pixels)."""
         return Image.new("RGB", self._worst_size)

@@ -110,6 +110,9 @@ class ModelRunner:
         # Image embeddings by content hash; the scheduler's encoder-cache manager says when to
         # add and drop them.
         self.encoder_outputs: dict[str, torch.Tensor] = {}
+        # The PixelArithmetic tables integer pixels are looked up in, on the device, by their
+        # bytes: copied once, not in every step that encodes images.
+        self._pixel_tables: dict[bytes, torch.Tensor] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(seed)
         # Where each request's token sampled in its last step that sampled is: that step's
@@ -398,6 +401,7 @@ class ModelRunner:
                 attn.kv_cache = None
         self.kv_caches = []
         self.encoder_outputs.clear()
+        self._pixel_tables.clear()
         self.generators.clear()
         self.last_sampled.clear()
         self.model = None
@@ -509,7 +513,10 @@ class ModelRunner:
                         for name, t in item.items()})
         for arithmetic, members in groups.values():
             pixels = [out[i]["pixel_values"] for i in members]
-            finished = arithmetic.apply(to_device(torch.cat(pixels), self.device))
+            key = arithmetic.table.numpy().tobytes()  # equal tables, whichever object
+            if (table := self._pixel_tables.get(key)) is None:
+                table = self._pixel_tables[key] = to_device(arithmetic.table, self.device)
+            finished = arithmetic.apply(to_device(torch.cat(pixels), self.device), table)
             for i, p in zip(members, finished.to(self.dtype).split([len(p) for p in pixels]),
                             strict=True):
                 out[i]["pixel_values"] = p
