@@ -180,7 +180,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / panels, panel = item % panels;
-      const int64_t row_begin = chunk * chunk_rows, row_end = std::min(rows, row_begin + chunk_rows);
+      const int64_t row_begin = chunk * chunk_rows;
+      const int64_t row_end = std::min(rows, row_begin + chunk_rows);
       const int64_t cols = std::min<int64_t>(kCols, out_features - panel * kCols);
       const uint16_t* w = wp + panel * pairs * 2 * kCols;
       const float* b = bp ? bp + panel * kCols : nullptr;

@@ -36,9 +36,10 @@ class PixelArithmetic:
     """What an image processor does to resized pixels: rescale and normalize by channel, as
     one table per channel of the float32 value each of the 256 integer values becomes
     (``table[c, v]``), read off the processor's own output once
-    (``MultiModalFamily.device_pixel_arithmetic``), so a lookup gives the same bits it would. ``channels`` is the pixel values' channel count: they
-    are read as ``[n, channels, rest]`` (``[images, 3, height, width]`` and Qwen2-VL's
-    ``[patches, 3 * temporal * patch * patch]`` both are)."""
+    (``MultiModalFamily.device_pixel_arithmetic``), so a lookup gives the same bits it would.
+    ``channels`` is the pixel values' channel count: they are read as ``[n, channels, rest]``
+    (``[images, 3, height, width]`` and Qwen2-VL's ``[patches, 3 * temporal * patch * patch]``
+    both are)."""
 
     table: torch.Tensor  # float32 [channels, 256]
     channels: int

@@ -118,19 +118,33 @@ def test_a_probe_that_misses_values_keeps_the_arithmetic_on_the_cpu(models, monk
 
 
 def test_a_processor_that_is_not_a_lookup_keeps_its_arithmetic(models, monkeypatch):
-    """Pixel values that are not a function of each resized value alone (here a processor
-    that adds a little of the mean colour) make the family keep preprocessing on the CPU."""
+    """Pixel values that are not a function of each resized value alone (here a normalized
+    output that also depends on the pixel's row) make the family keep preprocessing on the
+    CPU; so do resized pixels that are not integers."""
     family = _family(models["llava"])
     real = family.encoder_input
 
-    def encoder_input(image, **overrides):
+    def by_row(image, **overrides):
         item = dict(real(image, **overrides))
-        item["pixel_values"] = item["pixel_values"] + 1e-3 * item["pixel_values"].mean()
+        if overrides.get("do_normalize", True):
+            rows = torch.arange(item["pixel_values"].shape[-2]).view(-1, 1)
+            item["pixel_values"] = item["pixel_values"] + 1e-3 * rows
         return item
 
-    monkeypatch.setattr(family, "encoder_input", encoder_input)
+    monkeypatch.setattr(family, "encoder_input", by_row)
     assert family.device_pixel_arithmetic is None
     assert family.pixel_arithmetic_for("cuda") is None
+
+    family = _family(models["llava"])
+    real = family.encoder_input
+
+    def fractional(image, **overrides):
+        item = dict(real(image, **overrides))
+        item["pixel_values"] = item["pixel_values"] + 0.5
+        return item
+
+    monkeypatch.setattr(family, "encoder_input", fractional)
+    assert family.device_pixel_arithmetic is None
 
 
 def test_only_a_gpu_engine_leaves_the_arithmetic_to_its_device(models):

@@ -43,14 +43,12 @@ def preprocess_on(request, monkeypatch):
     return request.param
 
 
-def test_the_engine_steps_while_later_prompts_are_preprocessed(llm, alone, monkeypatch,
-                                                              preprocess_on):
-    """With threads, as soon as the first prompt is ready; between steps, beyond the window
-    (4 prompts here: max_num_seqs=2 and no floor)."""
-    monkeypatch.setattr(prompt_feed, "MIN_REQUESTS_AHEAD", 0)
-    engine = llm.engine
+def _ready_after_a_step(engine, step_name: str, held, monkeypatch) -> list[bool]:
+    """Make the prompts ``held(prompt)`` picks ready only once the engine has stepped (through
+    its method ``step_name``); bounded, never hangs. Returns the list each such prompt adds
+    to: whether the step came first."""
     stepped = threading.Event()
-    real_step, real_process = engine.step, engine.process_request
+    real_step, real_process = getattr(engine, step_name), engine.process_request
     waited: list[bool] = []
 
     def step():
@@ -58,14 +56,24 @@ def test_the_engine_steps_while_later_prompts_are_preprocessed(llm, alone, monke
         return real_step()
 
     def process_request(prompt, params=None, request_id=None):
-        if prompt is last:  # ready only once the engine has stepped (bounded: never hangs)
+        if held(prompt):
             waited.append(stepped.wait(timeout=10))
         return real_process(prompt, params, request_id)
 
-    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, step_name, step)
     monkeypatch.setattr(engine, "process_request", process_request)
+    return waited
+
+
+def test_the_engine_steps_while_later_prompts_are_preprocessed(llm, alone, monkeypatch,
+                                                              preprocess_on):
+    """With threads, as soon as the first prompt is ready; between steps, beyond the window
+    (4 prompts here: max_num_seqs=2 and no floor)."""
+    monkeypatch.setattr(prompt_feed, "MIN_REQUESTS_AHEAD", 0)
+    engine = llm.engine
     prompts = [_prompt(i) for i in range(8)]
-    last = prompts[-1]
+    waited = _ready_after_a_step(engine, "step", lambda prompt: prompt is prompts[-1],
+                                 monkeypatch)
     outs = llm.generate(prompts, GREEDY)
     assert waited == [True]  # the engine stepped before the last prompt was ready
     assert [o.token_ids for o in outs] == alone  # in input order, as when run alone
@@ -122,22 +130,12 @@ def test_the_throughput_bench_feeds_the_engine_as_generate_does(llm, monkeypatch
     workload = build_workload(WorkloadConfig(num_prompts=6, image_sizes=((40, 32), (48, 32)),
                                              output_len=(3, 5), prompt_len=4),
                               engine.processor.tokenizer)
-    stepped = threading.Event()
-    real_step, real_process = engine.step_with_record, engine.process_request
-    waited: list[bool] = []
-
-    def step_with_record():
-        stepped.set()
-        return real_step()
-
-    def process_request(prompt, params=None, request_id=None):
-        if prompt["images"][0] is last_image and preprocess_on == "threads":
-            waited.append(stepped.wait(timeout=10))
-        return real_process(prompt, params, request_id)
-
+    real_process = engine.process_request
     last_image = workload.requests[-1].images[0]
-    monkeypatch.setattr(engine, "step_with_record", step_with_record)
-    monkeypatch.setattr(engine, "process_request", process_request)
+    waited = _ready_after_a_step(
+        engine, "step_with_record",
+        lambda prompt: prompt["images"][0] is last_image and preprocess_on == "threads",
+        monkeypatch)
     run = run_throughput(engine, workload, use_tqdm=False)
     assert waited == ([True] if preprocess_on == "threads" else [])
     assert [len(o.token_ids) for o in run.outputs] == [r.output_len for r in workload.requests]

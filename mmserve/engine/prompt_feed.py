@@ -113,5 +113,14 @@ class PromptFeed:
                 if rid not in done:
                     self.engine.abort_request(rid)
 
+    def check_finished(self, done: Container[str]) -> None:
+        """Raise if the engine stopped without finishing every request of the batch (a bug,
+        not a state to hang in), aborting those it lost track of."""
+        missing = [rid for group in self.ids for rid in group if rid not in done]
+        if missing:
+            for rid in missing:
+                self.engine.abort_request(rid)
+            raise RuntimeError(f"the engine stopped without finishing requests {missing}")
+
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

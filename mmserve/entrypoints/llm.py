@@ -147,11 +147,7 @@ class LLM:
             raise
         finally:
             feed.close()
-        missing = [rid for group in ids for rid in group if rid not in done]
-        if missing:  # the engine lost track of them: a bug, not a state to hang in
-            for rid in missing:
-                engine.abort_request(rid)
-            raise RuntimeError(f"the engine stopped without finishing requests {missing}")
+        feed.check_finished(done)
         return [_with_completions([done[rid] for rid in group]) for group in ids]
 
 
