@@ -17,8 +17,12 @@
 //
 // bfloat16 with head sizes that are multiples of 32, on CPUs with AVX512-BF16, takes a faster
 // path: the dot-product instruction on bfloat16 pairs for both passes (probabilities rounded
-// to bfloat16 for the values, as torch's fused attention does), and software prefetch of the
-// rows a few keys ahead, since consecutive blocks are scattered in memory.
+// to bfloat16 for the values, as torch's fused attention does), and software prefetch, since
+// consecutive blocks are scattered in memory. The key pass of a sequence's first KV head asks
+// for the whole K and V rows of every head (a row of all heads is a few cache lines; a head's
+// part of it is one or two) kAheadKeys keys ahead, so that its value pass and the sequence's
+// other heads find them in cache; the key pass alone runs long enough per key to hide the
+// memory's latency.
 
 #include <ATen/ATen.h>
 
@@ -70,14 +74,6 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < len; ++t) s[t] *= inv;
   }
-}
-
-// Rows come from scattered blocks, so the hardware prefetcher cannot run ahead across them:
-// ask for rows a few keys ahead explicitly (D elements of `bytes` bytes each).
-template <int64_t D, int64_t bytes>
-inline void prefetch_row(const void* row) {
-  for (int64_t line = 0; line < D * bytes; line += 64)
-    __builtin_prefetch(static_cast<const char*>(row) + line, 0, 3);
 }
 
 // `bytes` bytes from `start`, a cache line at a time (0: nothing).
@@ -220,19 +216,32 @@ struct PagedRows {
   const uint16_t* operator()(int64_t t) const { return head_rows + offsets[t]; }
 };
 
+// How far ahead of the key pass rows are prefetched: two steps of 16 keys, about the time
+// memory takes to answer.
+constexpr int64_t kAheadKeys = 32;
+
 // Scaled scores of `group` bfloat16 query heads against a sequence's keys, 16 keys at a time:
 // one bfloat16-pair dot product per 32 dimensions into a float32 vector per key, then the 16
-// vectors summed across lanes at once. scores is [group, len].
+// vectors summed across lanes at once. scores is [group, len]. Each key's K and V rows are
+// prefetched kAheadKeys keys ahead, `prefetch_bytes` of each from the head's first dimension.
 template <int64_t D>
-void bf16_scores(const uint16_t* q, int64_t group, const PagedRows& keys, int64_t len,
-                 float scale, float* scores) {
+void bf16_scores(const uint16_t* q, int64_t group, const PagedRows& keys,
+                 const PagedRows& values, int64_t len, int64_t prefetch_bytes, float scale,
+                 float* scores) {
   static const uint16_t zeros[D] = {};
   const uint16_t* rows[16];
   const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t = 0; t < std::min(kAheadKeys, len); ++t) {
+    prefetch_span(keys(t), prefetch_bytes);
+    prefetch_span(values(t), prefetch_bytes);
+  }
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     for (int64_t j = 0; j < 16; ++j) {
       rows[j] = t0 + j < len ? keys(t0 + j) : zeros;
-      if (t0 + 16 + j < len) prefetch_row<D, 2>(keys(t0 + 16 + j));
+      if (t0 + kAheadKeys + j < len) {
+        prefetch_span(keys(t0 + kAheadKeys + j), prefetch_bytes);
+        prefetch_span(values(t0 + kAheadKeys + j), prefetch_bytes);
+      }
     }
     for (int64_t g = 0; g < group; ++g) {
       __m512i qv[D / 32];
@@ -276,8 +285,8 @@ void bf16_weighted_values(const float* probs, int64_t group, const PagedRows& va
       const int64_t t = 2 * i;
       const uint16_t* even = values(t);
       const uint16_t* odd = t + 1 < len ? values(t + 1) : zeros;
-      if (t + 8 < len) prefetch_row<D, 2>(values(t + 8));
-      if (t + 9 < len) prefetch_row<D, 2>(values(t + 9));
+      if (t + 16 < len) prefetch_span(values(t + 16), 2 * D);  // from L2 (the key pass)
+      if (t + 17 < len) prefetch_span(values(t + 17), 2 * D);
       __m512i vpairs[2 * kChunks];
       for (int64_t c = 0; c < kChunks; ++c) {
         const __m512i a = _mm512_loadu_si512(even + 32 * c), b = _mm512_loadu_si512(odd + 32 * c);
@@ -372,7 +381,9 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
                              row_offsets.data()};
         const PagedRows values{reinterpret_cast<const uint16_t*>(v_ptr) + head_offset,
                                row_offsets.data()};
-        bf16_scores<kHeadDim>(q_bits, group, keys, len, fscale, scores.data());
+        const int64_t row_bytes = 2 * (kv_head == 0 ? token_stride : head_dim);
+        bf16_scores<kHeadDim>(q_bits, group, keys, values, len, row_bytes, fscale,
+                              scores.data());
         softmax_rows(scores.data(), group, len);
         prob_bits.resize(group * (len + 1));
         bf16_weighted_values<kHeadDim>(scores.data(), group, values, len, prob_bits.data(),
