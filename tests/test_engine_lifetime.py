@@ -117,6 +117,18 @@ def test_closing_restores_the_thread_count_the_adaptive_policy_lowered(clip_llam
     assert torch.get_num_threads() == threads
 
 
+def test_start_up_objects_are_out_of_the_collectors_sight_until_close(clip_llama):
+    llm = LLM(clip_llama, dtype="float32", max_model_len=128)
+    model = llm.engine.model
+    # Frozen: a full collection walks none of the objects start-up made (the model's included).
+    assert gc.get_freeze_count() > 0
+    assert not any(o is model for o in gc.get_objects())
+    assert _use(llm) == _use(llm)
+    llm.close()
+    assert gc.get_freeze_count() == 0
+    assert any(o is model for o in gc.get_objects())
+
+
 # ----------------------------------------------------------------- a GPU that is not free
 def test_memory_this_process_caches_counts_as_free():
     assert gpu_memory_shortfall(needed=90 * GiB, total=100 * GiB, free=20 * GiB,

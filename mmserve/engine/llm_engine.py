@@ -34,6 +34,7 @@ from mmserve.sampling_params import SamplingParams
 from mmserve.step import PENDING_TOKEN, ModelOutput, SchedulerOutput, StepTimes, TokenLogprobs
 from mmserve.worker import memory_profiler
 from mmserve.worker.busy_timer import BusyTimer
+from mmserve.worker.collector import freeze_long_lived, thaw
 from mmserve.worker.compute_thread import ComputeThread
 from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import runner_class
@@ -190,6 +191,8 @@ class LLMEngine:
         if config.async_scheduling:
             self._steps = (self.runner if isinstance(self.runner, MultiprocExecutor)
                            else StepThread(self.runner, self._compute))
+        # Full collections would otherwise walk every object start-up made (collector.py).
+        freeze_long_lived()
         logger.info("mmserve engine ready, dtype=%s, encoder compute budget %d tokens per "
                     "step\n%s", dtype, self.encoder_budget.compute_tokens, self.plan.summary())
 
@@ -706,6 +709,7 @@ class LLMEngine:
             self.on_runner_thread(runner.close)
         self.model = None
         _live_engines.discard(self)
+        thaw()  # the model and caches may be held by reference cycles, frozen at start-up
         gc.collect()  # tensors held only by reference cycles (tracebacks, closures)
         if runner is not None:
             self.on_runner_thread(runner.release_memory)

@@ -44,6 +44,7 @@ import torch
 
 from mmserve.errors import EngineDeadError
 from mmserve.step import ModelOutput, SchedulerOutput
+from mmserve.worker.collector import freeze_long_lived
 from mmserve.worker.compute_thread import ComputeThread
 from mmserve.worker.model_runner import EncoderPixels, StepResult, split_by_tokens
 
@@ -372,6 +373,7 @@ def _worker_main(spec: WorkerSpec, rank: int, port: int, conn: Connection) -> No
     _exit_with_parent()
     try:
         runner = _start(spec, rank, port)
+        freeze_long_lived()  # the rank's full collections would stall every rank's step
         conn.send((0, "ok", runner.weights_bytes))
     except BaseException as e:  # noqa: BLE001 (reported to the engine, which raises it)
         _send_error(conn, e)
