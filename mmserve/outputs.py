@@ -24,9 +24,11 @@ class RequestOutput:
     """The state of one request after an engine step.
 
     ``text`` and ``token_ids`` are everything generated so far; ``new_text`` and
-    ``new_token_ids`` only what this step added (for streaming). ``logprobs``: for a request
-    that asked (``SamplingParams.logprobs``), one entry per token of ``token_ids``;
-    ``prompt_logprobs`` one per prompt token (None for the first), in the final output.
+    ``new_token_ids`` only what this step added (for streaming). With the request's
+    ``SamplingParams.output_kind`` ``delta``, ``text``, ``token_ids`` and ``logprobs`` hold
+    only what the step added as well. ``logprobs``: for a request that asked
+    (``SamplingParams.logprobs``), one entry per token of ``token_ids``; ``prompt_logprobs``
+    one per prompt token (None for the first), in the final output.
     ``outputs``: in what ``LLM.generate`` returns, the prompt's completions (``n`` of them, the
     first also in the fields above); empty in the engine's step outputs.
     """

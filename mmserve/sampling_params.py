@@ -33,6 +33,9 @@ MAX_N = 128
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 256
 
+# What a request's step outputs hold (``SamplingParams.output_kind``), vLLM's three kinds.
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 
 @dataclass
 class StructuredOutputs:
@@ -124,8 +127,14 @@ class SamplingParams:
     top-p. ``prompt_logprobs``: the same for every prompt token after the first (in the
     request's final output); such a request computes its whole prompt, never taking blocks from
     the prefix cache. ``structured_outputs``: constrain the text to a JSON schema, a regex, a
-    choice or a grammar (``StructuredOutputs``, or a dict of its fields). A value out of range
-    raises ``InvalidInputError`` naming the parameter.
+    choice or a grammar (``StructuredOutputs``, or a dict of its fields).
+    ``output_kind`` (``OUTPUT_KINDS``, as vLLM's ``RequestOutputKind``): what the engine's
+    step outputs for the request hold. ``cumulative``: everything generated so far, and in
+    ``new_text`` / ``new_token_ids`` what the step added. ``delta``: only what the step added,
+    in every field (``text``, ``token_ids`` and ``logprobs`` too), so that a step costs the
+    same however long the output grows. ``final_only``: no output until the request
+    finishes, then everything (``LLM.generate`` runs every request so, since it returns only
+    final outputs). A value out of range raises ``InvalidInputError`` naming the parameter.
     """
 
     max_tokens: int = 16
@@ -140,6 +149,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         def bad(param: str, message: str) -> InvalidInputError:
@@ -180,6 +190,9 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"{name} must be None or an integer from 0 to {MAX_LOGPROBS} "
                           f"(alternatives per token), got {_short(value)}.")
+        if self.output_kind not in OUTPUT_KINDS:
+            raise bad("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, "
+                      f"got {_short(self.output_kind)}.")
         so = self.structured_outputs
         if isinstance(so, dict):
             so = self.structured_outputs = StructuredOutputs(**so)

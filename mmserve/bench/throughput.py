@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -63,9 +63,10 @@ class ThroughputRun:
 
 
 def sampling_params_for(workload: Workload) -> list[SamplingParams]:
-    """Greedy, exactly ``output_len`` tokens per request (EOS does not stop it)."""
-    return [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-            for r in workload.requests]
+    """Greedy, exactly ``output_len`` tokens per request (EOS does not stop it); each step's
+    outputs hold what it added (``delta``: the engine's cost per step stays flat)."""
+    return [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True,
+                           output_kind="delta") for r in workload.requests]
 
 
 def run_throughput(
@@ -91,6 +92,8 @@ def run_throughput(
                       on_queued=lambda req: image_tokens.extend(i.length for i in req.images))
 
     done: dict[str, RequestOutput] = {}
+    # Each request's text pieces and tokens so far (its outputs are deltas).
+    generated: dict[str, tuple[list[str], list[int]]] = {}
     first_token_s: dict[str, float] = {}
     finish_s: dict[str, float] = {}
     steps: list[TimelineStep] = []
@@ -126,10 +129,13 @@ def run_throughput(
                 encoder_s=record.runner_times.encoder, schedule_s=record.schedule_s,
                 prepare_s=record.runner_times.prepare, decoder_flops=dec, encoder_flops=enc))
             for out in outputs:
-                bar.update(len(out.new_token_ids))
+                bar.update(len(out.token_ids))
                 first_token_s.setdefault(out.request_id, t1 - start)
+                text, tokens = generated.setdefault(out.request_id, ([], []))
+                text.append(out.text)
+                tokens += out.token_ids
                 if out.finished:
-                    done[out.request_id] = out
+                    done[out.request_id] = replace(out, text="".join(text), token_ids=tokens)
                     finish_s[out.request_id] = t1 - start
     except BaseException:
         feed.abort(done)

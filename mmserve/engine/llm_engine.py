@@ -515,7 +515,8 @@ class LLMEngine:
                 continue
             if detok.stopped and not req.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            outputs.append(self._output(req, detok))
+            if req.finished or req.sampling_params.output_kind != "final_only":
+                outputs.append(self._output(req, detok))
         if self._aborting:
             self._release_aborted()
         return outputs
@@ -625,18 +626,29 @@ class LLMEngine:
         return outputs
 
     def _error_output(self, req: Request) -> RequestOutput:
+        """A failed request's last output: with ``output_kind`` ``delta``, only the text
+        held back so far (its tokens went out with their steps)."""
         self._matchers.remove(req.request_id)
         detok = self._detokenizers.pop(req.request_id, None)
         logprobs = self._logprobs.pop(req.request_id, None)
         self._prompt_logprobs.pop(req.request_id, None)
+        new_text = ""
+        if req.sampling_params.output_kind == "delta":
+            text = new_text = detok.take_new_text(final=True) if detok else ""
+            token_ids, logprobs = [], None if logprobs is None else []
+        else:
+            text, token_ids = (detok.text if detok else ""), req.output_token_ids
         return RequestOutput(
-            request_id=req.request_id, text=detok.text if detok else "",
-            token_ids=req.output_token_ids, num_prompt_tokens=req.num_prompt_tokens,
-            finished=True, finish_reason="error", error=req.error,
-            num_cached_tokens=req.num_cached_tokens or 0, logprobs=logprobs)
+            request_id=req.request_id, text=text, token_ids=token_ids,
+            num_prompt_tokens=req.num_prompt_tokens, finished=True, finish_reason="error",
+            new_text=new_text, error=req.error, num_cached_tokens=req.num_cached_tokens or 0,
+            logprobs=logprobs)
 
     def _output(self, req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
+        """The request's output after a step that gave it a token, as its ``output_kind``
+        asks (a ``final_only`` request's once it finished)."""
         finished = req.finished
+        kind = req.sampling_params.output_kind
         logprobs = self._logprobs.get(req.request_id)
         prompt_logprobs = None
         if finished:
@@ -644,17 +656,26 @@ class LLMEngine:
             del self._detokenizers[req.request_id]
             self._logprobs.pop(req.request_id, None)
             prompt_logprobs = self._prompt_logprobs.pop(req.request_id, None)
+        new_text = detok.take_new_text(final=finished)
+        if kind == "delta":  # nothing here grows with the output
+            text, token_ids = new_text, req.all_token_ids[-1:]
+            new_token_ids = token_ids
+            logprobs = None if logprobs is None else logprobs[-1:]
+        else:
+            text, token_ids = detok.text, req.output_token_ids
+            new_token_ids = token_ids if kind == "final_only" else req.all_token_ids[-1:]
+            logprobs = None if logprobs is None else list(logprobs)
         return RequestOutput(
             request_id=req.request_id,
-            text=detok.text,
-            token_ids=req.output_token_ids,
+            text=text,
+            token_ids=token_ids,
             num_prompt_tokens=req.num_prompt_tokens,
             finished=finished,
             finish_reason=req.status.finish_reason,
-            new_text=detok.take_new_text(final=finished),
-            new_token_ids=req.all_token_ids[-1:],
+            new_text=new_text,
+            new_token_ids=new_token_ids,
             num_cached_tokens=req.num_cached_tokens or 0,
-            logprobs=None if logprobs is None else list(logprobs),
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
 

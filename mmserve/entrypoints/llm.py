@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -67,9 +68,9 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [_final_only(sampling_params or SamplingParams())] * len(prompts)
         else:
-            params = list(sampling_params)
+            params = [_final_only(p) for p in sampling_params]
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         return self._run(prompts, params, use_tqdm)
@@ -149,6 +150,16 @@ class LLM:
             feed.close()
         feed.check_finished(done)
         return [_with_completions([done[rid] for rid in group]) for group in ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """``params`` for a request whose outputs only ``generate`` sees: the engine builds none
+    before the last (whatever ``output_kind`` says, ``generate`` returns final outputs)."""
+    if params.output_kind == "final_only":
+        return params
+    params = copy.copy(params)  # validated already: nothing else changes
+    params.output_kind = "final_only"
+    return params
 
 
 def _with_completions(outs: list[RequestOutput]) -> RequestOutput:
