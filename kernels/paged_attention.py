@@ -52,50 +52,72 @@ def padded_block_tables(tables: list[list[int]], rows: int, width: int,
     return out
 
 
+def block_table_tensor(block_tables: list[list[int]] | torch.Tensor) -> torch.Tensor:
+    """``[num_seqs, width]`` int64 on the CPU: a list of tables zero-padded, or a tensor of
+    rows as it is (each row's ids past its sequence's blocks are never read)."""
+    if isinstance(block_tables, torch.Tensor):
+        return block_tables.long()
+    width = max((len(t) for t in block_tables), default=1)
+    return padded_block_tables(block_tables, len(block_tables), max(width, 1), torch.long)
+
+
+def slot_mapping(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """``[num_tokens]`` int64: the cache slot of each of the batch's tokens, sequence ``i``'s
+    being the last ``query_lens[i]`` of its ``seq_lens[i]``, its blocks row ``i`` of
+    ``tables``. A few tensor operations, whatever the number of sequences and tokens."""
+    q = torch.tensor(query_lens, dtype=torch.long)
+    first = torch.tensor(seq_lens, dtype=torch.long) - q  # position of each chunk's first token
+    seq = torch.repeat_interleave(torch.arange(len(query_lens)), q)
+    pos = torch.arange(len(seq)) - (torch.cumsum(q, 0) - q)[seq] + first[seq]
+    return tables[seq, pos // block_size] * block_size + pos % block_size
+
+
 def build_attention_metadata(
     query_lens: list[int],
     context_lens: list[int],
-    block_tables: list[list[int]],
+    block_tables: list[list[int]] | torch.Tensor,
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
     """Metadata of a flat batch: sequence ``i`` brings ``query_lens[i]`` tokens, the last ones of
-    its ``context_lens[i]`` tokens, whose KV live in the blocks of ``block_tables[i]``."""
-    slots: list[int] = []
+    its ``context_lens[i]`` tokens, whose KV live in the blocks of ``block_tables[i]`` (a list
+    per sequence, or rows of a tensor as the runner keeps them)."""
+    tables = block_table_tensor(block_tables)
     prefills: list[PrefillSeq] = []
+    decodes: list[int] = []  # sequences with one query token
     decode_rows: list[int] = []
-    decode_tables: list[list[int]] = []
-    decode_lens: list[int] = []
     row = 0
-    # Plain Python per sequence, one tensor per field at the end: a decode step of many
-    # sequences would otherwise pay several small tensor ops for each.
-    for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True):
-        num_blocks = -(-ctx_len // block_size)
-        slots.extend(table[p // block_size] * block_size + p % block_size
-                     for p in range(ctx_len - q_len, ctx_len))
+    # Plain integers per sequence, tensors per field: a decode step of many sequences would
+    # otherwise pay several small tensor ops for each.
+    for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens, strict=True)):
         if q_len == 1:
+            decodes.append(i)
             decode_rows.append(row)
-            decode_tables.append(table[:num_blocks])
-            decode_lens.append(ctx_len)
         elif q_len == ctx_len:
             prefills.append(PrefillSeq(row, q_len, ctx_len, None, None))
         else:
-            blocks = torch.tensor(table[:num_blocks], dtype=torch.long)
+            blocks = tables[i, :-(-ctx_len // block_size)]
             seq_slots = (blocks.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten()
             q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
             mask = torch.arange(ctx_len).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
             prefills.append(PrefillSeq(row, q_len, ctx_len, seq_slots[:ctx_len].to(device),
                                        mask.to(device)))
         row += q_len
-    max_blocks = max((len(t) for t in decode_tables), default=1)
-    tables = padded_block_tables(decode_tables, len(decode_tables), max_blocks, torch.long)
+    decode_lens = [context_lens[i] for i in decodes]
+    max_blocks = max(1, -(-max(decode_lens, default=1) // block_size))
+    index = torch.tensor(decodes, dtype=torch.long)
+    decode_tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+    if decodes:  # (a table narrower than max_blocks only when its row is a short list)
+        picked = tables.index_select(0, index)[:, :max_blocks]
+        decode_tables[:, :picked.shape[1]] = picked
     lens = torch.tensor(decode_lens, dtype=torch.long)
     decode_mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens.unsqueeze(1)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_mapping=slot_mapping(query_lens, context_lens, tables, block_size).to(device),
         prefills=prefills,
         decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-        decode_block_tables=tables.to(device),
+        decode_block_tables=decode_tables.to(device),
         decode_mask=decode_mask[:, None, None, :].to(device),
         decode_lens=lens.to(device),
     )

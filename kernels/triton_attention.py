@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels.paged_attention import padded_block_tables
+from mmserve.kernels.paged_attention import block_table_tensor, slot_mapping
 from mmserve.kernels.transfer import tensor_on, to_device
 from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
@@ -42,13 +42,15 @@ class TritonAttentionMetadata:
         cls,
         query_lens: list[int],
         seq_lens: list[int],
-        block_tables: list[list[int]],
+        block_tables: list[list[int]] | torch.Tensor,
         block_size: int,
         device: torch.device | str = "cpu",
         num_seqs_padded: int | None = None,
         max_blocks: int | None = None,
     ) -> TritonAttentionMetadata:
-        """Metadata for sequences given by query length, length after the step and block table.
+        """Metadata for sequences given by query length, length after the step and block table
+        (a list per sequence, or rows of a tensor as the runner keeps them, at least as wide as
+        each sequence's blocks).
 
         ``num_seqs_padded`` appends sequences with no query tokens (and their tokens' slots
         are -1), and ``max_blocks`` fixes the block-table width, so a CUDA graph captured at
@@ -60,28 +62,29 @@ class TritonAttentionMetadata:
         padded = num_seqs if num_seqs_padded is None else num_seqs_padded
         if padded < num_seqs:
             raise ValueError(f"num_seqs_padded={padded} is below the {num_seqs} sequences")
-        width = max((len(t) for t in block_tables), default=0)
-        width = max(1, width if max_blocks is None else max_blocks)
-        if any(len(t) > width for t in block_tables):
-            raise ValueError(f"a block table is longer than max_blocks={width}")
-        slots: list[int] = []
-        for i, (q_len, s_len, table) in enumerate(zip(query_lens, seq_lens, block_tables,
-                                                      strict=True)):
-            if not 0 < q_len <= s_len <= len(table) * block_size:
+        lengths = ([len(t) for t in block_tables] if not isinstance(block_tables, torch.Tensor)
+                   else [block_tables.shape[1]] * num_seqs)
+        needed = max((-(-s // block_size) for s in seq_lens), default=0)
+        width = max(1, needed if max_blocks is None else max_blocks)
+        if needed > width:
+            raise ValueError(f"a sequence needs {needed} blocks, over max_blocks={width}")
+        for i, (q_len, s_len, n) in enumerate(zip(query_lens, seq_lens, lengths, strict=True)):
+            if not 0 < q_len <= s_len <= n * block_size:
                 raise ValueError(f"sequence {i}: need 0 < query_len ({q_len}) <= seq_len "
-                                 f"({s_len}) <= blocks x block_size ({len(table) * block_size})")
-            slots.extend(table[p // block_size] * block_size + p % block_size
-                         for p in range(s_len - q_len, s_len))
-        tables = padded_block_tables(block_tables, padded, width, torch.int32)
+                                 f"({s_len}) <= blocks x block_size ({n * block_size})")
+        rows = block_table_tensor(block_tables)
+        tables = torch.zeros(padded, width, dtype=torch.int32)
+        tables[:num_seqs, :min(width, rows.shape[1])] = rows[:, :width]
         # Padding sequences own one padding token each: a decode graph of size N has N rows.
-        slots.extend([-1] * (padded - num_seqs))
+        slots = torch.cat([slot_mapping(query_lens, seq_lens, rows, block_size),
+                           torch.full((padded - num_seqs,), -1, dtype=torch.long)])
         starts = [0]
         for q_len in query_lens:
             starts.append(starts[-1] + q_len)
         starts.extend([starts[-1]] * (padded - num_seqs))
         lens = list(seq_lens) + [0] * (padded - num_seqs)
         return cls(
-            slot_mapping=tensor_on(slots, torch.int64, device),
+            slot_mapping=to_device(slots, device),
             query_start_loc=tensor_on(starts, torch.int32, device),
             seq_lens=tensor_on(lens, torch.int32, device),
             block_tables=to_device(tables, device),

@@ -39,6 +39,9 @@ class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the last may be PENDING_TOKEN (scheduled ahead of its sampling)
     start_pos: int  # num_computed_tokens before this step
+    # The request's KV block ids from index ``blocks_from`` on: those no earlier step sent (the
+    # runner keeps each request's table between steps; ``SchedulerOutput.finished_request_ids``
+    # drops it). A request's first step after its admission sends all of them.
     block_ids: list[int]
     image_slices: list[ImageSlice]
     sample: bool  # the chunk reaches the last known token: sample the next one
@@ -52,6 +55,7 @@ class ScheduledRequest:
     # Where the request has a structured_outputs grammar and samples: the tokens it may
     # sample, packed 32 to an int32 word (bit j of word i: token 32 * i + j), on the CPU.
     token_bitmask: torch.Tensor | None = None
+    blocks_from: int = 0  # index of block_ids[0] in the request's table
 
 
 @dataclass

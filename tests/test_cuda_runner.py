@@ -206,6 +206,7 @@ def test_graph_buffers_hold_positions_of_any_rows(rows: int) -> None:
     reqs = [ScheduledRequest(f"r{i}", [5], 3 + i, [i], [], True, Params(),
                              positions=[[10 * i + row] for row in range(rows)])
             for i in range(3)]
+    runner.block_tables.update(reqs)  # as launch() does first
     input_ids, positions, meta, _ = runner._prepare_inputs(reqs)
     assert positions.shape == ((4,) if rows == 1 else (rows, 4))
     model.seen.clear()

@@ -29,14 +29,14 @@ def image_request(rid: str, image: str, text: int = 8, **params):
 
 
 def run(sched, runner: SimulatedEncoderOutputs | None = None, max_steps: int = 50) -> list:
-    runner = runner or SimulatedEncoderOutputs()
+    runner = runner or SimulatedEncoderOutputs(sched.kv_cache)
     outs = []
     for _ in range(max_steps):
         if not sched.has_unfinished():
             break
         out = sched.schedule()
         check_step(sched, out)
-        runner.apply(out)
+        runner.apply(out, sched)
         sched.update(out, ModelOutput({r.request_id: 5 for r in out.requests if r.sample}))
         outs.append(out)
     assert not sched.has_unfinished()
@@ -52,7 +52,7 @@ def one_item_sched(**kwargs):
 
 def test_an_entry_leaving_the_reserve_borrows_free_blocks_and_comes_back_on_a_hit() -> None:
     sched = one_item_sched()
-    runner = SimulatedEncoderOutputs()
+    runner = SimulatedEncoderOutputs(sched.kv_cache)
     sched.add_request(image_request("a", "img-a"))
     run(sched, runner)
     sched.add_request(image_request("b", "img-b"))
@@ -74,7 +74,7 @@ def test_an_entry_leaving_the_reserve_borrows_free_blocks_and_comes_back_on_a_hi
 
 def test_without_borrowing_the_entry_is_dropped_and_encoded_again() -> None:
     sched = one_item_sched(borrowing=False)
-    runner = SimulatedEncoderOutputs()
+    runner = SimulatedEncoderOutputs(sched.kv_cache)
     for rid, image in (("a", "img-a"), ("b", "img-b"), ("c", "img-a")):
         sched.add_request(image_request(rid, image))
         run(sched, runner)
@@ -86,7 +86,7 @@ def test_kv_cache_takes_borrowed_blocks_before_prefix_blocks_and_without_preempt
     sched = one_item_sched(num_blocks=12, enable_caching=True, max_num_seqs=2,
                            max_num_batched_tokens=256)
     pool = sched.kv_cache.pool
-    runner = SimulatedEncoderOutputs()
+    runner = SimulatedEncoderOutputs(sched.kv_cache)
     for rid, image in (("a", "img-a"), ("b", "img-b"), ("c", "img-c")):
         sched.add_request(image_request(rid, image))
         run(sched, runner)
@@ -108,7 +108,7 @@ def test_abort_and_preemption_leave_nothing_borrowed_behind() -> None:
     sched = one_item_sched(num_blocks=10, max_num_seqs=3, max_num_batched_tokens=256)
     for i in range(6):
         sched.add_request(image_request(f"r{i}", f"img-{i % 4}", text=30, max_tokens=40))
-    runner = SimulatedEncoderOutputs()
+    runner = SimulatedEncoderOutputs(sched.kv_cache)
     for step_no in range(200):
         if not sched.has_unfinished():
             break
@@ -116,7 +116,7 @@ def test_abort_and_preemption_leave_nothing_borrowed_behind() -> None:
             sched.finish_request(sorted(sched.requests)[0], RequestStatus.FINISHED_ABORTED)
         out = sched.schedule()
         check_step(sched, out)
-        runner.apply(out)
+        runner.apply(out, sched)
         sched.update(out, ModelOutput({r.request_id: 5 for r in out.requests if r.sample}))
     assert sched.num_preemptions > 0
     assert_no_leaks(sched)
@@ -189,7 +189,7 @@ def test_a_full_prefix_hit_over_an_image_neither_encodes_nor_pins_it() -> None:
     """Image tokens wholly inside prefix-cache blocks need no embeddings: a second request
     with the same image-and-text prefix schedules no encoder work and holds no entry."""
     sched = one_item_sched(enable_caching=True, max_num_batched_tokens=128)
-    runner = SimulatedEncoderOutputs()
+    runner = SimulatedEncoderOutputs(sched.kv_cache)
     first = make_req("first", 70, [ImageInput("img-a", 0, 32)], seed=3)
     sched.add_request(first)
     run(sched, runner)

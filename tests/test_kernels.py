@@ -207,8 +207,9 @@ def test_build_metadata_layout():
     dict(query_lens=[4], seq_lens=[3], block_tables=[[0]]),
     dict(query_lens=[1], seq_lens=[9], block_tables=[[0, 1]]),
     dict(query_lens=[1], seq_lens=[3], block_tables=[[0]], num_seqs_padded=0),
-    dict(query_lens=[1], seq_lens=[3], block_tables=[[0, 1]], max_blocks=1),
-], ids=["empty-query", "query-longer-than-seq", "blocks-too-few", "padding-below", "table-wide"])
+    dict(query_lens=[1], seq_lens=[6], block_tables=[[0, 1]], max_blocks=1),
+], ids=["empty-query", "query-longer-than-seq", "blocks-too-few", "padding-below",
+        "needs-more-than-max-blocks"])
 def test_build_metadata_rejects_bad_layouts(bad):
     with pytest.raises(ValueError):
         TritonAttentionMetadata.build(block_size=4, **bad)

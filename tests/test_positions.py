@@ -17,6 +17,7 @@ from mmserve.engine.scheduler import Scheduler
 from mmserve.inputs import ImageInput
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
+from mmserve.worker.block_tables import BlockTables
 from mmserve.worker.model_runner import ModelRunner, flat_positions
 from tests.test_scheduler import PLACEHOLDER, assert_no_leaks, check_step, make_sched
 
@@ -150,6 +151,8 @@ def test_runner_flattens_three_row_positions() -> None:
     decode = _sched_req("b", 9, [[5], [5], [5]], 1)
     runner = ModelRunner.__new__(ModelRunner)  # input preparation needs no model
     runner.block_size = 4
+    runner.block_tables = BlockTables()
+    runner.block_tables.update([prefill, decode])  # as launch() does first
     input_ids, positions, meta, sample_rows = runner._prepare_inputs([prefill, decode])
     assert input_ids.shape == (5,)
     assert positions.shape == (3, 5) and positions.dtype == torch.long

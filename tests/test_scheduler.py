@@ -19,6 +19,7 @@ from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.inputs import ImageInput
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import ModelOutput, SchedulerOutput
+from mmserve.worker.block_tables import BlockTables
 
 PLACEHOLDER = 9
 EOS = 2
@@ -96,9 +97,11 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert req.num_computed_tokens == s.start_pos + n
         assert s.token_ids == req.all_token_ids[s.start_pos:s.start_pos + n]
         assert s.sample == (s.start_pos + n == req.num_tokens)
-        assert len(set(s.block_ids)) == len(s.block_ids), s.block_ids
-        assert len(s.block_ids) * bs >= s.start_pos + n
-        assert s.block_ids == kv.block_ids(req)
+        # The blocks not sent before, up to the request's whole table: enough for the chunk.
+        assert s.block_ids == kv.block_ids(req, s.blocks_from)
+        assert s.blocks_from + len(s.block_ids) == len(kv.block_ids(req))
+        assert len(kv.block_ids(req)) * bs >= s.start_pos + n
+        assert len(set(kv.block_ids(req))) == len(kv.block_ids(req))
         # Every placeholder in the chunk is covered by exactly one slice, of an image that the
         # runner has (cached or encoded this step).
         expected = []
@@ -655,14 +658,28 @@ def test_seed_001_second_request_arrives_later(
 
 class SimulatedEncoderOutputs:
     """The runner's encoder outputs as hashes: held as tensors, or copied into borrowed KV
-    blocks. Applies each step's messages in the runner's order and checks that every slice
-    reads an output that exists and every restore reads blocks no request has written since."""
+    blocks, and its block tables (``BlockTables``, fed only what each step sends). Applies
+    each step's messages in the runner's order and checks that every request's table equals
+    the scheduler's, every slice reads an output that exists and every restore reads blocks no
+    request has written since."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
         self.tensors: set[str] = set()
         self.in_blocks: dict[str, list[int]] = {}
+        self.tables = BlockTables(rows=2, width=2)  # small: grown while the run goes
 
-    def apply(self, out: SchedulerOutput) -> None:
+    def apply(self, out: SchedulerOutput, sched: Scheduler) -> None:
+        self.tables.release(out.finished_request_ids)
+        self.tables.update(out.requests)
+        bs = self.kv.block_size
+        written = set()
+        for r in out.requests:
+            full = self.kv.block_ids(sched.requests[r.request_id])
+            row = self.tables.rows([r])[0].tolist()
+            assert row[:len(full)] == full, (r.request_id, row, full)
+            end = r.start_pos + len(r.token_ids)
+            written.update(full[r.start_pos // bs:-(-end // bs)])
         self.tensors -= set(out.freed_encoder_hashes)
         for h, (_, blocks) in out.encoder_restores.items():
             assert self.in_blocks.pop(h, None) == blocks, f"{h} restored from lost blocks"
@@ -672,7 +689,6 @@ class SimulatedEncoderOutputs:
             self.tensors.discard(h)
             self.in_blocks[h] = blocks
         self.tensors |= set(out.images_to_encode)
-        written = {b for r in out.requests for b in r.block_ids}
         for h in [h for h, blocks in self.in_blocks.items() if written & set(blocks)]:
             del self.in_blocks[h]  # overwritten: a restore of it would read garbage
         for r in out.requests:
@@ -692,7 +708,7 @@ def stress_run(seed: int, encoder_cache_size: int | None, borrowing: bool = Fals
                        block_size=bs, num_blocks=num_blocks, max_tokens_per_item=24,
                        max_items_per_prompt=2, encoder_cache_size=encoder_cache_size,
                        borrowing=borrowing)
-    runner = SimulatedEncoderOutputs()
+    runner = SimulatedEncoderOutputs(sched.kv_cache)
     # An image hash always comes with the same number of embeddings.
     image_lengths = {f"h{i}": rng.randint(4, 24) for i in range(5)}
 
@@ -740,7 +756,7 @@ def stress_run(seed: int, encoder_cache_size: int | None, borrowing: bool = Fals
             continue
         out = sched.schedule()
         check_step(sched, out)
-        runner.apply(out)
+        runner.apply(out, sched)
         tokens = {r.request_id: (EOS if rng.random() < 0.03 else rng.randint(10, 60))
                   for r in out.requests if r.sample}
         for rid, tok in tokens.items():
@@ -803,7 +819,7 @@ def test_a_schedule_that_raises_forgets_the_images_it_reserved(
     req = make_req("a", 40, [ImageInput("img", 0, 32)])
     sched.add_request(req)
 
-    def broken(_req: Request) -> list[int]:
+    def broken(_req: Request, _start: int = 0) -> list[int]:
         raise RuntimeError("a bug in the books")
 
     with monkeypatch.context() as m:

@@ -129,6 +129,7 @@ class KVCacheManager:
             self.pool.uncache([b for b in blocks if b.ref_cnt == 1])
         self.pool.free(list(reversed(blocks)))
 
-    def block_ids(self, req: Request) -> list[int]:
-        """The request's block ids, in order: a copy, for a step's message."""
-        return list(self._req_block_ids.get(req.request_id, ()))
+    def block_ids(self, req: Request, start: int = 0) -> list[int]:
+        """The request's block ids from index ``start`` on, in order (a copy, for a step's
+        message: a running request's grow at the end only)."""
+        return self._req_block_ids.get(req.request_id, [])[start:]

@@ -64,6 +64,8 @@ class Request:
         # num_computed_tokens when the scheduler last released passed images (-1: never, or
         # since they went back); once past images_end, there is nothing left to release.
         self.images_checked_at = -1
+        # Block ids the runner has of this request's (steps send the others): 0 at admission.
+        self.num_blocks_sent = 0
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING

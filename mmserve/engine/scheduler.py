@@ -271,6 +271,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
+            req.num_blocks_sent = 0  # new blocks (after a preemption too): send them all
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_computed
@@ -286,11 +287,13 @@ class Scheduler:
             assert num_new > 0, f"scheduled {num_new} tokens for {req}"
             token_ids = req.all_token_ids[start:start + num_new]
             token_ids += [PENDING_TOKEN] * (num_new - len(token_ids))
+            new_blocks = self.kv_cache.block_ids(req, req.num_blocks_sent)
             out.requests.append(ScheduledRequest(
                 request_id=req.request_id,
                 token_ids=token_ids,
                 start_pos=start,
-                block_ids=self.kv_cache.block_ids(req),
+                block_ids=new_blocks,
+                blocks_from=req.num_blocks_sent,
                 image_slices=self._image_slices(req, start, num_new),
                 sample=start + num_new == self._num_tokens(req, pending),
                 sampling_params=req.sampling_params,
@@ -302,6 +305,7 @@ class Scheduler:
             ))
             # Tokens count as computed once scheduled: steps run in the order scheduled.
             req.num_computed_tokens += num_new
+            req.num_blocks_sent += len(new_blocks)
             self._release_passed_images(req)
         ops = self.encoder_cache.take_ops()
         out.freed_encoder_hashes = ops.freed

@@ -35,6 +35,7 @@ from mmserve.step import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from mmserve.worker.block_tables import BlockTables
 from mmserve.worker.busy_timer import BusyTimer
 from mmserve.worker.cpu_allocator import (
     advise_huge_pages,
@@ -119,6 +120,8 @@ class ModelRunner:
         # tokens on the device, and the row. A step scheduled ahead of it (PENDING_TOKEN,
         # asynchronous scheduling) computes from it, read there.
         self.last_sampled: dict[str, tuple[torch.Tensor, int]] = {}
+        # Every running request's KV block ids: a step sends only the ones it adds.
+        self.block_tables = BlockTables()
         self._image_owners: dict[str, int] = {}  # this step's images' encoding ranks
         self._failed: set[str] = set()  # the requests the last step failed for
         # Set while someone measures how long the device computes (``busy_timer.py``).
@@ -158,6 +161,10 @@ class ModelRunner:
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
             self.last_sampled.pop(rid, None)
+        self.block_tables.release(scheduler_output.finished_request_ids)
+        # Every request's new blocks, those of requests this step drops below included: the
+        # scheduler counts them as sent.
+        self.block_tables.update(scheduler_output.requests)
         out = ModelOutput()
         scheduler_output = self._fill_pending(scheduler_output, out)
         self._assign_images(scheduler_output)
@@ -404,6 +411,7 @@ class ModelRunner:
         self._pixel_tables.clear()
         self.generators.clear()
         self.last_sampled.clear()
+        self.block_tables.clear()
         self.model = None
 
     @classmethod
@@ -567,7 +575,7 @@ class ModelRunner:
         """The attention backend's metadata, and how many padding rows the batch needs."""
         meta = build_attention_metadata(
             [len(r.token_ids) for r in reqs], [r.start_pos + len(r.token_ids) for r in reqs],
-            [r.block_ids for r in reqs], self.block_size, self.device)
+            self.block_tables.rows(reqs), self.block_size, self.device)
         return meta, 0
 
     # ----------------------------------------------------------------- borrowed blocks
@@ -651,6 +659,7 @@ class ModelRunner:
         """
         try:
             self._assign_images(batch)
+            self.block_tables.update(batch.requests)
             self._run_encoder(batch, encoder_pixels)
             input_ids, positions, meta, sample_rows = self._prepare_inputs(batch.requests)
             embeds = self._embed(input_ids, batch.requests)
@@ -660,6 +669,7 @@ class ModelRunner:
             for h in batch.images_to_encode:
                 self.encoder_outputs.pop(h, None)
             self._image_owners.clear()
+            self.block_tables.release(r.request_id for r in batch.requests)
 
 
 class CPUModelRunner(ModelRunner):

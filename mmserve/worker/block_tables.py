@@ -1,0 +1,76 @@
+"""The runner's copy of every running request's KV block table, kept between steps.
+
+A request's table only grows while it runs (a block every ``block_size`` tokens), so a step's
+message carries only the ids the runner does not have yet (``ScheduledRequest.block_ids``,
+starting at index ``blocks_from``) and the runner writes them into the request's row of one
+tensor. A step's tables are then one gather of its requests' rows, whatever their length:
+no per-request list is copied, padded or turned into a tensor every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from mmserve.step import ScheduledRequest
+
+
+class BlockTables:
+    """Rows of block ids by request id, in a ``[rows, width]`` int64 tensor on the CPU that
+    doubles as requests or blocks outgrow it. A finished request's row is reused; ids past a
+    request's current blocks may be left over from an earlier request (every reader stops at
+    the sequence's length)."""
+
+    def __init__(self, rows: int = 16, width: int = 16) -> None:
+        self.table = torch.zeros(rows, width, dtype=torch.long)
+        self._rows: dict[str, int] = {}
+        self._free: list[int] = list(range(rows - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def update(self, requests: Iterable[ScheduledRequest]) -> None:
+        """Write each request's new block ids into its row (a new request gets a row). The
+        same message applied twice leaves the same rows (a failed step's requests rerun)."""
+        for r in requests:
+            row = self._rows.get(r.request_id)
+            if row is None:
+                if r.blocks_from != 0:
+                    raise ValueError(
+                        f"request {r.request_id} sends block ids from index {r.blocks_from}, "
+                        "but the runner has none of its earlier ones")
+                row = self._rows[r.request_id] = self._take_row()
+            if not r.block_ids:
+                continue
+            end = r.blocks_from + len(r.block_ids)
+            if end > self.table.shape[1]:
+                self._grow(self.table.shape[0], max(end, 2 * self.table.shape[1]))
+            self.table[row, r.blocks_from:end] = torch.tensor(r.block_ids, dtype=torch.long)
+
+    def rows(self, requests: list[ScheduledRequest]) -> torch.Tensor:
+        """``[len(requests), width]``: the requests' tables, in order."""
+        index = torch.tensor([self._rows[r.request_id] for r in requests], dtype=torch.long)
+        return self.table.index_select(0, index)
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget finished requests (ids the runner never saw are ignored)."""
+        for rid in request_ids:
+            row = self._rows.pop(rid, None)
+            if row is not None:
+                self._free.append(row)
+
+    def clear(self) -> None:
+        self.release(list(self._rows))
+
+    def _take_row(self) -> int:
+        if not self._free:
+            rows = self.table.shape[0]
+            self._grow(2 * rows, self.table.shape[1])
+            self._free.extend(range(2 * rows - 1, rows - 1, -1))
+        return self._free.pop()
+
+    def _grow(self, rows: int, width: int) -> None:
+        grown = torch.zeros(rows, width, dtype=torch.long)
+        grown[:self.table.shape[0], :self.table.shape[1]] = self.table
+        self.table = grown
