@@ -129,6 +129,8 @@ class Scheduler:
         count (never negative), the remaining compute budget and the images newly referenced
         here (to roll back if the request is not scheduled after all).
         """
+        if num_computed >= req.images_end:  # past every image (every decode step)
+            return [], num_new, compute_budget, []
         to_encode: list[int] = []
         referenced: list[int] = []
         pending_hashes: set[str] = set()
@@ -203,13 +205,13 @@ class Scheduler:
     def _schedule(self, out: SchedulerOutput, pending: frozenset[str]) -> SchedulerOutput:
         token_budget = self.max_num_batched_tokens
         compute_budget = self.encoder_compute_budget
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, int]] = []  # request, new tokens, its total
         # A running request lacked room (it preempted others, or, scheduling ahead, waits):
         # no waiting request is admitted this step.
         short = False
         ahead = out.ahead
 
-        def commit(req: Request, num_new: int, to_encode: list[int]) -> None:
+        def commit(req: Request, num_new: int, total: int, to_encode: list[int]) -> None:
             for i in to_encode:
                 image = req.images[i]
                 if self.encoder_cache.is_borrowed(image.hash):
@@ -217,7 +219,7 @@ class Scheduler:
                 else:
                     self.encoder_cache.allocate(req, i)
                     out.images_to_encode[image.hash] = image.length
-            scheduled.append((req, num_new))
+            scheduled.append((req, num_new, total))
 
         # Running requests first, in admission order; the newest is preempted first.
         i = 0
@@ -246,7 +248,7 @@ class Scheduler:
                         break
                 if req.status != RequestStatus.RUNNING:
                     break
-            commit(req, num_new, to_encode)
+            commit(req, num_new, total, to_encode)
             compute_budget = new_compute_budget
             token_budget -= num_new
             i += 1
@@ -277,12 +279,12 @@ class Scheduler:
                 req.num_cached_tokens = num_computed
             self.prefix_cache_queried_tokens += req.num_tokens
             self.prefix_cache_hit_tokens += num_computed
-            commit(req, num_new, to_encode)
+            commit(req, num_new, req.num_tokens, to_encode)
             compute_budget = new_compute_budget
             token_budget -= num_new
         self._admitted_last = len(self.running) > admitted
 
-        for req, num_new in scheduled:
+        for req, num_new, total in scheduled:
             start = req.num_computed_tokens
             assert num_new > 0, f"scheduled {num_new} tokens for {req}"
             token_ids = req.all_token_ids[start:start + num_new]
@@ -295,7 +297,7 @@ class Scheduler:
                 block_ids=new_blocks,
                 blocks_from=req.num_blocks_sent,
                 image_slices=self._image_slices(req, start, num_new),
-                sample=start + num_new == self._num_tokens(req, pending),
+                sample=start + num_new == total,
                 sampling_params=req.sampling_params,
                 positions=req.positions(start, start + num_new),
                 prompt_logprob_targets=(
