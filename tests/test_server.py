@@ -225,6 +225,29 @@ def test_logprobs_over_http_equal_the_python_api(client: openai.OpenAI, clip_lla
     wait_drained(server.url)
 
 
+def test_streamed_pieces_add_up_to_the_whole_answer(client: openai.OpenAI,
+                                                    server: Server) -> None:
+    """The engine hands the server each step's additions only (``output_kind`` delta): text
+    held back for a stop string, the tokens' log-probabilities and the usage still come out
+    as the whole answer does, for two choices at once."""
+    messages = image_message("describe it", data_url(IMAGES[1]))
+    args = dict(model="tiny-llava", messages=messages, max_tokens=12, temperature=0,
+                logprobs=True, top_logprobs=2, n=2, stop=["\x00never"])
+    plain = client.chat.completions.create(**args)
+    chunks = list(client.chat.completions.create(**args, stream=True,
+                                                 stream_options={"include_usage": True}))
+    for index in range(2):
+        parts = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        whole = plain.choices[index]
+        assert "".join(p.delta.content or "" for p in parts) == whole.message.content
+        streamed = [item for p in parts if p.logprobs for item in p.logprobs.content]
+        assert [(i.token, i.logprob) for i in streamed] == [
+            (i.token, i.logprob) for i in whole.logprobs.content]
+        assert len(streamed) == 12
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens == 24
+    wait_drained(server.url)
+
+
 def test_completions_endpoint(client: openai.OpenAI, clip_llama: str, server: Server) -> None:
     """``/v1/completions``: a string, token ids, or a list of either, each prompt a choice in
     order, equal to the Python API; streamed per prompt; logprobs in the endpoint's shape;

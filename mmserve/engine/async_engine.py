@@ -66,6 +66,7 @@ class RequestStream:
 
     request_id: str
     arrival_time: float  # time.monotonic() when the request was submitted
+    delta: bool = False  # its outputs hold only what each step added (output_kind delta)
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     first_token_time: float | None = None
@@ -203,7 +204,8 @@ class AsyncEngine:
                 f"(--max-queue {self.max_waiting}); retry later.")
         assert self._loop is not None
         now = time.monotonic()
-        streams = [RequestStream(rid, arrival_time=now) for rid in request_ids]
+        streams = [RequestStream(rid, arrival_time=now, delta=params.output_kind == "delta")
+                   for rid in request_ids]
         for stream in streams:
             self._streams[stream.request_id] = stream
         added = [self._loop.create_future() for _ in request_ids]
@@ -321,13 +323,16 @@ class AsyncEngine:
                 stream.first_token_time = now
             stream.last_token_time = now
             stream.num_prompt_tokens = out.num_prompt_tokens
-            stream.num_generation_tokens = len(out.token_ids)
+            if stream.delta:
+                stream.num_generation_tokens += len(out.token_ids)
+            else:
+                stream.num_generation_tokens = len(out.token_ids)
             if out.finished:
                 stream.finished = True
                 del self._streams[out.request_id]
                 if self.observer is not None:
                     self.observer.on_finished(out.finish_reason or "stop", out.num_prompt_tokens,
-                                              len(out.token_ids))
+                                              stream.num_generation_tokens)
             stream._queue.put_nowait(out)
 
     def _fail_all(self, error: BaseException | None) -> None:

@@ -31,7 +31,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -51,6 +51,7 @@ from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
+from mmserve.step import TokenLogprobs
 from mmserve.worker.compute_thread import ComputeThread
 
 logger = logging.getLogger(__name__)
@@ -286,10 +287,11 @@ class OpenAIServer:
         the engine died, a request failed)."""
 
         async def final_output(stream: RequestStream) -> RequestOutput | None:
-            last = None
+            answer, last = _Answer(), None
             async for out in stream:
+                answer.add(out)
                 last = out
-            return last
+            return None if last is None else answer.whole(last)
 
         answers = asyncio.ensure_future(asyncio.gather(*(final_output(s) for s in streams)))
         gone = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -331,15 +333,13 @@ class OpenAIServer:
         """A chat answer's chunks: each choice's role first, then its text as it comes, in
         the order the choices produce it (``index`` says whose), the usage last when asked."""
         created = int(time.time())
-        sent = [0] * len(streams)  # tokens whose logprobs went out with an earlier chunk
+        answers = [_Answer() for _ in streams]
 
         def event(index: int, delta: dict[str, Any] | None, reason: str | None = None,
                   usage: dict[str, Any] | None = None, out: RequestOutput | None = None) -> str:
             logprobs = None
             if out is not None and out.logprobs is not None:  # the tokens since the last chunk
-                logprobs = proto.logprobs_content(out.token_ids[sent[index]:],
-                                                  out.logprobs[sent[index]:], self._token_text)
-                sent[index] = len(out.logprobs)
+                logprobs = proto.logprobs_content(*answers[index].unsent(), self._token_text)
             body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage,
                                logprobs, index)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
@@ -353,11 +353,12 @@ class OpenAIServer:
                     if isinstance(out, str):  # an error event: the stream ends after it
                         yield out
                         break
+                    answers[index].add(out)
                     if out.new_text:
                         yield event(index, {"content": out.new_text}, out=out)
                     if out.finished:
                         yield event(index, {}, out.finish_reason, out=out)
-                        finals[index] = out
+                        finals[index] = answers[index].whole(out)
                 else:
                     if include_usage:
                         yield event(0, None, usage=_usage_of([[o for o in finals if o]]))
@@ -454,8 +455,8 @@ class OpenAIServer:
                                           usage)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
-        sent = [0] * len(streams)  # tokens each choice's chunks carried logprobs for
-        offsets = [0] * len(streams)  # and the text those tokens stand for
+        answers = [_Answer() for _ in streams]
+        offsets = [0] * len(streams)  # the text of the tokens chunks carried logprobs for
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             async with contextlib.aclosing(self._merged(streams)) as merged:
@@ -463,19 +464,18 @@ class OpenAIServer:
                     if isinstance(out, str):  # an error event: the stream ends after it
                         yield out
                         break
+                    answers[index].add(out)
                     if not (out.new_text or out.finished):
                         continue
                     logprobs = None
                     if out.logprobs is not None:
                         logprobs = proto.completion_logprobs(
-                            out.token_ids[sent[index]:], out.logprobs[sent[index]:],
-                            self._token_text, offsets[index])
-                        sent[index] = len(out.logprobs)
+                            *answers[index].unsent(), self._token_text, offsets[index])
                         offsets[index] += sum(len(t) for t in logprobs["tokens"])
                     reason = out.finish_reason if out.finished else None
                     yield event(proto.completion_choice(index, out.new_text, reason, logprobs))
                     if out.finished:
-                        finals[index] = out
+                        finals[index] = answers[index].whole(out)
                 else:
                     if include_usage:
                         yield event(None, _usage_of(_per_prompt([o for o in finals if o], n)))
@@ -518,6 +518,37 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
 def _completion_ids(request_id: str, n: int) -> list[str]:
     """The engine request ids of a chat answer's ``n`` choices."""
     return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+class _Answer:
+    """One choice put back together from the engine's outputs, which hold only what each
+    step added (the server's requests run with ``output_kind`` ``delta``, so that a step
+    costs the engine the same however long the answers grow): its text, tokens and
+    log-probabilities so far, and which of them a stream's chunks have carried."""
+
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = None
+        self.sent = 0  # tokens whose log-probabilities went out with an earlier chunk
+
+    def add(self, out: RequestOutput) -> None:
+        self.pieces.append(out.text)
+        self.token_ids += out.token_ids
+        if out.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += out.logprobs
+
+    def unsent(self) -> tuple[list[int], list[TokenLogprobs]]:
+        """The tokens since the last call, and their log-probabilities."""
+        start, self.sent = self.sent, len(self.token_ids)
+        return self.token_ids[start:], (self.logprobs or [])[start:]
+
+    def whole(self, last: RequestOutput) -> RequestOutput:
+        """The choice's final output, everything in it."""
+        return replace(last, text="".join(self.pieces), token_ids=self.token_ids,
+                       logprobs=self.logprobs)
 
 
 def _per_prompt(outs: list[RequestOutput], n: int) -> list[list[RequestOutput]]:

@@ -219,10 +219,11 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
     ignore_eos = _get(body, "ignore_eos", bool, False)  # vLLM's extension, for benchmarks
     structured = _structured_outputs(body)
     try:
+        # Each step's outputs hold only what it added: the server puts answers together.
         return SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                               ignore_eos=ignore_eos, logprobs=logprobs,
-                              structured_outputs=structured)
+                              structured_outputs=structured, output_kind="delta")
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
 
