@@ -19,10 +19,11 @@
 // path: the dot-product instruction on bfloat16 pairs for both passes (probabilities rounded
 // to bfloat16 for the values, as torch's fused attention does), and software prefetch, since
 // consecutive blocks are scattered in memory. The key pass of a sequence's first KV head asks
-// for the whole K and V rows of every head (a row of all heads is a few cache lines; a head's
-// part of it is one or two) kAheadKeys keys ahead, so that its value pass and the sequence's
-// other heads find them in cache; the key pass alone runs long enough per key to hide the
-// memory's latency.
+// for the whole K and V rows of every head (a head's part of a row is two or four cache
+// lines at head sizes 64 and 128) kAheadKeys keys ahead, so that its value pass, and the
+// sequence's other heads where the same thread runs them next (parallel_for gives each thread
+// consecutive items) and they still fit in its L2, find them in cache; the key pass alone
+// runs long enough per key to hide the memory's latency.
 
 #include <ATen/ATen.h>
 

@@ -54,11 +54,20 @@ def padded_block_tables(tables: list[list[int]], rows: int, width: int,
 
 def block_table_tensor(block_tables: list[list[int]] | torch.Tensor) -> torch.Tensor:
     """``[num_seqs, width]`` int64 on the CPU: a list of tables zero-padded, or a tensor of
-    rows as it is (each row's ids past its sequence's blocks are never read)."""
+    rows as it is (ids past a row's blocks may be left over: ``zero_past_blocks``)."""
     if isinstance(block_tables, torch.Tensor):
         return block_tables.long()
     width = max((len(t) for t in block_tables), default=1)
     return padded_block_tables(block_tables, len(block_tables), max(width, 1), torch.long)
+
+
+def zero_past_blocks(tables: torch.Tensor, seq_lens: list[int],
+                     block_size: int) -> torch.Tensor:
+    """``tables`` (``[num_seqs, width]``) with every id past row ``i``'s first
+    ``ceil(seq_lens[i] / block_size)`` set to 0: a kernel that reads whole rows (torch's
+    decode path gathers them, then masks) reads block 0 there, as for a padded list."""
+    blocks = -(-torch.tensor(seq_lens, dtype=torch.long) // block_size)
+    return tables.masked_fill(torch.arange(tables.shape[1]) >= blocks.unsqueeze(1), 0)
 
 
 def slot_mapping(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,
@@ -110,7 +119,7 @@ def build_attention_metadata(
     decode_tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
     if decodes:  # (a table narrower than max_blocks only when its row is a short list)
         picked = tables.index_select(0, index)[:, :max_blocks]
-        decode_tables[:, :picked.shape[1]] = picked
+        decode_tables[:, :picked.shape[1]] = zero_past_blocks(picked, decode_lens, block_size)
     lens = torch.tensor(decode_lens, dtype=torch.long)
     decode_mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens.unsqueeze(1)
     return AttentionMetadata(

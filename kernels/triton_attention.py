@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels.paged_attention import block_table_tensor, slot_mapping
+from mmserve.kernels.paged_attention import block_table_tensor, slot_mapping, zero_past_blocks
 from mmserve.kernels.transfer import tensor_on, to_device
 from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
@@ -74,7 +74,8 @@ class TritonAttentionMetadata:
                                  f"({s_len}) <= blocks x block_size ({n * block_size})")
         rows = block_table_tensor(block_tables)
         tables = torch.zeros(padded, width, dtype=torch.int32)
-        tables[:num_seqs, :min(width, rows.shape[1])] = rows[:, :width]
+        tables[:num_seqs, :min(width, rows.shape[1])] = zero_past_blocks(
+            rows[:, :width], seq_lens, block_size)
         # Padding sequences own one padding token each: a decode graph of size N has N rows.
         slots = torch.cat([slot_mapping(query_lens, seq_lens, rows, block_size),
                            torch.full((padded - num_seqs,), -1, dtype=torch.long)])

@@ -16,7 +16,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import gpu_memory_shortfall
 from mmserve.errors import EngineDeadError
-from mmserve.worker import cpu_threads
+from mmserve.worker import collector, cpu_threads
 from tests.conftest import assert_no_leaks, make_image
 
 GiB = 2**30
@@ -118,15 +118,22 @@ def test_closing_restores_the_thread_count_the_adaptive_policy_lowered(clip_llam
 
 
 def test_start_up_objects_are_out_of_the_collectors_sight_until_close(clip_llama):
-    llm = LLM(clip_llama, dtype="float32", max_model_len=128)
-    model = llm.engine.model
+    before = collector.holders()
+    first = LLM(clip_llama, dtype="float32", max_model_len=128)
+    model = first.engine.model
     # Frozen: a full collection walks none of the objects start-up made (the model's included).
-    assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() > 0 and collector.holders() == before + 1
     assert not any(o is model for o in gc.get_objects())
-    assert _use(llm) == _use(llm)
-    llm.close()
-    assert gc.get_freeze_count() == 0
-    assert any(o is model for o in gc.get_objects())
+    assert _use(first) == _use(first)
+    second = LLM(clip_llama, dtype="float32", max_model_len=128)
+    first.close()  # another engine still runs: what is frozen stays so
+    assert collector.holders() == before + 1 and gc.get_freeze_count() > 0
+    second.close()
+    second.close()  # closing twice counts once
+    assert collector.holders() == before
+    if before == 0:  # (no engine of an earlier test left open in this process)
+        assert gc.get_freeze_count() == 0
+        assert any(o is model for o in gc.get_objects())
 
 
 # ----------------------------------------------------------------- a GPU that is not free

@@ -94,6 +94,23 @@ def test_a_failed_delta_request_ends_with_an_error_and_no_tokens(llm: LLM) -> No
     assert len(outs["final_only"]) == 1 and outs["final_only"][0].finish_reason == "length"
 
 
+def test_a_token_its_grammar_refuses_comes_with_the_delta_error_output(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refused token was sampled and decoded but no output carried it yet: the delta
+    error output does, so the pieces add up to what a cumulative request reports."""
+    monkeypatch.setattr(llm.engine._matchers, "accept", lambda rid, token: (False, False))
+    choice = {"choice": ["yes", "no"]}
+    outs = _run_together(llm, {k: _params(k, structured_outputs=choice)
+                               for k in ("cumulative", "delta", "final_only")})
+    (whole,), (delta,), (final,) = outs["cumulative"], outs["delta"], outs["final_only"]
+    assert whole.finish_reason == delta.finish_reason == final.finish_reason == "error"
+    assert len(whole.token_ids) == 1 and len(whole.logprobs) == 1
+    for out in (delta, final):
+        assert (out.text, out.token_ids, out.logprobs) == (
+            whole.text, whole.token_ids, whole.logprobs)
+        assert (out.new_text, out.new_token_ids) == (whole.text, whole.token_ids)
+
+
 def test_generate_returns_whole_outputs_whatever_the_kind(llm: LLM) -> None:
     outs = [llm.generate(PROMPT, _params(k))[0]
             for k in ("cumulative", "delta", "final_only")]

@@ -676,8 +676,8 @@ class SimulatedEncoderOutputs:
         written = set()
         for r in out.requests:
             full = self.kv.block_ids(sched.requests[r.request_id])
-            row = self.tables.rows([r])[0].tolist()
-            assert row[:len(full)] == full, (r.request_id, row, full)
+            row = self.tables.rows([r], len(full))[0].tolist()
+            assert row == full, (r.request_id, row, full)
             end = r.start_pos + len(r.token_ids)
             written.update(full[r.start_pos // bs:-(-end // bs)])
         self.tensors -= set(out.freed_encoder_hashes)

@@ -79,6 +79,7 @@ class LLMEngine:
     everything it took, so a later engine in the same process plans exactly as this one did."""
 
     _closed = False  # set by close(); a class default so that a half-built engine closes too
+    _froze = False  # start-up's objects were frozen out of the collector's walk (collector.py)
 
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoConfig
@@ -193,6 +194,7 @@ class LLMEngine:
                            else StepThread(self.runner, self._compute))
         # Full collections would otherwise walk every object start-up made (collector.py).
         freeze_long_lived()
+        self._froze = True
         logger.info("mmserve engine ready, dtype=%s, encoder compute budget %d tokens per "
                     "step\n%s", dtype, self.encoder_budget.compute_tokens, self.plan.summary())
 
@@ -511,7 +513,7 @@ class LLMEngine:
             detok = self._detokenizers[req.request_id]
             detok.add(req.all_token_ids[-1])
             if req.request_id in self._matchers and not self._follow_grammar(req):
-                outputs.append(self._error_output(req))
+                outputs.append(self._error_output(req, with_last_token=True))
                 continue
             if detok.stopped and not req.finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -625,24 +627,29 @@ class LLMEngine:
         self.num_failed_requests += len(outputs)
         return outputs
 
-    def _error_output(self, req: Request) -> RequestOutput:
-        """A failed request's last output: with ``output_kind`` ``delta``, only the text
-        held back so far (its tokens went out with their steps)."""
+    def _error_output(self, req: Request, with_last_token: bool = False) -> RequestOutput:
+        """A failed request's last output. With ``output_kind`` ``delta``: the text held
+        back so far, and ``with_last_token`` the token the step sampled, which no output
+        carried yet (a grammar refused it); the others went out with their steps."""
         self._matchers.remove(req.request_id)
         detok = self._detokenizers.pop(req.request_id, None)
         logprobs = self._logprobs.pop(req.request_id, None)
         self._prompt_logprobs.pop(req.request_id, None)
-        new_text = ""
-        if req.sampling_params.output_kind == "delta":
+        kind = req.sampling_params.output_kind
+        if kind == "delta":
             text = new_text = detok.take_new_text(final=True) if detok else ""
-            token_ids, logprobs = [], None if logprobs is None else []
+            token_ids = new_token_ids = req.all_token_ids[-1:] if with_last_token else []
+            if logprobs is not None:
+                logprobs = logprobs[-1:] if with_last_token else []
         else:
             text, token_ids = (detok.text if detok else ""), req.output_token_ids
+            # final_only: everything is new, as in its finished outputs
+            new_text, new_token_ids = (text, token_ids) if kind == "final_only" else ("", [])
         return RequestOutput(
             request_id=req.request_id, text=text, token_ids=token_ids,
             num_prompt_tokens=req.num_prompt_tokens, finished=True, finish_reason="error",
-            new_text=new_text, error=req.error, num_cached_tokens=req.num_cached_tokens or 0,
-            logprobs=logprobs)
+            new_text=new_text, new_token_ids=new_token_ids, error=req.error,
+            num_cached_tokens=req.num_cached_tokens or 0, logprobs=logprobs)
 
     def _output(self, req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
         """The request's output after a step that gave it a token, as its ``output_kind``
@@ -657,7 +664,7 @@ class LLMEngine:
             self._logprobs.pop(req.request_id, None)
             prompt_logprobs = self._prompt_logprobs.pop(req.request_id, None)
         new_text = detok.take_new_text(final=finished)
-        if kind == "delta":  # nothing here grows with the output
+        if kind == "delta":  # nothing copied here grows with the output
             text, token_ids = new_text, req.all_token_ids[-1:]
             new_token_ids = token_ids
             logprobs = None if logprobs is None else logprobs[-1:]
@@ -730,7 +737,9 @@ class LLMEngine:
             self.on_runner_thread(runner.close)
         self.model = None
         _live_engines.discard(self)
-        thaw()  # the model and caches may be held by reference cycles, frozen at start-up
+        if self._froze:  # the model and caches may be held by reference cycles
+            self._froze = False
+            thaw()
         gc.collect()  # tensors held only by reference cycles (tracebacks, closures)
         if runner is not None:
             self.on_runner_thread(runner.release_memory)

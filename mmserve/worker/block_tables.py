@@ -19,12 +19,13 @@ from mmserve.step import ScheduledRequest
 class BlockTables:
     """Rows of block ids by request id, in a ``[rows, width]`` int64 tensor on the CPU that
     doubles as requests or blocks outgrow it. A finished request's row is reused; ids past a
-    request's current blocks may be left over from an earlier request (every reader stops at
-    the sequence's length)."""
+    request's current blocks may be left over from an earlier request (the attention
+    metadata zeroes every id past a sequence's blocks)."""
 
     def __init__(self, rows: int = 16, width: int = 16) -> None:
         self.table = torch.zeros(rows, width, dtype=torch.long)
         self._rows: dict[str, int] = {}
+        self._lengths: dict[str, int] = {}  # ids each request's row holds
         self._free: list[int] = list(range(rows - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -34,29 +35,34 @@ class BlockTables:
         """Write each request's new block ids into its row (a new request gets a row). The
         same message applied twice leaves the same rows (a failed step's requests rerun)."""
         for r in requests:
-            row = self._rows.get(r.request_id)
+            rid = r.request_id
+            held = self._lengths.get(rid, 0)
+            if r.blocks_from > held:  # a message the runner never got: its ids would be stale
+                raise ValueError(f"request {rid} sends block ids from index {r.blocks_from}, "
+                                 f"but the runner has {held} of its earlier ones")
+            row = self._rows.get(rid)
             if row is None:
-                if r.blocks_from != 0:
-                    raise ValueError(
-                        f"request {r.request_id} sends block ids from index {r.blocks_from}, "
-                        "but the runner has none of its earlier ones")
-                row = self._rows[r.request_id] = self._take_row()
+                row = self._rows[rid] = self._take_row()
+            end = r.blocks_from + len(r.block_ids)
+            # From index 0: a new table (admission, or again after a preemption).
+            self._lengths[rid] = end if r.blocks_from == 0 else max(held, end)
             if not r.block_ids:
                 continue
-            end = r.blocks_from + len(r.block_ids)
             if end > self.table.shape[1]:
                 self._grow(self.table.shape[0], max(end, 2 * self.table.shape[1]))
             self.table[row, r.blocks_from:end] = torch.tensor(r.block_ids, dtype=torch.long)
 
-    def rows(self, requests: list[ScheduledRequest]) -> torch.Tensor:
-        """``[len(requests), width]``: the requests' tables, in order."""
+    def rows(self, requests: list[ScheduledRequest], width: int) -> torch.Tensor:
+        """``[len(requests), width]``: the first ``width`` ids of the requests' tables (at
+        most as many as the widest holds), in order."""
         index = torch.tensor([self._rows[r.request_id] for r in requests], dtype=torch.long)
-        return self.table.index_select(0, index)
+        return self.table[:, :width].index_select(0, index)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget finished requests (ids the runner never saw are ignored)."""
         for rid in request_ids:
             row = self._rows.pop(rid, None)
+            self._lengths.pop(rid, None)
             if row is not None:
                 self._free.append(row)
 

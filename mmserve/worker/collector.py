@@ -8,8 +8,10 @@ decoding on a tiny model, one took 240 ms in the middle of a step, stalling ever
 objects are moved out of the collector's sight (``gc.freeze``), after a collection so that
 no garbage is frozen with them; collections then walk only what was made since.
 
-Frozen objects are never collected, so an engine's ``close`` gives them back to the
-collector (``thaw``), and so does the interpreter's exit, whose last collection finds them
+Freezing is process-wide: it also takes the caller's objects alive then, and frozen objects
+are never collected, even once they are garbage in a reference cycle. So the engines that
+froze are counted, and when the last of them closes (``thaw``) everything frozen goes back to
+the collector; so it does at the interpreter's exit, whose last collection then finds it
 (extension libraries report objects still alive at exit as leaks).
 """
 
@@ -17,22 +19,42 @@ from __future__ import annotations
 
 import atexit
 import gc
+import threading
 
+_lock = threading.Lock()
+_holders = 0  # engines of this process that froze and have not closed
 _thaw_at_exit = False
 
 
 def freeze_long_lived() -> None:
-    """Collect what is garbage now, then freeze every object alive (start-up's)."""
-    global _thaw_at_exit
-    gc.collect()
+    """Collect what is garbage now, then freeze every object alive (start-up's), for one
+    more engine (``thaw`` when it closes)."""
+    global _holders, _thaw_at_exit
+    with _lock:
+        gc.collect()
+        gc.freeze()
+        _holders += 1
+        if not _thaw_at_exit:
+            atexit.register(gc.unfreeze)
+            _thaw_at_exit = True
+
+
+def freeze_again() -> None:
+    """Freeze what start-up made since ``freeze_long_lived`` (a tensor-parallel worker's KV
+    cache and captured graphs, built on the engine's later calls), for the same holder."""
     gc.freeze()
-    if not _thaw_at_exit:
-        atexit.register(gc.unfreeze)
-        _thaw_at_exit = True
+
+
+def holders() -> int:
+    """Engines of this process that froze and have not closed."""
+    return _holders
 
 
 def thaw() -> None:
-    """Give the frozen objects back to the collector (an engine closing: its model and
-    caches may be held by reference cycles). Another engine still running in the process
-    loses nothing but the shorter collections."""
-    gc.unfreeze()
+    """An engine that froze has closed: once none is left, give the frozen objects back to
+    the collector (its model and caches may be held by reference cycles)."""
+    global _holders
+    with _lock:
+        _holders = max(0, _holders - 1)
+        if _holders == 0:
+            gc.unfreeze()

@@ -127,7 +127,7 @@ class CUDAModelRunner(ModelRunner):
         bs = self.block_size
         query_lens = [len(r.token_ids) for r in reqs]
         seq_lens = [r.start_pos + n for r, n in zip(reqs, query_lens, strict=True)]
-        tables = self.block_tables.rows(reqs)
+        tables = self.block_tables.rows(reqs, -(-max(seq_lens, default=1) // bs))
         padded = None
         if self.graph_sizes and all(n == 1 for n in query_lens):
             padded = padded_batch_size(len(reqs), self.graph_sizes)

@@ -44,7 +44,7 @@ import torch
 
 from mmserve.errors import EngineDeadError
 from mmserve.step import ModelOutput, SchedulerOutput
-from mmserve.worker.collector import freeze_long_lived
+from mmserve.worker.collector import freeze_again, freeze_long_lived
 from mmserve.worker.compute_thread import ComputeThread
 from mmserve.worker.model_runner import EncoderPixels, StepResult, split_by_tokens
 
@@ -432,6 +432,8 @@ def _serve(runner, rank: int, conn: Connection) -> None:
                 result = runner.execute(pickle.loads(args[0]), args[1])
             else:
                 result = getattr(runner, method)(*args)
+                if method in ("allocate_kv_cache", "capture_model"):
+                    freeze_again()  # start-up's last objects, as the engine's own process does
             conn.send((seq, "ok", result if rank == 0 or method in _EVERY_RANK else None))
         except BaseException as e:  # noqa: BLE001 (reported; a broken group ends the worker)
             _send_error(conn, e, seq)

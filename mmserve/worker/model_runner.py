@@ -152,6 +152,10 @@ class ModelRunner:
         ``defer_sampled_tokens`` (and no row asking for log-probabilities) its sampled tokens
         stay on the device until ``StepResult.result()``, which any thread may call while
         this one launches the next step."""
+        # Every request's new blocks first, those of requests this step drops below included
+        # (the scheduler counts them as sent), before anything here may raise.
+        self.block_tables.release(scheduler_output.finished_request_ids)
+        self.block_tables.update(scheduler_output.requests)
         for h in scheduler_output.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
         for h, (num_tokens, block_ids) in scheduler_output.encoder_restores.items():
@@ -161,10 +165,6 @@ class ModelRunner:
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
             self.last_sampled.pop(rid, None)
-        self.block_tables.release(scheduler_output.finished_request_ids)
-        # Every request's new blocks, those of requests this step drops below included: the
-        # scheduler counts them as sent.
-        self.block_tables.update(scheduler_output.requests)
         out = ModelOutput()
         scheduler_output = self._fill_pending(scheduler_output, out)
         self._assign_images(scheduler_output)
@@ -573,9 +573,11 @@ class ModelRunner:
 
     def _attention_metadata(self, reqs: list[ScheduledRequest]) -> tuple[AttentionMetadata, int]:
         """The attention backend's metadata, and how many padding rows the batch needs."""
+        context_lens = [r.start_pos + len(r.token_ids) for r in reqs]
+        width = -(-max(context_lens, default=1) // self.block_size)
         meta = build_attention_metadata(
-            [len(r.token_ids) for r in reqs], [r.start_pos + len(r.token_ids) for r in reqs],
-            self.block_tables.rows(reqs), self.block_size, self.device)
+            [len(r.token_ids) for r in reqs], context_lens, self.block_tables.rows(reqs, width),
+            self.block_size, self.device)
         return meta, 0
 
     # ----------------------------------------------------------------- borrowed blocks
