@@ -91,7 +91,8 @@ def build_attention_metadata(
 ) -> AttentionMetadata:
     """Metadata of a flat batch: sequence ``i`` brings ``query_lens[i]`` tokens, the last ones of
     its ``context_lens[i]`` tokens, whose KV live in the blocks of ``block_tables[i]`` (a list
-    per sequence, or rows of a tensor as the runner keeps them)."""
+    per sequence, or rows of a tensor as the runner keeps them; each holds at least its
+    sequence's blocks)."""
     tables = block_table_tensor(block_tables)
     prefills: list[PrefillSeq] = []
     decodes: list[int] = []  # sequences with one query token
@@ -115,11 +116,8 @@ def build_attention_metadata(
         row += q_len
     decode_lens = [context_lens[i] for i in decodes]
     max_blocks = max(1, -(-max(decode_lens, default=1) // block_size))
-    index = torch.tensor(decodes, dtype=torch.long)
-    decode_tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-    if decodes:  # (a table narrower than max_blocks only when its row is a short list)
-        picked = tables.index_select(0, index)[:, :max_blocks]
-        decode_tables[:, :picked.shape[1]] = zero_past_blocks(picked, decode_lens, block_size)
+    picked = tables.index_select(0, torch.tensor(decodes, dtype=torch.long))[:, :max_blocks]
+    decode_tables = zero_past_blocks(picked, decode_lens, block_size)
     lens = torch.tensor(decode_lens, dtype=torch.long)
     decode_mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens.unsqueeze(1)
     return AttentionMetadata(
