@@ -11,12 +11,16 @@
 // packed_linear(x [M, K], panels, bias, N) -> x @ weight.T + bias, [M, N]; the bias float32,
 //                                         zero-padded to whole panels, or None
 //
-// Each work item is one panel (32 outputs) for a chunk of up to 64 rows: tiles of 8 rows by
-// 32 outputs accumulate in 16 float32 registers over all of K, then round to bfloat16 once.
-// A decode step's chunk (16 rows or fewer) reads its panel from memory, not from cache, so it
-// goes through K in blocks that every tile uses while they are in L1 (the sums parked between
-// blocks), prefetching the next block: the panel is read once per step and the memory kept
-// busy while the second tile computes. Summation order is the same either way.
+// Each work item is one panel (32 outputs) for a chunk of rows: tiles of 8 rows by 32 outputs
+// accumulate in 16 float32 registers over all of K, then round to bfloat16 once. A decode
+// step's rows (256 or fewer, where there are panels enough for every thread) are one chunk:
+// each panel is read from memory once per step, going through K in blocks that every tile
+// uses while they are in L1 (the sums parked between blocks). The first two tiles prefetch
+// the next block as they go, one of each input pair's two cache lines each, so that the
+// memory stays busy while all the tiles compute (prefetching it all during the first tile
+// left the memory idle for the rest: 10-15% slower at 16 to 128 rows). Larger inputs are cut
+// into chunks of up to 64 rows that compute from cache, a whole panel per tile, since each
+// panel is read once per chunk. Summation order is the same either way.
 
 #include <ATen/ATen.h>
 
@@ -34,20 +38,23 @@ namespace {
 
 constexpr int64_t kCols = 32;       // outputs per panel (two vectors of 16 float32)
 constexpr int64_t kTileRows = 8;    // rows per register tile
-constexpr int64_t kChunkRows = 64;  // rows per work item
+constexpr int64_t kChunkRows = 64;  // rows per work item of a larger input
 
-// Chunks of up to kStreamRows rows stream their panel in blocks of kBlockPairs input pairs
-// (16 KiB); larger chunks compute from cache, a whole panel per tile.
-constexpr int64_t kStreamRows = 16;
+// Inputs of up to kStreamRows rows stream each panel in blocks of kBlockPairs input pairs
+// (16 KiB), given at least kStreamPanelsPerThread panels per thread (fewer would leave threads
+// idle: larger inputs are then chunked as usual).
+constexpr int64_t kStreamRows = 256;
 constexpr int64_t kBlockPairs = 128;
+constexpr int64_t kStreamPanelsPerThread = 4;
 
 // Rows [0, R) of a tile over input pairs [0, pairs) of one block of a panel. The sums start
 // from `sums` (or the bias, or zero, on the first block) and go back to `sums`, or, on the
-// last block, round to bfloat16 into `out`.
+// last block, round to bfloat16 into `out`. `prefetch` (or null): the next block, of which the
+// tile prefetches the first cache line of each input pair, or both with `both_lines`.
 template <int64_t R>
 void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pairs,
           float* sums, bool first, const float* bias, uint16_t* out, int64_t out_stride,
-          int64_t cols, const uint16_t* prefetch) {
+          int64_t cols, const uint16_t* prefetch, bool both_lines) {
   __m512 acc[R][2];
   for (int64_t r = 0; r < R; ++r) {
     if (!first) {
@@ -63,7 +70,9 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kCols + kCols);
     if (prefetch) {
       _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols + kCols), _MM_HINT_T0);
+      if (both_lines) {
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols + kCols), _MM_HINT_T0);
+      }
     }
     for (int64_t r = 0; r < R; ++r) {
       uint32_t pair;
@@ -101,7 +110,7 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
 }
 
 using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, bool,
-                        const float*, uint16_t*, int64_t, int64_t, const uint16_t*);
+                        const float*, uint16_t*, int64_t, int64_t, const uint16_t*, bool);
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
                                           tile<5>, tile<6>, tile<7>, tile<8>};
 
@@ -171,10 +180,13 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  // Rows are split into chunks of at most kChunkRows, all of about the same size, so that
-  // threads given equal numbers of items get equal work (197 rows: 50, 50, 50 and 47, not 64,
-  // 64, 64 and 5, which left one of two threads 59 rows behind).
-  const int64_t x_stride = x.stride(0), chunks = (rows + kChunkRows - 1) / kChunkRows;
+  // Rows are one chunk (streamed), or chunks of at most kChunkRows, all of about the same size,
+  // so that threads given equal numbers of items get equal work (197 rows: 50, 50, 50 and 47,
+  // not 64, 64, 64 and 5, which left one of two threads 59 rows behind).
+  const bool one_chunk =
+      rows <= kStreamRows && panels >= kStreamPanelsPerThread * at::get_num_threads();
+  const int64_t x_stride = x.stride(0);
+  const int64_t chunks = one_chunk ? (rows > 0) : (rows + kChunkRows - 1) / kChunkRows;
   const int64_t chunk_rows = chunks > 0 ? (rows + chunks - 1) / chunks : 0;
   // Items are (row chunk, panel), panels inner: consecutive items of one thread share rows.
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
@@ -185,9 +197,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
       const int64_t cols = std::min<int64_t>(kCols, out_features - panel * kCols);
       const uint16_t* w = wp + panel * pairs * 2 * kCols;
       const float* b = bp ? bp + panel * kCols : nullptr;
-      const bool stream = row_end - row_begin <= kStreamRows;
-      const int64_t block_pairs = stream ? kBlockPairs : std::max<int64_t>(pairs, 1);
-      float sums[kStreamRows * kCols];  // the tiles' sums between blocks
+      const int64_t block_pairs = one_chunk ? kBlockPairs : std::max<int64_t>(pairs, 1);
+      float sums[kStreamRows * kCols];  // the tiles' sums between blocks (32 KiB)
       // At least one block, so that a weight without inputs still writes its bias.
       for (int64_t p0 = 0; p0 == 0 || p0 < pairs; p0 += block_pairs) {
         const int64_t block = std::min(block_pairs, pairs - p0);
@@ -197,7 +208,10 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
           kTiles[n](xp + r * x_stride + 2 * p0, x_stride, w + p0 * 2 * kCols, block,
                     sums + (r - row_begin) * kCols, first, b,
                     last ? op + r * out_features + panel * kCols : nullptr, out_features, cols,
-                    stream && r == row_begin ? w + (p0 + block) * 2 * kCols : nullptr);
+                    one_chunk && r - row_begin < 2 * kTileRows
+                        ? w + (p0 + block) * 2 * kCols + (r == row_begin ? 0 : kCols)
+                        : nullptr,
+                    row_end - row_begin <= kTileRows);
         }
       }
     }

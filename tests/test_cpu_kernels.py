@@ -506,12 +506,14 @@ def _bf16_linear(in_features, out_features, bias, seed):
     (1, 768, 2048, False),  # one decode
     (3, 64, 48, True),  # fewer rows than a tile, outputs not a multiple of the 32-wide panel
     (64, 768, 32000, False),  # a decode step through the LM head
-    (200, 2048, 768, True),  # several row chunks, a tile tail, bias
+    (300, 2048, 768, True),  # more rows than one streamed chunk: row chunks, a tile tail
     (9, 768, 256, False),
-    # Decode-sized chunks go through the inputs in blocks of 128 pairs: a last block of 116
-    # pairs, two tiles, bias.
-    (16, 1000, 96, True),
-    (65, 256, 64, False),  # two chunks of 33 rows rather than 64 and 1
+    # Decode-sized inputs with panels for every thread are one chunk that goes through the
+    # inputs in blocks of 128 pairs: a last block of 116 pairs, bias; two tiles, then 26 (a
+    # tail of 3 rows) and a last panel of 10 outputs.
+    (16, 1000, 4096, True),
+    (203, 1000, 4010, True),
+    (65, 256, 64, False),  # two panels: two chunks of 33 rows rather than 64 and 1
     # Output rows a multiple of 4 KiB long: written with streaming stores.
     (37, 64, 2048, True),
     (3, 128, 4096, False),
@@ -528,6 +530,24 @@ def test_packed_linear_matches_torch(packed, rows, in_features, out_features, bi
     # Both sum in float32 and round once; only the order of the sums differs.
     assert (got.float() - exact).abs().max() <= 1.5 * (torch_out.float() - exact).abs().max()
     assert _ulps_apart(got, torch_out).float().mean() < 0.05
+
+
+def test_packed_linear_streamed_and_chunked_agree_bit_for_bit(packed):
+    """Up to 256 rows are one chunk streamed in blocks while every thread has at least four
+    panels, else chunks of up to 64 rows that compute from cache: the sums go in the same
+    order, so the results are the same bits."""
+    linear = _bf16_linear(1000, 768, True, seed=5)  # 24 panels
+    x = torch.randn(200, 1000, generator=torch.Generator().manual_seed(6)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)  # 24 panels for one thread: streamed
+            streamed = cpu_ops.PackedLinear(linear)(x)
+            torch.set_num_threads(8)  # 3 panels a thread: four chunks of 50 rows
+            chunked = cpu_ops.PackedLinear(linear)(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(streamed, chunked)
 
 
 def test_packed_linear_takes_strided_and_batched_inputs(packed):
