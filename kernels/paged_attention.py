@@ -8,6 +8,7 @@ its block table holds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
@@ -35,8 +36,16 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decode_rows: torch.Tensor  # [num_decodes] rows of single-token sequences in the flat batch
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] block ids, padded with 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool, True = attend
     decode_lens: torch.Tensor  # [num_decodes] context length of each decode
+    block_size: int  # tokens per KV block
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """``[num_decodes, 1, 1, max_blocks * block_size]`` bool, True = attend: what torch's
+        decode path masks with (built on first use: the compiled kernels read the lengths)."""
+        width = self.decode_block_tables.shape[1] * self.block_size
+        positions = torch.arange(width, device=self.decode_lens.device)
+        return (positions.unsqueeze(0) < self.decode_lens.unsqueeze(1))[:, None, None, :]
 
 
 def padded_block_tables(tables: list[list[int]], rows: int, width: int,
@@ -75,6 +84,10 @@ def slot_mapping(query_lens: list[int], seq_lens: list[int], tables: torch.Tenso
     """``[num_tokens]`` int64: the cache slot of each of the batch's tokens, sequence ``i``'s
     being the last ``query_lens[i]`` of its ``seq_lens[i]``, its blocks row ``i`` of
     ``tables``. A few tensor operations, whatever the number of sequences and tokens."""
+    if len(query_lens) == tables.shape[0] and all(n == 1 for n in query_lens):
+        last = torch.tensor(seq_lens, dtype=torch.long) - 1  # decodes: each sequence's last
+        rows = torch.arange(len(seq_lens))
+        return tables[rows, last // block_size] * block_size + last % block_size
     q = torch.tensor(query_lens, dtype=torch.long)
     first = torch.tensor(seq_lens, dtype=torch.long) - q  # position of each chunk's first token
     seq = torch.repeat_interleave(torch.arange(len(query_lens)), q)
@@ -118,15 +131,13 @@ def build_attention_metadata(
     max_blocks = max(1, -(-max(decode_lens, default=1) // block_size))
     picked = tables.index_select(0, torch.tensor(decodes, dtype=torch.long))[:, :max_blocks]
     decode_tables = zero_past_blocks(picked, decode_lens, block_size)
-    lens = torch.tensor(decode_lens, dtype=torch.long)
-    decode_mask = torch.arange(max_blocks * block_size).unsqueeze(0) < lens.unsqueeze(1)
     return AttentionMetadata(
         slot_mapping=slot_mapping(query_lens, context_lens, tables, block_size).to(device),
         prefills=prefills,
         decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
         decode_block_tables=decode_tables.to(device),
-        decode_mask=decode_mask[:, None, None, :].to(device),
-        decode_lens=lens.to(device),
+        decode_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
+        block_size=block_size,
     )
 
 

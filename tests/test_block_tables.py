@@ -72,3 +72,20 @@ def test_ids_left_over_past_a_sequences_blocks_never_reach_a_kernel() -> None:
     triton = TritonAttentionMetadata.build([1], [7], rows, 4, max_blocks=4)
     assert triton.block_tables.tolist() == [[3, 4, 0, 0]]
     assert meta.slot_mapping.tolist() == triton.slot_mapping.tolist() == [4 * 4 + 2]
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [
+    ([1, 1, 1], [1, 17, 40]),  # decodes only: each sequence's last token
+    ([5, 1, 16], [5, 33, 20]),  # a prompt, a decode, a chunk after cached tokens
+])
+def test_slot_mapping_puts_each_token_in_its_block(query_lens, seq_lens) -> None:
+    from mmserve.kernels.paged_attention import slot_mapping
+
+    block_size = 16
+    tables = torch.tensor([[7, 0, 0], [3, 9, 4], [5, 2, 8]])
+    expected = []
+    for i, (n, length) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        for pos in range(length - n, length):
+            expected.append(int(tables[i, pos // block_size]) * block_size + pos % block_size)
+    got = slot_mapping(query_lens, seq_lens, tables, block_size)
+    assert got.dtype == torch.long and got.tolist() == expected

@@ -17,7 +17,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
-        self.token_ids: list[int] = []
+        self.token_ids: list[int] = []  # what Python-level decoding reads (no Rust stream)
         self.text = ""  # everything decoded so far
         self._prefix_offset = 0
         self._read_offset = 0
@@ -30,14 +30,15 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> None:
         """Append one token; sets ``stopped`` when a stop string appears (text cut before it)."""
-        self.token_ids.append(token_id)
-        if self._stream is not None:
+        if self._stream is not None:  # the stream keeps the ids it needs itself
             piece = self._stream.step(self._backend, token_id)
             if piece:
                 start = len(self.text)
                 self.text += piece
-                self._check_stop(start)
+                if self.stop:
+                    self._check_stop(start)
             return
+        self.token_ids.append(token_id)
         decode = self.tokenizer.decode
         prefix = decode(self.token_ids[self._prefix_offset:self._read_offset],
                         skip_special_tokens=True)

@@ -505,20 +505,26 @@ class LLMEngine:
         changed = self.scheduler.update(scheduler_output, result)
         self.num_steps += 1
         outputs = [self._error_output(req) for req in failed if not req.aborting]
+        # Once per request every step: the lookups are hoisted, and the tables of what few
+        # requests ask for (log-probabilities, grammars) are looked in only when not empty.
+        all_logprobs, detokenizers, matchers = self._logprobs, self._detokenizers, self._matchers
         for req in changed:
             if req.aborting:
                 continue
-            if (logprobs := self._logprobs.get(req.request_id)) is not None:
-                logprobs.append(result.logprobs[req.request_id])
-            detok = self._detokenizers[req.request_id]
+            rid = req.request_id
+            if all_logprobs and (logprobs := all_logprobs.get(rid)) is not None:
+                logprobs.append(result.logprobs[rid])
+            detok = detokenizers[rid]
             detok.add(req.all_token_ids[-1])
-            if req.request_id in self._matchers and not self._follow_grammar(req):
+            if matchers and rid in matchers and not self._follow_grammar(req):
                 outputs.append(self._error_output(req, with_last_token=True))
                 continue
-            if detok.stopped and not req.finished:
-                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            if req.finished or req.sampling_params.output_kind != "final_only":
-                outputs.append(self._output(req, detok))
+            finished = req.finished
+            if detok.stopped and not finished:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                finished = req.finished
+            if finished or req.sampling_params.output_kind != "final_only":
+                outputs.append(self._output(req, detok, finished))
         if self._aborting:
             self._release_aborted()
         return outputs
@@ -651,18 +657,19 @@ class LLMEngine:
             new_text=new_text, new_token_ids=new_token_ids, error=req.error,
             num_cached_tokens=req.num_cached_tokens or 0, logprobs=logprobs)
 
-    def _output(self, req: Request, detok: IncrementalDetokenizer) -> RequestOutput:
+    def _output(self, req: Request, detok: IncrementalDetokenizer,
+                finished: bool) -> RequestOutput:
         """The request's output after a step that gave it a token, as its ``output_kind``
-        asks (a ``final_only`` request's once it finished)."""
-        finished = req.finished
+        asks (a ``final_only`` request's once it ``finished``)."""
+        rid = req.request_id
         kind = req.sampling_params.output_kind
-        logprobs = self._logprobs.get(req.request_id)
+        logprobs = self._logprobs.get(rid) if self._logprobs else None
         prompt_logprobs = None
         if finished:
-            self._matchers.remove(req.request_id)
-            del self._detokenizers[req.request_id]
-            self._logprobs.pop(req.request_id, None)
-            prompt_logprobs = self._prompt_logprobs.pop(req.request_id, None)
+            self._matchers.remove(rid)
+            del self._detokenizers[rid]
+            self._logprobs.pop(rid, None)
+            prompt_logprobs = self._prompt_logprobs.pop(rid, None)
         new_text = detok.take_new_text(final=finished)
         if kind == "delta":  # nothing copied here grows with the output
             text, token_ids = new_text, req.all_token_ids[-1:]
@@ -673,12 +680,12 @@ class LLMEngine:
             new_token_ids = token_ids if kind == "final_only" else req.all_token_ids[-1:]
             logprobs = None if logprobs is None else list(logprobs)
         return RequestOutput(
-            request_id=req.request_id,
+            request_id=rid,
             text=text,
             token_ids=token_ids,
             num_prompt_tokens=req.num_prompt_tokens,
             finished=finished,
-            finish_reason=req.status.finish_reason,
+            finish_reason=req.status.finish_reason if finished else None,
             new_text=new_text,
             new_token_ids=new_token_ids,
             num_cached_tokens=req.num_cached_tokens or 0,

@@ -24,16 +24,22 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self > _PREEMPTED
 
     @property
     def finish_reason(self) -> str | None:
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-            RequestStatus.FINISHED_ERROR: "error",
-        }.get(self)
+        return _FINISH_REASONS.get(self)
+
+
+# Plain values: an enum member's lookup on its class costs more than the comparison, and these
+# are read for every request every step.
+_PREEMPTED = int(RequestStatus.PREEMPTED)
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
 
 
 class Request:
@@ -105,7 +111,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status.finished
+        return self.status > _PREEMPTED
 
     def positions(self, start: int, end: int) -> list[list[int]]:
         """Positions of tokens ``[start, end)``, one list per row: prompt tokens from the
