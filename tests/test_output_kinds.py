@@ -70,6 +70,18 @@ def test_every_kind_adds_up_to_the_same_output(llm: LLM) -> None:
     assert final[0].finish_reason == whole.finish_reason == "length"
 
 
+def test_a_delta_request_keeps_no_log_probabilities_it_sent(llm: LLM) -> None:
+    engine = llm.engine
+    rid = engine.add_request(PROMPT, _params("delta", max_tokens=8))
+    kept = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if rid in engine._logprobs:
+            kept.append(len(engine._logprobs[rid]))
+    assert kept and max(kept) == 0
+    assert_no_leaks(engine)
+
+
 def test_a_stop_string_ends_every_kind_alike(llm: LLM) -> None:
     free = _run_together(llm, {"cumulative": _params("cumulative", stop=None)})
     text = free["cumulative"][-1].text

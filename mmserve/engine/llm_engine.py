@@ -671,10 +671,12 @@ class LLMEngine:
             self._logprobs.pop(rid, None)
             prompt_logprobs = self._prompt_logprobs.pop(rid, None)
         new_text = detok.take_new_text(final=finished)
-        if kind == "delta":  # nothing copied here grows with the output
+        if kind == "delta":  # nothing copied or kept here grows with the output
             text, token_ids = new_text, req.all_token_ids[-1:]
             new_token_ids = token_ids
-            logprobs = None if logprobs is None else logprobs[-1:]
+            if logprobs is not None:  # they go out with their step: the engine keeps none
+                logprobs, sent = logprobs[-1:], logprobs
+                sent.clear()
         else:
             text, token_ids = detok.text, req.output_token_ids
             new_token_ids = token_ids if kind == "final_only" else req.all_token_ids[-1:]
