@@ -26,14 +26,24 @@ at::Tensor pack_linear_weight_f32(const at::Tensor& weight);
 at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
                              const c10::optional<at::Tensor>& bias, int64_t out_features);
 
+// The matmuls and attention kernels run without the interpreter lock, as torch's own operators
+// do: for milliseconds at a time, other Python threads (the server's event loop, preprocessing,
+// an engine scheduling the next step) go on beside them. Arguments are converted and results
+// returned with the lock held. The fused elementwise kernels keep it: they take microseconds,
+// less than giving the lock up and taking it back may cost while another thread holds it.
+const auto kNoGil = py::call_guard<py::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "paged decode attention reading KV blocks in place");
+  m.def("decode_attention", &decode_attention, "paged decode attention reading KV blocks in place",
+        kNoGil);
   m.def("flash_attention", &flash_attention,
-        "bfloat16 attention over many query rows (causal from an offset, or bidirectional)");
+        "bfloat16 attention over many query rows (causal from an offset, or bidirectional)",
+        kNoGil);
   m.def("flash_attention_supported", &flash_attention_supported,
         "whether this build has the bfloat16 flash attention for a head size");
   m.def("flash_attention_f32", &flash_attention_f32,
-        "float32 attention over many query rows (causal from an offset, or bidirectional)");
+        "float32 attention over many query rows (causal from an offset, or bidirectional)",
+        kNoGil);
   m.def("flash_attention_f32_supported", &flash_attention_f32_supported,
         "whether this build has the float32 flash attention (AVX2 and FMA) for a head size");
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass");
@@ -44,10 +54,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "bfloat16 rotary embedding (rotate-half layout) in one pass");
   m.def("packed_linear_supported", &packed_linear_supported,
         "whether this build has the packed bfloat16 linear");
-  m.def("pack_linear_weight", &pack_linear_weight, "a bfloat16 [out, in] weight as panels");
-  m.def("packed_linear", &packed_linear, "x @ weight.T + bias from packed panels");
+  m.def("pack_linear_weight", &pack_linear_weight, "a bfloat16 [out, in] weight as panels",
+        kNoGil);
+  m.def("packed_linear", &packed_linear, "x @ weight.T + bias from packed panels", kNoGil);
   m.def("packed_linear_f32_supported", &packed_linear_f32_supported,
         "whether this build has the packed float32 linear (AVX2 and FMA)");
-  m.def("pack_linear_weight_f32", &pack_linear_weight_f32, "a float32 [out, in] weight as panels");
-  m.def("packed_linear_f32", &packed_linear_f32, "float32 x @ weight.T + bias from packed panels");
+  m.def("pack_linear_weight_f32", &pack_linear_weight_f32, "a float32 [out, in] weight as panels",
+        kNoGil);
+  m.def("packed_linear_f32", &packed_linear_f32, "float32 x @ weight.T + bias from packed panels",
+        kNoGil);
 }

@@ -17,6 +17,8 @@ runs).
 import functools
 import itertools
 import shutil
+import threading
+import time
 
 import pytest
 import torch
@@ -61,6 +63,47 @@ def test_kernel_matches_torch_decode(kernel, dtype, atol, num_heads, num_kv_head
     got = cpu_ops.decode_attention(query, cache, meta, scale)
     assert got.dtype == dtype and got.shape == query.shape
     torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
+
+
+def test_long_kernels_let_other_python_threads_run(kernel):
+    """Decode attention and the packed linear layers give up the interpreter lock while they
+    compute (as torch's operators do): a Python thread beside them keeps running, where it
+    would otherwise wait for the whole call."""
+    query, cache, meta = _decode_batch([2048] * 32, 8, 4, 64, torch.float32)
+    calls = {"decode attention": lambda: cpu_ops.decode_attention(query, cache, meta, 0.125)}
+    x = torch.randn(1024, 1024)
+    if kernel.packed_linear_supported():
+        bf16 = cpu_ops.PackedLinear(_bf16_linear(1024, 4096, False, seed=0))
+        calls["bfloat16 linear"] = lambda: bf16(x.bfloat16())
+    if kernel.packed_linear_f32_supported():
+        f32 = cpu_ops.PackedLinearF32(_f32_linear(1024, 4096, False, seed=0))
+        calls["float32 linear"] = lambda: f32(x)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the kernel on one core, the ticking thread free to run
+    try:
+        for name, call in calls.items():
+            call()  # warm up (first touch)
+            span: list[float] = []
+
+            def run(call=call, span=span) -> None:
+                span.append(time.perf_counter())
+                call()
+                span.append(time.perf_counter())
+
+            ticks = [time.perf_counter()]
+            worker = threading.Thread(target=run)
+            worker.start()
+            while worker.is_alive():
+                ticks.append(time.perf_counter())
+            worker.join()
+            start, end = span
+            inside = [start] + [t for t in ticks if start < t < end] + [end]
+            longest_wait = max(b - a for a, b in itertools.pairwise(inside))
+            assert longest_wait < 0.25 * (end - start), (
+                f"{name}: the other thread waited {longest_wait * 1e3:.1f} ms of the "
+                f"call's {(end - start) * 1e3:.1f} ms")
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_kernel_in_a_mixed_batch(kernel):
