@@ -94,9 +94,11 @@ class EngineConfig:
         "use (torch's thread count at most), one fewer for each core other processes keep "
         "busy, checked twice a second", parse=int_or_auto)
     seed: int = flag(0, "seed of torch and of the runner's sampling")
-    async_scheduling: bool = flag(
-        False, "schedule each step while the one before computes, the runner's steps on a "
-        "thread (or in the worker processes) of their own; outputs are the same")
+    async_scheduling: bool | None = flag(
+        None, "schedule each step while the one before computes, the runner's steps on a "
+        "thread (or in the worker processes) of their own; outputs are the same. Default "
+        "(auto): on for GPUs, off on the CPU, where the model's kernels and the scheduler "
+        "share the same cores")
     # Parallelism.
     tensor_parallel_size: int = flag(
         1, "ranks the decoder is split across (one worker process each, joined by "
@@ -237,6 +239,13 @@ class EngineConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+    @property
+    def schedules_ahead(self) -> bool:
+        """``async_scheduling`` resolved: ``None`` (auto) is on for CUDA, off on the CPU."""
+        if self.async_scheduling is None:
+            return self.resolved_device == "cuda"
+        return self.async_scheduling
 
     @property
     def torch_dtype(self) -> torch.dtype:

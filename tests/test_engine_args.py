@@ -42,11 +42,17 @@ def subparser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
-def spelling(f: dataclasses.Field) -> str:
-    """The flag users know: vLLM's names, ``--no-NAME`` for a switch that is on by default
-    (``--no-enable-prefix-caching``)."""
+# Switches whose default the engine decides (on for GPUs, off on the CPU): both spellings.
+AUTO_SWITCHES = {"async_scheduling"}
+
+
+def spelling(f: dataclasses.Field) -> list[str]:
+    """The flags users know: vLLM's names, ``--no-NAME`` for a switch that is on by default
+    (``--no-enable-prefix-caching``), both for a switch decided by the engine."""
     name = f.name.replace("_", "-")
-    return f"--no-{name}" if f.default is True else f"--{name}"
+    if f.name in AUTO_SWITCHES:
+        return [f"--{name}", f"--no-{name}"]
+    return [f"--no-{name}" if f.default is True else f"--{name}"]
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS)
@@ -54,7 +60,7 @@ def test_every_field_is_exactly_one_flag(command: str) -> None:
     actions = subparser(command)._actions
     for f in FLAG_FIELDS:
         options = [o for a in actions if a.dest == f.name for o in a.option_strings]
-        assert options == [spelling(f)], f"{command}: EngineConfig.{f.name} -> {options}"
+        assert options == spelling(f), f"{command}: EngineConfig.{f.name} -> {options}"
     model = [o for a in actions if a.dest == "model" for o in a.option_strings]
     assert model == ["--model"]
     for name in NOT_FLAGS - {"model"}:
@@ -83,6 +89,8 @@ def test_parsed_defaults_are_the_dataclass_defaults(command: str) -> None:
     (["--gpu-memory-utilization", "0.5", "--kv-cache-memory", "1000000"],
      {"gpu_memory_utilization": 0.5, "kv_cache_memory": 1_000_000}),
     (["--scheduler-delay-factor", "0.5"], {"scheduler_delay_factor": 0.5}),
+    (["--async-scheduling"], {"async_scheduling": True}),
+    (["--no-async-scheduling"], {"async_scheduling": False}),
 ])
 def test_flags_round_trip_into_the_config(argv: list[str], expected: dict) -> None:
     args = build_parser().parse_args(["serve", *argv])
@@ -112,3 +120,12 @@ def test_bad_values_are_usage_errors(argv: list[str], message: str, capsys) -> N
 def test_a_scheduler_delay_factor_must_be_a_finite_number_not_below_zero(value: float) -> None:
     with pytest.raises(ValueError, match="scheduler_delay_factor must be a finite number >= 0"):
         EngineConfig(model="m", scheduler_delay_factor=value)
+
+
+@pytest.mark.parametrize("device, setting, expected", [
+    ("cpu", None, False), ("cuda", None, True), ("cuda", False, False), ("cpu", True, True)])
+def test_async_scheduling_is_on_by_default_for_gpus(device: str, setting: bool | None,
+                                                    expected: bool, monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
+    config = EngineConfig(model="m", device="auto", async_scheduling=setting)
+    assert config.resolved_device == device and config.schedules_ahead is expected

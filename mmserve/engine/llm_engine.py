@@ -108,7 +108,7 @@ class LLMEngine:
         # own; it is built there too, and everything it does runs there (torch's parallel
         # regions run slower once a second thread has started some: compute_thread.py).
         self._compute = (ComputeThread("mmserve-steps")
-                         if config.async_scheduling and not config.worker_processes else None)
+                         if config.schedules_ahead and not config.worker_processes else None)
         on_runner_thread = self.on_runner_thread
         if config.worker_processes:
             # Workers load their shards and build their runners; this process holds none.
@@ -189,7 +189,7 @@ class LLMEngine:
         self._schedule_s = 0.0  # the current step's scheduling time, so far
         self.num_steps_ahead = 0  # steps scheduled while the one before computed
         self._steps: StepThread | MultiprocExecutor | None = None
-        if config.async_scheduling:
+        if config.schedules_ahead:
             self._steps = (self.runner if isinstance(self.runner, MultiprocExecutor)
                            else StepThread(self.runner, self._compute))
         # Full collections would otherwise walk every object start-up made (collector.py).

@@ -36,6 +36,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    "(default: the bundled demo model)")
     for f in engine_fields():
         help = f.metadata["help"]
+        if _is_auto_switch(f):  # --NAME, --no-NAME, or neither for auto
+            g.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=None,
+                           action=argparse.BooleanOptionalAction, help=help)
+            continue
         if isinstance(f.default, bool):
             off = f.default
             g.add_argument(option(f), dest=f.name, action="store_false" if off else "store_true",
@@ -60,13 +64,21 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
         value = getattr(args, f.name, f.default)
         if value == f.default:
             continue
-        if isinstance(f.default, bool):
+        if _is_auto_switch(f):
+            name = f.name.replace("_", "-")
+            argv.append(f"--{name}" if value else f"--no-{name}")
+        elif isinstance(f.default, bool):
             argv.append(option(f))
         else:
             text = ("auto" if value is None else
                     json.dumps(value) if isinstance(value, dict) else str(value))
             argv += [option(f), text]
     return argv
+
+
+def _is_auto_switch(f: dataclasses.Field) -> bool:
+    """A switch whose default (None) the engine decides: on, off, or auto."""
+    return f.default is None and typing.get_type_hints(EngineConfig)[f.name] == (bool | None)
 
 
 def _reader(f: dataclasses.Field) -> Callable[[str], Any]:
