@@ -1,14 +1,16 @@
 """How busy the engine's host side can keep a GPU, measured without one.
 
-The decoder's forward pass is replaced by a simulated device: a thread that runs each step's
-work (T milliseconds) in the order launched, while the launch returns at once, and a step's
-sampled tokens reach Python only once its device work is done, as the CUDA runner's deferred
-tokens do. Everything else is the engine as it runs: scheduling, input preparation, sampling
-(over logits from the token embeddings, so tokens vary), detokenization and outputs, for
-hundreds of requests decoding at once on a tiny checkpoint. The device's busy share is T times
-the steps, over the wall time: with synchronous scheduling the host's work and the device's add
-up each step; scheduled ahead, they overlap, and the device waits only where the host's work
-per step is longer than T.
+The decoder's forward pass is replaced by a simulated device that takes T milliseconds for
+each step, in the order launched: a launch returns at once, and a step's sampled tokens reach
+Python only once its device work is done, as the CUDA runner's deferred tokens do. The device
+is a timeline, not a thread (a thread would need the interpreter lock to finish a job). The
+rest runs as it does on the CPU: scheduling, the CPU runner's input preparation, the LM head
+and sampling (over logits from the token embeddings, so that tokens vary), detokenization and
+outputs, for hundreds of requests decoding at once on a tiny checkpoint. Left out: the CUDA
+runner's own preparation (Triton metadata, copies into a CUDA graph's inputs), kernel
+launches, and the LM head and sampling moving to the device. The device's busy share is the
+time it spent on jobs over the wall time: with synchronous scheduling the host's work and the
+device's add up each step; scheduled ahead, they overlap.
 
     python benchmarks/simulated_device.py
     python benchmarks/simulated_device.py --requests 64 --device-ms 0.5,1,2
@@ -19,9 +21,7 @@ Not part of the test suite: the figures depend on the machine and what else runs
 from __future__ import annotations
 
 import argparse
-import queue
 import tempfile
-import threading
 import time
 
 import torch
@@ -33,37 +33,39 @@ from mmserve.testing import build_tiny_checkpoint
 
 
 class SimulatedDevice:
-    """A thread that takes ``seconds`` for each job, in order; ``launch`` returns the job's
-    done event."""
+    """A device that runs each launched job for ``seconds``, in the order launched, with no
+    Python of its own: a job starts when the device is free and it is launched, and ends
+    ``seconds`` later (a thread of the device's would need the interpreter lock to wake and
+    say so, which the threads it serves hold). ``wait`` sleeps until a job's end, the
+    interpreter lock released, as a thread waiting on a CUDA event does."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self._jobs: queue.Queue[threading.Event | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self.jobs: list[tuple[float, float]] = []  # (start, end) of every job launched
+        self._free_at = 0.0
 
-    def launch(self) -> threading.Event:
-        done = threading.Event()
-        self._jobs.put(done)
-        return done
+    def launch(self) -> float:
+        """Queue a job; returns when it will be done."""
+        start = max(self._free_at, time.perf_counter())
+        self._free_at = start + self.seconds
+        self.jobs.append((start, self._free_at))
+        return self._free_at
 
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
+    @staticmethod
+    def wait(until: float) -> None:
+        while (left := until - time.perf_counter()) > 0:
+            time.sleep(left)
 
-    def _run(self) -> None:
-        while (done := self._jobs.get()) is not None:
-            end = time.perf_counter() + self.seconds
-            while (left := end - time.perf_counter()) > 0:
-                time.sleep(left)
-            done.set()
+    def busy(self, start: float, end: float) -> float:
+        """Seconds of [start, end] the device spent on jobs."""
+        return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.jobs)
 
 
 def simulate(engine: LLMEngine, device: SimulatedDevice) -> None:
     """Make ``engine``'s runner launch its decoder on ``device`` and defer its tokens."""
     runner = engine.runner
     runner.defer_sampled_tokens = True
-    launched: list[threading.Event] = []
+    launched: list[float] = []  # when the last step's device work is done
 
     def forward(positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
         launched.append(device.launch())
@@ -74,15 +76,17 @@ def simulate(engine: LLMEngine, device: SimulatedDevice) -> None:
     def sample_after_device(sampled, logits):
         drawn = sample(sampled, logits)
         done, to_list = launched.pop(), drawn.to_list
-        drawn.to_list = lambda: (done.wait(), to_list())[1]
+        drawn.to_list = lambda: (device.wait(done), to_list())[1]
         return drawn
 
     runner._forward = forward
     runner._sample = sample_after_device
 
 
-def measure(model: str, requests: int, device_s: float, ahead: bool, steps: int) -> float:
-    """Seconds per decode step of ``requests`` requests, ``steps`` steps after a warm-up."""
+def measure(model: str, requests: int, device_s: float, ahead: bool,
+            steps: int) -> tuple[float, float]:
+    """Seconds per decode step of ``requests`` requests, ``steps`` steps after a warm-up, and
+    the device's busy share over those steps."""
     engine = LLMEngine(EngineConfig(
         model=model, device="cpu", dtype="float32", max_model_len=2048,
         max_num_seqs=requests, max_num_batched_tokens=8192, kv_cache_memory=1 << 30,
@@ -99,10 +103,10 @@ def measure(model: str, requests: int, device_s: float, ahead: bool, steps: int)
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        return (time.perf_counter() - start) / steps
+        end = time.perf_counter()
+        return (end - start) / steps, device.busy(start, end) / (end - start)
     finally:
         engine.close()
-        device.close()
 
 
 def main() -> None:
@@ -119,9 +123,9 @@ def main() -> None:
         print(f"{'device ms':>9}  {'scheduling':>10}  {'ms a step':>9}  {'device busy':>11}")
         for ms in (float(v) for v in args.device_ms.split(",")):
             for ahead in (False, True):
-                step = measure(model, args.requests, ms / 1e3, ahead, args.steps)
+                step, busy = measure(model, args.requests, ms / 1e3, ahead, args.steps)
                 print(f"{ms:9.1f}  {'ahead' if ahead else 'in step':>10}  {step * 1e3:9.2f}  "
-                      f"{min(1.0, ms / 1e3 / step):11.0%}")
+                      f"{busy:11.0%}")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@
 // Each work item is one panel (32 outputs) for a chunk of rows: tiles of 8 rows by 32 outputs
 // accumulate in 16 float32 registers over all of K, then round to bfloat16 once. A decode
 // step's rows (256 or fewer, where there are panels enough for every thread) are one chunk:
-// each panel is read from memory once per step, going through K in blocks that every tile
-// uses while they are in L1 (the sums parked between blocks). The first two tiles prefetch
+// each panel is read from memory once per step, going through K in blocks of 16 KiB that
+// every tile uses in turn from L1 (the sums parked between blocks). The first two tiles prefetch
 // the next block as they go, one of each input pair's two cache lines each, so that the
 // memory stays busy while all the tiles compute (prefetching it all during the first tile
 // left the memory idle for the rest: 10-15% slower at 16 to 128 rows). Larger inputs are cut

@@ -26,6 +26,8 @@ def flag(default: Any, help: str, *, choices: Sequence[str] | None = None,
     value, a ``ValueError`` telling the user what to write) where the type is a union of
     those. A ``bool`` field is a switch: ``--NAME`` turns on one that defaults to off,
     ``--no-NAME`` turns off one that defaults to on (vLLM's ``--no-enable-prefix-caching``).
+    A ``bool | None`` field defaulting to ``None`` is a switch the engine decides unless told:
+    ``--NAME`` and ``--no-NAME`` both exist (``--async-scheduling``).
     """
     return field(default=default, metadata={"help": help, "choices": choices, "parse": parse})
 
@@ -178,6 +180,9 @@ class EngineConfig:
                 object.__setattr__(self, name, None)
             elif value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be True, False or None (on for GPUs, off "
+                             f"on the CPU), got {self.async_scheduling!r}.")
         util = self.gpu_memory_utilization
         if util is not None and not 0 < util <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}.")

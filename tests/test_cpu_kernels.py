@@ -551,9 +551,9 @@ def _bf16_linear(in_features, out_features, bias, seed):
     (64, 768, 32000, False),  # a decode step through the LM head
     (300, 2048, 768, True),  # more rows than one streamed chunk: row chunks, a tile tail
     (9, 768, 256, False),
-    # Decode-sized inputs with panels for every thread are one chunk that goes through the
-    # inputs in blocks of 128 pairs: a last block of 116 pairs, bias; two tiles, then 26 (a
-    # tail of 3 rows) and a last panel of 10 outputs.
+    # Up to 256 rows with at least four panels for each of the test's two threads are one
+    # chunk that goes through the inputs in blocks of 128 pairs: a last block of 116 pairs,
+    # bias; two tiles, then 26 (a tail of 3 rows) and a last panel of 10 outputs.
     (16, 1000, 4096, True),
     (203, 1000, 4010, True),
     (65, 256, 64, False),  # two panels: two chunks of 33 rows rather than 64 and 1
@@ -564,8 +564,14 @@ def _bf16_linear(in_features, out_features, bias, seed):
 def test_packed_linear_matches_torch(packed, rows, in_features, out_features, bias):
     linear = _bf16_linear(in_features, out_features, bias, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # which inputs stream depends on the panels each thread gets
+    try:
+        with torch.no_grad():
+            got = cpu_ops.PackedLinear(linear)(x)
+    finally:
+        torch.set_num_threads(threads)
     with torch.no_grad():
-        got = cpu_ops.PackedLinear(linear)(x)
         torch_out = linear(x)
         exact = F.linear(x.float(), linear.weight.float(),
                          None if linear.bias is None else linear.bias.float())

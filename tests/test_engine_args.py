@@ -129,3 +129,8 @@ def test_async_scheduling_is_on_by_default_for_gpus(device: str, setting: bool |
     monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
     config = EngineConfig(model="m", device="auto", async_scheduling=setting)
     assert config.resolved_device == device and config.schedules_ahead is expected
+
+
+def test_async_scheduling_takes_only_a_switch_or_auto() -> None:
+    with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
+        EngineConfig(model="m", async_scheduling="auto")
