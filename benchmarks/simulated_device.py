@@ -65,7 +65,7 @@ def simulate(engine: LLMEngine, device: SimulatedDevice) -> None:
     """Make ``engine``'s runner launch its decoder on ``device`` and defer its tokens."""
     runner = engine.runner
     runner.defer_sampled_tokens = True
-    launched: list[float] = []  # when the last step's device work is done
+    launched: list[float] = []  # when each launched step not yet sampled will be done
 
     def forward(positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
         launched.append(device.launch())
