@@ -25,6 +25,9 @@ from mmserve.step import (
 
 logger = logging.getLogger(__name__)
 
+# Looked up for every request every step: a module global costs less than the enum's class.
+_RUNNING = RequestStatus.RUNNING
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -246,7 +249,7 @@ class Scheduler:
                     short = True
                     if victim is req:
                         break
-                if req.status != RequestStatus.RUNNING:
+                if req.status != _RUNNING:
                     break
             commit(req, num_new, total, to_encode)
             compute_budget = new_compute_budget
@@ -308,7 +311,8 @@ class Scheduler:
             # Tokens count as computed once scheduled: steps run in the order scheduled.
             req.num_computed_tokens += num_new
             req.num_blocks_sent += len(new_blocks)
-            self._release_passed_images(req)
+            if req.images_checked_at < req.images_end:  # else nothing to release (decodes)
+                self._release_passed_images(req)
         ops = self.encoder_cache.take_ops()
         out.freed_encoder_hashes = ops.freed
         out.encoder_restores, out.encoder_spills = ops.restores, ops.spills
@@ -339,12 +343,11 @@ class Scheduler:
         return req.num_tokens + (not ends)
 
     def _release_passed_images(self, req: Request) -> None:
-        """Drop references to images whose every placeholder is now computed. Once every
-        image has passed and been released, the request is not looked at again (decode steps
-        cost nothing per image) until its computed tokens go back (a preemption, a retried
-        step), which may reference images again."""
-        if req.images_checked_at >= req.images_end:  # text-only requests too
-            return
+        """Drop references to images whose every placeholder is now computed. Called only
+        while ``req.images_checked_at < req.images_end``: once every image has passed and
+        been released, the request is not looked at again (decode steps cost nothing per
+        image) until its computed tokens go back (a preemption, a retried step), which may
+        reference images again."""
         req.images_checked_at = req.num_computed_tokens
         still_needed = {img.hash for img in req.images if img.end > req.num_computed_tokens}
         for i, image in enumerate(req.images):
@@ -380,7 +383,7 @@ class Scheduler:
         for sched in out.requests:
             token = result.sampled.get(sched.request_id)
             req = self.requests.get(sched.request_id)
-            if token is None or req is None or req.status != RequestStatus.RUNNING:
+            if token is None or req is None or req.status != _RUNNING:
                 continue
             req.append_token(token)
             changed.append(req)
