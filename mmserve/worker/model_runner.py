@@ -738,6 +738,10 @@ def flat_positions(reqs: list[ScheduledRequest], num_padding: int = 0,
                    device: torch.device | str = "cpu") -> torch.Tensor:
     """The batch's positions, the requests' slices side by side and ``num_padding`` zero
     columns after them: ``[rows, num_tokens]``, or ``[num_tokens]`` when there is one row."""
+    if all(len(r.token_ids) == 1 and len(r.positions) == 1 == len(r.positions[0])
+           for r in reqs):  # one token and one row each (decodes, LLaMA's rope)
+        flat_row = [r.positions[0][0] for r in reqs] + [0] * num_padding
+        return tensor_on(flat_row, torch.long, device)
     per_request = [r.positions for r in reqs]
     num_rows = {len(p) for p in per_request}
     if len(num_rows) > 1:
