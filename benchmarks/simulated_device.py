@@ -83,14 +83,14 @@ def simulate(engine: LLMEngine, device: SimulatedDevice) -> None:
     runner._sample = sample_after_device
 
 
-def measure(model: str, requests: int, device_s: float, ahead: bool,
-            steps: int) -> tuple[float, float]:
+def measure(model: str, requests: int, device_s: float, ahead: bool, steps: int,
+            threads: int | None = None) -> tuple[float, float]:
     """Seconds per decode step of ``requests`` requests, ``steps`` steps after a warm-up, and
     the device's busy share over those steps."""
     engine = LLMEngine(EngineConfig(
         model=model, device="cpu", dtype="float32", max_model_len=2048,
         max_num_seqs=requests, max_num_batched_tokens=8192, kv_cache_memory=1 << 30,
-        async_scheduling=ahead))
+        async_scheduling=ahead, cpu_threads=threads))
     device = SimulatedDevice(device_s)
     try:
         simulate(engine, device)
@@ -116,14 +116,19 @@ def main() -> None:
                         help="the simulated device's time per step, comma-separated")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--model", help="checkpoint (default: a tiny LLaVA built here)")
+    parser.add_argument("--threads", type=int,
+                        help="the engine's torch threads (default: one per core); on a GPU "
+                        "host the work they do here (LM head, sampling) runs on the device")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(build_tiny_checkpoint("llava", f"{tmp}/tiny"))
-        print(f"{args.requests} requests decoding, {torch.get_num_threads()} threads")
+        print(f"{args.requests} requests decoding, {args.threads or torch.get_num_threads()} "
+              "threads")
         print(f"{'device ms':>9}  {'scheduling':>10}  {'ms a step':>9}  {'device busy':>11}")
         for ms in (float(v) for v in args.device_ms.split(",")):
             for ahead in (False, True):
-                step, busy = measure(model, args.requests, ms / 1e3, ahead, args.steps)
+                step, busy = measure(model, args.requests, ms / 1e3, ahead, args.steps,
+                                     args.threads)
                 print(f"{ms:9.1f}  {'ahead' if ahead else 'in step':>10}  {step * 1e3:9.2f}  "
                       f"{busy:11.0%}")
 
