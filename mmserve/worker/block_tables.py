@@ -34,18 +34,21 @@ class BlockTables:
     def update(self, requests: Iterable[ScheduledRequest]) -> None:
         """Write each request's new block ids into its row (a new request gets a row). The
         same message applied twice leaves the same rows (a failed step's requests rerun)."""
+        lengths, row_of = self._lengths, self._rows
         for r in requests:
             rid = r.request_id
-            held = self._lengths.get(rid, 0)
+            held = lengths.get(rid, 0)
             if r.blocks_from > held:  # a message the runner never got: its ids would be stale
                 raise ValueError(f"request {rid} sends block ids from index {r.blocks_from}, "
                                  f"but the runner has {held} of its earlier ones")
-            row = self._rows.get(rid)
+            if not r.block_ids and r.blocks_from and rid in row_of:
+                continue  # nothing new for a table the runner has (most decodes)
+            row = row_of.get(rid)
             if row is None:
-                row = self._rows[rid] = self._take_row()
+                row = row_of[rid] = self._take_row()
             end = r.blocks_from + len(r.block_ids)
             # From index 0: a new table (admission, or again after a preemption).
-            self._lengths[rid] = end if r.blocks_from == 0 else max(held, end)
+            lengths[rid] = end if r.blocks_from == 0 else max(held, end)
             if not r.block_ids:
                 continue
             if end > self.table.shape[1]:
