@@ -14,6 +14,7 @@ also need a path with AVX512-BF16 (elsewhere the module reports them unsupported
 runs).
 """
 
+import contextlib
 import functools
 import itertools
 import shutil
@@ -33,6 +34,18 @@ from mmserve.kernels.paged_attention import (
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
                                 reason="no C++ compiler: the CPU runner uses the torch path")
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    """torch's thread count set to ``n`` for the block (which path the packed linear takes,
+    and how many cores a kernel keeps busy, depend on it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _decode_batch(lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16, seed=0):
@@ -78,9 +91,7 @@ def test_long_kernels_let_other_python_threads_run(kernel):
     if kernel.packed_linear_f32_supported():
         f32 = cpu_ops.PackedLinearF32(_f32_linear(1024, 4096, False, seed=0))
         calls["float32 linear"] = lambda: f32(x)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the kernel on one core, the ticking thread free to run
-    try:
+    with _torch_threads(1):  # the kernel on one core, the ticking thread free to run
         for name, call in calls.items():
             call()  # warm up (first touch)
             span: list[float] = []
@@ -102,8 +113,6 @@ def test_long_kernels_let_other_python_threads_run(kernel):
             assert longest_wait < 0.25 * (end - start), (
                 f"{name}: the other thread waited {longest_wait * 1e3:.1f} ms of the "
                 f"call's {(end - start) * 1e3:.1f} ms")
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_kernel_in_a_mixed_batch(kernel):
@@ -564,13 +573,8 @@ def _bf16_linear(in_features, out_features, bias, seed):
 def test_packed_linear_matches_torch(packed, rows, in_features, out_features, bias):
     linear = _bf16_linear(in_features, out_features, bias, seed=rows)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # which inputs stream depends on the panels each thread gets
-    try:
-        with torch.no_grad():
-            got = cpu_ops.PackedLinear(linear)(x)
-    finally:
-        torch.set_num_threads(threads)
+    with _torch_threads(2), torch.no_grad():  # which inputs stream: panels per thread
+        got = cpu_ops.PackedLinear(linear)(x)
     with torch.no_grad():
         torch_out = linear(x)
         exact = F.linear(x.float(), linear.weight.float(),
@@ -587,15 +591,10 @@ def test_packed_linear_streamed_and_chunked_agree_bit_for_bit(packed):
     order, so the results are the same bits."""
     linear = _bf16_linear(1000, 768, True, seed=5)  # 24 panels
     x = torch.randn(200, 1000, generator=torch.Generator().manual_seed(6)).bfloat16()
-    threads = torch.get_num_threads()
-    try:
-        with torch.no_grad():
-            torch.set_num_threads(1)  # 24 panels for one thread: streamed
-            streamed = cpu_ops.PackedLinear(linear)(x)
-            torch.set_num_threads(8)  # 3 panels a thread: four chunks of 50 rows
-            chunked = cpu_ops.PackedLinear(linear)(x)
-    finally:
-        torch.set_num_threads(threads)
+    with _torch_threads(1), torch.no_grad():  # 24 panels for one thread: streamed
+        streamed = cpu_ops.PackedLinear(linear)(x)
+    with _torch_threads(8), torch.no_grad():  # 3 panels a thread: four chunks of 50 rows
+        chunked = cpu_ops.PackedLinear(linear)(x)
     assert torch.equal(streamed, chunked)
 
 

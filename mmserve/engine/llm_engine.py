@@ -664,11 +664,6 @@ class LLMEngine:
         rid = req.request_id
         kind = req.sampling_params.output_kind
         logprobs = self._logprobs.get(rid) if self._logprobs else None
-        if kind == "delta" and not finished and logprobs is None:  # most of a server's outputs
-            text, token_ids = detok.take_new_text(final=False), req.all_token_ids[-1:]
-            return RequestOutput(rid, text, token_ids, req.num_prompt_tokens, new_text=text,
-                                 new_token_ids=token_ids,
-                                 num_cached_tokens=req.num_cached_tokens or 0)
         prompt_logprobs = None
         if finished:
             self._matchers.remove(rid)
