@@ -9,6 +9,7 @@ a GPU and is not exercised here.
 from __future__ import annotations
 
 import argparse
+import logging
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.entrypoints.cli import add_engine_args, engine_kwargs
+from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import (
     CUDA_GRAPH_BATCH_SIZES,
     CUDAModelRunner,
@@ -81,6 +83,10 @@ class InterpretedCUDARunner(CUDAModelRunner):
 
     device = torch.device("cpu")
 
+    @classmethod
+    def release_memory(cls) -> None:  # no CUDA allocator to empty: the CPU heap's
+        release_free_memory()
+
 
 def _prompts() -> list[dict]:
     texts = ["what is in this picture?", "hi", "compare these two images please", "ok"]
@@ -121,30 +127,42 @@ class EagerReplay:
 
 # On a GPU machine the engine itself picks the CUDA runner, and the parity tests cover it.
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels in the CPU interpreter")
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "scheduled-ahead"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-replay"])
 def test_triton_runner_matches_cpu_runner(clip_llama: str, cpu_runner_tokens: list[list[int]],
-                                          graphs: bool):
+                                          graphs: bool, ahead: bool, caplog):
     """Same greedy tokens as the torch-reference runner, with chunked prefill splitting images.
 
     ``graph-replay`` runs decode-only batches as the CUDA graphs would, with ``EagerReplay`` in
     place of the capture (which needs CUDA): padded to a captured size, copied into the static
-    buffers, and the decoder rerun on them.
+    buffers, and the decoder rerun on them. ``scheduled-ahead`` is the engine as a GPU runs it
+    by default: asynchronous scheduling, each step's sampled tokens left on the device for the
+    next step's inputs and brought to Python when the step is collected. No step may fail on
+    the way: the engine would retry the requests of a failed step and hide it.
     """
-    llm = LLM(clip_llama, **ENGINE_ARGS)
-    engine = llm.engine
-    runner = InterpretedCUDARunner(engine.model, engine.plan.num_blocks, engine.config.block_size,
-                                   torch.float32, engine.config.seed)
-    if graphs:
-        sizes = [1, 4]  # decode batches of 2 and 3 get padding rows
-        runner.allocate_graph_inputs(sizes[-1], engine.plan.max_model_len)
-        for size in sizes:
-            runner.graphs[size] = EagerReplay(lambda size=size: runner.graph_forward(size))
-            runner.graph_outputs[size] = runner.graphs[size].output
-        runner.graph_sizes = sizes
-    engine.runner = runner
-    assert _generate(llm) == cpu_runner_tokens
-    if graphs:
-        assert runner.graphs[1].replays > 0 and runner.graphs[4].replays > 0
+    with LLM(clip_llama, **ENGINE_ARGS, async_scheduling=ahead) as llm:
+        engine = llm.engine
+        runner = InterpretedCUDARunner(engine.model, engine.plan.num_blocks,
+                                       engine.config.block_size, torch.float32,
+                                       engine.config.seed)
+        assert runner.defer_sampled_tokens
+        if ahead:
+            engine._steps.runner = runner  # the step thread launches the runner's steps
+        if graphs:
+            sizes = [1, 4]  # decode batches of 2 and 3 get padding rows
+            runner.allocate_graph_inputs(sizes[-1], engine.plan.max_model_len)
+            for size in sizes:
+                runner.graphs[size] = EagerReplay(lambda size=size: runner.graph_forward(size))
+                runner.graph_outputs[size] = runner.graphs[size].output
+            runner.graph_sizes = sizes
+        engine.runner = runner
+        with caplog.at_level(logging.WARNING, logger="mmserve"):
+            assert _generate(llm) == cpu_runner_tokens
+        assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        if graphs:
+            assert runner.graphs[1].replays > 0 and runner.graphs[4].replays > 0
+        if ahead:
+            assert engine.num_steps_ahead > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels in the CPU interpreter")
