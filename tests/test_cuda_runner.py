@@ -17,7 +17,6 @@ import torch
 from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.entrypoints.cli import add_engine_args, engine_kwargs
-from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import (
     CUDA_GRAPH_BATCH_SIZES,
     CUDAModelRunner,
@@ -83,9 +82,7 @@ class InterpretedCUDARunner(CUDAModelRunner):
 
     device = torch.device("cpu")
 
-    @classmethod
-    def release_memory(cls) -> None:  # no CUDA allocator to empty: the CPU heap's
-        release_free_memory()
+    release_memory = CPUModelRunner.release_memory  # no CUDA allocator to empty: the CPU heap
 
 
 def _prompts() -> list[dict]:
