@@ -85,6 +85,20 @@ def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
     return img
 
 
+def record_steps(llm) -> list:
+    """Keep every SchedulerOutput ``llm``'s scheduler makes from now on, scheduled ahead of
+    the step in flight or not (its arguments passed on as they come)."""
+    steps = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording(*args, **kwargs):
+        steps.append(schedule(*args, **kwargs))
+        return steps[-1]
+
+    llm.engine.scheduler.schedule = recording
+    return steps
+
+
 def assert_no_leaks(engine) -> None:
     """After a drained engine: every KV block free, no referenced encoder-cache entry."""
     stats = engine.stats()

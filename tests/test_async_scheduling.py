@@ -13,6 +13,8 @@ import openai
 import pytest
 
 from mmserve import LLM, SamplingParams
+from mmserve.engine.prompt_feed import MIN_REQUESTS_AHEAD
+from mmserve.errors import InvalidInputError
 from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.worker import model_runner
@@ -227,6 +229,25 @@ def test_aborts_between_steps(clip_llama: str, deferred: bool) -> None:
             return [done[i].token_ids for i in ids if i != ids[1]]
 
     assert run(async_scheduling=True) == run()
+
+
+def test_a_bad_prompt_mid_call_leaves_no_step_in_flight(clip_llama: str, deferred: bool) -> None:
+    """``generate`` meets a bad prompt once its first requests are stepping: it aborts them
+    while a step scheduled ahead holds them, and collects that step before it raises, so the
+    engine is left with nothing unfinished and every block free, and serves the next call."""
+    # The bad prompt is preprocessed once the first request finishes, the others running.
+    good = [f"USER: say something about the number {i}\nASSISTANT:"
+            for i in range(MIN_REQUESTS_AHEAD)]
+    bad = {"prompt": "no image here", "images": [make_image(9, (30, 30))]}
+    with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=4,
+             async_scheduling=True) as llm:
+        with pytest.raises(InvalidInputError, match="image"):
+            llm.generate([*good, bad], [SamplingParams(max_tokens=2 if i == 0 else 16,
+                                                       temperature=0.0)
+                                        for i in range(len(good) + 1)])
+        assert llm.engine.num_steps_ahead > 0
+        assert_no_leaks(llm.engine)
+        assert len(llm.generate(good[:2], LONG)) == 2
 
 
 def test_failures_mid_run(clip_llama: str, monkeypatch: pytest.MonkeyPatch,

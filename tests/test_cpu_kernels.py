@@ -91,28 +91,37 @@ def test_long_kernels_let_other_python_threads_run(kernel):
     if kernel.packed_linear_f32_supported():
         f32 = cpu_ops.PackedLinearF32(_f32_linear(1024, 4096, False, seed=0))
         calls["float32 linear"] = lambda: f32(x)
+    def longest_wait(call) -> tuple[float, float]:
+        """The ticking thread's longest wait while ``call`` ran on another, and the call's
+        time."""
+        span: list[float] = []
+
+        def run() -> None:
+            span.append(time.perf_counter())
+            call()
+            span.append(time.perf_counter())
+
+        ticks = [time.perf_counter()]
+        worker = threading.Thread(target=run)
+        worker.start()
+        while worker.is_alive():
+            ticks.append(time.perf_counter())
+        worker.join()
+        start, end = span
+        inside = [start] + [t for t in ticks if start < t < end] + [end]
+        return max(b - a for a, b in itertools.pairwise(inside)), end - start
+
     with _torch_threads(1):  # the kernel on one core, the ticking thread free to run
         for name, call in calls.items():
             call()  # warm up (first touch)
-            span: list[float] = []
-
-            def run(call=call, span=span) -> None:
-                span.append(time.perf_counter())
-                call()
-                span.append(time.perf_counter())
-
-            ticks = [time.perf_counter()]
-            worker = threading.Thread(target=run)
-            worker.start()
-            while worker.is_alive():
-                ticks.append(time.perf_counter())
-            worker.join()
-            start, end = span
-            inside = [start] + [t for t in ticks if start < t < end] + [end]
-            longest_wait = max(b - a for a, b in itertools.pairwise(inside))
-            assert longest_wait < 0.25 * (end - start), (
-                f"{name}: the other thread waited {longest_wait * 1e3:.1f} ms of the "
-                f"call's {(end - start) * 1e3:.1f} ms")
+            # A call that kept the lock would make the other thread wait nearly all of it,
+            # every time; on a busy machine the OS may also stall it once, so the best of
+            # three tries counts.
+            waited, took = min((longest_wait(call) for _ in range(3)),
+                               key=lambda found: found[0] / found[1])
+            assert waited < 0.25 * took, (
+                f"{name}: the other thread waited {waited * 1e3:.1f} ms of the call's "
+                f"{took * 1e3:.1f} ms")
 
 
 def test_kernel_in_a_mixed_batch(kernel):

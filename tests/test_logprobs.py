@@ -72,10 +72,11 @@ def test_sampled_tokens_get_the_models_logprobs_not_the_tempered_ones(clip_llama
 
 def test_logprobs_through_chunked_prefill_and_preemption_beside_other_requests(
         clip_llama: str) -> None:
-    # 8 blocks of 16 tokens (512 bytes a token in float32): one long request fits, four do not.
+    # 8 blocks of 16 tokens (512 bytes a token in float32): one long request fits, four do not;
+    # scheduled in step, as scheduled ahead (a GPU's default) nobody is preempted.
     llm = LLM(clip_llama, dtype="float32", max_model_len=128, max_num_batched_tokens=16,
               block_size=16, max_num_seqs=4, kv_cache_memory=8 * 16 * 512,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, async_scheduling=False)
     prompts = PROMPTS * 3
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
                              logprobs=(i % 3) if i % 2 == 0 else None,

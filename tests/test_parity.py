@@ -16,7 +16,7 @@ from transformers import AutoProcessor
 from mmserve import LLM, SamplingParams
 from mmserve.kernels import cpu_ops
 from mmserve.testing.oracle import hf_greedy_generate
-from tests.conftest import ARCHS, assert_no_leaks, generate_all_at_once, make_image
+from tests.conftest import ARCHS, assert_no_leaks, generate_all_at_once, make_image, record_steps
 
 MAX_TOKENS = 12
 IMAGES = [make_image(i, size) for i, size in enumerate(
@@ -73,20 +73,6 @@ def run(llm: LLM, prompts: list[dict]) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-def record_steps(llm: LLM) -> list:
-    """Keep every SchedulerOutput the engine produces."""
-    steps = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recording():
-        out = schedule()
-        steps.append(out)
-        return out
-
-    llm.engine.scheduler.schedule = recording
-    return steps
-
-
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_parity_chunked_prefill_splits_images(checkpoints: dict[str, str], arch: str) -> None:
     path = checkpoints[arch]
@@ -109,9 +95,11 @@ def test_parity_chunked_prefill_splits_images(checkpoints: dict[str, str], arch:
 def test_parity_under_preemption(checkpoints: dict[str, str], arch: str) -> None:
     path = checkpoints[arch]
     prompts = mixed_batch()
-    # 8 blocks of 16 tokens: one long request fits, eight at once do not.
+    # 8 blocks of 16 tokens: one long request fits, eight at once do not. Scheduled in step
+    # (scheduled ahead, as on a GPU by default, nobody is preempted: test_async_scheduling.py).
     llm = LLM(path, dtype="float32", block_size=16, max_model_len=128, max_num_seqs=8,
-              kv_cache_memory=8 * 16 * _kv_bytes_per_token(path), enable_prefix_caching=False)
+              kv_cache_memory=8 * 16 * _kv_bytes_per_token(path), enable_prefix_caching=False,
+              async_scheduling=False)
     assert llm.engine.plan.num_blocks == 8
     outs = generate_all_at_once(llm, prompts, SamplingParams(max_tokens=MAX_TOKENS,
                                                              temperature=0.0))

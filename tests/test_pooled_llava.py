@@ -18,7 +18,7 @@ from mmserve.models.llava import LlavaForConditionalGeneration
 from mmserve.models.pooled_llava import PooledLlavaForConditionalGeneration
 from mmserve.processing.processor import InputProcessor
 from mmserve.testing import build_tiny_checkpoint
-from tests.conftest import assert_no_leaks, make_image
+from tests.conftest import assert_no_leaks, make_image, record_steps
 
 ARCH = "PooledLlavaForConditionalGeneration"
 LLAVA_TOKENS, POOLED_TOKENS = 16, 4  # 32 x 32 pixels, 8 x 8 patches: 4 x 4, pooled 2 x 2
@@ -82,14 +82,7 @@ def test_generate_follows_the_familys_numbers(pooled_llava: str) -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0)
     llm = LLM(pooled_llava, dtype="float32", max_num_batched_tokens=24, max_num_seqs=3)
     assert llm.engine.encoder_budget.max_tokens_per_item == POOLED_TOKENS
-    steps = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recording():
-        steps.append(schedule())
-        return steps[-1]
-
-    llm.engine.scheduler.schedule = recording
+    steps = record_steps(llm)
     batched = [o.token_ids for o in llm.generate(prompts, params)]
     assert_no_leaks(llm.engine)
     encoded = [n for out in steps for n in out.images_to_encode.values()]

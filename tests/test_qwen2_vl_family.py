@@ -16,7 +16,7 @@ from mmserve.inputs import ImageInput
 from mmserve.processing.registry import family_for
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.testing.oracle import hf_greedy_generate, load_hf_processor
-from tests.conftest import assert_no_leaks, make_image
+from tests.conftest import assert_no_leaks, make_image, record_steps
 
 # Pixel settings where the largest item comes from each branch of the resize rule: kept as
 # resized, a 200:1 image keeping a row of whole tokens, small images rounded up to min_pixels.
@@ -130,9 +130,7 @@ def test_two_largest_images_in_a_small_step_budget(qwen2_vl: str) -> None:
     images = [make_image(1, (700, 600)), make_image(2, (600, 700)), make_image(3, (30, 30))]
     messages = [{"role": "user", "content": [{"type": "image"}] * 3
                  + [{"type": "text", "text": "compare"}]}]
-    steps = []
-    schedule = llm.engine.scheduler.schedule
-    llm.engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    steps = record_steps(llm)
     out = llm.generate([{"messages": messages, "images": images},
                         {"messages": messages[:1], "images": images}],
                        SamplingParams(max_tokens=6, temperature=0.0))

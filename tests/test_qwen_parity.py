@@ -14,7 +14,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.processing.hf_processors import load_qwen2_vl_processor
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.testing.oracle import hf_greedy_generate
-from tests.conftest import assert_no_leaks, generate_all_at_once, make_image
+from tests.conftest import assert_no_leaks, generate_all_at_once, make_image, record_steps
 
 MAX_TOKENS = 10
 # Tiny and upscaled, square, thin, wide, tall, and larger than max_pixels allows.
@@ -80,19 +80,6 @@ def run(llm: LLM, prompts: list[dict]) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-def record_steps(llm: LLM) -> list:
-    steps = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recording():
-        out = schedule()
-        steps.append(out)
-        return out
-
-    llm.engine.scheduler.schedule = recording
-    return steps
-
-
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_parity_chunked_prefill_splits_images_and_their_positions(qwen: dict[str, str],
                                                                    name: str) -> None:
@@ -117,8 +104,10 @@ def test_parity_chunked_prefill_splits_images_and_their_positions(qwen: dict[str
 def test_parity_under_preemption(qwen: dict[str, str], name: str) -> None:
     path = qwen[name]
     prompts = mixed_batch()
+    # Scheduled in step: scheduled ahead (a GPU's default) nobody is preempted.
     llm = LLM(path, dtype="float32", block_size=16, max_model_len=256, max_num_seqs=8,
-              kv_cache_memory=16 * 16 * _kv_bytes_per_token(path), enable_prefix_caching=False)
+              kv_cache_memory=16 * 16 * _kv_bytes_per_token(path), enable_prefix_caching=False,
+              async_scheduling=False)
     outs = generate_all_at_once(llm, prompts, SamplingParams(max_tokens=MAX_TOKENS,
                                                              temperature=0.0))
     assert_no_leaks(llm.engine)

@@ -371,6 +371,26 @@ class LLMEngine:
         in it has finished); the next ``step`` collects it."""
         return self.scheduler.has_unfinished()
 
+    @property
+    def is_dead(self) -> bool:
+        """Whether the engine serves no more (closed, a worker lost, every step failing):
+        ``step`` raises ``EngineDeadError`` saying why."""
+        return self._dead is not None
+
+    def collect_steps_in_flight(self) -> list[RequestOutput]:
+        """Collect the steps handed to the runner and not collected yet, scheduling none, and
+        return their outputs. With asynchronous scheduling a step is left in flight after
+        each ``step``; a request aborted while it holds one releases its KV blocks and
+        encoder-cache references only once that step is collected: here, rather than at the
+        next ``step`` (a caller that aborts everything it asked for and stops stepping)."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        outputs: list[RequestOutput] = []
+        while self._submitted:
+            scheduler_output, result = self._take()
+            outputs += self._finish_step(scheduler_output, result)
+        return outputs
+
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests it changed.

@@ -105,13 +105,16 @@ class PromptFeed:
     def abort(self, done: Container[str]) -> None:
         """Cancel the preprocessing not started, and abort the queued requests not in
         ``done``, so that the engine is left with every KV block free (after a bad prompt, an
-        engine error, Ctrl-C)."""
+        engine error, Ctrl-C): a step still in flight (asynchronous scheduling) is collected,
+        its outputs dropped (the caller's requests are aborted, and no other runs meanwhile)."""
         for future in self.pending.values():
             future.cancel()
         for group in self.ids[:self.queued]:
             for rid in group:
                 if rid not in done:
                     self.engine.abort_request(rid)
+        if not self.engine.is_dead:
+            self.engine.collect_steps_in_flight()
 
     def check_finished(self, done: Container[str]) -> None:
         """Raise if the engine stopped without finishing every request of the batch (a bug,

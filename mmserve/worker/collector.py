@@ -21,7 +21,9 @@ import atexit
 import gc
 import threading
 
-_lock = threading.Lock()
+# Reentrant: a collection (an automatic one, set off by any allocation) may run an unclosed
+# engine's finalizer, which closes it and thaws, on a thread already holding the lock.
+_lock = threading.RLock()
 _holders = 0  # engines of this process that froze and have not closed
 _thaw_at_exit = False
 
@@ -30,8 +32,8 @@ def freeze_long_lived() -> None:
     """Collect what is garbage now, then freeze every object alive (start-up's), for one
     more engine (``thaw`` when it closes)."""
     global _holders, _thaw_at_exit
+    gc.collect()  # outside the lock: what it finalizes may be an engine that thaws
     with _lock:
-        gc.collect()
         gc.freeze()
         _holders += 1
         if not _thaw_at_exit:
