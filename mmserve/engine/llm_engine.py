@@ -766,10 +766,12 @@ class LLMEngine:
             self.on_runner_thread(runner.close)
         self.model = None
         _live_engines.discard(self)
-        if self._froze:  # the model and caches may be held by reference cycles
+        # Tensors held only by reference cycles (tracebacks, closures): thawing collects.
+        if self._froze:
             self._froze = False
             thaw()
-        gc.collect()  # tensors held only by reference cycles (tracebacks, closures)
+        else:
+            gc.collect()
         if runner is not None:
             self.on_runner_thread(runner.release_memory)
         compute = getattr(self, "_compute", None)

@@ -10,8 +10,9 @@ no garbage is frozen with them; collections then walk only what was made since.
 
 Freezing is process-wide: it also takes the caller's objects alive then, and frozen objects
 are never collected, even once they are garbage in a reference cycle. So the engines that
-froze are counted, and when the last of them closes (``thaw``) everything frozen goes back to
-the collector; so it does at the interpreter's exit, whose last collection then finds it
+froze are counted, and when one of them closes (``thaw``) everything frozen goes back to the
+collector for a full collection, then what is left is frozen again if other engines still
+run; so it also goes back at the interpreter's exit, whose last collection then finds it
 (extension libraries report objects still alive at exit as leaks).
 """
 
@@ -53,10 +54,15 @@ def holders() -> int:
 
 
 def thaw() -> None:
-    """An engine that froze has closed: once none is left, give the frozen objects back to
-    the collector (its model and caches may be held by reference cycles)."""
+    """An engine that froze has closed: give the frozen objects back to the collector (its
+    model and caches may be held by reference cycles) and collect; while other engines of
+    the process run, freeze what is left again (one full collection at the close, where
+    their frozen start-up would otherwise keep every closed engine's cycles for good)."""
     global _holders
     with _lock:
         _holders = max(0, _holders - 1)
-        if _holders == 0:
-            gc.unfreeze()
+        gc.unfreeze()
+    gc.collect()  # outside the lock: what it finalizes may be an engine that thaws
+    with _lock:
+        if _holders > 0:
+            gc.freeze()
