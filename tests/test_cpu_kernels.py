@@ -91,6 +91,7 @@ def test_long_kernels_let_other_python_threads_run(kernel):
     if kernel.packed_linear_f32_supported():
         f32 = cpu_ops.PackedLinearF32(_f32_linear(1024, 4096, False, seed=0))
         calls["float32 linear"] = lambda: f32(x)
+
     def longest_wait(call) -> tuple[float, float]:
         """The ticking thread's longest wait while ``call`` ran on another, and the call's
         time."""

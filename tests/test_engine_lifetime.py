@@ -57,13 +57,14 @@ def _use(llm: LLM) -> list[int]:
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["alone", "another engine open"])
-def test_three_engines_in_turn_plan_alike_and_give_their_memory_back(clip_llama, beside):
+def test_three_engines_in_turn_plan_alike_and_give_their_memory_back(clip_llama, beside,
+                                                                    request):
     """Also while another engine stays open, whose thread policy lowered the thread count:
     each close collects what that engine's frozen start-up would otherwise keep for good."""
     device = EngineConfig(clip_llama).resolved_device
-    other = None
     if beside:
         other = LLM(clip_llama, dtype="float32", max_model_len=128, kv_cache_memory=2**20)
+        request.addfinalizer(other.close)
         cpu_threads._set_threads(1)  # as the policy does when other processes take a core
     gc.collect()
     if device == "cuda":
@@ -98,8 +99,6 @@ def test_three_engines_in_turn_plan_alike_and_give_their_memory_back(clip_llama,
         assert closed == [baseline] * 3
     else:  # the first engine also loaded code and libraries for good
         assert max(closed[1:]) <= closed[0] + 16 * 2**20, closed
-    if other is not None:
-        other.close()
 
 
 def test_a_closed_engine_refuses_work_and_closes_once(clip_llama):

@@ -383,7 +383,7 @@ class LLMEngine:
         each ``step``; a request aborted while it holds one releases its KV blocks and
         encoder-cache references only once that step is collected: here, rather than at the
         next ``step`` (a caller that aborts everything it asked for and stops stepping)."""
-        if self._dead is not None:
+        if self.is_dead:
             raise EngineDeadError(self._dead)
         outputs: list[RequestOutput] = []
         while self._submitted:

@@ -35,7 +35,8 @@ def freeze_long_lived() -> None:
     global _holders, _thaw_at_exit
     gc.collect()  # outside the lock: what it finalizes may be an engine that thaws
     with _lock:
-        _holders += 1  # first: an engine finalized in here then never thaws the count to 0
+        _holders += 1  # first: an engine finalized in here then thaws to a count above 0,
+        # and so freezes again what its thaw gave back
         gc.freeze()
         if not _thaw_at_exit:
             atexit.register(gc.unfreeze)
