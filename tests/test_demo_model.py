@@ -236,17 +236,20 @@ def test_demo_model_sees_unseen_scenes(demo_llm: LLM, unseen) -> None:
 
 @pytest.mark.slow
 def test_demo_model_matches_transformers(demo_llm: LLM, unseen) -> None:
-    """The same greedy tokens as transformers, one unbatched request at a time."""
+    """The same greedy tokens as transformers, one unbatched request at a time: every
+    question of every fourth scene (mmserve ran them batched with all the others)."""
     images, items, outputs = unseen
     processor = demo_llm.engine.processor.processor
     path = demo_model_path()
     checked = 0
     for (_, i, question, _), out in zip(items, outputs, strict=True):
+        if i % 4:
+            continue
         text = processor.apply_chat_template(user_turn(question), add_generation_prompt=True,
                                              tokenize=False)
         assert out.token_ids == hf_greedy_generate(path, text, [images[i]], 40), question
         checked += 1
-    assert checked == 4 * NUM_SCENES
+    assert checked == NUM_SCENES
 
 
 def test_caption_cli_uses_the_demo_model(capsys) -> None:

@@ -187,3 +187,36 @@ def test_layer_imports_no_upper_layer(layer: str, forbidden: tuple[str, ...]) ->
 def test_messages_are_leaves(module: str, allowed: set[str]) -> None:
     """What crosses between layers imports nothing of the layers it connects."""
     assert GRAPH[module] <= allowed, GRAPH[module]
+
+
+def test_a_worker_process_loads_no_engine() -> None:
+    """What the graph above leaves out, the parent packages' ``__init__``, seen by importing
+    for real: a tensor-parallel worker process imports the worker and the models (and,
+    through them, ``mmserve/__init__.py``), and must not load the engine, the processors,
+    the front doors or the structured-output library with them (``mmserve`` re-exports its
+    names on first use)."""
+    import subprocess
+    import sys
+
+    script = ("import sys, mmserve.worker.executor, mmserve.models\n"
+              "print(' '.join(sorted(sys.modules)))")
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, check=True).stdout.split()
+    above = [m for m in loaded
+             if m.split(".")[0] == "xgrammar"
+             or any(m == p or m.startswith(p + ".")
+                    for p in (ENGINE, PROCESSING, ENTRYPOINTS, BENCH))]
+    assert "mmserve.worker.model_runner" in loaded
+    assert above == []
+
+
+def test_the_package_still_gives_its_names() -> None:
+    import mmserve
+    from mmserve import LLM, EngineConfig, RequestOutput, SamplingParams
+
+    assert mmserve.LLM is LLM and LLM.__name__ == "LLM"
+    assert {EngineConfig.__name__, RequestOutput.__name__, SamplingParams.__name__} == {
+        "EngineConfig", "RequestOutput", "SamplingParams"}
+    assert set(mmserve.__all__) <= set(dir(mmserve))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        mmserve.nothing  # noqa: B018

@@ -31,6 +31,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -379,6 +380,13 @@ def _worker_main(spec: WorkerSpec, rank: int, port: int, conn: Connection) -> No
         _send_error(conn, e)
         return
     _serve(runner, rank, conn)
+    # Closed (or the engine is gone): nothing is left to tidy, and the interpreter's own
+    # teardown (a last full collection of torch's and transformers' objects) would keep the
+    # engine's close waiting about two seconds for this process.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def _start(spec: WorkerSpec, rank: int, port: int):
