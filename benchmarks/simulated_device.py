@@ -14,6 +14,14 @@ device's add up each step; scheduled ahead, they overlap.
 
     python benchmarks/simulated_device.py
     python benchmarks/simulated_device.py --requests 64 --device-ms 0.5,1,2
+    python benchmarks/simulated_device.py --device-ms 10 --kernels 300 --launch-us 10
+
+``--kernels``/``--launch-us`` model an eager forward pass: a step's device work as that many
+kernels, each launched by that much Python holding the interpreter lock (as torch's launches
+do), the device unable to start a kernel before its launch; by default a step is one launch
+of no cost (a CUDA graph's replay). ``--switch-interval-ms`` sets the interpreter's switch
+interval (``sys.setswitchinterval``; Python's default is 5 ms): how long a thread waiting for
+the lock lets the one holding it run.
 
 Not part of the test suite: the figures depend on the machine and what else runs on it.
 """
@@ -21,6 +29,7 @@ Not part of the test suite: the figures depend on the machine and what else runs
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 
@@ -39,16 +48,23 @@ class SimulatedDevice:
     say so, which the threads it serves hold). ``wait`` sleeps until a job's end, the
     interpreter lock released, as a thread waiting on a CUDA event does."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, kernels: int = 1, launch_s: float = 0.0) -> None:
         self.seconds = seconds
-        self.jobs: list[tuple[float, float]] = []  # (start, end) of every job launched
+        self.kernels = kernels  # a step's job, as that many kernels launched one by one
+        self.launch_s = launch_s  # Python each launch takes, holding the interpreter lock
+        self.jobs: list[tuple[float, float]] = []  # (start, end) of every kernel launched
         self._free_at = 0.0
 
     def launch(self) -> float:
-        """Queue a job; returns when it will be done."""
-        start = max(self._free_at, time.perf_counter())
-        self._free_at = start + self.seconds
-        self.jobs.append((start, self._free_at))
+        """Queue a step's kernels; returns when the last will be done."""
+        per_kernel = self.seconds / self.kernels
+        for _ in range(self.kernels):
+            launched = time.perf_counter() + self.launch_s
+            while time.perf_counter() < launched:  # busy in Python, as a launch is
+                pass
+            start = max(self._free_at, launched)
+            self._free_at = start + per_kernel
+            self.jobs.append((start, self._free_at))
         return self._free_at
 
     @staticmethod
@@ -83,7 +99,7 @@ def simulate(engine: LLMEngine, device: SimulatedDevice) -> None:
     runner._sample = sample_after_device
 
 
-def measure(model: str, requests: int, device_s: float, ahead: bool, steps: int,
+def measure(model: str, requests: int, device: SimulatedDevice, ahead: bool, steps: int,
             threads: int | None = None) -> tuple[float, float]:
     """Seconds per decode step of ``requests`` requests, ``steps`` steps after a warm-up, and
     the device's busy share over those steps."""
@@ -91,7 +107,6 @@ def measure(model: str, requests: int, device_s: float, ahead: bool, steps: int,
         model=model, device="cpu", dtype="float32", max_model_len=2048,
         max_num_seqs=requests, max_num_batched_tokens=8192, kv_cache_memory=1 << 30,
         async_scheduling=ahead, cpu_threads=threads))
-    device = SimulatedDevice(device_s)
     try:
         simulate(engine, device)
         params = SamplingParams(max_tokens=steps + 100, temperature=0.0, ignore_eos=True,
@@ -119,15 +134,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int,
                         help="the engine's torch threads (default: one per core); on a GPU "
                         "host the work they do here (LM head, sampling) runs on the device")
+    parser.add_argument("--kernels", type=int, default=1,
+                        help="kernels a step's device work is launched as")
+    parser.add_argument("--launch-us", type=float, default=0.0,
+                        help="microseconds of Python each kernel's launch takes")
+    parser.add_argument("--switch-interval-ms", type=float,
+                        help="the interpreter's switch interval (default: Python's, 5 ms)")
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(build_tiny_checkpoint("llava", f"{tmp}/tiny"))
         print(f"{args.requests} requests decoding, {args.threads or torch.get_num_threads()} "
-              "threads")
+              f"threads, {args.kernels} launch(es) of {args.launch_us:g} us a step, switch "
+              f"interval {sys.getswitchinterval() * 1e3:g} ms")
         print(f"{'device ms':>9}  {'scheduling':>10}  {'ms a step':>9}  {'device busy':>11}")
         for ms in (float(v) for v in args.device_ms.split(",")):
             for ahead in (False, True):
-                step, busy = measure(model, args.requests, ms / 1e3, ahead, args.steps,
+                device = SimulatedDevice(ms / 1e3, args.kernels, args.launch_us / 1e6)
+                step, busy = measure(model, args.requests, device, ahead, args.steps,
                                      args.threads)
                 print(f"{ms:9.1f}  {'ahead' if ahead else 'in step':>10}  {step * 1e3:9.2f}  "
                       f"{busy:11.0%}")

@@ -210,6 +210,26 @@ def test_a_worker_process_loads_no_engine() -> None:
     assert above == []
 
 
+def test_the_command_builds_its_parser_without_the_engine() -> None:
+    """The ``mmserve`` command's module is imported again by every process it spawns (a
+    tensor-parallel worker of ``mmserve serve``): building its parser loads neither the engine
+    nor the server, the processors' libraries or the structured-output library."""
+    import subprocess
+    import sys
+
+    script = ("import sys\nfrom mmserve.entrypoints.cli import build_parser\n"
+              "build_parser()\nprint(' '.join(sorted(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True)
+    loaded = done.stdout.split()
+    heavy = [m for m in loaded
+             if m.split(".")[0] in ("xgrammar", "transformers", "starlette", "uvicorn")
+             or m == ENGINE or m.startswith(ENGINE + ".")
+             or m == "mmserve.entrypoints.api_server"]
+    assert "mmserve.entrypoints.serve_args" in loaded
+    assert heavy == []
+
+
 def test_the_package_still_gives_its_names() -> None:
     import mmserve
     from mmserve import LLM, EngineConfig, RequestOutput, SamplingParams

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 from mmserve.bench.cli import add_bench_parser
-from mmserve.entrypoints.api_server import add_serve_parser
 from mmserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 from mmserve.entrypoints.plan import add_plan_parser
+from mmserve.entrypoints.serve_args import add_serve_parser
 
 
 def _caption(args: argparse.Namespace) -> int:
@@ -50,12 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     """``mmserve`` and all its subcommands."""
     parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    # Each front door registers its own subcommand, which sets ``func``.
+    # Each front door registers its own subcommand, which sets ``func``; the server's module
+    # is imported only to serve (serve_args.py says why).
     add_caption_parser(sub)
     add_bench_parser(sub)
-    add_serve_parser(sub)
+    add_serve_parser(sub).set_defaults(func=_serve)
     add_plan_parser(sub)
     return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from mmserve.entrypoints.api_server import serve
+
+    return serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,9 @@ figures (the engine measures the same dry run), so the block counts agree exactl
 available RAM is the same; only the RAM, which changes from moment to moment, is an
 estimate. On a GPU the engine measures the CUDA allocator, which also sees kernel workspaces
 and rounds allocations up, so those two figures are estimates there.
+
+The engine's modules are imported when a plan is made, not when the ``mmserve`` command builds
+its parser (see ``serve_args.py``).
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ import json
 import struct
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mmserve.config import EngineConfig, require_model_dir
-from mmserve.engine.memory_plan import InfeasiblePlanError, MemoryPlan, feasible_pairs
-from mmserve.engine.startup import plan_for
+
+if TYPE_CHECKING:
+    from mmserve.engine.memory_plan import MemoryPlan
 
 
 def checkpoint_bytes(model_dir: str) -> tuple[int, int]:
@@ -54,6 +58,7 @@ def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None
     """
     from transformers import AutoConfig
 
+    from mmserve.engine.startup import plan_for
     from mmserve.processing.registry import family_for
     from mmserve.worker import memory_profiler
 
@@ -79,6 +84,7 @@ def make_plan(config: EngineConfig, device: str, memory_bytes: int | None = None
 
 
 def _run(args: argparse.Namespace) -> int:
+    from mmserve.engine.memory_plan import InfeasiblePlanError, feasible_pairs
     from mmserve.entrypoints.engine_args import engine_kwargs
 
     model = args.model_path or args.model

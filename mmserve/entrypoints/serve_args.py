@@ -1,0 +1,76 @@
+"""``mmserve serve``'s command line and front-door settings (``ServerConfig``), apart from
+the server itself (``api_server.py``, which the command imports only to serve): building the
+``mmserve`` command's parser loads no engine, and neither does a process that imports the
+command again, as each tensor-parallel worker does when started by spawning it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from mmserve.entrypoints.engine_args import add_engine_args
+from mmserve.entrypoints.media import MediaPolicy
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Front-door settings; the engine has its own ``EngineConfig``."""
+
+    served_model_name: str
+    api_key: str | None = None
+    max_queue: int | None = 1024  # requests waiting beyond the max_num_seqs running ones
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    header_timeout_s: float = 10.0  # from a request's first byte to its last header
+    body_timeout_s: float = 60.0  # to read a whole request body
+    shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long, then abort what is left
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty.")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(
+                f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}.")
+        if self.api_key == "":
+            raise ValueError("the API key must not be empty; leave it out to disable auth.")
+        for name in ("header_timeout_s", "body_timeout_s", "shutdown_timeout_s"):
+            if not getattr(self, name) > 0:
+                flag = "--" + name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"{flag} must be positive, got {getattr(self, name)}.")
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``serve`` subcommand's arguments; the caller sets what runs it."""
+    p = sub.add_parser("serve", help="OpenAI-compatible image+text chat server")
+    p.add_argument("model_path", nargs="?", metavar="MODEL",
+                   help="local checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", help="model id clients send (default: MODEL)")
+    p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $MMSERVE_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
+                   help="requests waiting beyond max-num-seqs; past it, 503 with Retry-After")
+    p.add_argument("--max-request-body-bytes", type=int,
+                   default=ServerConfig.max_request_body_bytes)
+    p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
+                   help="hosts whose http(s) image URLs may be fetched")
+    p.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="serve file:// image URLs under DIR")
+    p.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_bytes)
+    p.add_argument("--media-fetch-timeout", type=float, default=MediaPolicy.fetch_timeout_s,
+                   help="seconds to fetch one image URL, from connecting to the last byte")
+    p.add_argument("--header-timeout", type=float, default=ServerConfig.header_timeout_s,
+                   help="seconds a client has to send a request's headers")
+    p.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout_s,
+                   help="seconds a client has to send a request's body")
+    p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
+                   help="on SIGTERM, seconds to let requests in flight finish before "
+                   "aborting them")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    return p
