@@ -189,19 +189,23 @@ def test_messages_are_leaves(module: str, allowed: set[str]) -> None:
     assert GRAPH[module] <= allowed, GRAPH[module]
 
 
+def _modules_loaded_by(code: str) -> list[str]:
+    """The modules a fresh interpreter has loaded after running ``code``."""
+    import subprocess
+    import sys
+
+    script = f"import sys\n{code}\nprint(' '.join(sorted(sys.modules)))"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, check=True).stdout.split()
+
+
 def test_a_worker_process_loads_no_engine() -> None:
     """What the graph above leaves out, the parent packages' ``__init__``, seen by importing
     for real: a tensor-parallel worker process imports the worker and the models (and,
     through them, ``mmserve/__init__.py``), and must not load the engine, the processors,
     the front doors or the structured-output library with them (``mmserve`` re-exports its
     names on first use)."""
-    import subprocess
-    import sys
-
-    script = ("import sys, mmserve.worker.executor, mmserve.models\n"
-              "print(' '.join(sorted(sys.modules)))")
-    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120, check=True).stdout.split()
+    loaded = _modules_loaded_by("import mmserve.worker.executor, mmserve.models")
     above = [m for m in loaded
              if m.split(".")[0] == "xgrammar"
              or any(m == p or m.startswith(p + ".")
@@ -214,14 +218,8 @@ def test_the_command_builds_its_parser_without_the_engine() -> None:
     """The ``mmserve`` command's module is imported again by every process it spawns (a
     tensor-parallel worker of ``mmserve serve``): building its parser loads neither the engine
     nor the server, the processors' libraries or the structured-output library."""
-    import subprocess
-    import sys
-
-    script = ("import sys\nfrom mmserve.entrypoints.cli import build_parser\n"
-              "build_parser()\nprint(' '.join(sorted(sys.modules)))")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, check=True)
-    loaded = done.stdout.split()
+    loaded = _modules_loaded_by(
+        "from mmserve.entrypoints.cli import build_parser\nbuild_parser()")
     heavy = [m for m in loaded
              if m.split(".")[0] in ("xgrammar", "transformers", "starlette", "uvicorn")
              or m == ENGINE or m.startswith(ENGINE + ".")
