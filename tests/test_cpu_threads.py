@@ -2,6 +2,8 @@
 them again once the cores are free (``mmserve/worker/cpu_threads.py``)."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -185,6 +187,28 @@ def test_read_sample_counts_this_process():
     second = read_sample(cores)
     assert second.wall_s > first.wall_s and second.own_s > first.own_s
     assert second.busy_s > first.busy_s  # the cores were busy at least with us
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux's /proc/stat")
+def test_a_process_counted_as_own_adds_its_cpu_time(monkeypatch):
+    """An engine in a process of its own counts its server's front end (event loop, image
+    decoding, preprocessing) as its own work, as when they shared one process."""
+    monkeypatch.setattr(cpu_threads, "_own_pids", set())
+    busy = ("import sys, time\nt = time.process_time()\n"
+            "while time.process_time() - t < 0.3: pass\nprint(flush=True)\nsys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", busy], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # it has used 0.3 s of CPU and now waits
+        cores = frozenset(os.sched_getaffinity(0))
+        alone = read_sample(cores)
+        cpu_threads.count_as_own(child.pid)
+        counted = read_sample(cores)
+        assert counted.own_s - alone.own_s >= 0.3
+    finally:
+        child.communicate(b"")
+    gone = read_sample(cores)  # a process that ended counts no more, and raises nothing
+    assert gone.own_s < counted.own_s
 
 
 def test_engine_takes_a_fixed_thread_count(clip_llama):

@@ -253,8 +253,9 @@ HARNESS = textwrap.dedent("""
     for runner in (model_runner.ModelRunner, cuda_runner.CUDAModelRunner):  # each its own
         runner._forward = broken(runner._forward)
     model_runner.sample_on_device = sample_on_device
-    from mmserve.entrypoints.cli import main
-    sys.exit(main(sys.argv[2:]))
+    if __name__ == "__main__":  # the engine's process runs what is above, not this
+        from mmserve.entrypoints.cli import main
+        sys.exit(main(sys.argv[2:]))
 """).replace("POISON_SEED", "424242")
 
 
@@ -265,12 +266,14 @@ def test_failures_inside_steps(clip_llama: str, tmp_path: Path) -> None:
     stays 200. When every step fails for every request, requests that ran fine before among
     them, the engine is broken: in-flight requests get an error and the process exits with
     status 1 so that a supervisor restarts it (it used to stay up with /health 503 for ever).
+    The engine runs in a process of its own (where the faults are injected: the harness runs
+    there again), so each failure crosses to the front end.
     """
     flag = tmp_path / "broken"
     script = tmp_path / "harness.py"
     script.write_text(HARNESS)
-    srv = Server(clip_llama, "--max-model-len", "128", log=tmp_path / "server.log",
-                 launcher=(str(script), str(flag)))
+    srv = Server(clip_llama, "--max-model-len", "128", "--engine-process",
+                 log=tmp_path / "server.log", launcher=(str(script), str(flag)))
     try:
         good = {"max_tokens": 30, "temperature": 0, "ignore_eos": True,
                 "messages": image_message("what is this?", data_url(IMAGE))}

@@ -70,18 +70,24 @@ def _descendants(pid: int) -> dict[int, int]:
     return found
 
 
-def _workers(server_pid: int) -> list[int]:
-    """The server's tensor-parallel workers: its children that multiprocessing spawned (the
-    OS names them python; the resource tracker, also a child, is not one)."""
-    workers = []
-    for pid in _children(server_pid):
+def _spawned(pids) -> list[int]:
+    """Those of ``pids`` that multiprocessing spawned (the OS names them python; the
+    resource tracker, also spawned, is not one)."""
+    found = []
+    for pid in pids:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
         if b"--multiprocessing-fork" in cmdline:
-            workers.append(pid)
-    return workers
+            found.append(pid)
+    return sorted(found)
+
+
+def _workers(server_pid: int) -> list[int]:
+    """The server's tensor-parallel workers: the spawned processes below it that spawned none
+    (with ``--engine-process`` the engine's own process stands between, and spawned them)."""
+    return [pid for pid in _spawned(_descendants(server_pid)) if not _spawned(_children(pid))]
 
 
 def _alive(pid: int, start: int) -> bool:
@@ -107,8 +113,8 @@ def tp_server(clip_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     srv.stop()
 
 
-def _server(clip_llama: str, tmp_path: Path) -> Server:
-    return Server(clip_llama, "--served-model-name", "tiny-llava", *TP,
+def _server(clip_llama: str, tmp_path: Path, *args: str) -> Server:
+    return Server(clip_llama, "--served-model-name", "tiny-llava", *TP, *args,
                   log=tmp_path / "server.log")
 
 
@@ -188,8 +194,9 @@ class _HealthPoller:
 def test_killed_worker_fails_health_and_the_server_exits(clip_llama: str,
                                                          tmp_path: Path) -> None:
     """A worker killed mid-request: the stream ends with an error naming it, /health turns 503
-    (never 200 again), the server exits with status 1, and nothing it started is left."""
-    server = _server(clip_llama, tmp_path)
+    (never 200 again), the server exits with status 1, and nothing it started is left. The
+    engine runs in a process of its own, so the news crosses two processes to the client."""
+    server = _server(clip_llama, tmp_path, "--engine-process")
     try:
         workers = _workers(server.proc.pid)
         assert len(workers) == 2

@@ -33,8 +33,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.request import Request
+from mmserve.engine.request_maker import RequestMaker
 from mmserve.errors import EngineDeadError
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -42,7 +44,7 @@ from mmserve.worker.compute_thread import ComputeThread, single_threaded
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineClient", "EngineDeadError", "QueueFullError", "RequestStream"]
 
 
 class QueueFullError(RuntimeError):
@@ -85,86 +87,128 @@ class RequestStream:
 
 
 @dataclass
-class _Add:
+class QueueRequest:
     request: Request
     done: Callable[[BaseException | None], None]
 
 
 @dataclass
-class _Abort:
+class AbortRequest:
     request_id: str
 
 
-_STOP = object()
+STOP = object()  # the command that ends ``run_steps``
 # Seconds between two looks at the engine's health while it has nothing to step (a
 # tensor-parallel worker that dies while the server is idle turns /health 503 within this).
 IDLE_CHECK_S = 1.0
 
 
-class AsyncEngine:
-    """Runs ``engine`` on ``compute`` (the thread it was built on; default: a thread of its
-    own) once ``start()`` is called from the event loop.
+def run_steps(engine: LLMEngine, commands: queue.SimpleQueue[object],
+              publish: Callable[[list[RequestOutput], float, dict[str, Any]], None]) -> None:
+    """Step ``engine`` while it has requests, carrying out ``commands`` (``QueueRequest``,
+    ``AbortRequest``) between steps, until the ``STOP`` command (after those sent before it);
+    ``publish(outputs, time.monotonic(), engine.stats())`` after each step, and with no outputs
+    after commands that left nothing to step. What the engine raises (it is broken) ends the
+    loop and is raised."""
+    while True:
+        # Block only when there is nothing to step.
+        batch = []
+        while not engine.has_unfinished_requests():
+            try:  # idle: look at the engine's workers now and then
+                batch.append(commands.get(timeout=IDLE_CHECK_S))
+                break
+            except queue.Empty:
+                engine.check_health()
+        while True:
+            try:
+                batch.append(commands.get_nowait())
+            except queue.Empty:
+                break
+        if not all(_apply(engine, command) for command in batch):
+            return  # STOP, after the commands sent before it
+        if engine.has_unfinished_requests():
+            outputs = engine.step()
+            publish(outputs, time.monotonic(), engine.stats())
+        else:
+            publish([], time.monotonic(), engine.stats())
 
-    ``max_waiting`` bounds the requests admitted beyond the ``max_num_seqs`` that run at once;
-    ``add_request`` refuses more with ``QueueFullError``. ``preprocess_workers`` threads turn
-    prompts into requests (default: the CPU count, between 2 and 4). ``on_dead`` is called on
-    the event loop if the engine loop stops by itself.
-    """
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 observer: RequestObserver | None = None,
+def _apply(engine: LLMEngine, command: object) -> bool:
+    """Carry out one command; False for the stop command."""
+    if command is STOP:
+        return False
+    if isinstance(command, AbortRequest):
+        engine.abort_request(command.request_id)
+    elif isinstance(command, QueueRequest):
+        try:
+            engine.add_processed_request(command.request)
+        except Exception as e:  # InvalidInputError, or a bug: the caller reports it
+            command.done(e)
+        else:
+            command.done(None)
+    return True
+
+
+class EngineClient:
+    """What the server talks to, on its event loop: per-request output streams, the waiting
+    bound, aborts and the engine's stats, for an engine stepped elsewhere (a thread of this
+    process: ``AsyncEngine``; a process of its own: ``core_process.EngineCoreClient``).
+
+    ``config`` is the engine's settings as it resolved them; ``max_waiting`` bounds the
+    requests admitted beyond the ``max_num_seqs`` that run at once (``add_request`` refuses
+    more with ``QueueFullError``); ``preprocess_workers`` threads turn prompts into requests
+    (default: the CPU count, between 2 and 4); ``on_dead`` is called on the event loop if the
+    engine stops by itself. A subclass makes requests (``_make``), queues them (``_queue``),
+    aborts (``_send_abort``) and says whether its engine runs (``_running``); it hands
+    outputs to ``_dispatch`` and ends the streams with ``_fail_all``, both on the event
+    loop (``_post``)."""
+
+    def __init__(self, config: EngineConfig, stats: dict[str, Any],
+                 max_waiting: int | None = None, observer: RequestObserver | None = None,
                  preprocess_workers: int | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None,
-                 compute: ComputeThread | None = None) -> None:
-        self.engine = engine
+                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+        self.config = config
         self.max_waiting = max_waiting
         self.observer = observer
-        self._streams: dict[str, RequestStream] = {}
-        self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._own_compute = compute is None  # then made by ``start``
-        self._compute = compute
-        self._loop_done: Future[None] | None = None  # the engine loop, once started
-        self._error: BaseException | None = None
         self.on_dead = on_dead
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._error: BaseException | None = None
         workers = preprocess_workers or max(2, min(4, os.cpu_count() or 2))
         self._preprocess = ThreadPoolExecutor(workers, thread_name_prefix="mmserve-preprocess",
                                               initializer=single_threaded)
-        self._stats: dict[str, Any] = engine.stats()
+        self._stats = stats
 
-    # ----------------------------------------------------------------- lifecycle
-    def start(self) -> None:
-        """Start the engine loop; call from the event loop that will read the outputs."""
-        if self._loop_done is not None:
-            raise RuntimeError("the engine loop is already started")
-        self._loop = asyncio.get_running_loop()
-        if self._compute is None:
-            self._compute = ComputeThread()
-        self._loop_done = self._compute.submit(self._run)
+    # ----------------------------------------------------------------- what a subclass does
+    def _make(self, prompt: dict[str, Any], params: SamplingParams, request_id: str) -> Request:
+        raise NotImplementedError
 
-    async def shutdown(self) -> None:
-        """Stop the engine loop after its current step; requests still in flight fail."""
-        if self._loop_done is None:
-            return
-        self.stop()
-        await asyncio.wrap_future(self._loop_done)
-        if self._own_compute and self._compute is not None:
-            self._compute.close()
-        self._preprocess.shutdown(wait=False, cancel_futures=True)
+    def _fork(self, request: Request, request_ids: list[str]) -> list[Request]:
+        return RequestMaker.fork(request, request_ids)
 
-    def stop(self) -> None:
-        """Ask the engine loop to stop after its current step, from any thread, without
-        waiting (``shutdown`` waits); harmless when it has stopped."""
-        self._commands.put(_STOP)
+    def _queue(self, requests: list[Request],
+               done: list[Callable[[BaseException | None], None]]) -> None:
+        raise NotImplementedError
+
+    def _send_abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _running(self) -> bool:
+        raise NotImplementedError
 
     @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (what a token stands for, in logprobs)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- state
+    @property
     def is_alive(self) -> bool:
-        return (self._loop_done is not None and not self._loop_done.done()
-                and self._error is None)
+        return self._error is None and self._running()
 
     @property
     def error(self) -> BaseException | None:
-        """Why the engine loop stopped by itself, if it did."""
+        """Why the engine stopped by itself, if it did."""
         return self._error
 
     @property
@@ -174,7 +218,7 @@ class AsyncEngine:
     def has_room(self) -> bool:
         """Whether one more request may queue: those beyond the ``max_num_seqs`` that run at
         once count as waiting."""
-        waiting = len(self._streams) - self.engine.config.max_num_seqs
+        waiting = len(self._streams) - self.config.max_num_seqs
         return self.max_waiting is None or waiting < self.max_waiting
 
     def stats(self) -> dict[str, Any]:
@@ -211,11 +255,9 @@ class AsyncEngine:
         added = [self._loop.create_future() for _ in request_ids]
         try:
             request = await self._loop.run_in_executor(
-                self._preprocess, self.engine.process_request, prompt, params, request_ids[0])
-            children = ([request] if params.n == 1
-                        else self.engine.fork_request(request, request_ids))
-            for child, future in zip(children, added, strict=True):
-                self._commands.put(_Add(child, self._resolver(future)))
+                self._preprocess, self._make, prompt, params, request_ids[0])
+            children = [request] if params.n == 1 else self._fork(request, request_ids)
+            self._queue(children, [self._resolver(future) for future in added])
             await asyncio.gather(*added)
         except asyncio.CancelledError:
             for rid in request_ids:
@@ -234,7 +276,7 @@ class AsyncEngine:
         requests that already finished."""
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
-            self._commands.put(_Abort(request_id))
+            self._send_abort(request_id)
             if self.observer is not None:
                 self.observer.on_finished("abort", stream.num_prompt_tokens,
                                           stream.num_generation_tokens)
@@ -250,65 +292,22 @@ class AsyncEngine:
 
         return lambda error: self._post(resolve, error)
 
-    # ----------------------------------------------------------------- the thread
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                # Block only when there is nothing to step.
-                commands = []
-                while not engine.has_unfinished_requests():
-                    try:  # idle: look at the engine's workers now and then
-                        commands.append(self._commands.get(timeout=IDLE_CHECK_S))
-                        break
-                    except queue.Empty:
-                        engine.check_health()
-                while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                if not all(self._apply(command) for command in commands):
-                    break  # _STOP, after the commands sent before it
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    now = time.monotonic()
-                    self._stats = engine.stats()
-                    if outputs:
-                        self._post(self._dispatch, outputs, now)
-                else:
-                    self._stats = engine.stats()
-        except BaseException as e:  # the engine is broken: fail every request, loudly
-            logger.critical("the engine loop stopped; failing all in-flight requests",
-                            exc_info=e)
-            self._error = e
-            self._post(self._fail_all, e)
-            if self.on_dead is not None:
-                self._post(self.on_dead, e)
-            return
-        self._post(self._fail_all, None)
-
+    # ----------------------------------------------------------------- event loop side
     def _post(self, callback: Callable[..., None], *args: object) -> None:
-        """Run ``callback(*args)`` on the event loop, unless the loop is already closed."""
+        """Run ``callback(*args)`` on the event loop, from any thread, unless the loop is
+        already closed."""
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(callback, *args)
 
-    def _apply(self, command: object) -> bool:
-        """Carry out one command; False for the stop command."""
-        if command is _STOP:
-            return False
-        if isinstance(command, _Abort):
-            self.engine.abort_request(command.request_id)
-        elif isinstance(command, _Add):
-            try:
-                self.engine.add_processed_request(command.request)
-            except Exception as e:  # InvalidInputError, or a bug: the caller reports it
-                command.done(e)
-            else:
-                command.done(None)
-        return True
+    def _died(self, error: BaseException) -> None:
+        """From any thread: the engine stopped by itself; fail every request, loudly."""
+        logger.critical("the engine loop stopped; failing all in-flight requests",
+                        exc_info=error)
+        self._error = error
+        self._post(self._fail_all, error)
+        if self.on_dead is not None:
+            self._post(self.on_dead, error)
 
-    # ----------------------------------------------------------------- event loop side
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -342,3 +341,78 @@ class AsyncEngine:
             stream._queue.put_nowait(EngineDeadError(reason))
         self._streams.clear()
 
+
+class AsyncEngine(EngineClient):
+    """Runs ``engine`` on ``compute`` (the thread it was built on; default: a thread of its
+    own) once ``start()`` is called from the event loop; ``EngineClient`` says the rest."""
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 observer: RequestObserver | None = None,
+                 preprocess_workers: int | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 compute: ComputeThread | None = None) -> None:
+        super().__init__(engine.config, engine.stats(), max_waiting,
+                         observer, preprocess_workers, on_dead)
+        self.engine = engine
+        self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._own_compute = compute is None  # then made by ``start``
+        self._compute = compute
+        self._loop_done: Future[None] | None = None  # the engine loop, once started
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the engine loop; call from the event loop that will read the outputs."""
+        if self._loop_done is not None:
+            raise RuntimeError("the engine loop is already started")
+        self._loop = asyncio.get_running_loop()
+        if self._compute is None:
+            self._compute = ComputeThread()
+        self._loop_done = self._compute.submit(self._run)
+
+    async def shutdown(self) -> None:
+        """Stop the engine loop after its current step; requests still in flight fail."""
+        if self._loop_done is None:
+            return
+        self.stop()
+        await asyncio.wrap_future(self._loop_done)
+        if self._own_compute and self._compute is not None:
+            self._compute.close()
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
+
+    def stop(self) -> None:
+        """Ask the engine loop to stop after its current step, from any thread, without
+        waiting (``shutdown`` waits); harmless when it has stopped."""
+        self._commands.put(STOP)
+
+    def _running(self) -> bool:
+        return self._loop_done is not None and not self._loop_done.done()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.processor.tokenizer
+
+    # ----------------------------------------------------------------- requests
+    def _make(self, prompt: dict[str, Any], params: SamplingParams, request_id: str) -> Request:
+        return self.engine.process_request(prompt, params, request_id)
+
+    def _queue(self, requests: list[Request],
+               done: list[Callable[[BaseException | None], None]]) -> None:
+        for request, resolve in zip(requests, done, strict=True):
+            self._commands.put(QueueRequest(request, resolve))
+
+    def _send_abort(self, request_id: str) -> None:
+        self._commands.put(AbortRequest(request_id))
+
+    # ----------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        try:
+            run_steps(self.engine, self._commands, self._publish)
+        except BaseException as e:  # the engine is broken
+            self._died(e)
+            return
+        self._post(self._fail_all, None)
+
+    def _publish(self, outputs: list[RequestOutput], now: float, stats: dict[str, Any]) -> None:
+        self._stats = stats
+        if outputs:
+            self._post(self._dispatch, outputs, now)

@@ -23,20 +23,19 @@ from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.memory_plan import InfeasiblePlanError, default_memory_utilization
 from mmserve.engine.profile_batch import ProfileBatch
 from mmserve.engine.request import Request, RequestStatus
+from mmserve.engine.request_maker import RequestMaker, processor_and_grammars
 from mmserve.engine.scheduler import Scheduler, SchedulerConfig
 from mmserve.engine.startup import plan_for
-from mmserve.engine.structured_output import GrammarCompiler, Matchers
+from mmserve.engine.structured_output import Matchers
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.inputs import EncoderInput
 from mmserve.outputs import RequestOutput
-from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import PENDING_TOKEN, ModelOutput, SchedulerOutput, StepTimes, TokenLogprobs
 from mmserve.worker import memory_profiler
 from mmserve.worker.busy_timer import BusyTimer
 from mmserve.worker.collector import freeze_long_lived, thaw
 from mmserve.worker.compute_thread import ComputeThread
-from mmserve.worker.cpu_allocator import release_free_memory
 from mmserve.worker.cuda_runner import runner_class
 from mmserve.worker.dry_run import check_tensor_parallel, profile_blocks
 from mmserve.worker.executor import MultiprocExecutor, StepThread, WorkerSpec
@@ -88,13 +87,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         dtype = config.torch_dtype
-        self.processor = InputProcessor(config.model, hf_config, config.max_image_pixels,
-                                        config.mm_processor_kwargs, config.max_image_size,
-                                        config.resolved_device)
-        eos = self.processor.eos_token_id
-        self.grammars = GrammarCompiler(self.processor.tokenizer,
-                                        hf_config.get_text_config().vocab_size,
-                                        [] if eos is None else [eos])
+        self.processor, self.grammars = processor_and_grammars(config, hf_config)
         self._matchers = Matchers()  # the constrained requests' grammar state
         device = config.resolved_device
         runner_cls = runner_class(device)
@@ -172,10 +165,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_failed_requests = 0
-        self.preprocess_peak_bytes = 0  # the largest preprocessing peak seen (an estimate)
-        self.num_memory_releases = 0
         # Preprocessing above this (and the step's peak activations) gives memory back.
-        self._release_threshold = max(64 << 20, self.plan.activation_bytes)
+        self.request_maker = RequestMaker(
+            self.processor, self.grammars, self.plan.max_model_len, config.limit_mm_per_prompt,
+            self.encoder_budget.cache_tokens, max(64 << 20, self.plan.activation_bytes))
         self._failed_steps_in_a_row = 0
         self._dead: str | None = None
         # Steps handed to the runner and not finished yet, oldest first: one, or two while
@@ -251,72 +244,22 @@ class LLMEngine:
         """Validate and tokenize a prompt into a ``Request`` without queueing it.
 
         Reads no scheduler state, so a server may run it beside the thread that steps the
-        engine, from several threads at once. Preprocessing that touched much more memory than
-        a step gives its freed heap back to the operating system afterwards.
+        engine, from several threads at once (``RequestMaker``).
         """
         if self._closed:
             raise EngineDeadError("the engine is closed")
-        params = sampling_params or SamplingParams()
-        processed = self.processor.process(prompt, self.config.limit_mm_per_prompt)
-        self._note_preprocessing(processed.preprocess_peak_bytes)
-        for img in processed.images:
-            if img.length > self.encoder_budget.cache_tokens:
-                raise InvalidInputError(
-                    f"an image needs {img.length} embedding tokens but the encoder cache holds "
-                    f"{self.encoder_budget.cache_tokens}; raise encoder_cache_size.",
-                    param="images")
-        num_tokens = len(processed.token_ids)
-        if num_tokens > self.config.max_model_len:
-            raise InvalidInputError(
-                f"the prompt is {num_tokens} tokens (images included) but max_model_len is "
-                f"{self.config.max_model_len}; shorten the prompt or raise max_model_len.",
-                param="messages")
-        for t in params.stop_token_ids:
-            if not 0 <= t < self.processor.tokenizer.vocab_size + 1024:
-                raise InvalidInputError(f"stop_token_ids has an invalid id {t}",
-                                        param="stop_token_ids")
-        grammar = None
-        if params.structured_outputs is not None:  # compiled here, off the stepping thread
-            grammar = self.grammars.compile(params.structured_outputs)
-        request_id = request_id if request_id is not None else self.next_request_id()
-        req = Request(request_id, processed.token_ids, params, processed.images,
-                      eos_token_id=self.processor.eos_token_id, arrival_time=time.time(),
-                      prompt_positions=processed.positions,
-                      decode_offset=processed.decode_offset)
-        req.grammar = grammar
-        return req
+        return self.request_maker.make(prompt, sampling_params or SamplingParams(),
+                                       request_id if request_id is not None
+                                       else self.next_request_id())
 
     def fork_request(self, req: Request, request_ids: list[str]) -> list[Request]:
-        """The ``n`` completions of a request made by ``process_request`` (``n`` is
-        ``req.sampling_params.n``, one id each): requests of one completion each, sharing its
-        prompt, its images (pixels and hashes: each image is encoded once, and once the first
-        completion's prompt blocks are computed the others find them in the prefix cache) and
-        its compiled grammar, each with its own seed (``SamplingParams.child``)."""
-        params = req.sampling_params
-        if len(request_ids) != params.n:
-            raise ValueError(f"{len(request_ids)} request ids for n={params.n} completions")
-        children = []
-        for i, request_id in enumerate(request_ids):
-            child = Request(request_id, req.prompt_token_ids, params.child(i), req.images,
-                            eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
-                            prompt_positions=req.prompt_positions,
-                            decode_offset=req.decode_offset)
-            child.grammar = req.grammar
-            children.append(child)
-        return children
+        """The ``n`` completions of a request made by ``process_request``
+        (``RequestMaker.fork``)."""
+        return RequestMaker.fork(req, request_ids)
 
     def next_request_id(self) -> str:
         """A request id no other request of this engine has been given."""
         return str(next(self._ids))
-
-    def _note_preprocessing(self, peak_bytes: int) -> None:
-        """Record preprocessing's memory peak; return the heap's free memory to the operating
-        system after one above ``_release_threshold``. The CPU runner asks glibc to keep freed
-        memory for the steps (``keep_freed_memory``), which would otherwise keep what a large
-        image's preprocessing freed for the life of the process."""
-        self.preprocess_peak_bytes = max(self.preprocess_peak_bytes, peak_bytes)
-        if peak_bytes > self._release_threshold and release_free_memory():
-            self.num_memory_releases += 1
 
     def add_processed_request(self, req: Request) -> str:
         """Queue a request made by ``process_request`` (of one completion: ``fork_request``
@@ -825,8 +768,8 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "cpu_threads": self.runner.num_threads,
             "num_failed_requests": self.num_failed_requests,
-            "preprocess_peak_bytes": self.preprocess_peak_bytes,
-            "num_memory_releases": self.num_memory_releases,
+            "preprocess_peak_bytes": self.request_maker.preprocess_peak_bytes,
+            "num_memory_releases": self.request_maker.num_memory_releases,
         }
 
 

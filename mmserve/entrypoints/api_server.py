@@ -41,7 +41,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from mmserve.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
+from mmserve.engine.async_engine import AsyncEngine, EngineClient, QueueFullError, RequestStream
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints import chat_page
 from mmserve.entrypoints import openai_protocol as proto
@@ -130,10 +130,11 @@ def _error_response(err: ApiError) -> JSONResponse:
 class OpenAIServer:
     """Request handlers over one ``AsyncEngine``."""
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig,
+    def __init__(self, engine: LLMEngine | EngineClient, config: ServerConfig,
                  compute: ComputeThread | None = None) -> None:
-        """``compute``: the thread ``engine`` was built on, to step it on (``ComputeThread``);
-        by default a thread of its own."""
+        """``engine``: an engine to step on a thread of this process (``compute``, the thread
+        it was built on, ``ComputeThread``; by default a thread of its own), or the client of
+        one stepped elsewhere (``core_process.EngineCoreClient``)."""
         self.config = config
         self.model = config.served_model_name
         self.max_model_len = engine.config.max_model_len
@@ -141,14 +142,20 @@ class OpenAIServer:
         self.media = MediaLoader(config.media, engine.config.max_image_pixels)
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model, self._stats)
-        self.engine = AsyncEngine(engine, config.max_queue, observer=self.metrics,
-                                  on_dead=self._engine_died, compute=compute)
+        if isinstance(engine, EngineClient):
+            engine.max_waiting = config.max_queue
+            engine.observer = self.metrics
+            engine.on_dead = self._engine_died
+            self.engine = engine
+        else:
+            self.engine = AsyncEngine(engine, config.max_queue, observer=self.metrics,
+                                      on_dead=self._engine_died, compute=compute)
         # Set by ``serve``: the uvicorn server to stop if the engine dies.
         self.http_server: Any = None
 
         @functools.lru_cache(maxsize=1 << 16)
         def token_text(token_id: int) -> str:  # what a token stands for, for logprobs
-            return engine.processor.tokenizer.decode([token_id])
+            return self.engine.tokenizer.decode([token_id])
 
         self._token_text = token_text
 
@@ -572,11 +579,11 @@ def serve(args: argparse.Namespace) -> int:
 
     from mmserve.config import EngineConfig
     from mmserve.demo.checkpoint import demo_model_path
+    from mmserve.engine.core_process import EngineCoreClient
     from mmserve.entrypoints.engine_args import engine_kwargs
     from mmserve.entrypoints.http_protocol import with_header_timeout
 
     model = args.model_path or args.model
-    compute = ComputeThread("mmserve-engine")
     try:
         if model is None:
             model = str(demo_model_path())
@@ -590,12 +597,27 @@ def serve(args: argparse.Namespace) -> int:
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             shutdown_timeout_s=args.shutdown_timeout,
+            engine_process=args.engine_process,
         )
-        # Built on the thread that will step it: torch's parallel regions run slower once a
-        # second thread has started some (worker/compute_thread.py).
-        engine = compute.call(LLMEngine, EngineConfig(model=model, **engine_kwargs(args)))
     except (FileNotFoundError, ValueError) as e:
-        compute.close()
+        print(f"mmserve serve: {e}", file=sys.stderr)
+        return 2
+    compute = None
+    try:
+        engine_config = EngineConfig(model=model, **engine_kwargs(args))
+        own_process = config.engine_process
+        if own_process is None:  # on the CPU, measured no faster and slower to start
+            own_process = engine_config.resolved_device == "cuda"
+        if own_process:
+            engine: LLMEngine | EngineClient = EngineCoreClient(engine_config)
+        else:
+            # Built on the thread that will step it: torch's parallel regions run slower once
+            # a second thread has started some (worker/compute_thread.py).
+            compute = ComputeThread("mmserve-engine")
+            engine = compute.call(LLMEngine, engine_config)
+    except (FileNotFoundError, ValueError) as e:
+        if compute is not None:
+            compute.close()
         print(f"mmserve serve: {e}", file=sys.stderr)
         return 2
     server = OpenAIServer(engine, config, compute)
@@ -611,8 +633,11 @@ def serve(args: argparse.Namespace) -> int:
         http.run()
     finally:
         server.engine.stop()  # normally stopped by the lifespan's shutdown already
-        compute.call(engine.close)
-        compute.close()
+        if compute is None:
+            engine.close()
+        else:
+            compute.call(engine.close)
+            compute.close()
     if server.engine.error is not None:
         print(f"mmserve serve: the engine stopped: {server.engine.error}", file=sys.stderr)
         return 1

@@ -25,6 +25,9 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # from a request's first byte to its last header
     body_timeout_s: float = 60.0  # to read a whole request body
     shutdown_timeout_s: float = 30.0  # SIGTERM: drain this long, then abort what is left
+    # The engine in a process of its own (core_process.py), else on a thread of the server's;
+    # None: in a process of its own where it runs on a GPU.
+    engine_process: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -70,6 +73,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
                    help="on SIGTERM, seconds to let requests in flight finish before "
                    "aborting them")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                   default=ServerConfig.engine_process,
+                   help="run the engine in a process of its own, apart from HTTP, JSON, image "
+                   "decoding and the processor (--no-engine-process: on a thread of the "
+                   "server's process; default: its own process on a GPU, a thread on the CPU)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)

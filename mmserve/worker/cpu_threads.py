@@ -12,7 +12,8 @@ it beside a compute thread (which leaves them less than they ask for), and takes
 once they use less than 55% of it on their own.
 
 This process's own service threads (the server's event loop, image loaders, preprocessing
-pool) count as its own time, not as other work: counted as other work, their bursts while a
+pool), or the server's front end where the engine runs in a process of its own, count as its
+own time, not as other work: counted as other work, their bursts while a
 server took large images turned the runner down to one thread, and it served 18-29% fewer
 tokens than with both threads.
 
@@ -101,7 +102,31 @@ def read_sample(cores: frozenset[int]) -> CpuSample | None:
             fields = [int(v) for v in rest.split()]
             user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
             ticks += user + nice + system + irq + softirq + steal
-    return CpuSample(ticks / os.sysconf("SC_CLK_TCK"), time.process_time(), time.monotonic())
+    tick = os.sysconf("SC_CLK_TCK")
+    own = time.process_time() + sum(_cpu_ticks(pid) for pid in _own_pids) / tick
+    return CpuSample(ticks / tick, own, time.monotonic())
+
+
+# Processes whose CPU time counts as this one's (``count_as_own``).
+_own_pids: set[int] = set()
+
+
+def count_as_own(pid: int) -> None:
+    """Count process ``pid``'s CPU time as this process's own: an engine in a process of its
+    own (``engine/core_process.py``) counts its server's front end, whose event loop, image
+    decoding and preprocessing are the same service's work, as when they shared one process."""
+    _own_pids.add(pid)
+
+
+def _cpu_ticks(pid: int) -> int:
+    """User and system ticks of process ``pid`` so far; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return 0
+    fields = text[text.rindex(")") + 2:].split()  # the name may hold spaces and brackets
+    return int(fields[11]) + int(fields[12])
 
 
 # The thread count before any ``AdaptiveThreads`` lowered it, and the count it last set: a

@@ -371,7 +371,7 @@ def _worker_main(spec: WorkerSpec, rank: int, port: int, conn: Connection) -> No
     """One rank: build the runner over this rank's shards, then answer calls until ``close``
     (or until the engine's process is gone)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
-    _exit_with_parent()
+    exit_with_parent()
     try:
         runner = _start(spec, rank, port)
         freeze_long_lived()  # the rank's full collections would stall every rank's step
@@ -488,7 +488,7 @@ def _send_error(conn: Connection, error: BaseException, seq: int = 0) -> None:
         pass
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """Exit once the engine's process is gone (killed, crashed), whatever this one is doing
     (multiprocessing's sentinel of the parent becomes ready when it ends, even if that was
     before this process got here)."""

@@ -1,0 +1,359 @@
+"""The engine in a process of its own, apart from the server's front end.
+
+The front end (HTTP, JSON, media fetching and decoding, the processor, grammar compilation)
+and the engine core (scheduling, the step, sampling, detokenization) share no interpreter lock
+and no core's time unannounced: a request's images are turned into pixels in the front end,
+which sends the finished ``Request`` to the core, pixels once; the core steps as the server's
+engine thread does (``async_engine.run_steps``) and sends each step's outputs back. This is
+how vLLM and SGLang run their servers.
+
+Messages are pickled tuples on one pipe each way, read and written by threads of their own on
+both sides, so that neither side's stepping or event loop waits on the other's pipe:
+
+- front end to core: ``("add", [(token, request), ...])``, ``("abort", request_id)``,
+  ``("stop",)``;
+- core to front end: ``("ready", CoreReady)`` or ``("failed", is_bad_setting, message)`` once
+  started, then ``("added", token, error)`` for each request queued, ``("step", outputs,
+  time, stats)``, and ``("dead", message)`` if the engine breaks.
+
+A constraint's grammar is compiled in the front end (a bad one is refused there) and again by
+the core's reader thread, from its own compiler's cache, before the request reaches the
+stepping thread. The core exits once its front end is gone (``exit_with_parent``); a core that
+dies fails every request in flight and the server exits, as when its engine thread breaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from mmserve.config import EngineConfig, require_model_dir
+from mmserve.engine.async_engine import (
+    STOP,
+    AbortRequest,
+    EngineClient,
+    QueueRequest,
+    RequestObserver,
+    run_steps,
+)
+from mmserve.engine.request import Request
+from mmserve.engine.request_maker import RequestMaker, processor_and_grammars
+from mmserve.errors import EngineDeadError, InvalidInputError
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Seconds the core may take to start (imports, weights, the profile run, CUDA graphs).
+START_TIMEOUT_S = 900.0
+# Seconds the core gets to finish its step and close the engine once asked to stop.
+STOP_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class CoreReady:
+    """What the core tells its front end once its engine is built: the settings as the engine
+    resolved them and what the front end needs to make requests for it."""
+
+    config: EngineConfig
+    encoder_cache_tokens: int
+    release_threshold: int
+    stats: dict[str, Any]
+
+
+class EngineCoreClient(EngineClient):
+    """An ``LLMEngine`` under ``config`` started in a process of its own (built here, ready
+    when the constructor returns; ``ValueError`` for settings it refuses), served to the
+    event loop that calls ``start()``; ``EngineClient`` says the rest."""
+
+    def __init__(self, config: EngineConfig, max_waiting: int | None = None,
+                 observer: RequestObserver | None = None,
+                 preprocess_workers: int | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 start_timeout: float = START_TIMEOUT_S) -> None:
+        from transformers import AutoConfig
+
+        require_model_dir(config.model)
+        config = config.replace(device=config.resolved_device)  # one answer on both sides
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, theirs = ctx.Pipe()
+        # Not a daemon: the core starts tensor-parallel workers of its own.
+        self._proc = ctx.Process(target=_core_main, args=(config, theirs),
+                                 name="mmserve-engine-core", daemon=False)
+        self._proc.start()
+        theirs.close()
+        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        try:
+            # The front end's processor is built while the core loads the model.
+            hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+            processor, grammars = processor_and_grammars(config, hf_config)
+            ready = self._wait_ready(start_timeout)
+        except BaseException:
+            self._end_process(0.0)
+            raise
+        self.request_maker = RequestMaker(
+            processor, grammars, ready.config.max_model_len, ready.config.limit_mm_per_prompt,
+            ready.encoder_cache_tokens, ready.release_threshold)
+        self._added: dict[int, Callable[[BaseException | None], None]] = {}
+        self._tokens = itertools.count()
+        super().__init__(ready.config, ready.stats, max_waiting, observer, preprocess_workers,
+                         on_dead)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.request_maker.processor.tokenizer
+
+    def _wait_ready(self, timeout: float) -> CoreReady:
+        ready = wait([self._conn, self._proc.sentinel], timeout)
+        if not ready:
+            raise RuntimeError(f"the engine core did not start in {timeout:.0f} s")
+        if self._conn not in ready:
+            raise RuntimeError(f"the engine core {self._exit_status()} while starting")
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"the engine core {self._exit_status()} while starting") from None
+        if message[0] == "failed":
+            _, bad_setting, text = message
+            raise (ValueError if bad_setting else RuntimeError)(text)
+        return message[1]
+
+    def _exit_status(self) -> str:
+        self._proc.join(1.0)
+        code = self._proc.exitcode
+        if code is None:
+            return f"(pid {self._proc.pid}) stopped answering"
+        if code < 0:
+            return f"(pid {self._proc.pid}) was killed by {signal.Signals(-code).name}"
+        return f"(pid {self._proc.pid}) exited with status {code}"
+
+    # ----------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start serving; call from the event loop that will read the outputs."""
+        if self._threads:
+            raise RuntimeError("the engine core client is already started")
+        self._loop = asyncio.get_running_loop()
+        self._threads = [
+            threading.Thread(target=self._read, name="mmserve-core-reader", daemon=True),
+            threading.Thread(target=_write, args=(self._conn, self._outbox),
+                             name="mmserve-core-writer", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Ask the core to stop after its current step, without waiting; harmless when it
+        has stopped."""
+        if not self._stopping:
+            self._stopping = True
+            self._outbox.put(("stop",))
+
+    async def shutdown(self) -> None:
+        """Stop the core after its current step and wait for it to exit; requests still in
+        flight fail."""
+        self.stop()
+        await asyncio.to_thread(self.close)
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict[str, Any]:
+        """The core's counters as of its last step; preprocessing's, the front end's."""
+        return {**self._stats,
+                "preprocess_peak_bytes": self.request_maker.preprocess_peak_bytes,
+                "num_memory_releases": self.request_maker.num_memory_releases}
+
+    def close(self) -> None:
+        """Stop the core and wait for it to exit (at most ``STOP_GRACE_S``, then it is
+        killed); from any thread."""
+        if not self._threads and not self._stopping:  # never started: no writer to ask
+            self._stopping = True
+            with contextlib.suppress(OSError):
+                self._conn.send_bytes(pickle.dumps(("stop",)))
+        self.stop()
+        self._end_process(STOP_GRACE_S)
+        self._outbox.put(None)
+        for thread in self._threads:
+            thread.join(5.0)
+
+    def _end_process(self, grace: float) -> None:
+        self._proc.join(grace)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(5.0)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5.0)
+        self._conn.close()
+
+    def _running(self) -> bool:
+        return bool(self._threads) and self._threads[0].is_alive() and self._proc.is_alive()
+
+    # ----------------------------------------------------------------- requests
+    def _make(self, prompt: dict[str, Any], params: SamplingParams, request_id: str) -> Request:
+        return self.request_maker.make(prompt, params, request_id)
+
+    def _queue(self, requests: list[Request],
+               done: list[Callable[[BaseException | None], None]]) -> None:
+        batch = []
+        for request, resolve in zip(requests, done, strict=True):
+            token = next(self._tokens)
+            self._added[token] = resolve
+            request.grammar = None  # compiled again in the core, from its own cache
+            batch.append((token, request))
+        self._outbox.put(("add", batch))
+
+    def _send_abort(self, request_id: str) -> None:
+        self._outbox.put(("abort", request_id))
+
+    # ----------------------------------------------------------------- the reader
+    def _read(self) -> None:
+        while True:
+            try:
+                message = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "step":
+                _, outputs, now, self._stats = message
+                if outputs:
+                    self._post(self._dispatch, outputs, now)
+            elif kind == "added":
+                _, token, error = message
+                resolve = self._added.pop(token, None)
+                if resolve is not None:
+                    resolve(None if error is None else _rebuild(error))
+            elif kind == "dead":
+                self._died(EngineDeadError(message[1]))
+                return
+        if self._stopping:
+            self._post(self._fail_all, None)
+        else:
+            self._died(EngineDeadError(f"the engine core process {self._exit_status()}"))
+
+
+def _write(conn: Connection, outbox: queue.SimpleQueue[object]) -> None:
+    """Pickle and send what ``outbox`` holds, in order, until None (or the pipe is gone)."""
+    while (message := outbox.get()) is not None:
+        try:
+            conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            return
+
+
+def _error_of(error: BaseException) -> tuple[str, str, str | None]:
+    kind = ("invalid" if isinstance(error, InvalidInputError)
+            else "dead" if isinstance(error, EngineDeadError) else "other")
+    return kind, str(error), getattr(error, "param", None)
+
+
+def _rebuild(error: tuple[str, str, str | None]) -> BaseException:
+    kind, text, param = error
+    if kind == "invalid":
+        return InvalidInputError(text, param=param)
+    return EngineDeadError(text) if kind == "dead" else RuntimeError(text)
+
+
+# --------------------------------------------------------------------- the core process
+def _core_main(config: EngineConfig, conn: Connection) -> None:
+    """Build the engine, then step it for the front end until it says stop (or is gone)."""
+    from mmserve.engine.llm_engine import LLMEngine
+    from mmserve.worker import cpu_threads
+    from mmserve.worker.executor import exit_with_parent
+
+    # Ctrl-C and SIGTERM are the front end's to handle: sent to the whole group (a terminal,
+    # systemd), they would end the engine before the front end lets the requests in flight
+    # finish. (A handler, not SIG_IGN, which the tensor-parallel workers would inherit.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    exit_with_parent()
+    cpu_threads.count_as_own(os.getppid())  # the front end's work is the service's own
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 (reported to the front end, which raises it)
+        bad_setting = isinstance(e, ValueError | FileNotFoundError)
+        if not bad_setting:
+            logger.exception("the engine core failed to start")
+        conn.send(("failed", bad_setting, str(e)))
+        _exit(0)
+    conn.send(("ready", CoreReady(engine.config, engine.request_maker.encoder_cache_tokens,
+                                  engine.request_maker.release_threshold, engine.stats())))
+    outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+    commands: queue.SimpleQueue[object] = queue.SimpleQueue()
+    writer = threading.Thread(target=_write, args=(conn, outbox), name="mmserve-core-writer",
+                              daemon=True)
+    writer.start()
+    threading.Thread(target=_read_commands, args=(conn, engine, commands, outbox),
+                     name="mmserve-core-reader", daemon=True).start()
+
+    def publish(outputs: list[RequestOutput], now: float, stats: dict[str, Any]) -> None:
+        outbox.put(("step", outputs, now, stats))
+
+    try:
+        run_steps(engine, commands, publish)
+    except BaseException as e:  # noqa: BLE001 (the engine is broken: the front end fails all)
+        logger.critical("the engine core stopped", exc_info=e)
+        outbox.put(("dead", str(e)))
+    with contextlib.suppress(Exception):  # exiting anyway: the process gives it all back
+        engine.close()
+    outbox.put(None)
+    writer.join(10.0)
+    _exit(0)
+
+
+def _read_commands(conn: Connection, engine: Any, commands: queue.SimpleQueue[object],
+                   outbox: queue.SimpleQueue[object]) -> None:
+    """The front end's messages as the stepping thread's commands; a request's grammar is
+    compiled here, off the stepping thread. A front end that is gone stops the core."""
+    def done(token: int) -> Callable[[BaseException | None], None]:
+        return lambda error: outbox.put(
+            ("added", token, None if error is None else _error_of(error)))
+
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            commands.put(STOP)
+            return
+        kind = message[0]
+        if kind == "add":
+            for token, request in message[1]:
+                constraint = request.sampling_params.structured_outputs
+                try:
+                    if constraint is not None:
+                        request.grammar = engine.grammars.compile(constraint)
+                except Exception as e:  # noqa: BLE001 (refused, as the front end would)
+                    done(token)(e)
+                    continue
+                commands.put(QueueRequest(request, done(token)))
+        elif kind == "abort":
+            commands.put(AbortRequest(message[1]))
+        elif kind == "stop":
+            commands.put(STOP)
+            return
+
+
+def _exit(status: int) -> None:
+    """Leave without the interpreter's teardown (a last full collection of torch's and
+    transformers' objects, seconds the front end would wait for)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)

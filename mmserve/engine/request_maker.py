@@ -1,0 +1,112 @@
+"""Prompts into ``Request``s: processing, validation against the engine's limits, the grammar.
+
+What a request needs before it can be queued, and nothing of the scheduler's state: the engine
+runs it beside its stepping thread (``LLMEngine.process_request``), and a server whose engine
+runs in a process of its own (``core_process.py``) runs it in the front end, so that the
+processor's work never takes the core's interpreter lock.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from mmserve.config import EngineConfig
+from mmserve.engine.request import Request
+from mmserve.engine.structured_output import GrammarCompiler
+from mmserve.errors import InvalidInputError
+from mmserve.processing.processor import InputProcessor
+from mmserve.sampling_params import SamplingParams
+from mmserve.worker.cpu_allocator import release_free_memory
+
+
+class RequestMaker:
+    """Makes requests for an engine whose limits are ``max_model_len`` tokens a request,
+    ``limit_mm_per_prompt`` and ``encoder_cache_tokens`` (the largest image it can hold).
+    Thread-safe: a server calls it from several threads at once.
+
+    Preprocessing whose memory peak exceeds ``release_threshold`` bytes gives the heap's free
+    memory back to the operating system afterwards: the CPU runner asks glibc to keep freed
+    memory for the steps (``keep_freed_memory``), which would otherwise keep what a large
+    image's preprocessing freed for the life of the process."""
+
+    def __init__(self, processor: InputProcessor, grammars: GrammarCompiler, max_model_len: int,
+                 limit_mm_per_prompt: dict[str, int], encoder_cache_tokens: int,
+                 release_threshold: int) -> None:
+        self.processor = processor
+        self.grammars = grammars
+        self.max_model_len = max_model_len
+        self.limit_mm_per_prompt = limit_mm_per_prompt
+        self.encoder_cache_tokens = encoder_cache_tokens
+        self.release_threshold = release_threshold
+        self.preprocess_peak_bytes = 0  # the largest preprocessing peak seen (an estimate)
+        self.num_memory_releases = 0
+
+    def make(self, prompt: dict[str, Any] | str, params: SamplingParams,
+             request_id: str) -> Request:
+        """Validate and tokenize a prompt into a ``Request``; ``InvalidInputError`` saying what
+        to change."""
+        processed = self.processor.process(prompt, self.limit_mm_per_prompt)
+        self._note_preprocessing(processed.preprocess_peak_bytes)
+        for img in processed.images:
+            if img.length > self.encoder_cache_tokens:
+                raise InvalidInputError(
+                    f"an image needs {img.length} embedding tokens but the encoder cache holds "
+                    f"{self.encoder_cache_tokens}; raise encoder_cache_size.", param="images")
+        num_tokens = len(processed.token_ids)
+        if num_tokens > self.max_model_len:
+            raise InvalidInputError(
+                f"the prompt is {num_tokens} tokens (images included) but max_model_len is "
+                f"{self.max_model_len}; shorten the prompt or raise max_model_len.",
+                param="messages")
+        for t in params.stop_token_ids:
+            if not 0 <= t < self.processor.tokenizer.vocab_size + 1024:
+                raise InvalidInputError(f"stop_token_ids has an invalid id {t}",
+                                        param="stop_token_ids")
+        grammar = None
+        if params.structured_outputs is not None:  # compiled here, off the stepping thread
+            grammar = self.grammars.compile(params.structured_outputs)
+        req = Request(request_id, processed.token_ids, params, processed.images,
+                      eos_token_id=self.processor.eos_token_id, arrival_time=time.time(),
+                      prompt_positions=processed.positions,
+                      decode_offset=processed.decode_offset)
+        req.grammar = grammar
+        return req
+
+    @staticmethod
+    def fork(req: Request, request_ids: list[str]) -> list[Request]:
+        """The ``n`` completions of ``req`` (``n`` is ``req.sampling_params.n``, one id
+        each): requests of one completion each, sharing its prompt, its images (pixels and
+        hashes: each image is encoded once, and once the first completion's prompt blocks
+        are computed the others find them in the prefix cache) and its compiled grammar,
+        each with its own seed (``SamplingParams.child``)."""
+        params = req.sampling_params
+        if len(request_ids) != params.n:
+            raise ValueError(f"{len(request_ids)} request ids for n={params.n} completions")
+        children = []
+        for i, request_id in enumerate(request_ids):
+            child = Request(request_id, req.prompt_token_ids, params.child(i), req.images,
+                            eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
+                            prompt_positions=req.prompt_positions,
+                            decode_offset=req.decode_offset)
+            child.grammar = req.grammar
+            children.append(child)
+        return children
+
+    def _note_preprocessing(self, peak_bytes: int) -> None:
+        self.preprocess_peak_bytes = max(self.preprocess_peak_bytes, peak_bytes)
+        if peak_bytes > self.release_threshold and release_free_memory():
+            self.num_memory_releases += 1
+
+
+def processor_and_grammars(config: EngineConfig,
+                           hf_config: Any) -> tuple[InputProcessor, GrammarCompiler]:
+    """The checkpoint's processor and grammar compiler, as the engine under ``config`` builds
+    them (and a front end apart from it)."""
+    processor = InputProcessor(config.model, hf_config, config.max_image_pixels,
+                               config.mm_processor_kwargs, config.max_image_size,
+                               config.resolved_device)
+    eos = processor.eos_token_id
+    grammars = GrammarCompiler(processor.tokenizer, hf_config.get_text_config().vocab_size,
+                               [] if eos is None else [eos])
+    return processor, grammars

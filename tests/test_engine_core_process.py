@@ -1,0 +1,212 @@
+"""The engine in a process of its own (``EngineCoreClient``): the same outputs as the engine
+in this process, aborts and errors across the pipe, nothing left held in the core, a core that
+dies failing its requests, a start the core refuses raising here. The tiny clip-llama
+checkpoint in float32 on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mmserve import LLM, EngineConfig, SamplingParams
+from mmserve.engine.async_engine import RequestStream
+from mmserve.engine.core_process import EngineCoreClient
+from mmserve.errors import EngineDeadError, InvalidInputError
+from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import StructuredOutputs
+from tests.conftest import make_image
+
+IMAGES = [make_image(i, size) for i, size in enumerate([(40, 30), (64, 64), (23, 57)])]
+
+
+def chat(text: str, images: list | None = None) -> dict[str, Any]:
+    images = images or []
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
+    return {"messages": [{"role": "user", "content": content}], "images": images}
+
+
+PROMPTS = [chat("hello there"), chat("what is in this picture?", IMAGES[:1]),
+           chat("compare these two", IMAGES[1:3])]
+
+
+class Core:
+    """A started client and the event loop it serves; ``run`` runs a coroutine there."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.client = EngineCoreClient(config)
+        self.dead: list[BaseException] = []
+        self.client.on_dead = self.dead.append
+        self.loop.run_until_complete(self._start())
+
+    async def _start(self) -> None:
+        self.client.start()
+
+    def run(self, coro, timeout: float = 60.0) -> Any:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    def close(self) -> None:
+        self.run(self.client.shutdown())
+        self.loop.close()
+
+
+def config_of(model: str, **kwargs: Any) -> EngineConfig:
+    return EngineConfig(model=model, dtype="float32", device="cpu", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def core(clip_llama: str) -> Iterator[Core]:
+    core = Core(config_of(clip_llama))
+    yield core
+    core.close()
+
+
+async def collect(stream: RequestStream) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finished
+    return last
+
+
+def assert_drained(core: Core) -> None:
+    """Every KV block free and no encoder-cache entry referenced, in the core's own stats
+    (published after the step or command that finished the last request)."""
+    deadline = time.monotonic() + 10
+    while True:
+        stats = core.client.stats()
+        if (stats["num_running"] == stats["num_waiting"] == 0
+                and stats["kv_blocks_free"] == stats["kv_blocks_total"]) \
+                or time.monotonic() > deadline:
+            break
+        core.run(asyncio.sleep(0.05))
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+    assert stats["encoder_cache_referenced_entries"] == 0, stats
+    assert core.client.num_in_flight == 0
+
+
+def test_outputs_equal_the_engine_in_this_process(core: Core, clip_llama: str) -> None:
+    """Greedy with logprobs, and seeded sampling of two completions, for prompts of 0, 1 and
+    2 images sent together: tokens, text and logprobs as ``LLM`` gives them in one process."""
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2)
+    sampled = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=7, n=2)
+    with LLM(clip_llama, dtype="float32", device="cpu") as llm:
+        want_greedy = llm.generate(PROMPTS, greedy)
+        want_sampled = llm.generate(PROMPTS[1:2], sampled)[0]
+
+    async def main() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        streams = [await core.client.add_request(f"g{i}", p, greedy)
+                   for i, p in enumerate(PROMPTS)]
+        forked = await core.client.add_completions(["s-0", "s-1"], PROMPTS[1], sampled)
+        return ([await collect(s) for s in streams], [await collect(s) for s in forked])
+
+    got_greedy, got_sampled = core.run(main())
+    for got, want in zip(got_greedy, want_greedy, strict=True):
+        assert got.token_ids == want.outputs[0].token_ids
+        assert got.text == want.outputs[0].text
+        for a, b in zip(got.logprobs, want.outputs[0].logprobs, strict=True):
+            assert (a.rank, [t for t, _ in a.top]) == (b.rank, [t for t, _ in b.top])
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert [o.token_ids for o in got_sampled] == [c.token_ids for c in want_sampled.outputs]
+    assert_drained(core)
+
+
+def test_refusals_cross_the_pipe_and_the_core_goes_on(core: Core) -> None:
+    """A bad prompt is refused in the front end, a constraint that does not compile too; a
+    constrained request answers in its grammar (compiled again in the core)."""
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+    async def main() -> RequestOutput:
+        with pytest.raises(InvalidInputError, match="max_model_len"):
+            await core.client.add_request("long", chat("word " * 5000), params)
+        bad = SamplingParams(structured_outputs=StructuredOutputs(regex="(unclosed"))
+        with pytest.raises(InvalidInputError, match="structured_outputs"):
+            await core.client.add_request("bad-regex", chat("hi"), bad)
+        await collect(await core.client.add_request("after", chat("hi"), params))
+        choice = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=(
+            StructuredOutputs(choice=["red square", "blue circle"])))
+        return await collect(await core.client.add_request("choice", chat("which?"), choice))
+
+    assert core.run(main()).text in ("red square", "blue circle")
+    assert core.client.is_alive
+    assert_drained(core)
+
+
+def test_abort_releases_what_the_request_held_in_the_core(core: Core) -> None:
+    """A request aborted mid-stream stops, and its KV blocks and image come free in the
+    core; one running beside it finishes."""
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=6, temperature=0.0)
+
+    async def main() -> RequestOutput:
+        victim = await core.client.add_request("victim", PROMPTS[1], long)
+        other = await core.client.add_request("other", PROMPTS[2], short)
+        seen = 0
+        async for _ in victim:
+            seen += 1
+            if seen == 3:
+                break
+        core.client.abort("victim")
+        return await collect(other)
+
+    steps_before = core.client.stats()["num_steps"]
+    assert len(core.run(main()).token_ids) == 6
+    assert_drained(core)
+    assert core.client.stats()["num_steps"] - steps_before < 100  # the victim's 400 did not run
+
+
+@pytest.mark.slow
+def test_a_core_that_dies_fails_its_requests(clip_llama: str) -> None:
+    """The core killed mid-request: the stream ends with ``EngineDeadError`` naming the
+    signal, ``on_dead`` is called, the client is no longer alive and refuses requests."""
+    core = Core(config_of(clip_llama))
+    try:
+        params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+
+        async def main() -> None:
+            stream = await core.client.add_request("r", PROMPTS[1], params)
+            async for _ in stream:
+                os.kill(core.client.pid, signal.SIGKILL)
+            raise AssertionError("the stream ended without an error")
+
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            core.run(main())
+        core.run(asyncio.sleep(0.1))  # on_dead is posted after the streams fail
+        assert not core.client.is_alive
+        assert len(core.dead) == 1 and "SIGKILL" in str(core.dead[0])
+        with pytest.raises(EngineDeadError):
+            core.run(core.client.add_request("late", PROMPTS[0], params))
+    finally:
+        core.close()
+
+
+@pytest.mark.slow
+def test_a_start_the_core_refuses_raises_here(clip_llama: str) -> None:
+    """Settings the engine refuses at start (a KV cache too small for one request) are a
+    ``ValueError`` carrying the engine's own message, and no process is left behind."""
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="kv_cache_memory|KV cache"):
+        EngineCoreClient(config_of(clip_llama, kv_cache_memory=4096))
+    assert set(multiprocessing.active_children()) <= before
+
+
+def test_errors_of_the_core_are_rebuilt_here() -> None:
+    """What the core refuses a request with crosses the pipe as plain data and is raised here
+    as the same kind of error, a bad request's field kept for the 400."""
+    from mmserve.engine.core_process import _error_of, _rebuild
+
+    invalid = _rebuild(_error_of(InvalidInputError("request id 'x' is already in use",
+                                                    param="messages")))
+    assert isinstance(invalid, InvalidInputError) and invalid.param == "messages"
+    assert str(invalid) == "request id 'x' is already in use"
+    assert isinstance(_rebuild(_error_of(EngineDeadError("closed"))), EngineDeadError)
+    other = _rebuild(_error_of(KeyError("bug")))
+    assert type(other) is RuntimeError and "bug" in str(other)
