@@ -161,6 +161,17 @@ def test_abort_releases_what_the_request_held_in_the_core(core: Core) -> None:
     assert core.client.stats()["num_steps"] - steps_before < 100  # the victim's 400 did not run
 
 
+def test_the_core_leaves_sigterm_to_its_front_end(core: Core) -> None:
+    """SIGTERM sent to the whole process group (systemd, a terminal's Ctrl-C is SIGINT) must
+    not end the core before the front end has let the requests in flight finish: the core
+    ignores it and serves on, until the front end stops it."""
+    os.kill(core.client.pid, signal.SIGTERM)
+    os.kill(core.client.pid, signal.SIGINT)
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    out = core.run(collect(core.run(core.client.add_request("after-term", PROMPTS[0], params))))
+    assert len(out.token_ids) == 5 and core.client.is_alive
+
+
 @pytest.mark.slow
 def test_a_core_that_dies_fails_its_requests(clip_llama: str) -> None:
     """The core killed mid-request: the stream ends with ``EngineDeadError`` naming the

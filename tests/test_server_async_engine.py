@@ -187,3 +187,37 @@ def test_a_crashing_step_fails_in_flight_requests() -> None:
         await engine.shutdown()
 
     run(main())
+
+
+def test_requests_queued_when_the_engine_breaks_are_refused() -> None:
+    """A request queued while the step that breaks the engine runs is refused with
+    ``EngineDeadError``, not left waiting for an answer that will never come."""
+    class Stalling(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__(crash_at_step=1)
+            self.stepping, self.go_on = threading.Event(), threading.Event()
+
+        def step(self) -> list[RequestOutput]:
+            self.stepping.set()
+            self.go_on.wait(5)
+            return super().step()
+
+    fake = Stalling()
+
+    async def main() -> None:
+        engine = AsyncEngine(fake)
+        engine.start()
+        first = await engine.add_request("r", "ok", SamplingParams(max_tokens=5))
+        await asyncio.to_thread(fake.stepping.wait, 5)
+        late = asyncio.ensure_future(engine.add_request("late", "ok", SamplingParams()))
+        while engine._commands.empty():  # the late request is queued behind the step
+            await asyncio.sleep(0.001)
+        fake.go_on.set()
+        with pytest.raises(EngineDeadError, match="boom"):
+            async for _ in first:
+                pass
+        with pytest.raises(EngineDeadError, match="boom"):
+            await late
+        await engine.shutdown()
+
+    run(main())

@@ -399,6 +399,8 @@ class AsyncEngine(EngineClient):
                done: list[Callable[[BaseException | None], None]]) -> None:
         for request, resolve in zip(requests, done, strict=True):
             self._commands.put(QueueRequest(request, resolve))
+        if not self._running():  # the loop ended while they were processed
+            self._refuse_queued("the engine loop is not running")
 
     def _send_abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
@@ -409,8 +411,21 @@ class AsyncEngine(EngineClient):
             run_steps(self.engine, self._commands, self._publish)
         except BaseException as e:  # the engine is broken
             self._died(e)
+            self._refuse_queued(f"the engine stopped: {e}")
             return
         self._post(self._fail_all, None)
+        self._refuse_queued("the server is shutting down")
+
+    def _refuse_queued(self, reason: str) -> None:
+        """Requests queued and never added (the loop ended first) are refused, so that no
+        caller waits for them."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, QueueRequest):
+                command.done(EngineDeadError(reason))
 
     def _publish(self, outputs: list[RequestOutput], now: float, stats: dict[str, Any]) -> None:
         self._stats = stats

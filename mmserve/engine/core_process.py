@@ -193,13 +193,12 @@ class EngineCoreClient(EngineClient):
             thread.join(5.0)
 
     def _end_process(self, grace: float) -> None:
+        """Wait ``grace`` seconds for the core to exit, then kill it (it ignores SIGTERM:
+        ``_core_main``); its tensor-parallel workers follow it (``exit_with_parent``)."""
         self._proc.join(grace)
         if self._proc.is_alive():
-            self._proc.terminate()
+            self._proc.kill()
             self._proc.join(5.0)
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5.0)
         self._conn.close()
 
     def _running(self) -> bool:
@@ -218,6 +217,8 @@ class EngineCoreClient(EngineClient):
             request.grammar = None  # compiled again in the core, from its own cache
             batch.append((token, request))
         self._outbox.put(("add", batch))
+        if not self._running():  # the core ended while they were processed
+            self._refuse_queued("the engine core is not running")
 
     def _send_abort(self, request_id: str) -> None:
         self._outbox.put(("abort", request_id))
@@ -241,11 +242,22 @@ class EngineCoreClient(EngineClient):
                     resolve(None if error is None else _rebuild(error))
             elif kind == "dead":
                 self._died(EngineDeadError(message[1]))
+                self._refuse_queued(f"the engine stopped: {message[1]}")
                 return
         if self._stopping:
             self._post(self._fail_all, None)
+            self._refuse_queued("the server is shutting down")
         else:
-            self._died(EngineDeadError(f"the engine core process {self._exit_status()}"))
+            error = EngineDeadError(f"the engine core process {self._exit_status()}")
+            self._died(error)
+            self._refuse_queued(f"the engine stopped: {error}")
+
+    def _refuse_queued(self, reason: str) -> None:
+        """Requests sent and never added (the core ended first) are refused, so that no
+        caller waits for them."""
+        while self._added:
+            _, resolve = self._added.popitem()
+            resolve(EngineDeadError(reason))
 
 
 def _write(conn: Connection, outbox: queue.SimpleQueue[object]) -> None:
