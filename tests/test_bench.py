@@ -312,10 +312,12 @@ def test_serve_client_counts_failures(tokenizer) -> None:
     assert sum(summary["errors"].values()) == 3
 
 
+@pytest.mark.slow
 def test_bench_serve_against_real_server(clip_llama: str, tmp_path, capsys) -> None:
+    """The whole load against a server started here, its engine in a process of its own."""
     pytest.importorskip("mmserve.entrypoints.api_server")
     out, plot = tmp_path / "serve.json", tmp_path / "cdf.png"
-    rc = bench(["serve", "--model", clip_llama, *WORKLOAD_FLAGS,
+    rc = bench(["serve", "--model", clip_llama, *WORKLOAD_FLAGS, "--engine-process",
                "--max-concurrency", "4", "--json", str(out), "--plot", str(plot)])
     r = json.loads(out.read_text())
     assert rc == 0, r["errors"]

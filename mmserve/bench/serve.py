@@ -281,6 +281,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests per second, Poisson arrivals (default: inf, all at once)")
     g.add_argument("--max-concurrency", type=int, help="most requests in flight")
     g.add_argument("--served-model-name", help="model id to send (default: the server's first)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
+                   help="the server started here runs its engine in a process of its own, or "
+                   "not (default: `mmserve serve`'s)")
     g.add_argument("--structured-output", metavar="SCHEMA.json",
                    help="constrain every request's output to this JSON schema (response_format "
                    "json_schema), to measure what structured output costs")
@@ -302,8 +305,9 @@ def run_serve_command(
 
     if args.base_url is None:
         model = resolve_model(args)
-        server = LocalServer(model, engine_argv(args), max_queue=args.num_prompts,
-                             torch_threads=args.torch_threads)
+        layout = {None: [], True: ["--engine-process"], False: ["--no-engine-process"]}
+        server = LocalServer(model, engine_argv(args) + layout[args.engine_process],
+                             max_queue=args.num_prompts, torch_threads=args.torch_threads)
     else:
         model, server = args.model, nullcontext()
     schema = None

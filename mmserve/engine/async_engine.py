@@ -1,9 +1,12 @@
 """The engine in one background thread, shared by every connection of the server.
 
-Engine steps are synchronous torch work, so they run in a dedicated thread, never on the event
-loop: the server stays responsive (``/health`` answers) during long steps. The thread owns the
-``LLMEngine`` alone; best, it is the thread the engine was built on (``ComputeThread``:
-torch's parallel regions run slower once a second thread has started some). The event loop
+``EngineClient`` is what the server talks to on its event loop, wherever the engine steps:
+here (``AsyncEngine``) or in a process of its own (``core_process.py``); both step it with
+``run_steps``. Engine steps are synchronous torch work, so they run in a dedicated thread,
+never on the event loop: the server stays responsive (``/health`` answers) during long steps.
+The thread owns the ``LLMEngine`` alone; best, it is the thread the engine was built on
+(``ComputeThread``: torch's parallel regions run slower once a second thread has started
+some). The event loop
 talks to it through a command queue (add, abort) that the thread drains between steps, and
 gets outputs back through ``loop.call_soon_threadsafe``, one call per step, which fans them
 out to per-request asyncio queues. No lock guards engine state because only one thread ever
