@@ -221,3 +221,18 @@ def test_errors_of_the_core_are_rebuilt_here() -> None:
     assert isinstance(_rebuild(_error_of(EngineDeadError("closed"))), EngineDeadError)
     other = _rebuild(_error_of(KeyError("bug")))
     assert type(other) is RuntimeError and "bug" in str(other)
+
+
+def test_outputs_cross_as_their_fields() -> None:
+    """A step's outputs, sent as the tuples of their fields, are rebuilt equal, logprobs and
+    all."""
+    import pickle
+
+    from mmserve.engine.core_process import output_values
+    from mmserve.step import TokenLogprobs
+
+    out = RequestOutput("r", "a b", [5, 6], 12, finished=True, finish_reason="stop",
+                        new_text=" b", new_token_ids=[6], num_cached_tokens=4,
+                        logprobs=[TokenLogprobs(-0.5, 1, ((6, -0.5), (7, -1.0)))])
+    (back,) = [RequestOutput(*v) for v in pickle.loads(pickle.dumps([output_values(out)]))]
+    assert back == out
