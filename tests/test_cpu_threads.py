@@ -98,6 +98,21 @@ def test_a_look_while_the_engine_waited_judges_nothing(monkeypatch):
     assert torch.get_num_threads() == 1
 
 
+def test_a_look_while_the_engine_waited_on_its_busy_front_end_judges_nothing(monkeypatch):
+    """An engine in a process of its own counts its front end's time as its own: the front
+    end parsing a burst of requests while the engine waits is not the engine competing, so
+    another process busy meanwhile takes no core from it."""
+    cores, threads = _two_cores(monkeypatch)
+    s = cores.sample
+    front_end, engine, client = 0.9, 0.05, 1.0  # cores' worth each, over 3 s
+    cores.sample = CpuSample(busy_s=s.busy_s + 3.0 * (front_end + engine + client),
+                             own_s=s.own_s + 3.0 * (front_end + engine),
+                             wall_s=s.wall_s + 3.0, process_s=3.0 * engine)
+    threads._last = CpuSample(s.busy_s, s.own_s, s.wall_s, process_s=0.0)
+    threads.update()
+    assert torch.get_num_threads() == 2
+
+
 def _hold_one_thread(cores: FakeCores, threads: AdaptiveThreads, other_cores: float) -> None:
     """Looks at one thread until just before the probe, the others taking ``other_cores``."""
     looked = 0.0

@@ -182,8 +182,11 @@ def test_a_core_that_dies_fails_its_requests(clip_llama: str) -> None:
 
         async def main() -> None:
             stream = await core.client.add_request("r", PROMPTS[1], params)
+            killed = False
             async for _ in stream:
-                os.kill(core.client.pid, signal.SIGKILL)
+                if not killed:
+                    os.kill(core.client.pid, signal.SIGKILL)
+                    killed = True
             raise AssertionError("the stream ended without an error")
 
         with pytest.raises(EngineDeadError, match="SIGKILL"):

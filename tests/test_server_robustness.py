@@ -260,19 +260,21 @@ HARNESS = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_failures_inside_steps(clip_llama: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["--engine-process", "--no-engine-process"])
+def test_failures_inside_steps(clip_llama: str, tmp_path: Path, layout: str) -> None:
     """A request that fails inside a step gets a 500 (in a stream: an error event) for
     itself alone, while a request running beside it finishes with its usual text and /health
     stays 200. When every step fails for every request, requests that ran fine before among
     them, the engine is broken: in-flight requests get an error and the process exits with
     status 1 so that a supervisor restarts it (it used to stay up with /health 503 for ever).
-    The engine runs in a process of its own (where the faults are injected: the harness runs
-    there again), so each failure crosses to the front end.
+    In both layouts: the engine on a thread of the server's process, or in a process of its
+    own (where the faults are then injected: the harness runs there again), each failure
+    crossing to the front end.
     """
     flag = tmp_path / "broken"
     script = tmp_path / "harness.py"
     script.write_text(HARNESS)
-    srv = Server(clip_llama, "--max-model-len", "128", "--engine-process",
+    srv = Server(clip_llama, "--max-model-len", "128", layout,
                  log=tmp_path / "server.log", launcher=(str(script), str(flag)))
     try:
         good = {"max_tokens": 30, "temperature": 0, "ignore_eos": True,

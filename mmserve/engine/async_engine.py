@@ -361,6 +361,7 @@ class AsyncEngine(EngineClient):
         self._own_compute = compute is None  # then made by ``start``
         self._compute = compute
         self._loop_done: Future[None] | None = None  # the engine loop, once started
+        self._ended = False  # the loop has returned: nothing more is added
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -388,7 +389,8 @@ class AsyncEngine(EngineClient):
         self._commands.put(STOP)
 
     def _running(self) -> bool:
-        return self._loop_done is not None and not self._loop_done.done()
+        return (self._loop_done is not None and not self._ended
+                and not self._loop_done.done())
 
     @property
     def tokenizer(self) -> Any:
@@ -413,9 +415,11 @@ class AsyncEngine(EngineClient):
         try:
             run_steps(self.engine, self._commands, self._publish)
         except BaseException as e:  # the engine is broken
+            self._ended = True
             self._died(e)
             self._refuse_queued(f"the engine stopped: {e}")
             return
+        self._ended = True
         self._post(self._fail_all, None)
         self._refuse_queued("the server is shutting down")
 

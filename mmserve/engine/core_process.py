@@ -101,21 +101,23 @@ class EngineCoreClient(EngineClient):
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stopping = False
+        self._ended = False  # the reader has given up on the core: nothing more is added
+        self._added: dict[int, Callable[[BaseException | None], None]] = {}
+        self._tokens = itertools.count()
         try:
             # The front end's processor is built while the core loads the model.
             hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
             processor, grammars = processor_and_grammars(config, hf_config)
             ready = self._wait_ready(start_timeout)
+            self.request_maker = RequestMaker(
+                processor, grammars, ready.config.max_model_len,
+                ready.config.limit_mm_per_prompt, ready.encoder_cache_tokens,
+                ready.release_threshold)
+            super().__init__(ready.config, ready.stats, max_waiting, observer,
+                             preprocess_workers, on_dead)
         except BaseException:
             self._end_process(0.0)
             raise
-        self.request_maker = RequestMaker(
-            processor, grammars, ready.config.max_model_len, ready.config.limit_mm_per_prompt,
-            ready.encoder_cache_tokens, ready.release_threshold)
-        self._added: dict[int, Callable[[BaseException | None], None]] = {}
-        self._tokens = itertools.count()
-        super().__init__(ready.config, ready.stats, max_waiting, observer, preprocess_workers,
-                         on_dead)
 
     @property
     def pid(self) -> int | None:
@@ -146,7 +148,11 @@ class EngineCoreClient(EngineClient):
         if code is None:
             return f"(pid {self._proc.pid}) stopped answering"
         if code < 0:
-            return f"(pid {self._proc.pid}) was killed by {signal.Signals(-code).name}"
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"(pid {self._proc.pid}) was killed by {name}"
         return f"(pid {self._proc.pid}) exited with status {code}"
 
     # ----------------------------------------------------------------- lifecycle
@@ -185,11 +191,10 @@ class EngineCoreClient(EngineClient):
     def close(self) -> None:
         """Stop the core and wait for it to exit (at most ``STOP_GRACE_S``, then it is
         killed); from any thread."""
-        if not self._threads and not self._stopping:  # never started: no writer to ask
-            self._stopping = True
+        self.stop()
+        if not self._threads:  # never started: no writer to send it
             with contextlib.suppress(OSError):
                 self._conn.send_bytes(pickle.dumps(("stop",)))
-        self.stop()
         self._end_process(STOP_GRACE_S)
         self._outbox.put(None)
         for thread in self._threads:
@@ -205,7 +210,9 @@ class EngineCoreClient(EngineClient):
         self._conn.close()
 
     def _running(self) -> bool:
-        return bool(self._threads) and self._threads[0].is_alive() and self._proc.is_alive()
+        return (bool(self._threads) and not self._ended
+                and all(thread.is_alive() for thread in self._threads)
+                and self._proc.is_alive())
 
     # ----------------------------------------------------------------- requests
     def _make(self, prompt: dict[str, Any], params: SamplingParams, request_id: str) -> Request:
@@ -228,39 +235,48 @@ class EngineCoreClient(EngineClient):
 
     # ----------------------------------------------------------------- the reader
     def _read(self) -> None:
-        while True:
-            try:
-                message = pickle.loads(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                break
-            kind = message[0]
-            if kind == "step":
-                _, values, now, self._stats = message
-                if values:
-                    self._post(self._dispatch, [RequestOutput(*v) for v in values], now)
-            elif kind == "added":
-                _, token, error = message
-                resolve = self._added.pop(token, None)
-                if resolve is not None:
-                    resolve(None if error is None else _rebuild(error))
-            elif kind == "dead":
-                self._died(EngineDeadError(message[1]))
-                self._refuse_queued(f"the engine stopped: {message[1]}")
-                return
-        if self._stopping:
-            self._post(self._fail_all, None)
-            self._refuse_queued("the server is shutting down")
-        else:
-            error = EngineDeadError(f"the engine core process {self._exit_status()}")
-            self._died(error)
-            self._refuse_queued(f"the engine stopped: {error}")
+        """The core's messages, until it is gone; then every request in flight or queued
+        fails, whatever ended the reading."""
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    message = pickle.loads(self._conn.recv_bytes())
+                except (EOFError, OSError):
+                    break
+                kind = message[0]
+                if kind == "step":
+                    _, values, now, self._stats = message
+                    if values:
+                        self._post(self._dispatch, [RequestOutput(*v) for v in values], now)
+                elif kind == "added":
+                    _, token, problem = message
+                    resolve = self._added.pop(token, None)
+                    if resolve is not None:
+                        resolve(None if problem is None else _rebuild(problem))
+                elif kind == "dead":
+                    error = EngineDeadError(message[1])
+                    return
+        except BaseException as e:  # noqa: BLE001 (a bug here: the front end cannot go on)
+            error = EngineDeadError(f"reading the engine core's messages failed: {e!r}")
+        finally:
+            self._ended = True
+            if error is None and not self._stopping:
+                error = EngineDeadError(f"the engine core process {self._exit_status()}")
+            if error is None:
+                self._post(self._fail_all, None)
+            else:
+                self._died(error)
+            self._refuse_queued("the server is shutting down" if error is None
+                                else f"the engine stopped: {error}")
 
     def _refuse_queued(self, reason: str) -> None:
         """Requests sent and never added (the core ended first) are refused, so that no
-        caller waits for them."""
-        while self._added:
-            _, resolve = self._added.popitem()
-            resolve(EngineDeadError(reason))
+        caller waits for them; from the reader and the event loop alike."""
+        for token in list(self._added):
+            resolve = self._added.pop(token, None)
+            if resolve is not None:
+                resolve(EngineDeadError(reason))
 
 
 # A step's outputs cross the pipe as tuples of these fields, in this order.
@@ -268,11 +284,19 @@ output_values = operator.attrgetter(*(f.name for f in dataclasses.fields(Request
 
 
 def _write(conn: Connection, outbox: queue.SimpleQueue[object]) -> None:
-    """Pickle and send what ``outbox`` holds, in order, until None (or the pipe is gone)."""
+    """Pickle and send what ``outbox`` holds, in order, until None (or the pipe is gone). A
+    message that cannot be sent closes the pipe: the other side then sees its peer gone,
+    rather than waiting for what never comes."""
     while (message := outbox.get()) is not None:
         try:
             conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         except OSError:
+            return
+        except Exception:  # noqa: BLE001 (a bug: logged, and the pipe closed)
+            logger.exception("cannot send %r to the other side of the engine core's pipe",
+                             message[0] if isinstance(message, tuple) else message)
+            with contextlib.suppress(OSError):
+                conn.close()
             return
 
 
@@ -298,7 +322,7 @@ def _core_main(config: EngineConfig, conn: Connection) -> None:
 
     # Ctrl-C and SIGTERM are the front end's to handle: sent to the whole group (a terminal,
     # systemd), they would end the engine before the front end lets the requests in flight
-    # finish. (A handler, not SIG_IGN, which the tensor-parallel workers would inherit.)
+    # finish (its tensor-parallel workers leave them to the engine likewise).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -323,9 +347,9 @@ def _core_main(config: EngineConfig, conn: Connection) -> None:
                      name="mmserve-core-reader", daemon=True).start()
 
     def publish(outputs: list[RequestOutput], now: float, stats: dict[str, Any]) -> None:
-        # As tuples of their fields: pickled on the stepping thread in about half the time
-        # the dataclasses take, and unpickled in the front end in less than half
-        # (benchmarks/core_messages.py).
+        # As tuples of their fields: pickled (by the writer thread, under the core's
+        # interpreter lock all the same) in about half the time the dataclasses take, and
+        # unpickled in the front end in less than half (benchmarks/core_messages.py).
         outbox.put(("step", [output_values(out) for out in outputs], now, stats))
 
     try:

@@ -5,10 +5,13 @@ tokens the request may sample next and follows the ones it did.
 Grammars compile where requests are made (``LLMEngine.process_request``, which the server runs
 on its own threads, never on the stepping thread), once per distinct constraint: the compiler
 caches what it compiled, by source. A constraint that does not compile is refused there, with
-xgrammar's reason, before the request reaches the engine. Matchers live on the stepping thread:
-before each step the engine fills the bitmask rows of the constrained requests that sample, the
-runner masks their logits (``sampler.apply_token_bitmasks``), and after it each matcher accepts
-the sampled token; a request whose grammar has ended is finished.
+xgrammar's reason, before the request reaches the engine. (With the engine in a process of its
+own, the front end compiles to refuse, and the core's thread that reads requests compiles its
+own copy, from its own cache, before the stepping thread sees the request.) Matchers live on
+the stepping thread: before each step the engine fills the bitmask rows of the constrained
+requests that sample, the runner masks their logits (``sampler.apply_token_bitmasks``), and
+after it each matcher accepts the sampled token; a request whose grammar has ended is
+finished.
 
 JSON comes out in one line, with one space after each ``,`` and ``:`` (no free whitespace:
 small models given the choice can emit spaces until ``max_tokens``).

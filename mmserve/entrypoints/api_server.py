@@ -128,7 +128,8 @@ def _error_response(err: ApiError) -> JSONResponse:
 
 
 class OpenAIServer:
-    """Request handlers over one ``AsyncEngine``."""
+    """Request handlers over one ``EngineClient`` (the engine on a thread of this process, or
+    in a process of its own)."""
 
     def __init__(self, engine: LLMEngine | EngineClient, config: ServerConfig,
                  compute: ComputeThread | None = None) -> None:
@@ -620,19 +621,21 @@ def serve(args: argparse.Namespace) -> int:
             compute.close()
         print(f"mmserve serve: {e}", file=sys.stderr)
         return 2
-    server = OpenAIServer(engine, config, compute)
-    # On SIGTERM uvicorn stops accepting connections and lets the requests in flight finish
-    # for up to --shutdown-timeout seconds, cancels what is left, then runs the lifespan
-    # shutdown that stops the engine loop (failing any request still in it).
-    http = uvicorn.Server(uvicorn.Config(
-        server.app(), host=args.host, port=args.port, log_level=args.log_level,
-        timeout_keep_alive=5, http=with_header_timeout(config.header_timeout_s),
-        timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s))))
-    server.http_server = http
+    server = None
     try:
+        server = OpenAIServer(engine, config, compute)
+        # On SIGTERM uvicorn stops accepting connections and lets the requests in flight
+        # finish for up to --shutdown-timeout seconds, cancels what is left, then runs the
+        # lifespan shutdown that stops the engine loop (failing any request still in it).
+        http = uvicorn.Server(uvicorn.Config(
+            server.app(), host=args.host, port=args.port, log_level=args.log_level,
+            timeout_keep_alive=5, http=with_header_timeout(config.header_timeout_s),
+            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s))))
+        server.http_server = http
         http.run()
     finally:
-        server.engine.stop()  # normally stopped by the lifespan's shutdown already
+        if server is not None:
+            server.engine.stop()  # normally stopped by the lifespan's shutdown already
         if compute is None:
             engine.close()
         else:

@@ -69,8 +69,9 @@ class CpuSample:
     """Busy seconds of the cores so far (all processes), and this process's CPU seconds."""
 
     busy_s: float
-    own_s: float
+    own_s: float  # this process's and those counted as its own (``count_as_own``)
     wall_s: float
+    process_s: float | None = None  # this process's alone (None: own_s)
 
 
 def threads_for(max_threads: int, other_cores: float, current: int | None = None) -> int:
@@ -103,8 +104,9 @@ def read_sample(cores: frozenset[int]) -> CpuSample | None:
             user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
             ticks += user + nice + system + irq + softirq + steal
     tick = os.sysconf("SC_CLK_TCK")
-    own = time.process_time() + sum(_cpu_ticks(pid) for pid in _own_pids) / tick
-    return CpuSample(ticks / tick, own, time.monotonic())
+    process = time.process_time()
+    own = process + sum(_cpu_ticks(pid) for pid in _own_pids) / tick
+    return CpuSample(ticks / tick, own, time.monotonic(), process)
 
 
 # Processes whose CPU time counts as this one's (``count_as_own``).
@@ -193,11 +195,16 @@ class AdaptiveThreads:
             return
         self._next_look = self._clock() + self.interval_s
         wall = now.wall_s - self._last.wall_s
-        own_cores = (now.own_s - self._last.own_s) / wall
+        # Whether the engine waited for work: this process's time alone (a server's front
+        # end counted as its own may be busy parsing requests while the engine waits).
+        if now.process_s is not None and self._last.process_s is not None:
+            engine_cores = (now.process_s - self._last.process_s) / wall
+        else:
+            engine_cores = (now.own_s - self._last.own_s) / wall
         other_cores = max(0.0, (now.busy_s - self._last.busy_s)
                           - (now.own_s - self._last.own_s)) / wall
         self._last = now
-        if own_cores < IDLE_OWN_CORES:
+        if engine_cores < IDLE_OWN_CORES:
             return  # the engine mostly waited for work: nothing it competed for to judge
         self.other_cores = other_cores
         threads = threads_for(self.max_threads, self.other_cores, self.threads)

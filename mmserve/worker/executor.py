@@ -310,14 +310,11 @@ class MultiprocExecutor:
         raise EngineDeadError(reason)
 
     def _kill_all(self) -> None:
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.terminate()
-        for proc in self._procs:
-            proc.join(2.0)
+        for proc in self._procs:  # SIGKILL: the workers leave SIGTERM to the engine
             if proc.is_alive():
                 proc.kill()
-                proc.join(2.0)
+        for proc in self._procs:
+            proc.join(2.0)
 
 
 class StepThread:
@@ -370,7 +367,11 @@ def _free_port() -> int:
 def _worker_main(spec: WorkerSpec, rank: int, port: int, conn: Connection) -> None:
     """One rank: build the runner over this rank's shards, then answer calls until ``close``
     (or until the engine's process is gone)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle
+    # Ctrl-C and SIGTERM are the engine's process's to handle: sent to the whole group (a
+    # terminal, systemd), they would end the ranks before the server lets the requests in
+    # flight finish. The engine closes or kills the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
     exit_with_parent()
     try:
         runner = _start(spec, rank, port)

@@ -514,14 +514,13 @@ class ModelRunner:
         for i, item in enumerate(items):
             item = dict(item)
             arithmetic = item.pop(PIXEL_ARITHMETIC, None)
-            if arithmetic is not None:
-                key = (id(arithmetic), item["pixel_values"].shape[1:])
+            if arithmetic is not None:  # equal tables, whichever object (pickled apart)
+                key = (arithmetic.table.numpy().tobytes(), item["pixel_values"].shape[1:])
                 groups.setdefault(key, (arithmetic, []))[1].append(i)
             out.append({name: t.to(self.device, self.dtype) if t.is_floating_point() else t
                         for name, t in item.items()})
-        for arithmetic, members in groups.values():
+        for (key, _), (arithmetic, members) in groups.items():
             pixels = [out[i]["pixel_values"] for i in members]
-            key = arithmetic.table.numpy().tobytes()  # equal tables, whichever object
             if (table := self._pixel_tables.get(key)) is None:
                 table = self._pixel_tables[key] = to_device(arithmetic.table, self.device)
             finished = arithmetic.apply(to_device(torch.cat(pixels), self.device), table)
