@@ -174,28 +174,37 @@ def test_the_core_leaves_sigterm_to_its_front_end(core: Core) -> None:
 
 @pytest.mark.slow
 def test_a_core_that_dies_fails_its_requests(clip_llama: str) -> None:
-    """The core killed mid-request: the stream ends with ``EngineDeadError`` naming the
-    signal, ``on_dead`` is called, the client is no longer alive and refuses requests."""
+    """The core killed while one request streams and another is being processed in the front
+    end: the stream ends with ``EngineDeadError`` naming the signal, the other is refused
+    with it once processed (not left waiting for the core's answer), ``on_dead`` is called,
+    the client is no longer alive and refuses later requests."""
     core = Core(config_of(clip_llama))
     try:
         params = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+        make = core.client.request_maker.make
+
+        def make_while_the_core_dies(*args: Any) -> Any:
+            os.kill(core.client.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while not core.client._ended and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return make(*args)
 
         async def main() -> None:
             stream = await core.client.add_request("r", PROMPTS[1], params)
-            killed = False
-            async for _ in stream:
-                if not killed:
-                    os.kill(core.client.pid, signal.SIGKILL)
-                    killed = True
-            raise AssertionError("the stream ended without an error")
+            core.client.request_maker.make = make_while_the_core_dies
+            with pytest.raises(EngineDeadError, match="SIGKILL"):
+                await core.client.add_request("late", PROMPTS[0], params)
+            with pytest.raises(EngineDeadError, match="SIGKILL"):
+                async for _ in stream:
+                    pass
 
-        with pytest.raises(EngineDeadError, match="SIGKILL"):
-            core.run(main())
+        core.run(main())
         core.run(asyncio.sleep(0.1))  # on_dead is posted after the streams fail
         assert not core.client.is_alive
         assert len(core.dead) == 1 and "SIGKILL" in str(core.dead[0])
         with pytest.raises(EngineDeadError):
-            core.run(core.client.add_request("late", PROMPTS[0], params))
+            core.run(core.client.add_request("later", PROMPTS[0], params))
     finally:
         core.close()
 

@@ -228,7 +228,8 @@ class EngineCoreClient(EngineClient):
             batch.append((token, request))
         self._outbox.put(("add", batch))
         if not self._running():  # the core ended while they were processed
-            self._refuse_queued("the engine core is not running")
+            self._refuse_queued(f"the engine stopped: {self._error}" if self._error
+                                else "the engine core is not running")
 
     def _send_abort(self, request_id: str) -> None:
         self._outbox.put(("abort", request_id))
@@ -260,13 +261,13 @@ class EngineCoreClient(EngineClient):
         except BaseException as e:  # noqa: BLE001 (a bug here: the front end cannot go on)
             error = EngineDeadError(f"reading the engine core's messages failed: {e!r}")
         finally:
-            self._ended = True
             if error is None and not self._stopping:
                 error = EngineDeadError(f"the engine core process {self._exit_status()}")
             if error is None:
                 self._post(self._fail_all, None)
             else:
                 self._died(error)
+            self._ended = True  # after the error is set: requests queued later are refused
             self._refuse_queued("the server is shutting down" if error is None
                                 else f"the engine stopped: {error}")
 
