@@ -26,7 +26,7 @@ from mmserve.models import loader, parallel
 from mmserve.processing.processor import InputProcessor
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.worker.dry_run import check_tensor_parallel, meta_model
-from mmserve.worker.executor import MultiprocExecutor
+from mmserve.worker.executor import MultiprocExecutor, exit_status
 from mmserve.worker.memory_profiler import tensor_bytes
 from mmserve.worker.model_runner import split_by_tokens
 from tests.conftest import assert_no_leaks
@@ -401,3 +401,20 @@ def test_workers_exit_with_the_engines_process(clip_llama: str, tmp_path) -> Non
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in pids)
+
+
+def _sleep_long() -> None:
+    time.sleep(60)
+
+
+@pytest.mark.parametrize(("signum", "named"), [(signal.SIGKILL, "SIGKILL"),
+                                               (signal.SIGRTMIN + 6, None)])
+def test_a_dead_processs_status_names_its_signal(signum: int, named: str | None) -> None:
+    """Every signal a worker can die of gives a message, the real-time ones Python does not
+    name included (``signal.Signals`` raises on them)."""
+    proc = multiprocessing.get_context("fork").Process(target=_sleep_long, daemon=True)
+    proc.start()
+    assert exit_status(proc, 0.0) == f"(pid {proc.pid}) stopped answering"
+    os.kill(proc.pid, signum)
+    assert exit_status(proc, 10.0) == (f"(pid {proc.pid}) was killed by "
+                                       f"{named or f'signal {int(signum)}'}")

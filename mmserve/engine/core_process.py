@@ -57,6 +57,7 @@ from mmserve.engine.request_maker import RequestMaker, processor_and_grammars
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
+from mmserve.worker.executor import exit_status, exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -143,17 +144,7 @@ class EngineCoreClient(EngineClient):
         return message[1]
 
     def _exit_status(self) -> str:
-        self._proc.join(1.0)
-        code = self._proc.exitcode
-        if code is None:
-            return f"(pid {self._proc.pid}) stopped answering"
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            return f"(pid {self._proc.pid}) was killed by {name}"
-        return f"(pid {self._proc.pid}) exited with status {code}"
+        return exit_status(self._proc, 1.0)
 
     # ----------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -319,7 +310,6 @@ def _core_main(config: EngineConfig, conn: Connection) -> None:
     """Build the engine, then step it for the front end until it says stop (or is gone)."""
     from mmserve.engine.llm_engine import LLMEngine
     from mmserve.worker import cpu_threads
-    from mmserve.worker.executor import exit_with_parent
 
     # Ctrl-C and SIGTERM are the front end's to handle: sent to the whole group (a terminal,
     # systemd), they would end the engine before the front end lets the requests in flight

@@ -293,14 +293,7 @@ class MultiprocExecutor:
         return [answers[r] for r in range(self.spec.size)] if every else answers[0]
 
     def _exit_status(self, rank: int) -> str:
-        proc = self._procs[rank]
-        proc.join(0.5)
-        code = proc.exitcode
-        if code is None:
-            return f"(pid {proc.pid}) stopped answering"
-        if code < 0:
-            return f"(pid {proc.pid}) was killed by {signal.Signals(-code).name}"
-        return f"(pid {proc.pid}) exited with status {code}"
+        return exit_status(self._procs[rank], 0.5)
 
     def _fail(self, reason: str) -> None:
         """End every worker and raise: the ranks can no longer run in step."""
@@ -487,6 +480,22 @@ def _send_error(conn: Connection, error: BaseException, seq: int = 0) -> None:
         conn.send((seq, "error", text[:2000]))
     except OSError:
         pass
+
+
+def exit_status(proc: multiprocessing.process.BaseProcess, wait_s: float) -> str:
+    """How a child process ended, for an error message ("(pid 7) was killed by SIGKILL"),
+    after waiting up to ``wait_s`` for it to end."""
+    proc.join(wait_s)
+    code = proc.exitcode
+    if code is None:
+        return f"(pid {proc.pid}) stopped answering"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:  # a real-time signal has no name
+            name = f"signal {-code}"
+        return f"(pid {proc.pid}) was killed by {name}"
+    return f"(pid {proc.pid}) exited with status {code}"
 
 
 def exit_with_parent() -> None:
