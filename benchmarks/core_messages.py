@@ -1,8 +1,10 @@
 """What a step's outputs cost to cross from the engine core to the server's front end.
 
-The core pickles each step's ``RequestOutput``s on its stepping thread (``core_process.py``);
-this times that, and the front end's unpickling, for a decode step of ``--requests`` requests
-(one new token each), as dataclasses and as the tuples of their fields the core sends.
+The core pickles what each step did to each request (``CoreOutput``s: the token, finishes,
+log-probabilities) on its stepping thread's behalf (``core_process.py``); this times that,
+and the front end's unpickling, for a decode step of ``--requests`` requests (one new token
+each): as named tuples, as the plain tuples the core sends, and, for comparison, as the
+``RequestOutput``s (text and all) the core sent before the front end made the outputs.
 
     python benchmarks/core_messages.py --requests 256
 """
@@ -13,7 +15,7 @@ import argparse
 import pickle
 import time
 
-from mmserve.engine.core_process import output_values
+from mmserve.engine.output_processor import CoreOutput
 from mmserve.outputs import RequestOutput
 
 
@@ -28,22 +30,25 @@ def best_ms(fn, repeats: int = 5, number: int = 100) -> float:
     return min(runs)
 
 
+def row(name: str, dump, load) -> None:
+    data = dump()
+    print(f"{name:<20} {best_ms(dump):16.3f}   {best_ms(lambda: load(data)):22.3f}   "
+          f"{len(data):5d}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=256)
     args = p.parse_args()
+    n = args.requests
+    core = [CoreOutput(str(i), [17], None, None, 0) for i in range(n)]
     outputs = [RequestOutput(str(i), "", [17], 100, new_text=" word", new_token_ids=[17])
-               for i in range(args.requests)]
-    as_objects = pickle.dumps(outputs, protocol=pickle.HIGHEST_PROTOCOL)
-    as_tuples = pickle.dumps([output_values(o) for o in outputs],
-                             protocol=pickle.HIGHEST_PROTOCOL)
-    print(f"{args.requests} outputs   pickle (core) ms   unpickle (front end) ms   bytes")
-    print(f"dataclasses   {best_ms(lambda: pickle.dumps(outputs, protocol=5)):16.3f}"
-          f"   {best_ms(lambda: pickle.loads(as_objects)):22.3f}   {len(as_objects):5d}")
-    print(f"tuples        "
-          f"{best_ms(lambda: pickle.dumps([output_values(o) for o in outputs], 5)):16.3f}"
-          f"   {best_ms(lambda: [RequestOutput(*v) for v in pickle.loads(as_tuples)]):22.3f}"
-          f"   {len(as_tuples):5d}")
+               for i in range(n)]
+    print(f"{n} outputs          pickle (core) ms   unpickle (front end) ms   bytes")
+    row("request outputs", lambda: pickle.dumps(outputs, protocol=5), pickle.loads)
+    row("core, named tuples", lambda: pickle.dumps(core, protocol=5), pickle.loads)
+    row("core, plain tuples", lambda: pickle.dumps([tuple(o) for o in core], protocol=5),
+        lambda data: [CoreOutput._make(v) for v in pickle.loads(data)])
 
 
 if __name__ == "__main__":

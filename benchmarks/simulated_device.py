@@ -15,12 +15,15 @@ device's add up each step; scheduled ahead, they overlap.
     python benchmarks/simulated_device.py
     python benchmarks/simulated_device.py --requests 64 --device-ms 0.5,1,2
     python benchmarks/simulated_device.py --device-ms 10 --kernels 300 --launch-us 10
+    python benchmarks/simulated_device.py --threads 1 --device-ms 2,10 --core
 
-``--kernels``/``--launch-us`` model an eager forward pass: a step's device work as that many
-kernels, each launched by that much Python holding the interpreter lock (as torch's launches
-do), the device unable to start a kernel before its launch; by default a step is one launch
-of no cost (a CUDA graph's replay). ``--switch-interval-ms`` sets the interpreter's switch
-interval (``sys.setswitchinterval``; Python's default is 5 ms): how long a thread waiting for
+``--core`` adds the steps of an engine core process (``core_step``), whose front end makes
+the text and the outputs in a process of its own. ``--kernels``/``--launch-us`` model an
+eager forward pass: a step's device work as that many kernels, each launched by that much
+Python holding the interpreter lock (as torch's launches do), the device unable to start a
+kernel before its launch; by default a step is one launch of no cost (a CUDA graph's
+replay). ``--switch-interval-ms`` sets the interpreter's switch interval
+(``sys.setswitchinterval``; Python's default is 5 ms): how long a thread waiting for
 the lock lets the one holding it run.
 
 Not part of the test suite: the figures depend on the machine and what else runs on it.
@@ -100,13 +103,15 @@ def simulate(engine: LLMEngine, device: SimulatedDevice) -> None:
 
 
 def measure(model: str, requests: int, device: SimulatedDevice, ahead: bool, steps: int,
-            threads: int | None = None) -> tuple[float, float]:
+            threads: int | None = None, core: bool = False) -> tuple[float, float]:
     """Seconds per decode step of ``requests`` requests, ``steps`` steps after a warm-up, and
-    the device's busy share over those steps."""
+    the device's busy share over those steps. ``core``: steps as the engine core process
+    runs them (``core_step``: its front end detokenizes and makes the outputs)."""
     engine = LLMEngine(EngineConfig(
         model=model, device="cpu", dtype="float32", max_model_len=2048,
         max_num_seqs=requests, max_num_batched_tokens=8192, kv_cache_memory=1 << 30,
-        async_scheduling=ahead, cpu_threads=threads))
+        async_scheduling=ahead, cpu_threads=threads), detokenize=not core)
+    step = engine.core_step if core else engine.step
     try:
         simulate(engine, device)
         params = SamplingParams(max_tokens=steps + 100, temperature=0.0, ignore_eos=True,
@@ -114,10 +119,10 @@ def measure(model: str, requests: int, device: SimulatedDevice, ahead: bool, ste
         for i in range(requests):
             engine.add_request({"prompt": f"USER: request {i}\nASSISTANT:"}, params)
         for _ in range(30):  # prompts, then decodes under way
-            engine.step()
+            step()
         start = time.perf_counter()
         for _ in range(steps):
-            engine.step()
+            step()
         end = time.perf_counter()
         return (end - start) / steps, device.busy(start, end) / (end - start)
     finally:
@@ -138,6 +143,9 @@ def main() -> None:
                         help="kernels a step's device work is launched as")
     parser.add_argument("--launch-us", type=float, default=0.0,
                         help="microseconds of Python each kernel's launch takes")
+    parser.add_argument("--core", action="store_true",
+                        help="also the engine core process's steps, without the outputs "
+                        "(its front end detokenizes and makes them)")
     parser.add_argument("--switch-interval-ms", type=float,
                         help="the interpreter's switch interval (default: Python's, 5 ms)")
     args = parser.parse_args()
@@ -148,14 +156,17 @@ def main() -> None:
         print(f"{args.requests} requests decoding, {args.threads or torch.get_num_threads()} "
               f"threads, {args.kernels} launch(es) of {args.launch_us:g} us a step, switch "
               f"interval {sys.getswitchinterval() * 1e3:g} ms")
-        print(f"{'device ms':>9}  {'scheduling':>10}  {'ms a step':>9}  {'device busy':>11}")
+        print(f"{'device ms':>9}  {'scheduling':>10}  {'outputs':>9}  {'ms a step':>9}  "
+              f"{'device busy':>11}")
         for ms in (float(v) for v in args.device_ms.split(",")):
             for ahead in (False, True):
-                device = SimulatedDevice(ms / 1e3, args.kernels, args.launch_us / 1e6)
-                step, busy = measure(model, args.requests, device, ahead, args.steps,
-                                     args.threads)
-                print(f"{ms:9.1f}  {'ahead' if ahead else 'in step':>10}  {step * 1e3:9.2f}  "
-                      f"{busy:11.0%}")
+                for core in (False, True) if args.core else (False,):
+                    device = SimulatedDevice(ms / 1e3, args.kernels, args.launch_us / 1e6)
+                    step, busy = measure(model, args.requests, device, ahead, args.steps,
+                                         args.threads, core)
+                    print(f"{ms:9.1f}  {'ahead' if ahead else 'in step':>10}  "
+                          f"{'front end' if core else 'engine':>9}  {step * 1e3:9.2f}  "
+                          f"{busy:11.0%}")
 
 
 if __name__ == "__main__":

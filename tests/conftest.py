@@ -100,9 +100,11 @@ def record_steps(llm) -> list:
 
 
 def assert_no_leaks(engine) -> None:
-    """After a drained engine: every KV block free, no referenced encoder-cache entry."""
+    """After a drained engine: every KV block free, no referenced encoder-cache entry, no
+    request's text or prompt log-probabilities kept."""
     stats = engine.stats()
     assert not engine.has_unfinished_requests()
+    assert len(engine.output_processor or ()) == 0 and not engine._prompt_logprobs
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
     assert stats["encoder_cache_referenced_entries"] == 0, stats
 

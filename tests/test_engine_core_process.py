@@ -6,6 +6,7 @@ checkpoint in float32 on the CPU."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -114,6 +115,45 @@ def test_outputs_equal_the_engine_in_this_process(core: Core, clip_llama: str) -
             assert (a.rank, [t for t, _ in a.top]) == (b.rank, [t for t, _ in b.top])
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
     assert [o.token_ids for o in got_sampled] == [c.token_ids for c in want_sampled.outputs]
+    assert_drained(core)
+
+
+def test_stop_strings_and_output_kinds_as_in_this_process(core: Core, clip_llama: str) -> None:
+    """The front end makes the text from the core's tokens: a stop string met, each output
+    kind gives what ``LLM`` gives in one process (text, tokens, logprobs, prompt logprobs);
+    the core, which ran on past the stop, ends the request (nothing left held)."""
+    free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(clip_llama, dtype="float32", device="cpu") as llm:
+        text = llm.generate(PROMPTS[1:2], free)[0].text
+        stop = text[len(text) // 2:len(text) // 2 + 3]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop],
+                                logprobs=1, prompt_logprobs=1)
+        want = llm.generate(PROMPTS[1:2], params)[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) < 24, (text, stop)
+
+    async def main() -> dict[str, list[RequestOutput]]:
+        streams = {kind: await core.client.add_request(
+            f"stop-{kind}", PROMPTS[1], dataclasses.replace(params, output_kind=kind))
+            for kind in ("cumulative", "delta", "final_only")}
+        got: dict[str, list[RequestOutput]] = {}
+        for kind, stream in streams.items():
+            got[kind] = [out async for out in stream]
+        return got
+
+    got = core.run(main())
+    cumulative, delta, (final,) = got["cumulative"][-1], got["delta"], got["final_only"]
+    for out in (cumulative, final):
+        assert (out.text, out.token_ids, out.finish_reason) == (want.text, want.token_ids,
+                                                                 "stop")
+        assert [e.logprob for e in out.logprobs] == pytest.approx(
+            [e.logprob for e in want.logprobs], abs=1e-4)
+        assert [e and e.logprob for e in out.prompt_logprobs] == pytest.approx(
+            [e and e.logprob for e in want.prompt_logprobs], abs=1e-4)
+    assert "".join(o.text for o in delta) == want.text
+    assert [t for o in delta for t in o.token_ids] == want.token_ids
+    assert len([e for o in delta for e in o.logprobs]) == len(want.token_ids)
+    assert [o.finished for o in delta].count(True) == 1 and delta[-1].finish_reason == "stop"
+    assert delta[-1].prompt_logprobs is not None
     assert_drained(core)
 
 
@@ -235,16 +275,15 @@ def test_errors_of_the_core_are_rebuilt_here() -> None:
     assert type(other) is RuntimeError and "bug" in str(other)
 
 
-def test_outputs_cross_as_their_fields() -> None:
-    """A step's outputs, sent as the tuples of their fields, are rebuilt equal, logprobs and
-    all."""
+def test_core_outputs_cross_as_plain_tuples() -> None:
+    """What a step did to a request, sent as a plain tuple, is rebuilt equal, logprobs and
+    prompt logprobs included."""
     import pickle
 
-    from mmserve.engine.core_process import output_values
+    from mmserve.engine.output_processor import CoreOutput
     from mmserve.step import TokenLogprobs
 
-    out = RequestOutput("r", "a b", [5, 6], 12, finished=True, finish_reason="stop",
-                        new_text=" b", new_token_ids=[6], num_cached_tokens=4,
-                        logprobs=[TokenLogprobs(-0.5, 1, ((6, -0.5), (7, -1.0)))])
-    (back,) = [RequestOutput(*v) for v in pickle.loads(pickle.dumps([output_values(out)]))]
+    out = CoreOutput("r", [6], "stop", None, 4, TokenLogprobs(-0.5, 1, ((6, -0.5), (7, -1.0))),
+                     [None, TokenLogprobs(-2.0, 3, ())])
+    (back,) = [CoreOutput._make(v) for v in pickle.loads(pickle.dumps([tuple(out)]))]
     assert back == out

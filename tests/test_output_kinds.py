@@ -76,8 +76,8 @@ def test_a_delta_request_keeps_no_log_probabilities_it_sent(llm: LLM) -> None:
     kept = []
     while engine.has_unfinished_requests():
         engine.step()
-        if rid in engine._logprobs:
-            kept.append(len(engine._logprobs[rid]))
+        if rid in engine.output_processor:
+            kept.append(len(engine.output_processor._outputs[rid].logprobs))
     assert kept and max(kept) == 0
     assert_no_leaks(engine)
 

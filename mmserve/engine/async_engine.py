@@ -107,12 +107,14 @@ IDLE_CHECK_S = 1.0
 
 
 def run_steps(engine: LLMEngine, commands: queue.SimpleQueue[object],
-              publish: Callable[[list[RequestOutput], float, dict[str, Any]], None]) -> None:
+              publish: Callable[[list[Any], float, dict[str, Any]], None],
+              step: Callable[[], list[Any]] | None = None) -> None:
     """Step ``engine`` while it has requests, carrying out ``commands`` (``QueueRequest``,
     ``AbortRequest``) between steps, until the ``STOP`` command (after those sent before it);
-    ``publish(outputs, time.monotonic(), engine.stats())`` after each step, and with no outputs
-    after commands that left nothing to step. What the engine raises (it is broken) ends the
-    loop and is raised."""
+    ``publish(outputs, time.monotonic(), engine.stats())`` after each step (``step``'s outputs:
+    by default ``engine.step``'s), and with no outputs after commands that left nothing to
+    step. What the engine raises (it is broken) ends the loop and is raised."""
+    step = step or engine.step
     while True:
         # Block only when there is nothing to step.
         batch = []
@@ -130,7 +132,7 @@ def run_steps(engine: LLMEngine, commands: queue.SimpleQueue[object],
         if not all(_apply(engine, command) for command in batch):
             return  # STOP, after the commands sent before it
         if engine.has_unfinished_requests():
-            outputs = engine.step()
+            outputs = step()
             publish(outputs, time.monotonic(), engine.stats())
         else:
             publish([], time.monotonic(), engine.stats())

@@ -1,11 +1,14 @@
 """The engine in a process of its own, apart from the server's front end.
 
-The front end (HTTP, JSON, media fetching and decoding, the processor, grammar compilation)
-and the engine core (scheduling, the step, sampling, detokenization) share no interpreter lock
-and no core's time unannounced: a request's images are turned into pixels in the front end,
-which sends the finished ``Request`` to the core, pixels once; the core steps as the server's
-engine thread does (``async_engine.run_steps``) and sends each step's outputs back. This is
-how vLLM and SGLang run their servers.
+The front end (HTTP, JSON, media fetching and decoding, the processor, grammar compilation,
+detokenization and the requests' outputs) and the engine core (scheduling, the step,
+sampling) share no interpreter lock and no core's time unannounced: a request's images are
+turned into pixels in the front end, which sends the finished ``Request`` to the core, pixels
+once; the core steps as the server's engine thread does (``async_engine.run_steps``) and
+sends what each step did to each request back (``CoreOutput``s: tokens, finishes,
+log-probabilities), which the front end's ``OutputProcessor`` turns into text and outputs. A
+stop string is found there, and the front end aborts its request in the core. This is how
+vLLM and SGLang run their servers.
 
 Messages are pickled tuples on one pipe each way, read and written by threads of their own on
 both sides, so that neither side's stepping or event loop waits on the other's pipe:
@@ -14,7 +17,7 @@ both sides, so that neither side's stepping or event loop waits on the other's p
   ``("stop",)``;
 - core to front end: ``("ready", CoreReady)`` or ``("failed", is_bad_setting, message)`` once
   started, then ``("added", token, error)`` for each request queued, ``("step", outputs,
-  time, stats)`` (each ``RequestOutput`` as the tuple of its fields), and ``("dead",
+  time, stats)`` (each ``CoreOutput`` as a plain tuple), and ``("dead",
   message)`` if the engine breaks.
 
 A constraint's grammar is compiled in the front end (a bad one is refused there) and again by
@@ -27,11 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 import logging
 import multiprocessing
-import operator
 import os
 import pickle
 import queue
@@ -52,10 +53,10 @@ from mmserve.engine.async_engine import (
     RequestObserver,
     run_steps,
 )
+from mmserve.engine.output_processor import CoreOutput, OutputProcessor
 from mmserve.engine.request import Request
 from mmserve.engine.request_maker import RequestMaker, processor_and_grammars
 from mmserve.errors import EngineDeadError, InvalidInputError
-from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.executor import exit_status, exit_with_parent
 
@@ -109,6 +110,8 @@ class EngineCoreClient(EngineClient):
             # The front end's processor is built while the core loads the model.
             hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
             processor, grammars = processor_and_grammars(config, hf_config)
+            # The requests' text and outputs, from the core's tokens: on the event loop.
+            self._outputs = OutputProcessor(processor.tokenizer)
             ready = self._wait_ready(start_timeout)
             self.request_maker = RequestMaker(
                 processor, grammars, ready.config.max_model_len,
@@ -214,7 +217,8 @@ class EngineCoreClient(EngineClient):
         batch = []
         for request, resolve in zip(requests, done, strict=True):
             token = next(self._tokens)
-            self._added[token] = resolve
+            self._outputs.add(request)
+            self._added[token] = self._forget_if_refused(request.request_id, resolve)
             request.grammar = None  # compiled again in the core, from its own cache
             batch.append((token, request))
         self._outbox.put(("add", batch))
@@ -222,8 +226,31 @@ class EngineCoreClient(EngineClient):
             self._refuse_queued(f"the engine stopped: {self._error}" if self._error
                                 else "the engine core is not running")
 
+    def _forget_if_refused(self, request_id: str, resolve: Callable[[BaseException | None],
+                                                                    None]
+                           ) -> Callable[[BaseException | None], None]:
+        def done(error: BaseException | None) -> None:
+            if error is not None:  # on the event loop, before the caller hears of it
+                self._post(self._outputs.abort, request_id)
+            resolve(error)
+
+        return done
+
     def _send_abort(self, request_id: str) -> None:
+        self._outputs.abort(request_id)
         self._outbox.put(("abort", request_id))
+
+    def _dispatch_core(self, core_outputs: list[CoreOutput], now: float) -> None:
+        """A step's outputs, made here from the core's; a request a stop string finished is
+        aborted in the core, which ran it on meanwhile."""
+        outputs, stopped = self._outputs.process(core_outputs)
+        for request_id in stopped:
+            self._outbox.put(("abort", request_id))
+        self._dispatch(outputs, now)
+
+    def _fail_all(self, error: BaseException | None) -> None:
+        self._outputs.clear()
+        super()._fail_all(error)
 
     # ----------------------------------------------------------------- the reader
     def _read(self) -> None:
@@ -240,7 +267,8 @@ class EngineCoreClient(EngineClient):
                 if kind == "step":
                     _, values, now, self._stats = message
                     if values:
-                        self._post(self._dispatch, [RequestOutput(*v) for v in values], now)
+                        self._post(self._dispatch_core, [CoreOutput._make(v) for v in values],
+                                   now)
                 elif kind == "added":
                     _, token, problem = message
                     resolve = self._added.pop(token, None)
@@ -269,10 +297,6 @@ class EngineCoreClient(EngineClient):
             resolve = self._added.pop(token, None)
             if resolve is not None:
                 resolve(EngineDeadError(reason))
-
-
-# A step's outputs cross the pipe as tuples of these fields, in this order.
-output_values = operator.attrgetter(*(f.name for f in dataclasses.fields(RequestOutput)))
 
 
 def _write(conn: Connection, outbox: queue.SimpleQueue[object]) -> None:
@@ -320,7 +344,7 @@ def _core_main(config: EngineConfig, conn: Connection) -> None:
     exit_with_parent()
     cpu_threads.count_as_own(os.getppid())  # the front end's work is the service's own
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, detokenize=False)  # the front end makes the outputs
     except BaseException as e:  # noqa: BLE001 (reported to the front end, which raises it)
         bad_setting = isinstance(e, ValueError | FileNotFoundError)
         if not bad_setting:
@@ -337,14 +361,14 @@ def _core_main(config: EngineConfig, conn: Connection) -> None:
     threading.Thread(target=_read_commands, args=(conn, engine, commands, outbox),
                      name="mmserve-core-reader", daemon=True).start()
 
-    def publish(outputs: list[RequestOutput], now: float, stats: dict[str, Any]) -> None:
-        # As tuples of their fields: pickled (by the writer thread, under the core's
-        # interpreter lock all the same) in about half the time the dataclasses take, and
-        # unpickled in the front end in less than half (benchmarks/core_messages.py).
-        outbox.put(("step", [output_values(out) for out in outputs], now, stats))
+    def publish(outputs: list[CoreOutput], now: float, stats: dict[str, Any]) -> None:
+        # As plain tuples: pickled (by the writer thread, under the core's interpreter lock
+        # all the same) in a quarter of the time named tuples take
+        # (benchmarks/core_messages.py).
+        outbox.put(("step", [tuple(out) for out in outputs], now, stats))
 
     try:
-        run_steps(engine, commands, publish)
+        run_steps(engine, commands, publish, engine.core_step)
     except BaseException as e:  # noqa: BLE001 (the engine is broken: the front end fails all)
         logger.critical("the engine core stopped", exc_info=e)
         outbox.put(("dead", str(e)))

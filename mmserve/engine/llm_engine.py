@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from mmserve.config import EngineConfig, require_model_dir
-from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.encoder_cache import KVLending
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.memory_plan import InfeasiblePlanError, default_memory_utilization
+from mmserve.engine.output_processor import CoreOutput, OutputProcessor
 from mmserve.engine.profile_batch import ProfileBatch
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.engine.request_maker import RequestMaker, processor_and_grammars
@@ -68,7 +68,7 @@ _live_engines: weakref.WeakSet[LLMEngine] = weakref.WeakSet()
 class _SchedulingFailed(Exception):
     """Scheduling raised; every request was failed (``outputs``)."""
 
-    def __init__(self, outputs: list[RequestOutput]) -> None:
+    def __init__(self, outputs: list[CoreOutput]) -> None:
         super().__init__("scheduling failed")
         self.outputs = outputs
 
@@ -80,7 +80,10 @@ class LLMEngine:
     _closed = False  # set by close(); a class default so that a half-built engine closes too
     _froze = False  # start-up's objects were frozen out of the collector's walk (collector.py)
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
+        """``detokenize`` False: the engine core of a front end that detokenizes and makes
+        the outputs itself (``core_process.py``): ``core_step`` gives what each step did to
+        each request, ``step`` is not for it."""
         from transformers import AutoConfig
 
         require_model_dir(config.model)
@@ -157,10 +160,11 @@ class LLMEngine:
             if self.plan.encoder_borrowing else None,
             queue_aware_eviction=config.encoder_cache_eviction == "queue-aware",
         )
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        # Each generated token's log-probabilities, and each prompt token's, for the requests
-        # that asked.
-        self._logprobs: dict[str, list[TokenLogprobs]] = {}
+        # Text, stop strings and the requests' outputs (output_processor.py).
+        self.output_processor = (OutputProcessor(self.processor.tokenizer) if detokenize
+                                 else None)
+        # Each prompt token's log-probabilities, for the requests that asked, until they
+        # go out with the request's first output.
         self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
@@ -271,10 +275,8 @@ class LLMEngine:
                              "as its fork_request children")
         if req.request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {req.request_id!r} is already in use")
-        self._detokenizers[req.request_id] = IncrementalDetokenizer(
-            self.processor.tokenizer, req.sampling_params.stop)
-        if req.sampling_params.logprobs is not None:
-            self._logprobs[req.request_id] = []
+        if self.output_processor is not None:
+            self.output_processor.add(req)
         if req.sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[req.request_id] = [None]  # the first token has none
         if req.grammar is not None:
@@ -287,8 +289,8 @@ class LLMEngine:
         step in flight holds it (asynchronous scheduling) its blocks are released once that
         step is collected: if its chunk there fails, the blocks it published leave the
         prefix cache as a failed request's do."""
-        self._detokenizers.pop(request_id, None)
-        self._logprobs.pop(request_id, None)
+        if self.output_processor is not None:
+            self.output_processor.abort(request_id)
         self._prompt_logprobs.pop(request_id, None)
         self._matchers.remove(request_id)
         req = self.scheduler.requests.get(request_id)
@@ -328,11 +330,11 @@ class LLMEngine:
         next ``step`` (a caller that aborts everything it asked for and stops stepping)."""
         if self.is_dead:
             raise EngineDeadError(self._dead)
-        outputs: list[RequestOutput] = []
+        outputs: list[CoreOutput] = []
         while self._submitted:
             scheduler_output, result = self._take()
             outputs += self._finish_step(scheduler_output, result)
-        return outputs
+        return self._assemble(outputs)
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -354,6 +356,20 @@ class LLMEngine:
         With ``async_scheduling`` the next step is scheduled and handed to the runner while
         this one computes (``_schedule_ahead``), and this one's outputs are made while the
         next computes; a step returns the outputs of the step before it then."""
+        core_outputs, record = self.core_step_with_record()
+        t0 = time.perf_counter()
+        outputs = self._assemble(core_outputs)
+        record.schedule_s += time.perf_counter() - t0
+        return outputs, record
+
+    def core_step(self) -> list[CoreOutput]:
+        """``step`` without the text: what the step did to each request it changed, for an
+        ``OutputProcessor`` elsewhere (an engine built with ``detokenize=False``), whose
+        caller ends a request a stop string finished with ``abort_request``."""
+        return self.core_step_with_record()[0]
+
+    def core_step_with_record(self) -> tuple[list[CoreOutput], StepRecord]:
+        """``core_step``, and the step's ``StepRecord``."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         self._schedule_s = 0.0
@@ -445,9 +461,21 @@ class LLMEngine:
             self._submit(ahead)
             self.num_steps_ahead += 1
 
+    def _assemble(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
+        """The request outputs of core outputs; a request a stop string finished is finished
+        here too."""
+        if self.output_processor is None:
+            raise RuntimeError("this engine's outputs are made by its front end: core_step")
+        outputs, stopped = self.output_processor.process(core_outputs)
+        for request_id in stopped:
+            self._matchers.remove(request_id)
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
     def _finish_step(self, scheduler_output: SchedulerOutput,
-                     result: ModelOutput) -> list[RequestOutput]:
-        """Apply a step's result: failures, sampled tokens, stops, detokenized outputs."""
+                     result: ModelOutput) -> list[CoreOutput]:
+        """Apply a step's result: failures, sampled tokens, stops; what it did to each
+        request."""
         stale, self._stale = self._stale, set()
         if stale:  # their step before failed: what this one did for them is void
             for found in (result.sampled, result.errors, result.logprobs,
@@ -470,24 +498,23 @@ class LLMEngine:
         outputs = [self._error_output(req) for req in failed if not req.aborting]
         # Once per request every step: the lookups are hoisted, and the tables of what few
         # requests ask for (log-probabilities, grammars) are looked in only when not empty.
-        all_logprobs, detokenizers, matchers = self._logprobs, self._detokenizers, self._matchers
+        all_logprobs, prompt_logprobs, matchers = (result.logprobs, self._prompt_logprobs,
+                                                   self._matchers)
         for req in changed:
             if req.aborting:
                 continue
             rid = req.request_id
-            if all_logprobs and (logprobs := all_logprobs.get(rid)) is not None:
-                logprobs.append(result.logprobs[rid])
-            detok = detokenizers[rid]
-            detok.add(req.all_token_ids[-1])
+            logprobs = all_logprobs.get(rid) if all_logprobs else None
             if matchers and rid in matchers and not self._follow_grammar(req):
-                outputs.append(self._error_output(req, with_last_token=True))
+                outputs.append(self._error_output(req, with_last_token=True, logprobs=logprobs))
                 continue
             finished = req.finished
-            if detok.stopped and not finished:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-                finished = req.finished
-            if finished or req.sampling_params.output_kind != "final_only":
-                outputs.append(self._output(req, detok, finished))
+            if finished and matchers:
+                matchers.remove(rid)
+            outputs.append(CoreOutput(
+                rid, req.all_token_ids[-1:], req.status.finish_reason if finished else None,
+                None, req.num_cached_tokens or 0, logprobs,
+                prompt_logprobs.pop(rid, None) if prompt_logprobs else None))
         if self._aborting:
             self._release_aborted()
         return outputs
@@ -581,11 +608,13 @@ class LLMEngine:
                           f"({next(iter(result.errors.values()))}); the device or the engine "
                           "is broken, restart it.")
             logger.critical(self._dead)
-            self._fail_all(self._dead)
+            self._fail_all(self._dead)  # their outputs: the error raised instead
+            if self.output_processor is not None:
+                self.output_processor.clear()
             raise EngineDeadError(self._dead)
         return failed
 
-    def _fail_all(self, reason: str) -> list[RequestOutput]:
+    def _fail_all(self, reason: str) -> list[CoreOutput]:
         """Finish every live request with an error (what is left after a failure that no
         request can be blamed for)."""
         outputs = []
@@ -596,67 +625,14 @@ class LLMEngine:
         self.num_failed_requests += len(outputs)
         return outputs
 
-    def _error_output(self, req: Request, with_last_token: bool = False) -> RequestOutput:
-        """A failed request's last output. With ``output_kind`` ``delta``: the text held
-        back so far, and ``with_last_token`` the token the step sampled, which no output
-        carried yet (a grammar refused it); the others went out with their steps."""
+    def _error_output(self, req: Request, with_last_token: bool = False,
+                      logprobs: TokenLogprobs | None = None) -> CoreOutput:
+        """A failed request's last core output: with ``with_last_token`` the token the step
+        sampled (a grammar refused it), and its ``logprobs``."""
         self._matchers.remove(req.request_id)
-        detok = self._detokenizers.pop(req.request_id, None)
-        logprobs = self._logprobs.pop(req.request_id, None)
         self._prompt_logprobs.pop(req.request_id, None)
-        kind = req.sampling_params.output_kind
-        if kind == "delta":
-            text = new_text = detok.take_new_text(final=True) if detok else ""
-            token_ids = new_token_ids = req.all_token_ids[-1:] if with_last_token else []
-            if logprobs is not None:
-                logprobs = logprobs[-1:] if with_last_token else []
-        else:
-            text, token_ids = (detok.text if detok else ""), req.output_token_ids
-            # final_only: everything is new, as in its finished outputs
-            new_text, new_token_ids = (text, token_ids) if kind == "final_only" else ("", [])
-        return RequestOutput(
-            request_id=req.request_id, text=text, token_ids=token_ids,
-            num_prompt_tokens=req.num_prompt_tokens, finished=True, finish_reason="error",
-            new_text=new_text, new_token_ids=new_token_ids, error=req.error,
-            num_cached_tokens=req.num_cached_tokens or 0, logprobs=logprobs)
-
-    def _output(self, req: Request, detok: IncrementalDetokenizer,
-                finished: bool) -> RequestOutput:
-        """The request's output after a step that gave it a token, as its ``output_kind``
-        asks (a ``final_only`` request's once it ``finished``)."""
-        rid = req.request_id
-        kind = req.sampling_params.output_kind
-        logprobs = self._logprobs.get(rid) if self._logprobs else None
-        prompt_logprobs = None
-        if finished:
-            self._matchers.remove(rid)
-            del self._detokenizers[rid]
-            self._logprobs.pop(rid, None)
-            prompt_logprobs = self._prompt_logprobs.pop(rid, None)
-        new_text = detok.take_new_text(final=finished)
-        if kind == "delta":  # nothing copied or kept here grows with the output
-            text, token_ids = new_text, req.all_token_ids[-1:]
-            new_token_ids = token_ids
-            if logprobs is not None:  # they go out with their step: the engine keeps none
-                logprobs, sent = logprobs[-1:], logprobs
-                sent.clear()
-        else:
-            text, token_ids = detok.text, req.output_token_ids
-            new_token_ids = token_ids if kind == "final_only" else req.all_token_ids[-1:]
-            logprobs = None if logprobs is None else list(logprobs)
-        return RequestOutput(
-            request_id=rid,
-            text=text,
-            token_ids=token_ids,
-            num_prompt_tokens=req.num_prompt_tokens,
-            finished=finished,
-            finish_reason=req.status.finish_reason if finished else None,
-            new_text=new_text,
-            new_token_ids=new_token_ids,
-            num_cached_tokens=req.num_cached_tokens or 0,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-        )
+        return CoreOutput(req.request_id, req.all_token_ids[-1:] if with_last_token else [],
+                          "error", req.error, req.num_cached_tokens or 0, logprobs)
 
     def check_health(self) -> None:
         """Raise ``EngineDeadError`` if the engine cannot serve (closed, or a tensor-parallel
