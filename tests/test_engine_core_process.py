@@ -287,3 +287,58 @@ def test_core_outputs_cross_as_plain_tuples() -> None:
                      [None, TokenLogprobs(-2.0, 3, ())])
     (back,) = [CoreOutput._make(v) for v in pickle.loads(pickle.dumps([tuple(out)]))]
     assert back == out
+
+
+def test_a_slow_grammar_holds_up_no_message_behind_it() -> None:
+    """The core compiles grammars beside its reader: a plain request and an abort sent after a
+    constrained request whose grammar takes long are carried out at once; an abort of the
+    constrained request while it compiles follows it, once it is queued; a grammar that
+    fails is refused."""
+    import pickle
+    import queue
+    import threading
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    from mmserve.engine.async_engine import STOP, AbortRequest, QueueRequest
+    from mmserve.engine.core_process import _read_commands
+
+    release = threading.Event()
+
+    def compile(constraint: StructuredOutputs) -> str:
+        if constraint.regex == "bad":
+            raise InvalidInputError("does not compile")
+        assert release.wait(30)
+        return f"grammar of {constraint.regex}"
+
+    def request(rid: str, regex: str | None = None) -> SimpleNamespace:
+        constraint = None if regex is None else StructuredOutputs(regex=regex)
+        return SimpleNamespace(request_id=rid, grammar=None, sampling_params=SamplingParams(
+            structured_outputs=constraint))
+
+    engine = SimpleNamespace(grammars=SimpleNamespace(compile=compile))
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    ours, theirs = Pipe()
+    reader = threading.Thread(target=_read_commands, args=(theirs, engine, commands, outbox))
+    reader.start()
+    for message in [("add", [(1, request("slow", "a+")), (2, request("bad", "bad"))]),
+                    ("add", [(3, request("plain"))]), ("abort", "other"), ("abort", "slow")]:
+        ours.send_bytes(pickle.dumps(message))
+
+    def next_command() -> object:
+        return commands.get(timeout=10)
+
+    got = [next_command() for _ in range(2)]
+    assert isinstance(got[0], QueueRequest) and got[0].request.request_id == "plain"
+    assert isinstance(got[1], AbortRequest) and got[1].request_id == "other"
+    assert outbox.get(timeout=10) == ("added", 2, ("invalid", "does not compile", None))
+    assert commands.empty()  # the slow one still compiles
+    release.set()
+    queued, abort = next_command(), next_command()
+    assert isinstance(queued, QueueRequest) and queued.request.grammar == "grammar of a+"
+    assert isinstance(abort, AbortRequest) and abort.request_id == "slow"
+    ours.send_bytes(pickle.dumps(("stop",)))
+    assert next_command() is STOP
+    reader.join(10)
+    assert not reader.is_alive()

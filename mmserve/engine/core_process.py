@@ -20,10 +20,12 @@ both sides, so that neither side's stepping or event loop waits on the other's p
   time, stats)`` (each ``CoreOutput`` as a plain tuple), and ``("dead",
   message)`` if the engine breaks.
 
-A constraint's grammar is compiled in the front end (a bad one is refused there) and again by
-the core's reader thread, from its own compiler's cache, before the request reaches the
-stepping thread. The core exits once its front end is gone (``exit_with_parent``); a core that
-dies fails every request in flight and the server exits, as when its engine thread breaks.
+A constraint's grammar is compiled in the front end (a bad one is refused there) and again in
+the core, from its own compiler's cache, on a small pool of threads before the request
+reaches the stepping thread (a compiled grammar costs more to serialize than to compile), so
+that a long compilation holds up neither the steps nor the messages behind it. The core exits
+once its front end is gone (``exit_with_parent``); a core that dies fails every request in
+flight and the server exits, as when its engine thread breaks.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -66,6 +69,8 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 900.0
 # Seconds the core gets to finish its step and close the engine once asked to stop.
 STOP_GRACE_S = 30.0
+# Threads of the core that compile the grammars of constrained requests as they arrive.
+GRAMMAR_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -381,34 +386,59 @@ def _core_main(config: EngineConfig, conn: Connection) -> None:
 
 def _read_commands(conn: Connection, engine: Any, commands: queue.SimpleQueue[object],
                    outbox: queue.SimpleQueue[object]) -> None:
-    """The front end's messages as the stepping thread's commands; a request's grammar is
-    compiled here, off the stepping thread. A front end that is gone stops the core."""
+    """The front end's messages as the stepping thread's commands, until it says stop (or is
+    gone: that stops the core too). A request with a grammar is queued once the grammar is
+    compiled, on a pool of ``GRAMMAR_THREADS`` off this thread and the stepping thread, so
+    that a schema that takes long to compile holds up neither the requests and aborts sent
+    after it nor the steps; an abort of a request still compiling follows its request."""
     def done(token: int) -> Callable[[BaseException | None], None]:
         return lambda error: outbox.put(
             ("added", token, None if error is None else _error_of(error)))
 
+    compiling: dict[str, bool] = {}  # request id -> aborted meanwhile
+    lock = threading.Lock()
+
+    def compile_and_queue(token: int, request: Request) -> None:
+        try:
+            request.grammar = engine.grammars.compile(request.sampling_params.structured_outputs)
+        except Exception as e:  # noqa: BLE001 (refused, as the front end would)
+            error: Exception | None = e
+        else:
+            error = None
+            commands.put(QueueRequest(request, done(token)))
+        with lock:
+            aborted = compiling.pop(request.request_id)
+        if error is not None:
+            done(token)(error)
+        elif aborted:
+            commands.put(AbortRequest(request.request_id))
+
+    pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="mmserve-core-grammar")
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             commands.put(STOP)
-            return
+            break
         kind = message[0]
         if kind == "add":
             for token, request in message[1]:
-                constraint = request.sampling_params.structured_outputs
-                try:
-                    if constraint is not None:
-                        request.grammar = engine.grammars.compile(constraint)
-                except Exception as e:  # noqa: BLE001 (refused, as the front end would)
-                    done(token)(e)
+                if request.sampling_params.structured_outputs is None:
+                    commands.put(QueueRequest(request, done(token)))
                     continue
-                commands.put(QueueRequest(request, done(token)))
+                with lock:
+                    compiling[request.request_id] = False
+                pool.submit(compile_and_queue, token, request)
         elif kind == "abort":
+            with lock:
+                if message[1] in compiling:
+                    compiling[message[1]] = True
+                    continue
             commands.put(AbortRequest(message[1]))
         elif kind == "stop":
             commands.put(STOP)
-            return
+            break
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _exit(status: int) -> None:
