@@ -90,6 +90,7 @@ def assert_drained(core: Core) -> None:
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
     assert stats["encoder_cache_referenced_entries"] == 0, stats
     assert core.client.num_in_flight == 0
+    assert len(core.client._outputs) == 0  # the front end keeps no request's text
 
 
 def test_outputs_equal_the_engine_in_this_process(core: Core, clip_llama: str) -> None:
@@ -126,10 +127,11 @@ def test_stop_strings_and_output_kinds_as_in_this_process(core: Core, clip_llama
     with LLM(clip_llama, dtype="float32", device="cpu") as llm:
         text = llm.generate(PROMPTS[1:2], free)[0].text
         stop = text[len(text) // 2:len(text) // 2 + 3]
-        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop],
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, stop=[stop],
                                 logprobs=1, prompt_logprobs=1)
         want = llm.generate(PROMPTS[1:2], params)[0]
     assert want.finish_reason == "stop" and len(want.token_ids) < 24, (text, stop)
+    steps_before = core.client.stats()["num_steps"]
 
     async def main() -> dict[str, list[RequestOutput]]:
         streams = {kind: await core.client.add_request(
@@ -155,6 +157,44 @@ def test_stop_strings_and_output_kinds_as_in_this_process(core: Core, clip_llama
     assert [o.finished for o in delta].count(True) == 1 and delta[-1].finish_reason == "stop"
     assert delta[-1].prompt_logprobs is not None
     assert_drained(core)
+    # The core ran them on only until the front end's aborts came, not to max_tokens.
+    assert core.client.stats()["num_steps"] - steps_before < 100
+
+
+def test_a_request_id_in_flight_is_refused_and_its_request_goes_on(core: Core) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    async def main() -> RequestOutput:
+        first = await core.client.add_request("same", PROMPTS[0], params)
+        with pytest.raises(InvalidInputError, match="'same' is already in use"):
+            await core.client.add_request("same", PROMPTS[0], params)
+        return await collect(first)
+
+    assert len(core.run(main()).token_ids) == 8
+    assert_drained(core)
+
+
+def test_a_failure_making_outputs_fails_the_requests(clip_llama: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in the front end's output making ends every request with an error and stops
+    the core, rather than leaving their streams waiting."""
+    core = Core(config_of(clip_llama))
+    try:
+        def broken(core_outputs):
+            raise KeyError("bug")
+
+        monkeypatch.setattr(core.client._outputs, "process", broken)
+
+        async def main() -> None:
+            stream = await core.client.add_request(
+                "r", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0))
+            with pytest.raises(EngineDeadError, match="making the engine's outputs failed"):
+                await collect(stream)
+
+        core.run(main())
+        assert core.dead and not core.client.is_alive
+    finally:
+        core.close()
 
 
 def test_refusals_cross_the_pipe_and_the_core_goes_on(core: Core) -> None:
@@ -290,10 +330,10 @@ def test_core_outputs_cross_as_plain_tuples() -> None:
 
 
 def test_a_slow_grammar_holds_up_no_message_behind_it() -> None:
-    """The core compiles grammars beside its reader: a plain request and an abort sent after a
-    constrained request whose grammar takes long are carried out at once; an abort of the
-    constrained request while it compiles follows it, once it is queued; a grammar that
-    fails is refused."""
+    """The core compiles grammars beside its reader: a plain request and aborts sent after a
+    constrained request whose grammar takes long are carried out at once; the constrained
+    request, aborted while it compiles, is answered and never queued (a later request of the
+    same id is); a grammar that fails is refused."""
     import pickle
     import queue
     import threading
@@ -323,22 +363,24 @@ def test_a_slow_grammar_holds_up_no_message_behind_it() -> None:
     reader = threading.Thread(target=_read_commands, args=(theirs, engine, commands, outbox))
     reader.start()
     for message in [("add", [(1, request("slow", "a+")), (2, request("bad", "bad"))]),
-                    ("add", [(3, request("plain"))]), ("abort", "other"), ("abort", "slow")]:
+                    ("add", [(3, request("plain"))]), ("abort", "other"), ("abort", "slow"),
+                    ("add", [(4, request("slow", "b+"))])]:
         ours.send_bytes(pickle.dumps(message))
 
     def next_command() -> object:
         return commands.get(timeout=10)
 
-    got = [next_command() for _ in range(2)]
+    got = [next_command() for _ in range(3)]
     assert isinstance(got[0], QueueRequest) and got[0].request.request_id == "plain"
-    assert isinstance(got[1], AbortRequest) and got[1].request_id == "other"
+    assert [type(c) for c in got[1:]] == [AbortRequest, AbortRequest]
+    assert [c.request_id for c in got[1:]] == ["other", "slow"]
     assert outbox.get(timeout=10) == ("added", 2, ("invalid", "does not compile", None))
-    assert commands.empty()  # the slow one still compiles
+    assert commands.empty()  # the slow ones still compile
     release.set()
-    queued, abort = next_command(), next_command()
-    assert isinstance(queued, QueueRequest) and queued.request.grammar == "grammar of a+"
-    assert isinstance(abort, AbortRequest) and abort.request_id == "slow"
+    queued = next_command()
+    assert isinstance(queued, QueueRequest) and queued.request.grammar == "grammar of b+"
+    assert outbox.get(timeout=10) == ("added", 1, None)  # answered, not queued
     ours.send_bytes(pickle.dumps(("stop",)))
     assert next_command() is STOP
     reader.join(10)
-    assert not reader.is_alive()
+    assert not reader.is_alive() and commands.empty()

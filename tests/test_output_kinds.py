@@ -139,3 +139,29 @@ def test_an_unknown_kind_is_refused_by_name() -> None:
     with pytest.raises(InvalidInputError) as e:
         SamplingParams(output_kind="streaming")
     assert e.value.param == "output_kind" and "cumulative, delta, final_only" in str(e.value)
+
+
+def test_each_engine_steps_the_way_its_outputs_are_made(llm: LLM, clip_llama: str) -> None:
+    """An engine makes its outputs (``step``) or leaves them to its front end (built with
+    ``detokenize=False``: ``core_step``); the other call is refused before it steps."""
+    from mmserve import EngineConfig
+    from mmserve.engine.llm_engine import LLMEngine
+
+    with pytest.raises(RuntimeError, match="makes its own outputs"):
+        llm.engine.core_step()
+    core = LLMEngine(EngineConfig(model=clip_llama, device="cpu", dtype="float32",
+                                  max_model_len=160, max_num_seqs=2), detokenize=False)
+    try:
+        rid = core.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0.0,
+                                                      ignore_eos=True, stop=["never"]))
+        with pytest.raises(RuntimeError, match="call core_step"):
+            core.step()
+        assert core.num_steps == 0 and core.has_unfinished_requests()
+        outs = []
+        while core.has_unfinished_requests():
+            outs += core.core_step()
+        assert [(o.request_id, len(o.new_token_ids), o.finish_reason) for o in outs] == [
+            (rid, 1, None), (rid, 1, None), (rid, 1, "length")]
+        assert_no_leaks(core)
+    finally:
+        core.close()

@@ -40,7 +40,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.request import Request
 from mmserve.engine.request_maker import RequestMaker
-from mmserve.errors import EngineDeadError
+from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.compute_thread import ComputeThread, single_threaded
@@ -165,8 +165,8 @@ class EngineClient:
     (default: the CPU count, between 2 and 4); ``on_dead`` is called on the event loop if the
     engine stops by itself. A subclass makes requests (``_make``), queues them (``_queue``),
     aborts (``_send_abort``) and says whether its engine runs (``_running``); it hands
-    outputs to ``_dispatch`` and ends the streams with ``_fail_all``, both on the event
-    loop (``_post``)."""
+    request outputs to ``_dispatch`` (the engine core's client makes them from the core's
+    first) and ends the streams with ``_fail_all``, both on the event loop (``_post``)."""
 
     def __init__(self, config: EngineConfig, stats: dict[str, Any],
                  max_waiting: int | None = None, observer: RequestObserver | None = None,
@@ -252,6 +252,12 @@ class EngineClient:
                 f"{self.max_waiting} requests are already waiting for a slot "
                 f"(--max-queue {self.max_waiting}); retry later.")
         assert self._loop is not None
+        seen: set[str] = set()
+        for rid in request_ids:  # a stream of each: one id, one request in flight
+            if rid in self._streams or rid in seen:
+                raise InvalidInputError(f"request id {rid!r} is already in use",
+                                        param="request_id")
+            seen.add(rid)
         now = time.monotonic()
         streams = [RequestStream(rid, arrival_time=now, delta=params.output_kind == "delta")
                    for rid in request_ids]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import logging
 import multiprocessing
@@ -115,8 +116,10 @@ class EngineCoreClient(EngineClient):
             # The front end's processor is built while the core loads the model.
             hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
             processor, grammars = processor_and_grammars(config, hf_config)
-            # The requests' text and outputs, from the core's tokens: on the event loop.
-            self._outputs = OutputProcessor(processor.tokenizer)
+            # The requests' text and outputs, from the core's tokens: on the event loop, with
+            # a tokenizer of its own (a fast tokenizer is not safe to share between threads,
+            # and the preprocessing threads tokenize meanwhile).
+            self._outputs = OutputProcessor(copy.deepcopy(processor.tokenizer))
             ready = self._wait_ready(start_timeout)
             self.request_maker = RequestMaker(
                 processor, grammars, ready.config.max_model_len,
@@ -247,11 +250,18 @@ class EngineCoreClient(EngineClient):
 
     def _dispatch_core(self, core_outputs: list[CoreOutput], now: float) -> None:
         """A step's outputs, made here from the core's; a request a stop string finished is
-        aborted in the core, which ran it on meanwhile."""
-        outputs, stopped = self._outputs.process(core_outputs)
-        for request_id in stopped:
-            self._outbox.put(("abort", request_id))
-        self._dispatch(outputs, now)
+        aborted in the core, which ran it on meanwhile. A failure here (a bug) leaves the
+        outputs of the requests in flight unknown: they fail, and the server stops, as when
+        the engine breaks."""
+        try:
+            outputs, stopped = self._outputs.process(core_outputs)
+            for request_id in stopped:
+                self._outbox.put(("abort", request_id))
+            self._dispatch(outputs, now)
+        except Exception as e:  # noqa: BLE001 (reported as the engine's death)
+            if self._error is None:
+                self._died(EngineDeadError(f"making the engine's outputs failed: {e!r}"))
+                self.stop()
 
     def _fail_all(self, error: BaseException | None) -> None:
         self._outputs.clear()
@@ -390,28 +400,33 @@ def _read_commands(conn: Connection, engine: Any, commands: queue.SimpleQueue[ob
     gone: that stops the core too). A request with a grammar is queued once the grammar is
     compiled, on a pool of ``GRAMMAR_THREADS`` off this thread and the stepping thread, so
     that a schema that takes long to compile holds up neither the requests and aborts sent
-    after it nor the steps; an abort of a request still compiling follows its request."""
+    after it nor the steps; a request aborted while its grammar compiles is not queued."""
     def done(token: int) -> Callable[[BaseException | None], None]:
         return lambda error: outbox.put(
             ("added", token, None if error is None else _error_of(error)))
 
-    compiling: dict[str, bool] = {}  # request id -> aborted meanwhile
+    compiling: dict[int, list[Any]] = {}  # token -> [request id, aborted meanwhile]
     lock = threading.Lock()
 
     def compile_and_queue(token: int, request: Request) -> None:
         try:
-            request.grammar = engine.grammars.compile(request.sampling_params.structured_outputs)
-        except Exception as e:  # noqa: BLE001 (refused, as the front end would)
-            error: Exception | None = e
-        else:
-            error = None
-            commands.put(QueueRequest(request, done(token)))
-        with lock:
-            aborted = compiling.pop(request.request_id)
-        if error is not None:
-            done(token)(error)
-        elif aborted:
-            commands.put(AbortRequest(request.request_id))
+            try:
+                request.grammar = engine.grammars.compile(
+                    request.sampling_params.structured_outputs)
+            except Exception as e:  # noqa: BLE001 (refused, as the front end would)
+                with lock:
+                    del compiling[token]
+                done(token)(e)
+                return
+            with lock:  # an abort read from now on follows the request
+                _, aborted = compiling.pop(token)
+                if not aborted:
+                    commands.put(QueueRequest(request, done(token)))
+            if aborted:  # its caller is gone: nothing to run
+                done(token)(None)
+        except BaseException as e:  # noqa: BLE001 (a bug: the front end must not wait)
+            logger.exception("compiling request %s's grammar failed", request.request_id)
+            done(token)(RuntimeError(f"compiling the grammar failed: {e!r}"))
 
     pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="mmserve-core-grammar")
     while True:
@@ -427,14 +442,14 @@ def _read_commands(conn: Connection, engine: Any, commands: queue.SimpleQueue[ob
                     commands.put(QueueRequest(request, done(token)))
                     continue
                 with lock:
-                    compiling[request.request_id] = False
+                    compiling[token] = [request.request_id, False]
                 pool.submit(compile_and_queue, token, request)
         elif kind == "abort":
             with lock:
-                if message[1] in compiling:
-                    compiling[message[1]] = True
-                    continue
-            commands.put(AbortRequest(message[1]))
+                for entry in compiling.values():
+                    if entry[0] == message[1]:
+                        entry[1] = True
+                commands.put(AbortRequest(message[1]))
         elif kind == "stop":
             commands.put(STOP)
             break

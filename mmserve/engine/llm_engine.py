@@ -1,4 +1,5 @@
-"""The engine: admits requests, runs scheduler -> runner -> scheduler steps, detokenizes."""
+"""The engine: admits requests, runs scheduler -> runner -> scheduler steps, and makes their
+outputs (``output_processor.py``) unless its front end does."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ class StepRecord:
 
     scheduler_output: SchedulerOutput  # the batch scheduled: ids, token counts, image hashes
     runner_times: StepTimes = field(default_factory=StepTimes)  # where the runner's time went
-    schedule_s: float = 0.0  # scheduling, state updates and detokenization
+    schedule_s: float = 0.0  # scheduling, state updates, and (``step``) the outputs
 
 
 # Every engine of this process that holds GPU memory, so that a start which finds too little
@@ -330,6 +331,7 @@ class LLMEngine:
         next ``step`` (a caller that aborts everything it asked for and stops stepping)."""
         if self.is_dead:
             raise EngineDeadError(self._dead)
+        self._require_processor(True)
         outputs: list[CoreOutput] = []
         while self._submitted:
             scheduler_output, result = self._take()
@@ -356,7 +358,8 @@ class LLMEngine:
         With ``async_scheduling`` the next step is scheduled and handed to the runner while
         this one computes (``_schedule_ahead``), and this one's outputs are made while the
         next computes; a step returns the outputs of the step before it then."""
-        core_outputs, record = self.core_step_with_record()
+        self._require_processor(True)
+        core_outputs, record = self._core_step_with_record()
         t0 = time.perf_counter()
         outputs = self._assemble(core_outputs)
         record.schedule_s += time.perf_counter() - t0
@@ -370,6 +373,19 @@ class LLMEngine:
 
     def core_step_with_record(self) -> tuple[list[CoreOutput], StepRecord]:
         """``core_step``, and the step's ``StepRecord``."""
+        self._require_processor(False)
+        return self._core_step_with_record()
+
+    def _require_processor(self, wanted: bool) -> None:
+        """Refuse, before stepping, a step whose outputs nobody would make."""
+        if wanted and self.output_processor is None:
+            raise RuntimeError("this engine's outputs are made by its front end "
+                               "(detokenize=False): call core_step")
+        if not wanted and self.output_processor is not None:
+            raise RuntimeError("this engine makes its own outputs: call step, or build it "
+                               "with detokenize=False")
+
+    def _core_step_with_record(self) -> tuple[list[CoreOutput], StepRecord]:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         self._schedule_s = 0.0
@@ -438,6 +454,8 @@ class LLMEngine:
             return call()
         except EngineDeadError as e:  # a tensor-parallel worker died or hung
             self._dead = str(e)
+            if self.output_processor is not None:
+                self.output_processor.clear()  # nothing more is output
             raise
 
     def _schedule_ahead(self) -> None:
@@ -464,8 +482,7 @@ class LLMEngine:
     def _assemble(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         """The request outputs of core outputs; a request a stop string finished is finished
         here too."""
-        if self.output_processor is None:
-            raise RuntimeError("this engine's outputs are made by its front end: core_step")
+        assert self.output_processor is not None
         outputs, stopped = self.output_processor.process(core_outputs)
         for request_id in stopped:
             self._matchers.remove(request_id)
