@@ -234,9 +234,9 @@ class EngineCoreClient(EngineClient):
             self._refuse_queued(f"the engine stopped: {self._error}" if self._error
                                 else "the engine core is not running")
 
-    def _forget_if_refused(self, request_id: str, resolve: Callable[[BaseException | None],
-                                                                    None]
+    def _forget_if_refused(self, request_id: str, resolve: Callable[[BaseException | None], None]
                            ) -> Callable[[BaseException | None], None]:
+        """``resolve``, after the output processor forgets a request the core refused."""
         def done(error: BaseException | None) -> None:
             if error is not None:  # on the event loop, before the caller hears of it
                 self._post(self._outputs.abort, request_id)
@@ -409,24 +409,17 @@ def _read_commands(conn: Connection, engine: Any, commands: queue.SimpleQueue[ob
     lock = threading.Lock()
 
     def compile_and_queue(token: int, request: Request) -> None:
+        error: Exception | None = None
         try:
-            try:
-                request.grammar = engine.grammars.compile(
-                    request.sampling_params.structured_outputs)
-            except Exception as e:  # noqa: BLE001 (refused, as the front end would)
-                with lock:
-                    del compiling[token]
-                done(token)(e)
+            request.grammar = engine.grammars.compile(request.sampling_params.structured_outputs)
+        except Exception as e:  # noqa: BLE001 (refused, as the front end would)
+            error = e
+        with lock:  # an abort read from now on follows the request
+            _, aborted = compiling.pop(token)
+            if error is None and not aborted:
+                commands.put(QueueRequest(request, done(token)))
                 return
-            with lock:  # an abort read from now on follows the request
-                _, aborted = compiling.pop(token)
-                if not aborted:
-                    commands.put(QueueRequest(request, done(token)))
-            if aborted:  # its caller is gone: nothing to run
-                done(token)(None)
-        except BaseException as e:  # noqa: BLE001 (a bug: the front end must not wait)
-            logger.exception("compiling request %s's grammar failed", request.request_id)
-            done(token)(RuntimeError(f"compiling the grammar failed: {e!r}"))
+        done(token)(error)  # refused, or aborted meanwhile (its caller is gone): not queued
 
     pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="mmserve-core-grammar")
     while True:
