@@ -221,3 +221,29 @@ def test_requests_queued_when_the_engine_breaks_are_refused() -> None:
         await engine.shutdown()
 
     run(main())
+
+
+def test_health_answers_503_once_the_engine_died() -> None:
+    """/health is 503 from the moment the engine stops by itself, and the HTTP server is told
+    to exit (so that a supervisor restarts it). The real servers exit within a tick of this,
+    too soon for a poller to be sure of seeing the 503; here nothing stops the app."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from mmserve.entrypoints.api_server import OpenAIServer
+    from mmserve.entrypoints.serve_args import ServerConfig
+
+    fake = FakeEngine(crash_at_step=1)
+    fake.config = SimpleNamespace(max_num_seqs=2, max_model_len=64, limit_mm_per_prompt=1,
+                                  max_image_pixels=1 << 20)
+    server = OpenAIServer(fake, ServerConfig("fake"))
+    server.http_server = SimpleNamespace(should_exit=False)
+    with TestClient(server.app()) as http:
+        assert http.get("/health").status_code == 200
+        resp = http.post("/v1/completions", json={"model": "fake", "prompt": "hi",
+                                                  "max_tokens": 3})
+        assert resp.status_code >= 500 and "boom" in resp.json()["error"]["message"], resp.text
+        health = http.get("/health")
+        assert health.status_code == 503, health.text
+        assert server.http_server.should_exit

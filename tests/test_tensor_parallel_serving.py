@@ -193,9 +193,11 @@ class _HealthPoller:
 @pytest.mark.slow
 def test_killed_worker_fails_health_and_the_server_exits(clip_llama: str,
                                                          tmp_path: Path) -> None:
-    """A worker killed mid-request: the stream ends with an error naming it, /health turns 503
-    (never 200 again), the server exits with status 1, and nothing it started is left. The
-    engine runs in a process of its own, so the news crosses two processes to the client."""
+    """A worker killed mid-request: the stream ends with an error naming it, /health never
+    answers 200 again (503 until the server is gone: it exits within a tick of uvicorn's loop,
+    so a poller on a busy machine may not see the 503; test_server_async_engine checks it),
+    the server exits with status 1, and nothing it started is left. The engine runs in a
+    process of its own, so the news crosses two processes to the client."""
     server = _server(clip_llama, tmp_path, "--engine-process")
     try:
         workers = _workers(server.proc.pid)
@@ -223,7 +225,7 @@ def test_killed_worker_fails_health_and_the_server_exits(clip_llama: str,
         seen = poller.stop()
         assert seen[0] == 200 and seen[-1] == "gone", seen
         after = seen[seen.index(next(s for s in seen if s != 200)):]
-        assert 503 in after and set(after) <= {503, "gone"}, seen
+        assert set(after) <= {503, "gone"}, seen
         assert "the engine stopped" in server.log.read_text()
         _assert_all_gone(procs)
     finally:
