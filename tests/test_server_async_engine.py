@@ -247,3 +247,38 @@ def test_health_answers_503_once_the_engine_died() -> None:
         health = http.get("/health")
         assert health.status_code == 503, health.text
         assert server.http_server.should_exit
+
+
+def test_a_request_aborted_while_it_is_added_does_not_run() -> None:
+    """``abort`` called while the request is still being processed reaches the engine before
+    the request does (and does nothing there): the request is aborted again once queued,
+    instead of running to its ``max_tokens`` for nobody."""
+    class SlowToProcess(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.processing, self.go_on = threading.Event(), threading.Event()
+
+        def process_request(self, prompt: Any, params: SamplingParams, request_id: str):
+            self.processing.set()
+            self.go_on.wait(5)
+            return super().process_request(prompt, params, request_id)
+
+    fake = SlowToProcess()
+
+    async def main() -> None:
+        engine = AsyncEngine(fake)
+        engine.start()
+        adding = asyncio.ensure_future(
+            engine.add_request("r", "ok", SamplingParams(max_tokens=100_000)))
+        await asyncio.to_thread(fake.processing.wait, 5)
+        engine.abort("r")
+        fake.go_on.set()
+        await adding
+        deadline = time.monotonic() + 5
+        while (fake.live or "r" not in fake.aborted) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert fake.aborted == ["r"] and not fake.live and fake.steps < 1000, fake.steps
+        assert engine.num_in_flight == 0
+        await engine.shutdown()
+
+    run(main())

@@ -280,6 +280,11 @@ class EngineClient:
                     self.abort(rid)  # queued before another completion was refused
                 self._streams.pop(rid, None)
             raise
+        for stream in streams:
+            if not stream.finished and self._streams.get(stream.request_id) is not stream:
+                # Aborted while it was being added: that abort may have reached the engine
+                # before the request did, and done nothing there. Now it is queued ahead.
+                self._send_abort(stream.request_id)
         return streams
 
     def abort(self, request_id: str) -> None:
