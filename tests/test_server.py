@@ -446,7 +446,9 @@ def test_sigterm_drains_in_flight_requests(server: Server) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(1 for c in chunks if c["choices"][0]["delta"].get("content") is not None) > 50
-    # uvicorn re-raises the signal once it has shut down cleanly.
-    assert server.proc.wait(30) in (0, -signal.SIGTERM)
+    # A clean shutdown: status 0, and no traceback (uvicorn raises the signal again once it
+    # has shut down; the server turns that into a quiet return).
+    assert server.proc.wait(30) == 0
+    assert "Traceback" not in server.log.read_text()
     with pytest.raises(httpx.TransportError):  # no longer listening
         httpx.get(f"{server.url}/health", timeout=2)

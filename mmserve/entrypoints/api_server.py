@@ -26,10 +26,12 @@ import functools
 import hmac
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -573,6 +575,35 @@ def _failed(out: RequestOutput) -> ApiError:
 
 
 # --------------------------------------------------------------------- mmserve serve
+class _StopSignal(Exception):
+    """SIGINT or SIGTERM arrived; the server has shut down."""
+
+
+def _raise_stop_signal(signum: int, frame: object) -> None:
+    raise _StopSignal(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals_end_run() -> Iterator[None]:
+    """Around ``uvicorn.Server.run``: a SIGINT or SIGTERM ends it quietly. uvicorn catches
+    the signal, shuts down gracefully, then raises it again with the handler that was there
+    before: by default a KeyboardInterrupt traceback on Ctrl-C, and on SIGTERM death on the
+    spot, before ``serve`` releases the engine. This handler turns it into an exception
+    caught here instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread; uvicorn installs none either
+        return
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _raise_stop_signal) for sig in stops}
+    try:
+        yield
+    except _StopSignal as e:
+        logger.info("stopped by %s", signal.Signals(e.args[0]).name)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT (status 0) or until the engine breaks (status 1,
     for a supervisor to restart it)."""
@@ -632,7 +663,8 @@ def serve(args: argparse.Namespace) -> int:
             timeout_keep_alive=5, http=with_header_timeout(config.header_timeout_s),
             timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s))))
         server.http_server = http
-        http.run()
+        with _stop_signals_end_run():
+            http.run()
     finally:
         if server is not None:
             server.engine.stop()  # normally stopped by the lifespan's shutdown already
