@@ -1,0 +1,66 @@
+#!/bin/bash
+# The GPU figures benchmarks/README.md ("On a GPU") reports, in one bounded run: each step has a
+# time limit of its own, writes its output to DIR/STEP.log and the script goes on to the next
+# whatever it printed, so one slow or failing step costs its limit and no more.
+#
+#   bash benchmarks/gpu_marks.sh DIR                # every step, in the order below
+#   bash benchmarks/gpu_marks.sh DIR 1.4b serve     # the steps named
+#
+# Steps, their limits adding up to 15 minutes (a lent machine's command may run 10: name the
+# steps, two calls):
+#   1.4b    transformers and mmserve on the llava-1.4b checkpoint, mixed workload, 256 requests,
+#           with the GPU's busy share, the float32 check and the bfloat16 comparison
+#   ahead   mmserve bench on the same: scheduled in step and ahead, alternating, twice each
+#   7b      transformers and mmserve on the llava-7b checkpoint (no float32 check)
+#   serve   mmserve serve (the engine in a process of its own, the GPU default) under
+#           mmserve bench serve: 256 requests of the mixed workload, 64 at a time
+#
+# Runs from the repository's root with the project installed (on a lent GPU machine:
+# `bash .whl/gpu-run.sh bash benchmarks/gpu_marks.sh "$OUT"`).
+set -u
+out=${1:?usage: gpu_marks.sh DIR [STEP...]}
+shift
+mkdir -p "$out"
+[ $# -gt 0 ] || set -- 1.4b ahead 7b serve
+
+mixed=(--num-prompts 256 --image-sizes mixed --unique-images 128 --shared-prefix-len 64
+       --output-len 16:96)
+
+step() {  # step NAME SECONDS COMMAND...: the command, bounded, its output in DIR/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (at most $limit s): $*"
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: exit status $rc after $((SECONDS - start)) s"
+    tail -n 40 "$out/$name.log"
+}
+
+for name in "$@"; do
+    case $name in
+    1.4b)
+        step 1.4b 240 python3 benchmarks/compare_transformers.py --device cuda \
+            --bench-checkpoint llava-1.4b --workloads mixed --num-prompts 256 \
+            --image-sizes mixed --hf-batch-size 64 --mmserve-configs default \
+            --fp32-check 32 --fp32-max-tokens 48 ;;
+    ahead)
+        for turn in 1 2; do
+            for mode in --no-async-scheduling --async-scheduling; do
+                step "ahead-$turn$mode" 60 python3 -m mmserve.entrypoints.cli bench \
+                    throughput --bench-checkpoint llava-1.4b "${mixed[@]}" --no-peak "$mode"
+            done
+        done ;;
+    7b)
+        step 7b 240 python3 benchmarks/compare_transformers.py --device cuda \
+            --bench-checkpoint llava-7b --workloads mixed --num-prompts 256 \
+            --image-sizes mixed --hf-batch-size 64 --mmserve-configs default \
+            --fp32-check 0 ;;
+    serve)
+        step serve 180 python3 -m mmserve.entrypoints.cli bench serve \
+            --bench-checkpoint llava-1.4b "${mixed[@]}" --max-concurrency 64 ;;
+    *)
+        echo "unknown step $name (steps: 1.4b ahead 7b serve)" >&2
+        exit 2 ;;
+    esac
+done
