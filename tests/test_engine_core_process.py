@@ -1,7 +1,9 @@
 """The engine in a process of its own (``EngineCoreClient``): the same outputs as the engine
 in this process, aborts and errors across the pipe, nothing left held in the core, a core that
-dies failing its requests, a start the core refuses raising here. The tiny clip-llama
-checkpoint in float32 on the CPU."""
+dies failing its requests, a start the core refuses raising here. The tests of outputs, stop
+strings, aborts and refusals also run the server's other layout, where the engine steps on a
+thread of this process (``AsyncEngine`` over ``LLMEngine(detokenize=False)``) and the client
+makes the outputs the same way. The tiny clip-llama checkpoint in float32 on the CPU."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from typing import Any
 import pytest
 
 from mmserve import LLM, EngineConfig, SamplingParams
-from mmserve.engine.async_engine import RequestStream
+from mmserve.engine.async_engine import AsyncEngine, RequestStream
 from mmserve.engine.core_process import EngineCoreClient
+from mmserve.engine.llm_engine import LLMEngine
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import StructuredOutputs
@@ -37,11 +40,14 @@ PROMPTS = [chat("hello there"), chat("what is in this picture?", IMAGES[:1]),
 
 
 class Core:
-    """A started client and the event loop it serves; ``run`` runs a coroutine there."""
+    """A started client and the event loop it serves; ``run`` runs a coroutine there.
+    ``layout``: "process" (``EngineCoreClient``) or "thread" (``AsyncEngine``)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, layout: str = "process") -> None:
         self.loop = asyncio.new_event_loop()
-        self.client = EngineCoreClient(config)
+        self.engine = None if layout == "process" else LLMEngine(config, detokenize=False)
+        self.client = (EngineCoreClient(config) if self.engine is None
+                       else AsyncEngine(self.engine))
         self.dead: list[BaseException] = []
         self.client.on_dead = self.dead.append
         self.loop.run_until_complete(self._start())
@@ -55,15 +61,17 @@ class Core:
     def close(self) -> None:
         self.run(self.client.shutdown())
         self.loop.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 def config_of(model: str, **kwargs: Any) -> EngineConfig:
     return EngineConfig(model=model, dtype="float32", device="cpu", **kwargs)
 
 
-@pytest.fixture(scope="module")
-def core(clip_llama: str) -> Iterator[Core]:
-    core = Core(config_of(clip_llama))
+@pytest.fixture(scope="module", params=["process", "thread"])
+def core(clip_llama: str, request: pytest.FixtureRequest) -> Iterator[Core]:
+    core = Core(config_of(clip_llama), request.param)
     yield core
     core.close()
 
@@ -174,11 +182,12 @@ def test_a_request_id_in_flight_is_refused_and_its_request_goes_on(core: Core) -
     assert_drained(core)
 
 
-def test_a_failure_making_outputs_fails_the_requests(clip_llama: str,
+@pytest.mark.parametrize("layout", ["process", "thread"])
+def test_a_failure_making_outputs_fails_the_requests(clip_llama: str, layout: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A bug in the front end's output making ends every request with an error and stops
     the core, rather than leaving their streams waiting."""
-    core = Core(config_of(clip_llama))
+    core = Core(config_of(clip_llama), layout)
     try:
         def broken(core_outputs):
             raise KeyError("bug")
@@ -241,6 +250,7 @@ def test_abort_releases_what_the_request_held_in_the_core(core: Core) -> None:
     assert core.client.stats()["num_steps"] - steps_before < 100  # the victim's 400 did not run
 
 
+@pytest.mark.parametrize("core", ["process"], indirect=True)
 def test_the_core_leaves_sigterm_to_its_front_end(core: Core) -> None:
     """SIGTERM sent to the whole process group (systemd, a terminal's Ctrl-C is SIGINT) must
     not end the core before the front end has let the requests in flight finish: the core

@@ -8,8 +8,12 @@ The thread owns the ``LLMEngine`` alone; best, it is the thread the engine was b
 (``ComputeThread``: torch's parallel regions run slower once a second thread has started
 some). The event loop
 talks to it through a command queue (add, abort) that the thread drains between steps, and
-gets outputs back through ``loop.call_soon_threadsafe``, one call per step, which fans them
-out to per-request asyncio queues. No lock guards engine state because only one thread ever
+gets each step's outputs back through ``loop.call_soon_threadsafe``, one call per step. In
+both layouts these are the engine core's (``CoreOutput``: tokens, finishes,
+log-probabilities): the event loop makes the requests' text and outputs from them
+(``OutputProcessor``: detokenization, stop strings, output kinds) while the engine computes
+its next step, aborts in the engine a request a stop string ended, and fans the outputs out
+to per-request asyncio queues. No lock guards engine state because only one thread ever
 touches it; the stats the server reads are a snapshot the thread publishes after each step.
 A request's prompt processing (chat template, tokenizer, image
 processor) runs on a small pool of preprocessing threads of its own while the engine keeps
@@ -18,7 +22,7 @@ the small ones), each computing with one torch thread; the engine thread only qu
 finished ``Request``.
 
 A step that fails for some requests finishes those with ``finish_reason="error"`` and goes on
-(``LLMEngine.step``). Only a broken engine (``EngineDeadError``, or an exception that escapes
+(``LLMEngine.core_step``). Only a broken engine (``EngineDeadError``, or an exception that escapes
 a step) stops the loop: every in-flight request fails, ``is_alive`` turns False and
 ``on_dead`` is called, so the server can report it and exit for a supervisor to restart it.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import queue
@@ -38,6 +43,7 @@ from typing import Any, Protocol
 
 from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.output_processor import CoreOutput, OutputProcessor
 from mmserve.engine.request import Request
 from mmserve.engine.request_maker import RequestMaker
 from mmserve.errors import EngineDeadError, InvalidInputError
@@ -164,15 +170,21 @@ class EngineClient:
     more with ``QueueFullError``); ``preprocess_workers`` threads turn prompts into requests
     (default: the CPU count, between 2 and 4); ``on_dead`` is called on the event loop if the
     engine stops by itself. A subclass makes requests (``_make``), queues them (``_queue``),
-    aborts (``_send_abort``) and says whether its engine runs (``_running``); it hands
-    request outputs to ``_dispatch`` (the engine core's client makes them from the core's
-    first) and ends the streams with ``_fail_all``, both on the event loop (``_post``)."""
+    aborts (``_send_abort``), stops its engine (``stop``) and says whether it runs
+    (``_running``); it hands a step's outputs to ``_dispatch_core`` (an engine core's,
+    ``CoreOutput``s, whose text and outputs ``outputs`` makes here) or to ``_dispatch`` (an
+    engine that makes its own) and ends the streams with ``_fail_all``, all on the event loop
+    (``_post``)."""
 
     def __init__(self, config: EngineConfig, stats: dict[str, Any],
                  max_waiting: int | None = None, observer: RequestObserver | None = None,
                  preprocess_workers: int | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None) -> None:
+                 on_dead: Callable[[BaseException], None] | None = None,
+                 outputs: OutputProcessor | None = None) -> None:
         self.config = config
+        # The requests' text and outputs, made on the event loop from an engine core's
+        # outputs (None: the engine makes its own), while the engine computes the next step.
+        self._outputs = outputs
         self.max_waiting = max_waiting
         self.observer = observer
         self.on_dead = on_dead
@@ -196,6 +208,9 @@ class EngineClient:
         raise NotImplementedError
 
     def _send_abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
         raise NotImplementedError
 
     def _running(self) -> bool:
@@ -268,7 +283,13 @@ class EngineClient:
             request = await self._loop.run_in_executor(
                 self._preprocess, self._make, prompt, params, request_ids[0])
             children = [request] if params.n == 1 else self._fork(request, request_ids)
-            self._queue(children, [self._resolver(future) for future in added])
+            resolvers = [self._resolver(future) for future in added]
+            if self._outputs is not None:
+                for child in children:
+                    self._outputs.add(child)
+                resolvers = [self._forget_if_refused(child.request_id, resolve)
+                             for child, resolve in zip(children, resolvers, strict=True)]
+            self._queue(children, resolvers)
             await asyncio.gather(*added)
         except asyncio.CancelledError:
             for rid in request_ids:
@@ -284,7 +305,7 @@ class EngineClient:
             if not stream.finished and self._streams.get(stream.request_id) is not stream:
                 # Aborted while it was being added: that abort may have reached the engine
                 # before the request did, and done nothing there. Now it is queued ahead.
-                self._send_abort(stream.request_id)
+                self._abort_in_engine(stream.request_id)
         return streams
 
     def abort(self, request_id: str) -> None:
@@ -292,10 +313,25 @@ class EngineClient:
         requests that already finished."""
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
-            self._send_abort(request_id)
+            self._abort_in_engine(request_id)
             if self.observer is not None:
                 self.observer.on_finished("abort", stream.num_prompt_tokens,
                                           stream.num_generation_tokens)
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        if self._outputs is not None:
+            self._outputs.abort(request_id)
+        self._send_abort(request_id)
+
+    def _forget_if_refused(self, request_id: str, resolve: Callable[[BaseException | None], None]
+                           ) -> Callable[[BaseException | None], None]:
+        """``resolve``, after the output processor forgets a request the engine refused."""
+        def done(error: BaseException | None) -> None:
+            if error is not None:  # on the event loop, before the caller hears of it
+                self._post(self._outputs.abort, request_id)
+            resolve(error)
+
+        return done
 
     def _resolver(self, fut: asyncio.Future[None]) -> Callable[[BaseException | None], None]:
         def resolve(error: BaseException | None) -> None:
@@ -350,7 +386,24 @@ class EngineClient:
                                               stream.num_generation_tokens)
             stream._queue.put_nowait(out)
 
+    def _dispatch_core(self, core_outputs: list[CoreOutput], now: float) -> None:
+        """A step's outputs, made here from the engine core's; a request a stop string
+        finished is aborted in the engine, which ran it on meanwhile. A failure here (a bug)
+        leaves the outputs of the requests in flight unknown: they fail, and the engine is
+        stopped, as when it breaks."""
+        try:
+            outputs, stopped = self._outputs.process(core_outputs)
+            for request_id in stopped:
+                self._send_abort(request_id)
+            self._dispatch(outputs, now)
+        except Exception as e:  # noqa: BLE001 (reported as the engine's death)
+            if self._error is None:
+                self._died(EngineDeadError(f"making the engine's outputs failed: {e!r}"))
+                self.stop()
+
     def _fail_all(self, error: BaseException | None) -> None:
+        if self._outputs is not None:
+            self._outputs.clear()
         reason = (f"the engine stopped: {error}" if error is not None
                   else "the server is shutting down")
         for stream in self._streams.values():
@@ -360,15 +413,24 @@ class EngineClient:
 
 class AsyncEngine(EngineClient):
     """Runs ``engine`` on ``compute`` (the thread it was built on; default: a thread of its
-    own) once ``start()`` is called from the event loop; ``EngineClient`` says the rest."""
+    own) once ``start()`` is called from the event loop; ``EngineClient`` says the rest.
+
+    An engine built with ``detokenize=False`` (as the server builds it) is stepped with
+    ``core_step``, and its requests' text and outputs are made on the event loop while it
+    computes the next step, as the front end of an engine core process makes them; any
+    other engine with ``step``, and its outputs are passed on as they are."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
                  observer: RequestObserver | None = None,
                  preprocess_workers: int | None = None,
                  on_dead: Callable[[BaseException], None] | None = None,
                  compute: ComputeThread | None = None) -> None:
+        core = isinstance(engine, LLMEngine) and engine.output_processor is None
+        # A tokenizer of the event loop's own: a fast tokenizer is not safe to share between
+        # threads, and the preprocessing threads tokenize meanwhile.
+        outputs = OutputProcessor(copy.deepcopy(engine.processor.tokenizer)) if core else None
         super().__init__(engine.config, engine.stats(), max_waiting,
-                         observer, preprocess_workers, on_dead)
+                         observer, preprocess_workers, on_dead, outputs)
         self.engine = engine
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._own_compute = compute is None  # then made by ``start``
@@ -426,7 +488,8 @@ class AsyncEngine(EngineClient):
     # ----------------------------------------------------------------- the thread
     def _run(self) -> None:
         try:
-            run_steps(self.engine, self._commands, self._publish)
+            step = self.engine.step if self._outputs is None else self.engine.core_step
+            run_steps(self.engine, self._commands, self._publish, step)
         except BaseException as e:  # the engine is broken
             self._ended = True
             self._died(e)
@@ -447,7 +510,8 @@ class AsyncEngine(EngineClient):
             if isinstance(command, QueueRequest):
                 command.done(EngineDeadError(reason))
 
-    def _publish(self, outputs: list[RequestOutput], now: float, stats: dict[str, Any]) -> None:
+    def _publish(self, outputs: list[Any], now: float, stats: dict[str, Any]) -> None:
         self._stats = stats
         if outputs:
-            self._post(self._dispatch, outputs, now)
+            self._post(self._dispatch if self._outputs is None else self._dispatch_core,
+                       outputs, now)

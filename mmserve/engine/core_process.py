@@ -119,14 +119,14 @@ class EngineCoreClient(EngineClient):
             # The requests' text and outputs, from the core's tokens: on the event loop, with
             # a tokenizer of its own (a fast tokenizer is not safe to share between threads,
             # and the preprocessing threads tokenize meanwhile).
-            self._outputs = OutputProcessor(copy.deepcopy(processor.tokenizer))
+            outputs = OutputProcessor(copy.deepcopy(processor.tokenizer))
             ready = self._wait_ready(start_timeout)
             self.request_maker = RequestMaker(
                 processor, grammars, ready.config.max_model_len,
                 ready.config.limit_mm_per_prompt, ready.encoder_cache_tokens,
                 ready.release_threshold)
             super().__init__(ready.config, ready.stats, max_waiting, observer,
-                             preprocess_workers, on_dead)
+                             preprocess_workers, on_dead, outputs)
         except BaseException:
             self._end_process(0.0)
             raise
@@ -225,8 +225,7 @@ class EngineCoreClient(EngineClient):
         batch = []
         for request, resolve in zip(requests, done, strict=True):
             token = next(self._tokens)
-            self._outputs.add(request)
-            self._added[token] = self._forget_if_refused(request.request_id, resolve)
+            self._added[token] = resolve
             request.grammar = None  # compiled again in the core, from its own cache
             batch.append((token, request))
         self._outbox.put(("add", batch))
@@ -234,38 +233,8 @@ class EngineCoreClient(EngineClient):
             self._refuse_queued(f"the engine stopped: {self._error}" if self._error
                                 else "the engine core is not running")
 
-    def _forget_if_refused(self, request_id: str, resolve: Callable[[BaseException | None], None]
-                           ) -> Callable[[BaseException | None], None]:
-        """``resolve``, after the output processor forgets a request the core refused."""
-        def done(error: BaseException | None) -> None:
-            if error is not None:  # on the event loop, before the caller hears of it
-                self._post(self._outputs.abort, request_id)
-            resolve(error)
-
-        return done
-
     def _send_abort(self, request_id: str) -> None:
-        self._outputs.abort(request_id)
         self._outbox.put(("abort", request_id))
-
-    def _dispatch_core(self, core_outputs: list[CoreOutput], now: float) -> None:
-        """A step's outputs, made here from the core's; a request a stop string finished is
-        aborted in the core, which ran it on meanwhile. A failure here (a bug) leaves the
-        outputs of the requests in flight unknown: they fail, and the server stops, as when
-        the engine breaks."""
-        try:
-            outputs, stopped = self._outputs.process(core_outputs)
-            for request_id in stopped:
-                self._outbox.put(("abort", request_id))
-            self._dispatch(outputs, now)
-        except Exception as e:  # noqa: BLE001 (reported as the engine's death)
-            if self._error is None:
-                self._died(EngineDeadError(f"making the engine's outputs failed: {e!r}"))
-                self.stop()
-
-    def _fail_all(self, error: BaseException | None) -> None:
-        self._outputs.clear()
-        super()._fail_all(error)
 
     # ----------------------------------------------------------------- the reader
     def _read(self) -> None:

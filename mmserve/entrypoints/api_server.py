@@ -282,6 +282,9 @@ class OpenAIServer:
             gone.cancel()
             if not answers.done():
                 answers.cancel()
+                # A cancelled gather ends with the CancelledError as its exception, which
+                # asyncio logs as never retrieved unless someone reads it.
+                answers.add_done_callback(_read_outcome)
                 for stream in streams:
                     self.engine.abort(stream.request_id)
         if not answers.done() or answers.cancelled():
@@ -567,6 +570,11 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
                                     if exc.status_code == 404 else None))
 
 
+def _read_outcome(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def _failed(out: RequestOutput) -> ApiError:
     """The engine failed this request (and only this one: the others went on)."""
     return ApiError(500, f"the engine failed while generating this request's answer "
@@ -644,9 +652,10 @@ def serve(args: argparse.Namespace) -> int:
             engine: LLMEngine | EngineClient = EngineCoreClient(engine_config)
         else:
             # Built on the thread that will step it: torch's parallel regions run slower once
-            # a second thread has started some (worker/compute_thread.py).
+            # a second thread has started some (worker/compute_thread.py). Its requests' text
+            # and outputs are made on the event loop, as with an engine process.
             compute = ComputeThread("mmserve-engine")
-            engine = compute.call(LLMEngine, engine_config)
+            engine = compute.call(LLMEngine, engine_config, detokenize=False)
     except (FileNotFoundError, ValueError) as e:
         if compute is not None:
             compute.close()
