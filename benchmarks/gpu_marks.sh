@@ -15,8 +15,7 @@
 #   serve   mmserve serve (the engine in a process of its own, the GPU default) under
 #           mmserve bench serve: 256 requests of the mixed workload, 64 at a time
 #
-# Runs from the repository's root with the project installed (on a lent GPU machine:
-# `bash .whl/gpu-run.sh bash benchmarks/gpu_marks.sh "$OUT"`).
+# Runs from the repository's root, the project installed, on a machine with a CUDA GPU.
 set -u
 out=${1:?usage: gpu_marks.sh DIR [STEP...]}
 shift

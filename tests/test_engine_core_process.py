@@ -250,6 +250,25 @@ def test_abort_releases_what_the_request_held_in_the_core(core: Core) -> None:
     assert core.client.stats()["num_steps"] - steps_before < 100  # the victim's 400 did not run
 
 
+def test_a_request_aborted_while_it_is_processed_does_not_run(core: Core) -> None:
+    """An abort that comes while the request is still being processed reaches the engine
+    before the request does: the request is aborted again once queued, and neither the engine
+    nor the client keeps anything of it."""
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def main() -> None:
+        adding = asyncio.ensure_future(core.client.add_request("gone", PROMPTS[1], params))
+        await asyncio.sleep(0)  # the request's stream is open, its prompt being processed
+        assert core.client.num_in_flight == 1
+        core.client.abort("gone")
+        await adding
+
+    steps_before = core.client.stats()["num_steps"]
+    core.run(main())
+    assert_drained(core)
+    assert core.client.stats()["num_steps"] - steps_before < 100  # not its 400 tokens
+
+
 @pytest.mark.parametrize("core", ["process"], indirect=True)
 def test_the_core_leaves_sigterm_to_its_front_end(core: Core) -> None:
     """SIGTERM sent to the whole process group (systemd, a terminal's Ctrl-C is SIGINT) must
@@ -350,8 +369,8 @@ def test_a_slow_grammar_holds_up_no_message_behind_it() -> None:
     from multiprocessing import Pipe
     from types import SimpleNamespace
 
-    from mmserve.engine.async_engine import STOP, AbortRequest, QueueRequest
     from mmserve.engine.core_process import _read_commands
+    from mmserve.engine.step_loop import STOP, AbortRequest, QueueRequest
 
     release = threading.Event()
 

@@ -282,3 +282,25 @@ def test_a_request_aborted_while_it_is_added_does_not_run() -> None:
         await engine.shutdown()
 
     run(main())
+
+
+def test_requests_sent_after_the_stop_are_refused() -> None:
+    """Commands drained in one batch: the request before ``STOP`` is added, the one after it
+    is refused (it used to be dropped, its caller waiting for ever)."""
+    import queue
+
+    from mmserve.engine.step_loop import STOP, QueueRequest, run_steps
+
+    fake = FakeEngine()
+    answers: dict[str, BaseException | None] = {}
+
+    def queued(rid: str) -> QueueRequest:
+        request = fake.process_request("ok", SamplingParams(max_tokens=1), rid)
+        return QueueRequest(request, lambda error: answers.__setitem__(rid, error))
+
+    commands: queue.SimpleQueue[object] = queue.SimpleQueue()
+    for command in (queued("before"), STOP, queued("after")):
+        commands.put(command)
+    run_steps(fake, commands, lambda *_: None)
+    assert answers["before"] is None and "before" in fake.live
+    assert isinstance(answers["after"], EngineDeadError) and "after" not in fake.live

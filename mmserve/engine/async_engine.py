@@ -2,8 +2,9 @@
 
 ``EngineClient`` is what the server talks to on its event loop, wherever the engine steps:
 here (``AsyncEngine``) or in a process of its own (``core_process.py``); both step it with
-``run_steps``. Engine steps are synchronous torch work, so they run in a dedicated thread,
-never on the event loop: the server stays responsive (``/health`` answers) during long steps.
+``step_loop.run_steps``. Engine steps are synchronous torch work, so they run in a dedicated
+thread, never on the event loop: the server stays responsive (``/health`` answers) during long
+steps.
 The thread owns the ``LLMEngine`` alone; best, it is the thread the engine was built on
 (``ComputeThread``: torch's parallel regions run slower once a second thread has started
 some). The event loop
@@ -46,6 +47,7 @@ from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.output_processor import CoreOutput, OutputProcessor
 from mmserve.engine.request import Request
 from mmserve.engine.request_maker import RequestMaker
+from mmserve.engine.step_loop import STOP, AbortRequest, QueueRequest, refuse, run_steps
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
@@ -95,71 +97,6 @@ class RequestStream:
                 return
 
 
-@dataclass
-class QueueRequest:
-    request: Request
-    done: Callable[[BaseException | None], None]
-
-
-@dataclass
-class AbortRequest:
-    request_id: str
-
-
-STOP = object()  # the command that ends ``run_steps``
-# Seconds between two looks at the engine's health while it has nothing to step (a
-# tensor-parallel worker that dies while the server is idle turns /health 503 within this).
-IDLE_CHECK_S = 1.0
-
-
-def run_steps(engine: LLMEngine, commands: queue.SimpleQueue[object],
-              publish: Callable[[list[Any], float, dict[str, Any]], None],
-              step: Callable[[], list[Any]] | None = None) -> None:
-    """Step ``engine`` while it has requests, carrying out ``commands`` (``QueueRequest``,
-    ``AbortRequest``) between steps, until the ``STOP`` command (after those sent before it);
-    ``publish(outputs, time.monotonic(), engine.stats())`` after each step (``step``'s outputs:
-    by default ``engine.step``'s), and with no outputs after commands that left nothing to
-    step. What the engine raises (it is broken) ends the loop and is raised."""
-    step = step or engine.step
-    while True:
-        # Block only when there is nothing to step.
-        batch = []
-        while not engine.has_unfinished_requests():
-            try:  # idle: look at the engine's workers now and then
-                batch.append(commands.get(timeout=IDLE_CHECK_S))
-                break
-            except queue.Empty:
-                engine.check_health()
-        while True:
-            try:
-                batch.append(commands.get_nowait())
-            except queue.Empty:
-                break
-        if not all(_apply(engine, command) for command in batch):
-            return  # STOP, after the commands sent before it
-        if engine.has_unfinished_requests():
-            outputs = step()
-            publish(outputs, time.monotonic(), engine.stats())
-        else:
-            publish([], time.monotonic(), engine.stats())
-
-
-def _apply(engine: LLMEngine, command: object) -> bool:
-    """Carry out one command; False for the stop command."""
-    if command is STOP:
-        return False
-    if isinstance(command, AbortRequest):
-        engine.abort_request(command.request_id)
-    elif isinstance(command, QueueRequest):
-        try:
-            engine.add_processed_request(command.request)
-        except Exception as e:  # InvalidInputError, or a bug: the caller reports it
-            command.done(e)
-        else:
-            command.done(None)
-    return True
-
-
 class EngineClient:
     """What the server talks to, on its event loop: per-request output streams, the waiting
     bound, aborts and the engine's stats, for an engine stepped elsewhere (a thread of this
@@ -172,19 +109,22 @@ class EngineClient:
     engine stops by itself. A subclass makes requests (``_make``), queues them (``_queue``),
     aborts (``_send_abort``), stops its engine (``stop``) and says whether it runs
     (``_running``); it hands a step's outputs to ``_dispatch_core`` (an engine core's,
-    ``CoreOutput``s, whose text and outputs ``outputs`` makes here) or to ``_dispatch`` (an
-    engine that makes its own) and ends the streams with ``_fail_all``, all on the event loop
-    (``_post``)."""
+    ``CoreOutput``s, whose text and outputs are made here with ``tokenizer``) or to
+    ``_dispatch`` (an engine that makes its own) and ends the streams with ``_fail_all``, all
+    on the event loop (``_post``)."""
 
     def __init__(self, config: EngineConfig, stats: dict[str, Any],
                  max_waiting: int | None = None, observer: RequestObserver | None = None,
                  preprocess_workers: int | None = None,
                  on_dead: Callable[[BaseException], None] | None = None,
-                 outputs: OutputProcessor | None = None) -> None:
+                 tokenizer: Any = None) -> None:
         self.config = config
         # The requests' text and outputs, made on the event loop from an engine core's
-        # outputs (None: the engine makes its own), while the engine computes the next step.
-        self._outputs = outputs
+        # outputs while the engine computes the next step (no ``tokenizer``: the engine makes
+        # its own), with a tokenizer of their own: a fast tokenizer is not safe to share
+        # between threads, and the preprocessing threads tokenize meanwhile.
+        self._outputs = (None if tokenizer is None
+                         else OutputProcessor(copy.deepcopy(tokenizer)))
         self.max_waiting = max_waiting
         self.observer = observer
         self.on_dead = on_dead
@@ -290,6 +230,11 @@ class EngineClient:
                 resolvers = [self._forget_if_refused(child.request_id, resolve)
                              for child, resolve in zip(children, resolvers, strict=True)]
             self._queue(children, resolvers)
+            for stream in streams:
+                if self._streams.get(stream.request_id) is not stream:
+                    # Aborted while it was being processed: that abort went ahead of the
+                    # request and did nothing in the engine. This one follows it there.
+                    self._abort_in_engine(stream.request_id)
             await asyncio.gather(*added)
         except asyncio.CancelledError:
             for rid in request_ids:
@@ -301,11 +246,6 @@ class EngineClient:
                     self.abort(rid)  # queued before another completion was refused
                 self._streams.pop(rid, None)
             raise
-        for stream in streams:
-            if not stream.finished and self._streams.get(stream.request_id) is not stream:
-                # Aborted while it was being added: that abort may have reached the engine
-                # before the request did, and done nothing there. Now it is queued ahead.
-                self._abort_in_engine(stream.request_id)
         return streams
 
     def abort(self, request_id: str) -> None:
@@ -356,9 +296,14 @@ class EngineClient:
         logger.critical("the engine loop stopped; failing all in-flight requests",
                         exc_info=error)
         self._error = error
-        self._post(self._fail_all, error)
+        self._post(self._end_in_death, error)
+
+    def _end_in_death(self, error: BaseException) -> None:
+        """Fail every request, then tell ``on_dead``: in one callback, so that whoever
+        hears of a failed request finds the death reported."""
+        self._fail_all(error)
         if self.on_dead is not None:
-            self._post(self.on_dead, error)
+            self.on_dead(error)
 
     def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         for out in outputs:
@@ -426,11 +371,9 @@ class AsyncEngine(EngineClient):
                  on_dead: Callable[[BaseException], None] | None = None,
                  compute: ComputeThread | None = None) -> None:
         core = isinstance(engine, LLMEngine) and engine.output_processor is None
-        # A tokenizer of the event loop's own: a fast tokenizer is not safe to share between
-        # threads, and the preprocessing threads tokenize meanwhile.
-        outputs = OutputProcessor(copy.deepcopy(engine.processor.tokenizer)) if core else None
-        super().__init__(engine.config, engine.stats(), max_waiting,
-                         observer, preprocess_workers, on_dead, outputs)
+        super().__init__(engine.config, engine.stats(), max_waiting, observer,
+                         preprocess_workers, on_dead,
+                         engine.processor.tokenizer if core else None)
         self.engine = engine
         self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._own_compute = compute is None  # then made by ``start``
@@ -504,11 +447,9 @@ class AsyncEngine(EngineClient):
         caller waits for them."""
         while True:
             try:
-                command = self._commands.get_nowait()
+                refuse([self._commands.get_nowait()], reason)
             except queue.Empty:
                 return
-            if isinstance(command, QueueRequest):
-                command.done(EngineDeadError(reason))
 
     def _publish(self, outputs: list[Any], now: float, stats: dict[str, Any]) -> None:
         self._stats = stats

@@ -4,7 +4,7 @@ The front end (HTTP, JSON, media fetching and decoding, the processor, grammar c
 detokenization and the requests' outputs) and the engine core (scheduling, the step,
 sampling) share no interpreter lock and no core's time unannounced: a request's images are
 turned into pixels in the front end, which sends the finished ``Request`` to the core, pixels
-once; the core steps as the server's engine thread does (``async_engine.run_steps``) and
+once; the core steps as the server's engine thread does (``step_loop.run_steps``) and
 sends what each step did to each request back (``CoreOutput``s: tokens, finishes,
 log-probabilities), which the front end's ``OutputProcessor`` turns into text and outputs. A
 stop string is found there, and the front end aborts its request in the core. This is how
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import itertools
 import logging
 import multiprocessing
@@ -49,17 +48,11 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from mmserve.config import EngineConfig, require_model_dir
-from mmserve.engine.async_engine import (
-    STOP,
-    AbortRequest,
-    EngineClient,
-    QueueRequest,
-    RequestObserver,
-    run_steps,
-)
-from mmserve.engine.output_processor import CoreOutput, OutputProcessor
+from mmserve.engine.async_engine import EngineClient, RequestObserver
+from mmserve.engine.output_processor import CoreOutput
 from mmserve.engine.request import Request
 from mmserve.engine.request_maker import RequestMaker, processor_and_grammars
+from mmserve.engine.step_loop import STOP, AbortRequest, QueueRequest, run_steps
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.executor import exit_status, exit_with_parent
@@ -116,17 +109,13 @@ class EngineCoreClient(EngineClient):
             # The front end's processor is built while the core loads the model.
             hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
             processor, grammars = processor_and_grammars(config, hf_config)
-            # The requests' text and outputs, from the core's tokens: on the event loop, with
-            # a tokenizer of its own (a fast tokenizer is not safe to share between threads,
-            # and the preprocessing threads tokenize meanwhile).
-            outputs = OutputProcessor(copy.deepcopy(processor.tokenizer))
             ready = self._wait_ready(start_timeout)
             self.request_maker = RequestMaker(
                 processor, grammars, ready.config.max_model_len,
                 ready.config.limit_mm_per_prompt, ready.encoder_cache_tokens,
                 ready.release_threshold)
             super().__init__(ready.config, ready.stats, max_waiting, observer,
-                             preprocess_workers, on_dead, outputs)
+                             preprocess_workers, on_dead, processor.tokenizer)
         except BaseException:
             self._end_process(0.0)
             raise

@@ -83,8 +83,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         """``detokenize`` False: the engine core of a front end that detokenizes and makes
-        the outputs itself (``core_process.py``): ``core_step`` gives what each step did to
-        each request, ``step`` is not for it."""
+        the outputs itself (the server's ``EngineClient``, in either layout): ``core_step``
+        gives what each step did to each request, ``step`` is not for it."""
         from transformers import AutoConfig
 
         require_model_dir(config.model)

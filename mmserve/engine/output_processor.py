@@ -3,12 +3,13 @@ log-probabilities a request gathers, and the shape its ``output_kind`` asks for.
 
 A step of the engine core gives a ``CoreOutput`` for each request it changed: the token it
 sampled, whether the core finished it (and why), its log-probabilities. ``OutputProcessor``
-turns those into ``RequestOutput``s. In one process the engine runs it after each step
-(``LLMEngine.step``); with the engine core in a process of its own (``core_process.py``) the
-front end runs it, so that the process the device waits on spends no time on text. A stop
+turns those into ``RequestOutput``s. For ``LLM`` and ``bench`` the engine runs it after each
+step (``LLMEngine.step``); the server's ``EngineClient`` runs it on its event loop, whether
+the engine steps on a thread of the server's process or in a process of its own
+(``core_process.py``), so that the thread the device waits on spends no time on text. A stop
 string is found here, after the core has moved on: the processor finishes the request's
-output and names it, and its caller ends the request in the core (in one process at once,
-otherwise by an abort that may come a step or two later, whose tokens are dropped).
+output and names it, and its caller ends the request in the core (the engine at once, the
+server by an abort that may come a step or two later, whose tokens are dropped).
 """
 
 from __future__ import annotations
