@@ -4,6 +4,7 @@ bad input and a crashing step, in milliseconds and without a model."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -304,3 +305,34 @@ def test_requests_sent_after_the_stop_are_refused() -> None:
     run_steps(fake, commands, lambda *_: None)
     assert answers["before"] is None and "before" in fake.live
     assert isinstance(answers["after"], EngineDeadError) and "after" not in fake.live
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_a_chat_streams_role_with_its_first_output(crash: bool) -> None:
+    """The role chunk goes out with the choice's first output, as OpenAI and vLLM send it (a
+    client timing the first chunk, as vLLM's benchmark does, then times the first token),
+    not before the engine has computed anything: a request the engine fails at once gets
+    the error event alone."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from mmserve.entrypoints.api_server import OpenAIServer
+    from mmserve.entrypoints.serve_args import ServerConfig
+
+    fake = FakeEngine(crash_at_step=1 if crash else None)
+    fake.config = SimpleNamespace(max_num_seqs=2, max_model_len=64, limit_mm_per_prompt=1,
+                                  max_image_pixels=1 << 20)
+    server = OpenAIServer(fake, ServerConfig("fake"))
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3, "stream": True}
+    with TestClient(server.app()) as http:
+        lines = http.post("/v1/chat/completions", json=body).text.splitlines()
+    events = [json.loads(line[5:]) for line in lines
+              if line.startswith("data:") and line != "data: [DONE]"]
+    if crash:
+        assert len(events) == 1 and "boom" in events[0]["error"]["message"], events
+        return
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert "".join(d.get("content") or "" for d in deltas[1:]) == "xxx", deltas

@@ -314,8 +314,10 @@ class OpenAIServer:
 
     async def _sse(self, rid: str, streams: list[RequestStream],
                    include_usage: bool) -> AsyncIterator[str]:
-        """A chat answer's chunks: each choice's role first, then its text as it comes, in
-        the order the choices produce it (``index`` says whose), the usage last when asked."""
+        """A chat answer's chunks: each choice's role first, with the choice's first output
+        (as OpenAI and vLLM send it: a client that times the first chunk times the first
+        token), then its text as it comes, in the order the choices produce it (``index``
+        says whose), the usage last when asked."""
         created = int(time.time())
         answers = [_Answer() for _ in streams]
 
@@ -329,14 +331,16 @@ class OpenAIServer:
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
         finals: list[RequestOutput | None] = [None] * len(streams)
+        started = [False] * len(streams)
         try:
-            for index in range(len(streams)):
-                yield event(index, {"role": "assistant", "content": ""})
             async with contextlib.aclosing(self._merged(streams)) as merged:
                 async for index, out in merged:
                     if isinstance(out, str):  # an error event: the stream ends after it
                         yield out
                         break
+                    if not started[index]:
+                        started[index] = True
+                        yield event(index, {"role": "assistant", "content": ""})
                     answers[index].add(out)
                     if out.new_text:
                         yield event(index, {"content": out.new_text}, out=out)
