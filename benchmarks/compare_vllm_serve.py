@@ -187,12 +187,15 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(line for line in r["client_output"].splitlines()
                             if line and not line.startswith(("Namespace", "INFO", "WARNING"))))
             print(flush=True)
-    print(f"{'':22}" + "".join(f"{k:>12}" for k in results))
+    ran = [k for k in results if results[k]]  # --order may name one server only
+    print(f"{'':22}" + "".join(f"{k:>12}" for k in ran))
     for key, label in FIGURES:
-        row = [statistics.median(r[key] for r in results[k]) for k in results]
+        row = [statistics.median(r[key] for r in results[k]) for k in ran]
         print(f"{label:22}" + "".join(f"{v:>12.1f}" for v in row))
     for key, label in (("output_throughput", "output tokens/s"),
                        ("median_ttft_ms", "TTFT median"), ("median_tpot_ms", "TPOT median")):
+        if len(ran) < 2:
+            break
         ratios = [m[key] / v[key] for m, v in zip(results["mmserve"], results["vllm"],
                                                      strict=True)]
         print(f"mmserve / vLLM, {label}: " + ", ".join(f"{x:.2f}" for x in ratios))
