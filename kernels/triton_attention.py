@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.paged_attention import block_table_tensor, slot_mapping, zero_past_blocks
-from mmserve.kernels.transfer import tensor_on, to_device
+from mmserve.kernels.transfer import int_tensor, to_device
 from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
 LOG2E = 1.4426950408889634
@@ -62,32 +62,37 @@ class TritonAttentionMetadata:
         padded = num_seqs if num_seqs_padded is None else num_seqs_padded
         if padded < num_seqs:
             raise ValueError(f"num_seqs_padded={padded} is below the {num_seqs} sequences")
-        lengths = ([len(t) for t in block_tables] if not isinstance(block_tables, torch.Tensor)
-                   else [block_tables.shape[1]] * num_seqs)
-        needed = max((-(-s // block_size) for s in seq_lens), default=0)
+        # Tensor operations over every sequence: hundreds of decodes a step, no loop over them.
+        q, s_lens = int_tensor(query_lens), int_tensor(seq_lens)
+        lengths = (int_tensor([len(t) for t in block_tables])
+                   if not isinstance(block_tables, torch.Tensor)
+                   else torch.full((num_seqs,), block_tables.shape[1], dtype=torch.long))
+        needed = int((-(-s_lens // block_size)).max()) if num_seqs else 0
         width = max(1, needed if max_blocks is None else max_blocks)
         if needed > width:
             raise ValueError(f"a sequence needs {needed} blocks, over max_blocks={width}")
-        for i, (q_len, s_len, n) in enumerate(zip(query_lens, seq_lens, lengths, strict=True)):
-            if not 0 < q_len <= s_len <= n * block_size:
-                raise ValueError(f"sequence {i}: need 0 < query_len ({q_len}) <= seq_len "
-                                 f"({s_len}) <= blocks x block_size ({n * block_size})")
+        bad = ~((0 < q) & (q <= s_lens) & (s_lens <= lengths * block_size))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"sequence {i}: need 0 < query_len ({query_lens[i]}) <= seq_len "
+                             f"({seq_lens[i]}) <= blocks x block_size "
+                             f"({int(lengths[i]) * block_size})")
         rows = block_table_tensor(block_tables)
         tables = torch.zeros(padded, width, dtype=torch.int32)
         tables[:num_seqs, :min(width, rows.shape[1])] = zero_past_blocks(
-            rows[:, :width], seq_lens, block_size)
+            rows[:, :width], s_lens, block_size)
         # Padding sequences own one padding token each: a decode graph of size N has N rows.
-        slots = torch.cat([slot_mapping(query_lens, seq_lens, rows, block_size),
+        slots = torch.cat([slot_mapping(q, s_lens, rows, block_size),
                            torch.full((padded - num_seqs,), -1, dtype=torch.long)])
-        starts = [0]
-        for q_len in query_lens:
-            starts.append(starts[-1] + q_len)
-        starts.extend([starts[-1]] * (padded - num_seqs))
-        lens = list(seq_lens) + [0] * (padded - num_seqs)
+        starts = torch.zeros(padded + 1, dtype=torch.int32)
+        starts[1:num_seqs + 1] = torch.cumsum(q, 0)
+        starts[num_seqs + 1:] = starts[num_seqs]
+        lens = torch.zeros(padded, dtype=torch.int32)
+        lens[:num_seqs] = s_lens
         return cls(
             slot_mapping=to_device(slots, device),
-            query_start_loc=tensor_on(starts, torch.int32, device),
-            seq_lens=tensor_on(lens, torch.int32, device),
+            query_start_loc=to_device(starts, device),
+            seq_lens=to_device(lens, device),
             block_tables=to_device(tables, device),
             max_query_len=max(query_lens, default=0),
         )

@@ -6,6 +6,7 @@ in this process or in tensor-parallel workers (a broken device: tests/test_step_
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -19,7 +20,7 @@ from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.worker import model_runner
 from mmserve.worker.cpu_threads import AdaptiveThreads
-from mmserve.worker.executor import StepThread
+from mmserve.worker.executor import InlineSteps, StepThread
 from mmserve.worker.model_runner import CPUModelRunner, StepResult
 from tests.conftest import assert_no_leaks, make_image
 from tests.test_parity import mixed_batch, shared_batch
@@ -35,12 +36,18 @@ def qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(build_tiny_checkpoint("qwen2_vl", tmp_path_factory.mktemp("async") / "q"))
 
 
-@pytest.fixture(params=[False, True], ids=["tokens to Python at once", "tokens left on the device"])
-def deferred(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """The CPU runner as it is, or leaving each step's sampled tokens on the device for the
+@pytest.fixture(params=["at once", "on the device", "launched inline"],
+                ids=["tokens to Python at once", "tokens left on the device",
+                     "launched on the engine's thread"])
+def deferred(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The CPU runner as it is; or leaving each step's sampled tokens on the device for the
     engine's thread to bring to Python, as the CUDA runner does (``defer_sampled_tokens``):
-    the step scheduled ahead then reads its pending tokens from the device."""
-    monkeypatch.setattr(CPUModelRunner, "defer_sampled_tokens", request.param)
+    the step scheduled ahead then reads its pending tokens from the device; or that, and its
+    steps launched on the engine's own thread (``InlineSteps``), as the CUDA runner's are
+    (``launches_asynchronously``; on the CPU each launch computes its step)."""
+    monkeypatch.setattr(CPUModelRunner, "defer_sampled_tokens", request.param != "at once")
+    monkeypatch.setattr(CPUModelRunner, "launches_asynchronously",
+                        request.param == "launched inline")
     return request.param
 
 
@@ -54,7 +61,7 @@ def _run(llm: LLM, batches: list[list[dict]], params: SamplingParams | list = LO
 
 @pytest.mark.parametrize("family", ["clip-llama", "qwen2-vl"])
 def test_same_tokens_through_chunked_prefill_and_cache_hits(
-        checkpoints: dict[str, str], qwen2_vl: str, family: str, deferred: bool) -> None:
+        checkpoints: dict[str, str], qwen2_vl: str, family: str, deferred: str) -> None:
     """Images split across steps, a KV cache that makes the synchronous engine preempt
     (scheduled ahead, nobody is preempted: a request that does not fit waits a step), then
     prefix and encoder cache hits; a second generate collects the step left in flight."""
@@ -70,7 +77,7 @@ def test_same_tokens_through_chunked_prefill_and_cache_hits(
     assert stats["encoder_cache_hits"] > 0 and stats["prefix_cache_hit_tokens"] > 0
 
 
-def test_stops_sampling_logprobs_and_grammars_match(clip_llama: str, deferred: bool) -> None:
+def test_stops_sampling_logprobs_and_grammars_match(clip_llama: str, deferred: str) -> None:
     """EOS and stop strings end requests a step early (the token computed ahead for them is
     dropped), seeded sampling with n, logprobs and a grammar (whose next bitmask waits for
     its token) in one batch."""
@@ -98,27 +105,63 @@ def test_stops_sampling_logprobs_and_grammars_match(clip_llama: str, deferred: b
     assert expected[1][0][1] == "stop" and expected[4][0][1] == "stop"
 
 
-def test_a_step_left_uncollected_is_never_taken_for_a_later_one() -> None:
+class _Runner:
+    """Samples token 1 for every request; fails a step whose first request is "bad"."""
+
+    def launch(self, scheduler_output, encoder_pixels):
+        if scheduler_output.requests[0].request_id == "bad":
+            raise RuntimeError("launch failed")
+        return StepResult(ModelOutput(
+            sampled={r.request_id: 1 for r in scheduler_output.requests}), [])
+
+
+def _step(rid: str) -> SchedulerOutput:
+    return SchedulerOutput(requests=[ScheduledRequest(rid, [5], 0, [0], [], True, GREEDY,
+                                                      [[0]])])
+
+
+@pytest.mark.parametrize("kind", [StepThread, InlineSteps])
+def test_a_step_left_uncollected_is_never_taken_for_a_later_one(kind) -> None:
     """An interrupted caller (Ctrl-C while waiting) leaves a step's result behind: the next
-    ``collect`` gets its own step's result, not that one."""
-    class Runner:
-        def launch(self, scheduler_output, encoder_pixels):
-            return StepResult(ModelOutput(
-                sampled={r.request_id: 1 for r in scheduler_output.requests}), [])
-
-    def step(rid: str) -> SchedulerOutput:
-        return SchedulerOutput(requests=[ScheduledRequest(rid, [5], 0, [0], [], True,
-                                                          GREEDY, [[0]])])
-
-    steps = StepThread(Runner())
+    ``collect`` gets its own step's result, not that one. What a launch raised is raised
+    where its step is collected, and the steps after it go on."""
+    steps = kind(_Runner())
     try:
-        first = steps.submit(step("a"), {})
-        second = steps.submit(step("b"), {})
+        first = steps.submit(_step("a"), {})
+        second = steps.submit(_step("b"), {})
         assert second > first
         assert steps.collect(second).sampled == {"b": 1}  # "a"'s result is dropped
-        assert steps.collect(steps.submit(step("c"), {})).sampled == {"c": 1}
+        assert steps.collect(steps.submit(_step("c"), {})).sampled == {"c": 1}
+        bad, after = steps.submit(_step("bad"), {}), steps.submit(_step("d"), {})
+        with pytest.raises(RuntimeError, match="launch failed"):
+            steps.collect(bad)
+        assert steps.collect(after).sampled == {"d": 1}
     finally:
         steps.close()
+
+
+def test_steps_of_a_runner_that_only_queues_them_launch_on_the_engines_thread(
+        clip_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner whose launch returns once its device has the step (``launches_asynchronously``,
+    the CUDA runner) gets no thread of its own: the engine launches each step as it submits
+    it, schedules the next while the device computes, and collects the first after; the
+    tokens are the synchronous engine's."""
+    with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=4) as sync:
+        expected = [o.token_ids for o in sync.generate(mixed_batch()[:4], LONG)]
+    monkeypatch.setattr(CPUModelRunner, "defer_sampled_tokens", True)
+    monkeypatch.setattr(CPUModelRunner, "launches_asynchronously", True)
+    with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=4,
+             async_scheduling=True) as llm:
+        engine = llm.engine
+        assert isinstance(engine._steps, InlineSteps) and engine._compute is None
+        launched_on: set[int] = set()
+        launch = engine.runner.launch
+        monkeypatch.setattr(engine.runner, "launch", lambda *args: (
+            launched_on.add(threading.get_ident()), launch(*args))[1])
+        outputs = llm.generate(mixed_batch()[:4], LONG)
+        assert launched_on == {threading.get_ident()}
+        assert engine.num_steps_ahead > engine.num_steps // 2
+    assert [o.token_ids for o in outputs] == expected
 
 
 def test_a_deferred_step_brings_its_tokens_over_only_when_asked(
@@ -154,7 +197,7 @@ def test_a_deferred_step_brings_its_tokens_over_only_when_asked(
 
 
 def test_a_step_rerun_alone_computes_from_the_step_befores_tokens(
-        clip_llama: str, monkeypatch: pytest.MonkeyPatch, deferred: bool) -> None:
+        clip_llama: str, monkeypatch: pytest.MonkeyPatch, deferred: str) -> None:
     """A batched step that fails after sampling (here its log-probabilities) is rerun request
     by request; the reruns of requests scheduled ahead read the tokens of the step before,
     not the ones the failed attempt drew."""
@@ -213,7 +256,7 @@ def _drain(engine) -> dict:
     return done
 
 
-def test_aborts_between_steps(clip_llama: str, deferred: bool) -> None:
+def test_aborts_between_steps(clip_llama: str, deferred: str) -> None:
     """A request aborted while the next step is already scheduled ahead: the others finish
     as they do synchronously, and nothing leaks."""
     def run(**flags) -> list:
@@ -231,7 +274,7 @@ def test_aborts_between_steps(clip_llama: str, deferred: bool) -> None:
     assert run(async_scheduling=True) == run()
 
 
-def test_a_bad_prompt_mid_call_leaves_no_step_in_flight(clip_llama: str, deferred: bool) -> None:
+def test_a_bad_prompt_mid_call_leaves_no_step_in_flight(clip_llama: str, deferred: str) -> None:
     """``generate`` meets a bad prompt once its first requests are stepping: it aborts them
     while a step scheduled ahead holds them, and collects that step before it raises, so the
     engine is left with nothing unfinished and every block free, and serves the next call."""
@@ -251,7 +294,7 @@ def test_a_bad_prompt_mid_call_leaves_no_step_in_flight(clip_llama: str, deferre
 
 
 def test_failures_mid_run(clip_llama: str, monkeypatch: pytest.MonkeyPatch,
-                          deferred: bool) -> None:
+                          deferred: str) -> None:
     """A request whose sampling fails (its step ahead has no token to compute from) is
     failed alone; a step that fails once for everyone is retried; the others' tokens are the
     synchronous engine's."""

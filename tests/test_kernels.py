@@ -17,7 +17,7 @@ from mmserve.kernels.paged_attention import (
     paged_attention,
     write_kv_cache,
 )
-from mmserve.kernels.transfer import tensor_on, to_device
+from mmserve.kernels.transfer import host_tensor, tensor_on, to_device
 from mmserve.kernels.triton_attention import TritonAttentionMetadata, triton_paged_attention
 from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
@@ -117,6 +117,44 @@ def test_host_tensors_reach_the_device_whole() -> None:
     assert all(r.device.type == device.type for r in rows) and flags.dtype == torch.bool
     assert [r.sum().item() for r in rows] == [sum(range(i, i + 1000)) for i in range(20)]
     assert flags.tolist() == [True, False]
+
+
+@pytest.mark.parametrize("data, dtype", [
+    ([3, 0, -7, 2**40], torch.long), ([5, 1, 9], torch.int32), ([], torch.long),
+    ([True, False, True], torch.long), ([[1, 2], [3, 4]], torch.long),
+    ([0.5, 2.0], torch.float32), ([True, False], torch.bool),
+], ids=["longs", "int32", "empty", "bools-as-longs", "nested", "floats", "bools"])
+def test_host_tensor_is_torch_tensor(data, dtype) -> None:
+    """Flat integer lists go through numpy (faster), anything else through torch: the same
+    values, dtype and shape either way."""
+    got, want = host_tensor(data, dtype), torch.tensor(data, dtype=dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+def test_metadata_of_a_mixed_batch_finds_each_sequence() -> None:
+    """Decodes among prefill chunks (one with cached tokens before it, one whole prompt): each
+    decode's row, length and table, each chunk's rows, and every token's slot."""
+    block_size = 4
+    tables = [[7, 2], [4, 5, 6], [9], [1, 3]]
+    #            decode  chunk (3 of 10)  decode  whole prompt of 5
+    query_lens, context_lens = [1, 3, 1, 5], [6, 10, 2, 5]
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
+    assert meta.decode_rows.tolist() == [0, 4]
+    assert meta.decode_lens.tolist() == [6, 2]
+    assert meta.decode_block_tables.tolist() == [[7, 2], [9, 0]]
+    assert [(p.query_start, p.query_len, p.context_len) for p in meta.prefills] == [
+        (1, 3, 10), (5, 5, 5)]
+    chunk, whole = meta.prefills
+    assert chunk.context_slots.tolist() == [16, 17, 18, 19, 20, 21, 22, 23, 24, 25]
+    assert chunk.mask.shape == (3, 10) and chunk.mask[0].tolist() == [True] * 8 + [False] * 2
+    assert whole.context_slots is None and whole.mask is None
+    assert meta.slot_mapping.tolist() == [
+        2 * 4 + 1,  # position 5: block 2, offset 1
+        5 * 4 + 3, 6 * 4 + 0, 6 * 4 + 1,  # positions 7, 8, 9 of the chunk's sequence
+        9 * 4 + 1,
+        1 * 4 + 0, 1 * 4 + 1, 1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0]
+    with pytest.raises(ValueError):
+        build_attention_metadata([1, 1], [3], tables[:2], block_size)
 
 
 def test_padded_block_tables_are_the_tables_then_zeros() -> None:

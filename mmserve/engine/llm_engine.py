@@ -39,7 +39,7 @@ from mmserve.worker.collector import freeze_long_lived, thaw
 from mmserve.worker.compute_thread import ComputeThread
 from mmserve.worker.cuda_runner import runner_class
 from mmserve.worker.dry_run import check_tensor_parallel, profile_blocks
-from mmserve.worker.executor import MultiprocExecutor, StepThread, WorkerSpec
+from mmserve.worker.executor import InlineSteps, MultiprocExecutor, StepThread, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -101,11 +101,13 @@ class LLMEngine:
                 and not config.worker_processes):
             self._check_free_gpu_memory(config, memory_bytes)
         self.hf_config = hf_config
-        # With asynchronous scheduling a runner in this process computes on a thread of its
-        # own; it is built there too, and everything it does runs there (torch's parallel
-        # regions run slower once a second thread has started some: compute_thread.py).
+        # With asynchronous scheduling a CPU runner in this process computes on a thread of
+        # its own; it is built there too, and everything it does runs there (torch's parallel
+        # regions run slower once a second thread has started some: compute_thread.py). A
+        # runner that only queues its steps on a GPU launches them from this thread.
         self._compute = (ComputeThread("mmserve-steps")
-                         if config.schedules_ahead and not config.worker_processes else None)
+                         if config.schedules_ahead and not config.worker_processes
+                         and not runner_cls.launches_asynchronously else None)
         on_runner_thread = self.on_runner_thread
         if config.worker_processes:
             # Workers load their shards and build their runners; this process holds none.
@@ -186,10 +188,11 @@ class LLMEngine:
         self._aborting: set[str] = set()  # aborted, released once their steps are collected
         self._schedule_s = 0.0  # the current step's scheduling time, so far
         self.num_steps_ahead = 0  # steps scheduled while the one before computed
-        self._steps: StepThread | MultiprocExecutor | None = None
+        self._steps: StepThread | InlineSteps | MultiprocExecutor | None = None
         if config.schedules_ahead:
             self._steps = (self.runner if isinstance(self.runner, MultiprocExecutor)
-                           else StepThread(self.runner, self._compute))
+                           else StepThread(self.runner, self._compute) if self._compute
+                           else InlineSteps(self.runner))
         # Full collections would otherwise walk every object start-up made (collector.py).
         freeze_long_lived()
         self._froze = True
@@ -695,7 +698,7 @@ class LLMEngine:
             for req in [*scheduler.running, *scheduler.waiting]:
                 self.abort_request(req.request_id)
         steps = getattr(self, "_steps", None)
-        if isinstance(steps, StepThread):
+        if isinstance(steps, StepThread | InlineSteps):
             steps.close()  # after the steps in flight
         runner = getattr(self, "runner", None)
         if runner is not None:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
+from mmserve.kernels.transfer import int_tensor
 from mmserve.step import ScheduledRequest
 
 
@@ -58,7 +59,8 @@ class BlockTables:
     def rows(self, requests: list[ScheduledRequest], width: int) -> torch.Tensor:
         """``[len(requests), width]``: the first ``width`` ids of the requests' tables (at
         most as many as the widest holds), in order."""
-        index = torch.tensor([self._rows[r.request_id] for r in requests], dtype=torch.long)
+        row_of = self._rows
+        index = int_tensor([row_of[r.request_id] for r in requests])
         return self.table[:, :width].index_select(0, index)
 
     def release(self, request_ids: Iterable[str]) -> None:

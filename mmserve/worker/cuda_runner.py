@@ -54,6 +54,7 @@ class CUDAModelRunner(ModelRunner):
 
     device = torch.device("cuda")
     defer_sampled_tokens = True  # the next step launches while this one's tokens come over
+    launches_asynchronously = True  # kernels are queued on a stream: launch returns at once
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int
@@ -119,17 +120,16 @@ class CUDAModelRunner(ModelRunner):
         return torch.cuda.max_memory_allocated() - start
 
     # ------------------------------------------------------------ inputs
-    def _attention_metadata(self, reqs: list[ScheduledRequest]):
+    def _attention_metadata(self, reqs: list[ScheduledRequest], query_lens: list[int],
+                            seq_lens: list[int]):
         """Triton metadata; decode-only batches are padded to a captured graph size with
         sequences that have no query tokens (slot -1: they write and attend to nothing)."""
         from mmserve.kernels.triton_attention import TritonAttentionMetadata
 
         bs = self.block_size
-        query_lens = [len(r.token_ids) for r in reqs]
-        seq_lens = [r.start_pos + n for r, n in zip(reqs, query_lens, strict=True)]
         tables = self.block_tables.rows(reqs, -(-max(seq_lens, default=1) // bs))
         padded = None
-        if self.graph_sizes and all(n == 1 for n in query_lens):
+        if self.graph_sizes and len(query_lens) == sum(query_lens):  # decodes only
             padded = padded_batch_size(len(reqs), self.graph_sizes)
         meta = TritonAttentionMetadata.build(
             query_lens, seq_lens, tables, bs, self.device, num_seqs_padded=padded,

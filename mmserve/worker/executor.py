@@ -346,6 +346,41 @@ class StepThread:
             self._compute.call(lambda: None)
 
 
+class InlineSteps:
+    """Asynchronous scheduling for a runner whose ``launch`` only queues its step on the
+    device (``launches_asynchronously``: the CUDA runner, its sampled tokens left there):
+    each step is launched on the caller's thread as it is submitted, and ``collect`` waits
+    for its tokens. The engine schedules the next step while the device computes, with no
+    second Python thread: a runner's thread would wait for the interpreter lock while the
+    engine's schedules and makes outputs (up to the 5 ms switch interval at each hand-over),
+    which is how the device waited. What ``launch`` raises is raised by ``collect``, as
+    ``StepThread`` does. The same ``submit`` and ``collect`` as ``StepThread``."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self._results: dict[int, StepResult | Exception] = {}
+        self._seq = 0
+
+    def submit(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels) -> int:
+        self._seq += 1
+        try:
+            self._results[self._seq] = self.runner.launch(scheduler_output, encoder_pixels)
+        except Exception as e:  # noqa: BLE001 (the engine handles it where it collects)
+            self._results[self._seq] = e
+        return self._seq
+
+    def collect(self, seq: int) -> ModelOutput:
+        for earlier in [n for n in self._results if n < seq]:
+            del self._results[earlier]
+        result = self._results.pop(seq)
+        if isinstance(result, Exception):
+            raise result
+        return result.result()
+
+    def close(self) -> None:
+        self._results.clear()
+
+
 def _dumps(call: tuple[str, tuple]) -> bytes:
     return pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
 

@@ -93,12 +93,17 @@ class ModelRunner:
     # The torch reference; device runners set their own in __init__.
     attention: AttentionBackend = staticmethod(paged_attention)
     # Whether ``launch`` leaves a step's sampled tokens on the device for ``StepResult`` to
-    # bring to Python (and the next step reads its pending tokens there): on a GPU the stepping
-    # thread then launches the next step while another thread waits for this one's tokens.
-    # On the CPU the step has computed them by then; converting at once there also keeps a
-    # row whose draw was not finite out of a step scheduled ahead (whose draws from the shared
-    # generator it would shift).
+    # bring to Python (and the next step reads its pending tokens there): on a GPU the next
+    # step is launched before this one's tokens are waited for. On the CPU the step has
+    # computed them by then; converting at once there also keeps a row whose draw was not
+    # finite out of a step scheduled ahead (whose draws from the shared generator it would
+    # shift).
     defer_sampled_tokens = False
+    # Whether ``launch`` returns once the step's work is queued on the device, before it
+    # runs (a GPU's): asynchronous scheduling then launches each step on the engine's own
+    # thread (``InlineSteps``). The CPU computes the step in ``launch``: a thread of the
+    # runner's own computes it while the engine schedules the next (``StepThread``).
+    launches_asynchronously = False
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int
@@ -558,25 +563,28 @@ class ModelRunner:
         takes them."""
         ids: list[int] = []
         sample_rows: list[int] = []
-        for r in reqs:
-            n = len(r.token_ids)
+        query_lens: list[int] = []
+        seq_lens: list[int] = []  # each request's tokens once this step has run
+        for r in reqs:  # one pass, plain integers: the tensors are made from whole columns
+            tokens = r.token_ids
+            ids += tokens
+            query_lens.append(len(tokens))
+            seq_lens.append(r.start_pos + len(tokens))
             if r.sample:
-                sample_rows.append(len(ids) + n - 1)
-            ids.extend(r.token_ids)
-        meta, num_padding = self._attention_metadata(reqs)
+                sample_rows.append(len(ids) - 1)
+        meta, num_padding = self._attention_metadata(reqs, query_lens, seq_lens)
         # Padding rows embed token 0 at position 0; the metadata makes them compute nothing.
         ids.extend([0] * num_padding)
         dev = self.device
         return (tensor_on(ids, torch.long, dev), flat_positions(reqs, num_padding, dev), meta,
                 tensor_on(sample_rows, torch.long, dev))
 
-    def _attention_metadata(self, reqs: list[ScheduledRequest]) -> tuple[AttentionMetadata, int]:
+    def _attention_metadata(self, reqs: list[ScheduledRequest], query_lens: list[int],
+                            seq_lens: list[int]) -> tuple[AttentionMetadata, int]:
         """The attention backend's metadata, and how many padding rows the batch needs."""
-        context_lens = [r.start_pos + len(r.token_ids) for r in reqs]
-        width = -(-max(context_lens, default=1) // self.block_size)
-        meta = build_attention_metadata(
-            [len(r.token_ids) for r in reqs], context_lens, self.block_tables.rows(reqs, width),
-            self.block_size, self.device)
+        width = -(-max(seq_lens, default=1) // self.block_size)
+        meta = build_attention_metadata(query_lens, seq_lens, self.block_tables.rows(reqs, width),
+                                        self.block_size, self.device)
         return meta, 0
 
     # ----------------------------------------------------------------- borrowed blocks
