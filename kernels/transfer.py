@@ -14,8 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-_NUMPY_INTS = {torch.long: np.int64, torch.int32: np.int32}
-
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``tensor`` (on the host) on ``device``, without waiting on a GPU."""
@@ -34,11 +32,12 @@ def host_tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
     """``torch.tensor(data, dtype=dtype)``; a flat list of integers through numpy, which reads
     it in a quarter of torch's time (40 against 10 us at 256 values): a step makes several
     such tensors of one value per request or per token."""
-    if dtype in _NUMPY_INTS and (not data or isinstance(data[0], int)):
-        return int_tensor(data, dtype)
+    if dtype == torch.long and (not data or isinstance(data[0], int)):
+        return int_tensor(data)
     return torch.tensor(data, dtype=dtype)
 
 
-def int_tensor(values: Sequence[int], dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A flat sequence of Python integers as an int64 (or int32) tensor on the host."""
-    return torch.from_numpy(np.fromiter(values, _NUMPY_INTS[dtype], len(values)))
+def int_tensor(values: Sequence[int]) -> torch.Tensor:
+    """A flat sequence of Python integers as an int64 tensor on the host (one that does not
+    fit raises ``OverflowError``)."""
+    return torch.from_numpy(np.fromiter(values, np.int64, len(values)))

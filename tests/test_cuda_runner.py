@@ -24,6 +24,7 @@ from mmserve.worker.cuda_runner import (
     padded_batch_size,
     runner_class,
 )
+from mmserve.worker.executor import InlineSteps
 from mmserve.worker.model_runner import CPUModelRunner
 from tests.conftest import assert_no_leaks, make_image
 
@@ -127,16 +128,21 @@ class EagerReplay:
 @pytest.mark.parametrize("ahead", [False, True], ids=["in-step", "scheduled-ahead"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-replay"])
 def test_triton_runner_matches_cpu_runner(clip_llama: str, cpu_runner_tokens: list[list[int]],
-                                          graphs: bool, ahead: bool, caplog):
+                                          graphs: bool, ahead: bool, caplog,
+                                          monkeypatch: pytest.MonkeyPatch):
     """Same greedy tokens as the torch-reference runner, with chunked prefill splitting images.
 
     ``graph-replay`` runs decode-only batches as the CUDA graphs would, with ``EagerReplay`` in
     place of the capture (which needs CUDA): padded to a captured size, copied into the static
     buffers, and the decoder rerun on them. ``scheduled-ahead`` is the engine as a GPU runs it
-    by default: asynchronous scheduling, each step's sampled tokens left on the device for the
-    next step's inputs and brought to Python when the step is collected. No step may fail on
+    by default: asynchronous scheduling, each step launched from the engine's own thread, its
+    sampled tokens left on the device for the next step's inputs and brought to Python when
+    the step is collected. No step may fail on
     the way: the engine would retry the requests of a failed step and hide it.
     """
+    # The engine is built with the CPU runner, then given the CUDA one: built as a GPU builds
+    # it, with no thread for the runner's steps (``InlineSteps``).
+    monkeypatch.setattr(CPUModelRunner, "launches_asynchronously", True)
     with LLM(clip_llama, **ENGINE_ARGS, async_scheduling=ahead) as llm:
         engine = llm.engine
         runner = InterpretedCUDARunner(engine.model, engine.plan.num_blocks,
@@ -144,7 +150,8 @@ def test_triton_runner_matches_cpu_runner(clip_llama: str, cpu_runner_tokens: li
                                        engine.config.seed)
         assert runner.defer_sampled_tokens
         if ahead:
-            engine._steps.runner = runner  # the step thread launches the runner's steps
+            assert isinstance(engine._steps, InlineSteps) and engine._compute is None
+            engine._steps.runner = runner  # launched from the engine's thread
         if graphs:
             sizes = [1, 4]  # decode batches of 2 and 3 get padding rows
             runner.allocate_graph_inputs(sizes[-1], engine.plan.max_model_len)

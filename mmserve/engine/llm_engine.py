@@ -180,7 +180,7 @@ class LLMEngine:
         self._dead: str | None = None
         # Steps handed to the runner and not finished yet, oldest first: one, or two while
         # one runs and the next was scheduled ahead (asynchronous scheduling, where the
-        # runner's steps run beside this thread, ``_steps``: each with its number there;
+        # runner's steps compute beside this thread, ``_steps``: each with its number there;
         # synchronously, with its result). ``_stale``: requests whose result in the next
         # step is void.
         self._submitted: deque[tuple[SchedulerOutput, Any]] = deque()

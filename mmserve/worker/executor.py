@@ -13,8 +13,10 @@ each call, tagged with its number; rank 0's answer is the result.
 
 Asynchronous scheduling hands steps over with ``submit`` and takes their results with
 ``collect`` (by number), so that the engine schedules the next step while one runs: the
-workers run steps in the order sent, and ``StepThread`` does the same for a runner in the
-engine's own process, on the thread it was built on.
+workers run steps in the order sent; for a runner in the engine's own process,
+``InlineSteps`` launches each step from the engine's thread as it is submitted (a GPU's
+runner, whose launch only queues the step), and ``StepThread`` runs them on the thread the
+runner was built on (the CPU's, whose launch computes the step).
 
 A worker that dies, fails a collective or does not answer within ``timeout`` seconds stops
 the executor: the engine raises ``EngineDeadError`` naming the rank, and every worker is ended

@@ -8,9 +8,10 @@ The runner reads its step messages from ``mmserve/step.py`` and nothing of the e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -64,24 +65,44 @@ EncoderPixels = Mapping[str, Mapping[str, torch.Tensor]]
 
 
 @dataclass
+class DeferredTokens:
+    """A step's sampled tokens left on the device: the rows' requests, their tokens, and for
+    a step with rows that ask for log-probabilities, what computes those from the tokens."""
+
+    request_ids: list[str]
+    drawn: SampledTokens
+    # The tokens -> the rows' log-probabilities, and the requests whose computation failed.
+    logprobs: Callable[[list[int | Exception]],
+                       tuple[dict[str, TokenLogprobs], dict[str, str]]] | None = None
+
+
+@dataclass
 class StepResult:
     """A launched step (``ModelRunner.launch``): ``result()`` is its ``ModelOutput``, the
-    tokens it left on the device brought to Python. Any one thread may call it, once the
-    stepping thread has returned the step, while that thread goes on."""
+    tokens it left on the device (and their log-probabilities) brought to Python. Any one
+    thread may call it once ``launch`` has returned the step, while the launching thread goes
+    on (the engine's own on a GPU, a thread of the runner's on the CPU)."""
 
     output: ModelOutput
-    deferred: list[tuple[list[str], SampledTokens]]  # (the rows' requests, their tokens)
+    deferred: list[DeferredTokens]
 
     def result(self) -> ModelOutput:
         out = self.output
         start = time.perf_counter()
-        for request_ids, drawn in self.deferred:
-            for rid, token in zip(request_ids, drawn.to_list(), strict=True):
+        for step in self.deferred:
+            tokens = step.drawn.to_list()
+            for rid, token in zip(step.request_ids, tokens, strict=True):
                 if isinstance(token, Exception):
                     out.errors[rid] = _reason(token)
                     logger.error("sampling failed for request %s: %s", rid, _reason(token))
                 else:
                     out.sampled[rid] = token
+            if step.logprobs is not None:
+                logprobs, failed = step.logprobs(tokens)
+                out.logprobs.update(logprobs)
+                for rid, reason in failed.items():  # as a failed step's rerun alone: no token
+                    out.sampled.pop(rid, None)
+                    out.errors[rid] = reason
         if self.deferred:  # waiting for the tokens, and their conversion, count as sampling
             out.times.sample += time.perf_counter() - start
         self.deferred = []
@@ -154,9 +175,10 @@ class ModelRunner:
     def launch(self, scheduler_output: SchedulerOutput,
                encoder_pixels: EncoderPixels) -> StepResult:
         """``execute``'s step, returned once its work is issued: with
-        ``defer_sampled_tokens`` (and no row asking for log-probabilities) its sampled tokens
-        stay on the device until ``StepResult.result()``, which any thread may call while
-        this one launches the next step."""
+        ``defer_sampled_tokens`` its sampled tokens stay on the device until
+        ``StepResult.result()`` (which also computes the log-probabilities rows ask for, from
+        the logits kept till then), which any thread may call while this one launches the
+        next step."""
         # Every request's new blocks first, those of requests this step drops below included
         # (the scheduler counts them as sent), before anything here may raise.
         self.block_tables.release(scheduler_output.finished_request_ids)
@@ -173,7 +195,7 @@ class ModelRunner:
         out = ModelOutput()
         scheduler_output = self._fill_pending(scheduler_output, out)
         self._assign_images(scheduler_output)
-        deferred: list[tuple[list[str], SampledTokens]] | None = (
+        deferred: list[DeferredTokens] | None = (
             [] if self.defer_sampled_tokens else None)
         try:
             self.last_sampled.update(self._execute(scheduler_output, encoder_pixels, out,
@@ -281,13 +303,14 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels,
                  out: ModelOutput,
-                 deferred: list[tuple[list[str], SampledTokens]] | None = None
+                 deferred: list[DeferredTokens] | None = None
                  ) -> dict[str, tuple[torch.Tensor, int]]:
         """One attempt at the step: its tokens (and log-probabilities) go into ``out`` once
         all of it has run, the seconds of each part into ``out.times``. A request whose
         sampling fails goes into ``out.errors`` (the others keep their tokens); anything else
         that fails raises, leaving ``out``'s results as they were. With a ``deferred`` list
-        the sampled tokens go there, on the device, unless a row asks for log-probabilities.
+        the sampled tokens go there, on the device, with what computes the log-probabilities
+        rows ask for once the tokens are known.
         Returns where each sampled token is (for ``last_sampled``, which the caller updates
         only once the attempt has succeeded: a rerun reads the step before's tokens)."""
         times = out.times
@@ -318,8 +341,11 @@ class ModelRunner:
             drawn = self._sample(sampled, logits)
         where = {r.request_id: (drawn.tokens, i) for i, r in enumerate(sampled)}
         wants_logprobs = any(r.sampling_params.logprobs is not None for r in sampled)
-        if deferred is not None and not wants_logprobs:
-            deferred.append(([r.request_id for r in sampled], drawn))
+        if deferred is not None:  # log-probabilities too, once the tokens are known
+            deferred.append(DeferredTokens(
+                [r.request_id for r in sampled], drawn,
+                functools.partial(self._contained_logprobs, sampled, logits)
+                if wants_logprobs else None))
             out.prompt_logprobs.update(prompt_logprobs)
             times.sample += time.perf_counter() - t3
             return where
@@ -345,6 +371,31 @@ class ModelRunner:
             logits, constrained, [sampled[i].token_bitmask for i in constrained])
         return sample_on_device(sample_from, [r.sampling_params for r in sampled],
                                 lambda i: self._generator(sampled[i]))
+
+    @classmethod
+    def _contained_logprobs(cls, sampled: list[ScheduledRequest], logits: torch.Tensor,
+                            tokens: list[int | Exception]
+                            ) -> tuple[dict[str, TokenLogprobs], dict[str, str]]:
+        """``_logprobs`` for a step whose tokens were left on the device, computed once they
+        are known (the step cannot be rerun by then): if the batch's computation fails, each
+        row's is computed alone, and only the requests whose own fails are failed."""
+        try:
+            return cls._logprobs(sampled, logits, tokens), {}
+        except Exception as e:  # noqa: BLE001 (contained below, and logged)
+            logger.warning("the log-probabilities of a step's %d rows failed (%s); computing "
+                           "each row's alone", len(sampled), _reason(e))
+        found: dict[str, TokenLogprobs] = {}
+        failed: dict[str, str] = {}
+        for i, r in enumerate(sampled):
+            if r.sampling_params.logprobs is None or isinstance(tokens[i], Exception):
+                continue
+            try:
+                found.update(cls._logprobs([r], logits[i:i + 1], [tokens[i]]))
+            except Exception as e:  # noqa: BLE001
+                failed[r.request_id] = _reason(e)
+                logger.error("log-probabilities failed for request %s: %s", r.request_id,
+                             _reason(e), exc_info=e)
+        return found, failed
 
     @staticmethod
     def _logprobs(sampled: list[ScheduledRequest], logits: torch.Tensor,

@@ -8,7 +8,7 @@ the runner's shared generator for all of them. The results reach Python in one t
 no per-row synchronization on a GPU, and nothing in it can assert on the device as
 ``multinomial`` does on probabilities that are not finite. ``sample_on_device`` leaves them on
 the device, their transfer started (``SampledTokens``), for a runner that writes them into the
-next step's inputs there and hands them to Python on another thread.
+next step's inputs there and hands them to Python once the next step is launched.
 
 A row that fails (a generator that cannot take its seed, probabilities that are not finite)
 fails alone: ``sample_each`` returns its exception in its place, so the runner fails that
@@ -33,9 +33,9 @@ class SampledTokens:
     """A step's sampled tokens as the device holds them, on their way to the host.
 
     ``sample_on_device`` starts their copy to pinned host memory behind the sampling kernels
-    on the stepping thread's stream, and ``to_list`` waits for that copy alone: on a GPU
-    another thread can turn the tokens into Python while the stepping thread launches the
-    next step (a plain ``.tolist()`` on the default stream would wait for that step too).
+    on the launching thread's stream, and ``to_list`` waits for that copy alone: on a GPU the
+    tokens are turned into Python after the next step is launched, while it computes (a plain
+    ``.tolist()`` on the default stream would wait for that step too).
     """
 
     tokens: torch.Tensor  # [rows] on the device, what later steps read their inputs from
