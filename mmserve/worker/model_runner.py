@@ -573,7 +573,8 @@ class ModelRunner:
             if arithmetic is not None:  # equal tables, whichever object (pickled apart)
                 key = (arithmetic.table.numpy().tobytes(), item["pixel_values"].shape[1:])
                 groups.setdefault(key, (arithmetic, []))[1].append(i)
-            out.append({name: t.to(self.device, self.dtype) if t.is_floating_point() else t
+            out.append({name: to_device(t, self.device).to(self.dtype)
+                        if t.is_floating_point() else t
                         for name, t in item.items()})
         for (key, _), (arithmetic, members) in groups.items():
             pixels = [out[i]["pixel_values"] for i in members]
@@ -653,7 +654,7 @@ class ModelRunner:
     def _write_kv_blocks(self, block_ids: list[int], embeds: torch.Tensor) -> None:
         """Copy an encoder output into borrowed KV blocks (free ones: no request reads them)."""
         flat = embeds.reshape(-1)
-        index = torch.tensor(block_ids, device=self.device)
+        index = tensor_on(block_ids, torch.long, self.device)
         start = 0
         for cache, kv in self._block_pieces():
             if start >= flat.numel():
@@ -669,7 +670,7 @@ class ModelRunner:
     def _read_kv_blocks(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """The ``[num_tokens, hidden]`` encoder output ``_write_kv_blocks`` put there."""
         total = num_tokens * self.model.hidden_size
-        index = torch.tensor(block_ids, device=self.device)
+        index = tensor_on(block_ids, torch.long, self.device)
         parts, count = [], 0
         for cache, kv in self._block_pieces():
             if count >= total:

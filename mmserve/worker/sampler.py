@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.kernels.transfer import tensor_on
+from mmserve.kernels.transfer import tensor_on, to_device
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import TokenLogprobs
 
@@ -187,10 +187,10 @@ def apply_token_bitmasks(logits: torch.Tensor, rows: list[int],
     leaves out (bit ``j`` of int32 word ``w``: token ``32 * w + j``) set to -inf: a new tensor,
     the raw logits stay for the log-probabilities."""
     vocab = logits.shape[-1]
-    words = torch.stack(bitmasks).to(logits.device, torch.int32)  # [rows, ceil(vocab / 32)]
+    words = to_device(torch.stack(bitmasks).to(torch.int32), logits.device)  # [rows, words]
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
-    index = torch.tensor(rows, device=logits.device)
+    index = tensor_on(rows, torch.long, logits.device)
     masked = logits.clone()
     masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return masked
