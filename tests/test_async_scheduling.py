@@ -166,34 +166,45 @@ def test_steps_of_a_runner_that_only_queues_them_launch_on_the_engines_thread(
 
 def test_a_deferred_step_brings_its_tokens_over_only_when_asked(
         clip_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With ``defer_sampled_tokens`` a launched step's output has no tokens until
-    ``result()``; the steps scheduled ahead read theirs on the device, and the outputs are
-    the runner's that converts at once."""
+    """With ``defer_sampled_tokens`` a launched step's output has no tokens and no prompt
+    log-probabilities until ``result()``; the steps scheduled ahead read their tokens on the
+    device, and the outputs are the runner's that converts at once."""
     prompts = mixed_batch()[:4]
+    params = [LONG, SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2), LONG,
+              SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=0, logprobs=1)]
 
     def run(defer: bool) -> tuple[list, list]:
         monkeypatch.setattr(CPUModelRunner, "defer_sampled_tokens", defer)
         with LLM(clip_llama, dtype="float32", device="cpu", max_num_seqs=4,
-                 async_scheduling=True) as llm:
+                 max_num_batched_tokens=256, async_scheduling=True) as llm:
             runner, seen = llm.engine.runner, []
             launch = runner.launch
 
             def recording(*args):  # noqa: ANN202
                 step = launch(*args)
-                seen.append((len(step.deferred), dict(step.output.sampled)))
+                seen.append((len(step.deferred), dict(step.output.sampled),
+                             dict(step.output.prompt_logprobs)))
                 return step
 
             monkeypatch.setattr(runner, "launch", recording)
-            outs = [o.token_ids for o in llm.generate(prompts, LONG)]
+            outs = [(o.token_ids, [e and (e.logprob, e.rank, e.top) for e in
+                                   o.prompt_logprobs or []],
+                     [(e.logprob, e.rank, e.top) for e in o.logprobs or []])
+                    for o in llm.generate(prompts, params)]
             assert_no_leaks(llm.engine)
             return outs, seen
 
     expected, at_once = run(False)
     got, deferred = run(True)
     assert got == expected
-    assert all(n == 0 for n, _ in at_once) and any(sampled for _, sampled in at_once)
-    sampling = [(n, sampled) for n, sampled in deferred if n]
-    assert sampling and all(sampled == {} for _, sampled in sampling)
+    prompt_entries = expected[1][1]
+    assert prompt_entries[0] is None and len(prompt_entries) > 20 and len(expected[3][2]) == 6
+    assert all(len(e[2]) == 2 for e in prompt_entries[1:])
+    assert all(n == 0 for n, *_ in at_once)
+    assert any(sampled for _, sampled, _ in at_once) and any(p for *_, p in at_once)
+    waiting = [(n, sampled, prompt) for n, sampled, prompt in deferred if n]
+    assert waiting and all(sampled == {} and prompt == {} for _, sampled, prompt in waiting)
+    assert all(prompt == {} for *_, prompt in deferred)
 
 
 def test_a_step_rerun_alone_computes_from_the_step_befores_tokens(

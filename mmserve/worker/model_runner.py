@@ -46,8 +46,10 @@ from mmserve.worker.cpu_allocator import (
 from mmserve.worker.cpu_threads import AdaptiveThreads, restore_threads
 from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import (
+    LogprobTensors,
     SampledTokens,
     apply_token_bitmasks,
+    logprobs_on_device,
     sample_on_device,
     token_logprobs,
 )
@@ -75,35 +77,53 @@ class DeferredTokens:
     logprobs: Callable[[list[int | Exception]],
                        tuple[dict[str, TokenLogprobs], dict[str, str]]] | None = None
 
+    def collect(self, out: ModelOutput) -> None:
+        """The tokens (and log-probabilities) into ``out``, once the device has them."""
+        tokens = self.drawn.to_list()
+        for rid, token in zip(self.request_ids, tokens, strict=True):
+            if isinstance(token, Exception):
+                out.errors[rid] = _reason(token)
+                logger.error("sampling failed for request %s: %s", rid, _reason(token))
+            else:
+                out.sampled[rid] = token
+        if self.logprobs is not None:
+            logprobs, failed = self.logprobs(tokens)
+            out.logprobs.update(logprobs)
+            for rid, reason in failed.items():  # as a failed step's rerun alone: no token
+                out.sampled.pop(rid, None)
+                out.errors[rid] = reason
+
+
+@dataclass
+class PromptLogprobs:
+    """A step's prompt log-probabilities as the device computed them: by request, the
+    position of its first entry and the entries in pieces of up to ``PROMPT_LOGPROB_ROWS``."""
+
+    pieces: dict[str, tuple[int, list[LogprobTensors]]]
+
+    def collect(self, out: ModelOutput) -> None:
+        """The entries into ``out``, once the device has them."""
+        for rid, (first, pieces) in self.pieces.items():
+            out.prompt_logprobs[rid] = (first, [e for p in pieces for e in p.to_list()])
+
 
 @dataclass
 class StepResult:
     """A launched step (``ModelRunner.launch``): ``result()`` is its ``ModelOutput``, the
-    tokens it left on the device (and their log-probabilities) brought to Python. Any one
-    thread may call it once ``launch`` has returned the step, while the launching thread goes
-    on (the engine's own on a GPU, a thread of the runner's on the CPU)."""
+    results it left on the device (its tokens, their log-probabilities, the prompt's)
+    brought to Python. Any one thread may call it once ``launch`` has returned the step,
+    while the launching thread goes on (the engine's own on a GPU, a thread of the runner's
+    on the CPU)."""
 
     output: ModelOutput
-    deferred: list[DeferredTokens]
+    deferred: list[DeferredTokens | PromptLogprobs]
 
     def result(self) -> ModelOutput:
         out = self.output
         start = time.perf_counter()
         for step in self.deferred:
-            tokens = step.drawn.to_list()
-            for rid, token in zip(step.request_ids, tokens, strict=True):
-                if isinstance(token, Exception):
-                    out.errors[rid] = _reason(token)
-                    logger.error("sampling failed for request %s: %s", rid, _reason(token))
-                else:
-                    out.sampled[rid] = token
-            if step.logprobs is not None:
-                logprobs, failed = step.logprobs(tokens)
-                out.logprobs.update(logprobs)
-                for rid, reason in failed.items():  # as a failed step's rerun alone: no token
-                    out.sampled.pop(rid, None)
-                    out.errors[rid] = reason
-        if self.deferred:  # waiting for the tokens, and their conversion, count as sampling
+            step.collect(out)
+        if self.deferred:  # waiting for the results, and their conversion, count as sampling
             out.times.sample += time.perf_counter() - start
         self.deferred = []
         return out
@@ -195,7 +215,7 @@ class ModelRunner:
         out = ModelOutput()
         scheduler_output = self._fill_pending(scheduler_output, out)
         self._assign_images(scheduler_output)
-        deferred: list[DeferredTokens] | None = (
+        deferred: list[DeferredTokens | PromptLogprobs] | None = (
             [] if self.defer_sampled_tokens else None)
         try:
             self.last_sampled.update(self._execute(scheduler_output, encoder_pixels, out,
@@ -303,7 +323,7 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels,
                  out: ModelOutput,
-                 deferred: list[DeferredTokens] | None = None
+                 deferred: list[DeferredTokens | PromptLogprobs] | None = None
                  ) -> dict[str, tuple[torch.Tensor, int]]:
         """One attempt at the step: its tokens (and log-probabilities) go into ``out`` once
         all of it has run, the seconds of each part into ``out.times``. A request whose
@@ -334,8 +354,11 @@ class ModelRunner:
             prompt_logprobs = self._prompt_logprobs(requests, hidden)
         t3 = time.perf_counter()
         times.forward += t3 - t2
+        if deferred is not None and prompt_logprobs.pieces:
+            deferred.append(prompt_logprobs)  # brought to Python with the step's tokens
+            prompt_logprobs = PromptLogprobs({})
         if logits is None:
-            out.prompt_logprobs.update(prompt_logprobs)
+            prompt_logprobs.collect(out)
             return {}
         with self._busy():
             drawn = self._sample(sampled, logits)
@@ -346,7 +369,6 @@ class ModelRunner:
                 [r.request_id for r in sampled], drawn,
                 functools.partial(self._contained_logprobs, sampled, logits)
                 if wants_logprobs else None))
-            out.prompt_logprobs.update(prompt_logprobs)
             times.sample += time.perf_counter() - t3
             return where
         tokens = drawn.to_list()
@@ -360,7 +382,7 @@ class ModelRunner:
             else:
                 out.sampled[r.request_id] = token
         out.logprobs.update(logprobs)
-        out.prompt_logprobs.update(prompt_logprobs)
+        prompt_logprobs.collect(out)
         return where
 
     def _sample(self, sampled: list[ScheduledRequest], logits: torch.Tensor) -> SampledTokens:
@@ -418,25 +440,27 @@ class ModelRunner:
         return nullcontext() if timer is None else timer.span()
 
     def _prompt_logprobs(self, requests: list[ScheduledRequest], hidden: torch.Tensor
-                         ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+                         ) -> PromptLogprobs:
         """The log-probabilities of the prompt tokens that follow each request's first rows
         (``ScheduledRequest.prompt_logprob_targets``), through the LM head
-        ``PROMPT_LOGPROB_ROWS`` rows at a time: a prompt chunk's logits would otherwise be
-        thousands of vocabulary-wide rows at once."""
+        ``PROMPT_LOGPROB_ROWS`` rows at a time (a prompt chunk's logits would otherwise be
+        thousands of vocabulary-wide rows at once), left on the device."""
         found = {}
         start = 0
         for r in requests:
             targets = r.prompt_logprob_targets
             if targets:
-                entries: list[TokenLogprobs] = []
+                pieces = []
                 for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
                     piece = targets[i:i + PROMPT_LOGPROB_ROWS]
                     rows = hidden[start + i:start + i + len(piece)]
-                    entries += token_logprobs(self.model.compute_logits(rows), piece,
-                                              [r.sampling_params.prompt_logprobs] * len(piece))
-                found[r.request_id] = (r.start_pos + 1, entries)
+                    pieces.append(logprobs_on_device(
+                        self.model.compute_logits(rows),
+                        tensor_on(piece, torch.long, hidden.device),
+                        [r.sampling_params.prompt_logprobs] * len(piece)))
+                found[r.request_id] = (r.start_pos + 1, pieces)
             start += len(r.token_ids)
-        return found
+        return PromptLogprobs(found)
 
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
         """The decoder pass over the flat batch; device runners swap the attention backend."""

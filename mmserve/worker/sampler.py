@@ -107,13 +107,25 @@ def sample_on_device(
 def _to_host(tokens: torch.Tensor, params: list[SamplingParams], errors: dict[int, Exception],
              rows: torch.Tensor) -> SampledTokens:
     """``rows`` copied to the host: on a GPU into pinned memory, without waiting."""
-    if rows.device.type != "cuda":
-        return SampledTokens(tokens, params, errors, rows, None)
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    host.copy_(rows, non_blocking=True)
+    host, copied = _copy_to_host(rows)
+    return SampledTokens(tokens, params, errors, host[0], copied)
+
+
+def _copy_to_host(*tensors: torch.Tensor
+                  ) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event | None]:
+    """``tensors`` on the host, and on a GPU the event recorded after their copies, which
+    are queued into pinned memory behind the work that computes them (the thread goes on;
+    it waits on the event when it needs the values). On the CPU, the tensors themselves."""
+    if tensors[0].device.type != "cuda":
+        return tensors, None
+    hosts = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        hosts.append(host)
     copied = torch.cuda.Event(blocking=True)  # the waiting thread sleeps, leaving the core
     copied.record()
-    return SampledTokens(tokens, params, errors, host, copied)
+    return tuple(hosts), copied
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
@@ -196,19 +208,44 @@ def apply_token_bitmasks(logits: torch.Tensor, rows: list[int],
     return masked
 
 
+@dataclass
+class LogprobTensors:
+    """Rows' log-probabilities as the device computed them, on their way to the host (as
+    ``SampledTokens``): ``to_list`` waits for their copy alone."""
+
+    num_top: list[int]
+    _values: torch.Tensor  # [rows, 1 + top]: each row's token's log-probability, then the top
+    _ids: torch.Tensor  # [rows, 1 + top]: the token's rank, then the top tokens
+    _copied: torch.cuda.Event | None
+
+    def to_list(self) -> list[TokenLogprobs]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        values, ids = self._values.tolist(), self._ids.tolist()
+        return [TokenLogprobs(values[i][0], ids[i][0],
+                              tuple(zip(ids[i][1:n + 1], values[i][1:n + 1], strict=True)))
+                for i, n in enumerate(self.num_top)]
+
+
+def logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor,
+                       num_top: list[int]) -> LogprobTensors:
+    """Row ``i``'s log-probabilities (log-softmax of its logits, in float32): of ``tokens[i]``
+    (a tensor on the logits' device), its rank, and the ``num_top[i]`` most likely tokens.
+    One pass for the whole batch; the results' copy to the host is started, not waited for."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1, keepdim=True) + 1
+    top_values, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)
+    (values, ids), copied = _copy_to_host(torch.cat([chosen, top_values], dim=1),
+                                          torch.cat([ranks, top_ids], dim=1))
+    return LogprobTensors(num_top, values, ids, copied)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int],
                    num_top: list[int]) -> list[TokenLogprobs]:
-    """Row ``i``'s log-probabilities (log-softmax of its logits, in float32): of ``tokens[i]``,
-    its rank, and the ``num_top[i]`` most likely tokens. One pass for the whole batch."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device).unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=1) + 1
-    top_values, top_ids = logprobs.topk(max(num_top, default=0), dim=-1)
-    chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
-    values_l, ids_l = top_values.tolist(), top_ids.tolist()
-    return [TokenLogprobs(chosen_l[i], ranks_l[i],
-                          tuple(zip(ids_l[i][:n], values_l[i][:n], strict=True)))
-            for i, n in enumerate(num_top)]
+    """``logprobs_on_device`` for tokens known in Python, brought to Python."""
+    return logprobs_on_device(logits, tensor_on(tokens, torch.long, logits.device),
+                              num_top).to_list()
 
 
 def sample(
