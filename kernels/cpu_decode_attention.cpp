@@ -22,8 +22,14 @@
 // for the whole K and V rows of every head (a head's part of a row is two or four cache
 // lines at head sizes 64 and 128) kAheadKeys keys ahead, so that its value pass, and the
 // sequence's other heads where the same thread runs them next (parallel_for gives each thread
-// consecutive items) and they still fit in its L2, find them in cache; the key pass alone
-// runs long enough per key to hide the memory's latency.
+// consecutive items) and they still fit in its L2, find them in cache. Meanwhile every pass
+// over a sequence (keys and values, each head) also fetches part of the next sequence's rows
+// into L2 (`NextRows`), so that memory is read while the arithmetic runs rather than before
+// it: with only the first head's key pass fetching, a thread read memory during a quarter of
+// its work (four KV heads) and computed from cache the rest. The sequence fetched this way
+// then prefetches only its own heads' rows. The softmax writes the bfloat16 probabilities the
+// value pass reads, and the value pass keeps the sums of a compile-time number of heads in
+// registers.
 
 #include <ATen/ATen.h>
 
@@ -225,10 +231,10 @@ constexpr int64_t kAheadKeys = 32;
 // one bfloat16-pair dot product per 32 dimensions into a float32 vector per key, then the 16
 // vectors summed across lanes at once. scores is [group, len]. Each key's K and V rows are
 // prefetched kAheadKeys keys ahead, `prefetch_bytes` of each from the head's first dimension.
-template <int64_t D>
+template <int64_t D, typename Tick>
 void bf16_scores(const uint16_t* q, int64_t group, const PagedRows& keys,
                  const PagedRows& values, int64_t len, int64_t prefetch_bytes, float scale,
-                 float* scores) {
+                 float* scores, Tick&& tick) {
   static const uint16_t zeros[D] = {};
   const uint16_t* rows[16];
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -237,6 +243,7 @@ void bf16_scores(const uint16_t* q, int64_t group, const PagedRows& keys,
     prefetch_span(values(t), prefetch_bytes);
   }
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    tick();
     for (int64_t j = 0; j < 16; ++j) {
       rows[j] = t0 + j < len ? keys(t0 + j) : zeros;
       if (t0 + kAheadKeys + j < len) {
@@ -261,60 +268,129 @@ void bf16_scores(const uint16_t* q, int64_t group, const PagedRows& keys,
   }
 }
 
-// out[g] = sum over t of probs[g, t] * V[t] for `group` heads, two keys per instruction: the
-// probabilities rounded to bfloat16 pairs (t, t+1), the two value rows interleaved into
-// (V[t][d], V[t+1][d]) pairs. Interleaving works within 128-bit lanes, so accumulator lane i
-// of chunk c holds dimension 32c + 8(i/4) + i%4 (+4 for the high half); the store undoes it.
-template <int64_t D>
-void bf16_weighted_values(const float* probs, int64_t group, const PagedRows& values,
-                          int64_t len, uint16_t* prob_bits, c10::BFloat16* out) {
-  constexpr int64_t kChunks = D / 32;            // 32-dimension chunks of a row
-  constexpr int64_t kHeads = 24 / (2 * kChunks);  // heads per pass, their sums in registers
-  static const uint16_t zeros[D] = {};
-  const int64_t pairs = (len + 1) / 2;
-  for (int64_t g = 0; g < group; ++g) {  // probabilities as bfloat16, zero-padded to even
-    for (int64_t t = 0; t < 2 * pairs; ++t)
-      prob_bits[g * 2 * pairs + t] =
-          t < len ? mmserve_cpu::bf16_bits(probs[g * len + t]) : static_cast<uint16_t>(0);
-  }
-  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
-    const int64_t heads = std::min(kHeads, group - g0);
-    __m512 acc[kHeads][2 * kChunks];
-    for (int64_t h = 0; h < kHeads; ++h)
-      for (int64_t c = 0; c < 2 * kChunks; ++c) acc[h][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < pairs; ++i) {
-      const int64_t t = 2 * i;
-      const uint16_t* even = values(t);
-      const uint16_t* odd = t + 1 < len ? values(t + 1) : zeros;
-      if (t + 16 < len) prefetch_span(values(t + 16), 2 * D);  // from L2 (the key pass)
-      if (t + 17 < len) prefetch_span(values(t + 17), 2 * D);
-      __m512i vpairs[2 * kChunks];
-      for (int64_t c = 0; c < kChunks; ++c) {
-        const __m512i a = _mm512_loadu_si512(even + 32 * c), b = _mm512_loadu_si512(odd + 32 * c);
-        vpairs[2 * c] = _mm512_unpacklo_epi16(a, b);
-        vpairs[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
-      }
-      for (int64_t h = 0; h < kHeads; ++h) {
-        if (h >= heads) break;
-        uint32_t pair;
-        std::memcpy(&pair, prob_bits + (g0 + h) * 2 * pairs + t, sizeof pair);
-        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        for (int64_t c = 0; c < 2 * kChunks; ++c)
-          acc[h][c] = _mm512_dpbf16_ps(acc[h][c], p, (__m512bh)vpairs[c]);
-      }
+// Each of `group` rows of `len` scores (row g at scores + g * len) made its softmax and
+// written as bfloat16 bits, rounded to nearest even, to row g of prob_bits (2 * pairs wide,
+// pairs = (len + 1) / 2, the odd slot past len zero): the value pass's input.
+inline void softmax_rows_bf16(const float* scores, int64_t group, int64_t len,
+                              uint16_t* prob_bits, float* exps) {
+  const int64_t width = 2 * ((len + 1) / 2);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* s = scores + g * len;
+    __m512 vmax = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+    for (int64_t t = 0; t < len; t += 16)
+      vmax = _mm512_mask_max_ps(vmax, mmserve_cpu::first_lanes(len - t), vmax,
+                                _mm512_maskz_loadu_ps(mmserve_cpu::first_lanes(len - t), s + t));
+    const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+      const __mmask16 m = mmserve_cpu::first_lanes(len - t);
+      const __m512 e = mmserve_cpu::exp_nonpositive(
+          _mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), max_score));
+      vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
+      _mm512_mask_storeu_ps(exps + t, m, e);
     }
-    for (int64_t h = 0; h < heads; ++h) {
-      c10::BFloat16* dst = out + (g0 + h) * D;
-      alignas(64) float lanes[16];
-      for (int64_t c = 0; c < 2 * kChunks; ++c) {
-        _mm512_store_ps(lanes, acc[h][c]);
-        for (int64_t i = 0; i < 16; ++i)
-          dst[32 * (c / 2) + 8 * (i / 4) + 4 * (c % 2) + i % 4] = c10::BFloat16(lanes[i]);
-      }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+    uint16_t* dst = prob_bits + g * width;
+    for (int64_t t = 0; t < width; t += 16) {
+      const __mmask16 m = mmserve_cpu::first_lanes(width - t);
+      const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(mmserve_cpu::first_lanes(len - t),
+                                                           exps + t), inv);
+      _mm256_mask_storeu_epi16(dst + t, m, (__m256i)_mm512_cvtneps_pbh(p));
+    }
+  }
+}
+
+// out[h] += sum over t of probs[h, t] * V[t] for kH heads at once (their sums in registers
+// across the whole sequence), two keys per instruction: the bfloat16 probability pairs
+// (t, t+1) against the two value rows interleaved into (V[t][d], V[t+1][d]) pairs.
+// Interleaving works within 128-bit lanes, so accumulator lane i of chunk c holds dimension
+// 32c + 8(i/4) + i%4 (+4 for the high half); the store undoes it.
+template <int64_t D, int64_t kH, typename Tick>
+void bf16_values_of_heads(const uint16_t* prob_bits, int64_t width, const PagedRows& values,
+                          int64_t len, c10::BFloat16* out, Tick& tick) {
+  constexpr int64_t kChunks = D / 32;
+  static const uint16_t zeros[D] = {};
+  __m512 acc[kH][2 * kChunks];
+  for (int64_t h = 0; h < kH; ++h)
+    for (int64_t c = 0; c < 2 * kChunks; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 2) {
+    if (t % 16 == 0) tick();
+    const uint16_t* even = values(t);
+    const uint16_t* odd = t + 1 < len ? values(t + 1) : zeros;
+    if (t + 16 < len) prefetch_span(values(t + 16), 2 * D);  // from L2 (the key pass)
+    if (t + 17 < len) prefetch_span(values(t + 17), 2 * D);
+    __m512i vpairs[2 * kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) {
+      const __m512i a = _mm512_loadu_si512(even + 32 * c), b = _mm512_loadu_si512(odd + 32 * c);
+      vpairs[2 * c] = _mm512_unpacklo_epi16(a, b);
+      vpairs[2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int64_t h = 0; h < kH; ++h) {
+      uint32_t pair;
+      std::memcpy(&pair, prob_bits + h * width + t, sizeof pair);
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int64_t c = 0; c < 2 * kChunks; ++c)
+        acc[h][c] = _mm512_dpbf16_ps(acc[h][c], p, (__m512bh)vpairs[c]);
+    }
+  }
+  for (int64_t h = 0; h < kH; ++h) {
+    c10::BFloat16* dst = out + h * D;
+    alignas(64) float lanes[16];
+    for (int64_t c = 0; c < 2 * kChunks; ++c) {
+      _mm512_store_ps(lanes, acc[h][c]);
+      for (int64_t i = 0; i < 16; ++i)
+        dst[32 * (c / 2) + 8 * (i / 4) + 4 * (c % 2) + i % 4] = c10::BFloat16(lanes[i]);
+    }
+  }
+}
+
+// out[g] = sum over t of probs[g, t] * V[t] for `group` heads, as many heads per pass over
+// the values as their accumulators fit in 24 registers; each pass's head count is a
+// compile-time constant, so its accumulators never leave the registers.
+template <int64_t D, typename Tick>
+void bf16_weighted_values(const uint16_t* prob_bits, int64_t group, const PagedRows& values,
+                          int64_t len, c10::BFloat16* out, Tick&& tick) {
+  constexpr int64_t kHeads = 24 / (2 * (D / 32));
+  const int64_t width = 2 * ((len + 1) / 2);
+  for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+    const uint16_t* probs = prob_bits + g0 * width;
+    c10::BFloat16* dst = out + g0 * D;
+    const auto pass = [&](auto heads) {
+      bf16_values_of_heads<D, decltype(heads)::value>(probs, width, values, len, dst, tick);
+    };
+    using std::integral_constant;
+    switch (std::min(kHeads, group - g0)) {  // kHeads: 6 at head size 64, 3 at 128
+      case 1: pass(integral_constant<int64_t, 1>{}); break;
+      case 2: pass(integral_constant<int64_t, 2>{}); break;
+      case 3: pass(integral_constant<int64_t, 3>{}); break;
+      case 4: if constexpr (kHeads >= 4) pass(integral_constant<int64_t, 4>{}); break;
+      case 5: if constexpr (kHeads >= 5) pass(integral_constant<int64_t, 5>{}); break;
+      default: if constexpr (kHeads >= 6) pass(integral_constant<int64_t, 6>{}); break;
     }
   }
 }
 #endif  // MMSERVE_BF16_DOT
+
+#ifdef MMSERVE_BF16_DOT
+// Brings the next sequence's K and V rows (every head's) towards L2 while this one computes,
+// a few tokens per tick, so that memory works beside the arithmetic instead of before it.
+struct NextRows {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  const int64_t* table = nullptr;
+  int64_t len = 0, next = 0, per_tick = 0, block_size = 1, block_bytes = 0, row_bytes = 0;
+
+  void operator()() {
+    for (int64_t end = std::min(len, next + per_tick); next < end; ++next) {
+      const int64_t at = table[next / block_size] * block_bytes + (next % block_size) * row_bytes;
+      for (int64_t line = 0; line < row_bytes; line += 64) {
+        _mm_prefetch(k + at + line, _MM_HINT_T1);
+        _mm_prefetch(v + at + line, _MM_HINT_T1);
+      }
+    }
+  }
+};
+#endif
 
 // kHeadDim > 0 fixes the head size at compile time (fully unrolled rows); 0 reads it at run time.
 template <typename T, int64_t kHeadDim>
@@ -341,6 +417,10 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
     std::vector<uint16_t> prob_bits;  // bfloat16 probabilities of the fast path
     std::vector<int64_t> row_offsets;  // the fast path's rows of the sequence `offsets_of`
     int64_t offsets_of = -1;
+#ifdef MMSERVE_BF16_DOT
+    NextRows next_rows;
+    bool fetched_ahead = false;
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t len = lens[seq];
@@ -382,13 +462,31 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
                              row_offsets.data()};
         const PagedRows values{reinterpret_cast<const uint16_t*>(v_ptr) + head_offset,
                                row_offsets.data()};
-        const int64_t row_bytes = 2 * (kv_head == 0 ? token_stride : head_dim);
+        if (kv_head == 0) {  // were this sequence's rows fetched during the one before?
+          fetched_ahead = next_rows.k != nullptr && next_rows.len == len &&
+                          next_rows.table == table;
+          const int64_t next_seq = seq + 1;
+          if (next_seq * num_kv_heads < end) {
+            const int64_t next_len = lens[next_seq];
+            const int64_t ticks = num_kv_heads * 2 * ((len + 15) / 16);
+            next_rows = NextRows{reinterpret_cast<const char*>(k_ptr),
+                                 reinterpret_cast<const char*>(v_ptr),
+                                 tables + next_seq * max_blocks, next_len, 0,
+                                 (next_len + ticks - 1) / ticks, block_size,
+                                 2 * block_stride, 2 * token_stride};
+          } else {
+            next_rows = NextRows{};
+          }
+        }
+        const int64_t row_bytes = 2 * (kv_head == 0 && !fetched_ahead ? token_stride : head_dim);
         bf16_scores<kHeadDim>(q_bits, group, keys, values, len, row_bytes, fscale,
-                              scores.data());
-        softmax_rows(scores.data(), group, len);
+                              scores.data(), next_rows);
         prob_bits.resize(group * (len + 1));
-        bf16_weighted_values<kHeadDim>(scores.data(), group, values, len, prob_bits.data(),
-                                       o_ptr + (seq * num_heads + kv_head * group) * head_dim);
+        acc.resize(std::max<int64_t>(group * head_dim, len));
+        softmax_rows_bf16(scores.data(), group, len, prob_bits.data(), acc.data());
+        bf16_weighted_values<kHeadDim>(prob_bits.data(), group, values, len,
+                                       o_ptr + (seq * num_heads + kv_head * group) * head_dim,
+                                       next_rows);
         continue;
       }
 #endif

@@ -65,7 +65,7 @@ def _decode_batch(lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16,
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
                                         (torch.float16, 2e-3)])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 4, 64), (8, 8, 80),
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 4, 64), (14, 2, 64), (8, 8, 80),
                                                               (16, 2, 128), (4, 1, 96)])
 def test_kernel_matches_torch_decode(kernel, dtype, atol, num_heads, num_kv_heads, head_dim):
     # Lengths on and off block boundaries, a single token, a long one.
