@@ -18,7 +18,10 @@
 // every tile uses in turn from L1 (the sums parked between blocks). The first two tiles prefetch
 // the next block as they go, one of each input pair's two cache lines each, so that the
 // memory stays busy while all the tiles compute (prefetching it all during the first tile
-// left the memory idle for the rest: 10-15% slower at 16 to 128 rows). Larger inputs are cut
+// left the memory idle for the rest: 10-15% slower at 16 to 128 rows). They prefetch into
+// L2, not L1: the block is read from L2 by the tiles a block later, and the requests then
+// queue in L2's deeper miss queue (at 4 to 16 rows on a 2-core AVX512-BF16 EPYC, weights
+// from memory: 10-16% less time a layer than into L1). Larger inputs are cut
 // into chunks of up to 64 rows that compute from cache, a whole panel per tile, since each
 // panel is read once per chunk. Summation order is the same either way.
 
@@ -69,9 +72,9 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kCols);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kCols + kCols);
     if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols), _MM_HINT_T1);
       if (both_lines) {
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols + kCols), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols + kCols), _MM_HINT_T1);
       }
     }
     for (int64_t r = 0; r < R; ++r) {
