@@ -17,19 +17,19 @@
 //
 // bfloat16 with head sizes that are multiples of 32, on CPUs with AVX512-BF16, takes a faster
 // path: the dot-product instruction on bfloat16 pairs for both passes (probabilities rounded
-// to bfloat16 for the values, as torch's fused attention does), and software prefetch, since
-// consecutive blocks are scattered in memory. The key pass of a sequence's first KV head asks
-// for the whole K and V rows of every head (a head's part of a row is two or four cache
-// lines at head sizes 64 and 128) kAheadKeys keys ahead, so that its value pass, and the
-// sequence's other heads where the same thread runs them next (parallel_for gives each thread
-// consecutive items) and they still fit in its L2, find them in cache. Meanwhile every pass
-// over a sequence (keys and values, each head) also fetches part of the next sequence's rows
-// into L2 (`NextRows`), so that memory is read while the arithmetic runs rather than before
-// it: with only the first head's key pass fetching, a thread read memory during a quarter of
-// its work (four KV heads) and computed from cache the rest. The sequence fetched this way
-// then prefetches only its own heads' rows. The softmax writes the bfloat16 probabilities the
-// value pass reads, and the value pass keeps the sums of a compile-time number of heads in
-// registers.
+// to bfloat16 for the values, as torch's fused attention does; the softmax writes them), the
+// value pass keeping the sums of a compile-time number of heads in registers.
+//
+// Both fast paths prefetch, since consecutive blocks are scattered in memory. The key pass of
+// a sequence's first KV head asks for the whole K and V rows of every head (a head's part of a
+// row is two or four cache lines at head sizes 64 and 128, in bfloat16) some keys ahead, so
+// that its value pass, and the sequence's other heads where the same thread runs them next
+// (parallel_for gives each thread consecutive items) and they still fit in its L2, find them
+// in cache. Meanwhile every pass over a sequence (keys and values, each head) also fetches a
+// share of the next sequence's rows into L2 (`NextRows`), so that memory is read while the
+// arithmetic runs rather than before it: with only the first head's key pass fetching, a
+// thread read memory during a quarter of its work (four KV heads) and computed from cache
+// the rest. A sequence fetched this way then prefetches only its own heads' rows.
 
 #include <ATen/ATen.h>
 
@@ -107,13 +107,14 @@ inline __m256 sum_lanes_of_8(const __m256 v[8]) {
 // KV head's own D floats, or for the first KV head of a sequence the whole row of every head,
 // which the other heads of the sequence then find in cache (work items run a sequence's heads
 // one after another on one thread).
-template <int64_t D>
+template <int64_t D, typename Tick>
 void f32_scores(const float* q, int64_t group, const float* head_rows, const int64_t* table,
                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t len,
-                int64_t prefetch_bytes, float* scores) {
+                int64_t prefetch_bytes, float* scores, Tick& tick) {
   static const float zeros[D] = {};
   const float* rows[8];
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    if (t0 % 16 == 0) tick();
     const int64_t n = std::min<int64_t>(8, len - t0);
     const float* first = head_rows + table[t0 / block_size] * block_stride +
                          (t0 % block_size) * token_stride;
@@ -143,14 +144,15 @@ void f32_scores(const float* q, int64_t group, const float* head_rows, const int
 // out[g] = sum over keys t of probs[g, t] * value row t, float32, for `group` heads: a block's
 // rows at a time, 64 dimensions in 8 accumulator registers, so each value row is loaded once per
 // head from L1 and the sums stay in registers across the block.
-template <int64_t D>
+template <int64_t D, typename Tick>
 void f32_weighted_values(const float* probs, int64_t group, const float* head_rows,
                          const int64_t* table, int64_t block_size, int64_t block_stride,
                          int64_t token_stride, int64_t len, int64_t prefetch_bytes,
-                         float* out) {
+                         float* out, Tick& tick) {
   static_assert(D % 64 == 0);
   std::fill_n(out, group * D, 0.f);
   for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+    for (int64_t t = (t0 + 15) / 16 * 16; t < t0 + block_size; t += 16) tick();  // per 16 keys
     const float* block = head_rows + table[t0 / block_size] * block_stride;
     const int64_t n = std::min(block_size, len - t0);
     if (t0 + block_size < len) {  // the next block's rows, while this one's are summed
@@ -371,7 +373,6 @@ void bf16_weighted_values(const uint16_t* prob_bits, int64_t group, const PagedR
 }
 #endif  // MMSERVE_BF16_DOT
 
-#ifdef MMSERVE_BF16_DOT
 // Brings the next sequence's K and V rows (every head's) towards L2 while this one computes,
 // a few tokens per tick, so that memory works beside the arithmetic instead of before it.
 struct NextRows {
@@ -384,13 +385,12 @@ struct NextRows {
     for (int64_t end = std::min(len, next + per_tick); next < end; ++next) {
       const int64_t at = table[next / block_size] * block_bytes + (next % block_size) * row_bytes;
       for (int64_t line = 0; line < row_bytes; line += 64) {
-        _mm_prefetch(k + at + line, _MM_HINT_T1);
-        _mm_prefetch(v + at + line, _MM_HINT_T1);
+        __builtin_prefetch(k + at + line, 0, 2);  // into L2 (prefetcht1)
+        __builtin_prefetch(v + at + line, 0, 2);
       }
     }
   }
 };
-#endif
 
 // kHeadDim > 0 fixes the head size at compile time (fully unrolled rows); 0 reads it at run time.
 template <typename T, int64_t kHeadDim>
@@ -411,23 +411,48 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* o_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
+  // Whether this instance's passes tick `NextRows` (the bfloat16 and float32 fast paths).
+  constexpr bool kFetchesAhead =
+#ifdef MMSERVE_BF16_DOT
+      (std::is_same_v<T, c10::BFloat16> && kHeadDim % 32 == 0 && kHeadDim > 0) ||
+#endif
+#ifdef MMSERVE_F32_FMA
+      (std::is_same_v<T, float> && kHeadDim % 64 == 0 && kHeadDim > 0) ||
+#endif
+      false;
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     std::vector<uint16_t> prob_bits;  // bfloat16 probabilities of the fast path
     std::vector<int64_t> row_offsets;  // the fast path's rows of the sequence `offsets_of`
     int64_t offsets_of = -1;
-#ifdef MMSERVE_BF16_DOT
-    NextRows next_rows;
+    NextRows next_rows;  // ticked by the fast paths' passes
     bool fetched_ahead = false;
-#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t len = lens[seq];
       const int64_t* table = tables + seq * max_blocks;
       const int64_t head_offset = kv_head * head_dim;
-      const int64_t prefetch_bytes =
-          static_cast<int64_t>(sizeof(float)) * (kv_head == 0 ? token_stride : head_dim);
+      if (kFetchesAhead && kv_head == 0) {  // were this sequence's rows fetched already?
+        fetched_ahead = next_rows.k != nullptr && next_rows.table == table;
+        const int64_t next_seq = seq + 1;
+        if (next_seq * num_kv_heads < end) {
+          const int64_t next_len = lens[next_seq];
+          const int64_t ticks = num_kv_heads * 2 * ((len + 15) / 16);  // a tick per 16 keys
+          next_rows = NextRows{reinterpret_cast<const char*>(k_ptr),
+                               reinterpret_cast<const char*>(v_ptr),
+                               tables + next_seq * max_blocks, next_len, 0,
+                               (next_len + ticks - 1) / ticks, block_size,
+                               static_cast<int64_t>(sizeof(T)) * block_stride,
+                               static_cast<int64_t>(sizeof(T)) * token_stride};
+        } else {
+          next_rows = NextRows{};
+        }
+      }
+      // Bytes of each upcoming row a pass prefetches: a sequence's first KV head fetches
+      // every head's rows, unless the sequence before fetched them already.
+      const int64_t prefetch_bytes = static_cast<int64_t>(sizeof(T)) *
+                                     (kv_head == 0 && !fetched_ahead ? token_stride : head_dim);
       scores.resize(group * len);
       // Calls fn(t, row) for every cached token t of this sequence, in order, with the token's
       // K or V row of this KV head (read in place from its block) widened to float32.
@@ -462,24 +487,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
                              row_offsets.data()};
         const PagedRows values{reinterpret_cast<const uint16_t*>(v_ptr) + head_offset,
                                row_offsets.data()};
-        if (kv_head == 0) {  // were this sequence's rows fetched during the one before?
-          fetched_ahead = next_rows.k != nullptr && next_rows.len == len &&
-                          next_rows.table == table;
-          const int64_t next_seq = seq + 1;
-          if (next_seq * num_kv_heads < end) {
-            const int64_t next_len = lens[next_seq];
-            const int64_t ticks = num_kv_heads * 2 * ((len + 15) / 16);
-            next_rows = NextRows{reinterpret_cast<const char*>(k_ptr),
-                                 reinterpret_cast<const char*>(v_ptr),
-                                 tables + next_seq * max_blocks, next_len, 0,
-                                 (next_len + ticks - 1) / ticks, block_size,
-                                 2 * block_stride, 2 * token_stride};
-          } else {
-            next_rows = NextRows{};
-          }
-        }
-        const int64_t row_bytes = 2 * (kv_head == 0 && !fetched_ahead ? token_stride : head_dim);
-        bf16_scores<kHeadDim>(q_bits, group, keys, values, len, row_bytes, fscale,
+        bf16_scores<kHeadDim>(q_bits, group, keys, values, len, prefetch_bytes, fscale,
                               scores.data(), next_rows);
         prob_bits.resize(group * (len + 1));
         acc.resize(std::max<int64_t>(group * head_dim, len));
@@ -502,7 +510,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
         if (block_size % 8 == 0) {
           f32_scores<kHeadDim>(q.data(), group, k_ptr + head_offset, table, block_size,
                                block_stride, token_stride, len, prefetch_bytes,
-                               scores.data());
+                               scores.data(), next_rows);
           scored = true;
         }
       }
@@ -525,7 +533,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       if constexpr (std::is_same_v<T, float> && kHeadDim % 64 == 0 && kHeadDim > 0) {
         f32_weighted_values<kHeadDim>(scores.data(), group, v_ptr + head_offset, table,
                                       block_size, block_stride, token_stride, len,
-                                      prefetch_bytes, acc.data());
+                                      prefetch_bytes, acc.data(), next_rows);
         weighted = true;
       }
 #endif
