@@ -56,7 +56,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     kernel = cpu_ops.load()
     if kernel is None:
-        raise SystemExit("the CPU kernels did not build here (see the log above)")
+        raise SystemExit("the CPU kernels are not loaded: MMSERVE_CPU_KERNELS=0 chose torch's "
+                         "operators, or they did not build here (see the log above)")
     dtype = getattr(torch, args.dtype)
     bs, element = args.block_size, dtype.itemsize
     print(f"{args.dtype}, {args.heads} heads over {args.kv_heads} KV heads of {args.head_dim}, "

@@ -29,7 +29,7 @@
 // share of the next sequence's rows into L2 (`NextRows`), so that memory is read while the
 // arithmetic runs rather than before it: with only the first head's key pass fetching, a
 // thread read memory during a quarter of its work (four KV heads) and computed from cache
-// the rest. A sequence fetched this way then prefetches only its own heads' rows.
+// the rest. Each KV head of a sequence fetched this way prefetches only its own rows.
 
 #include <ATen/ATen.h>
 
@@ -104,9 +104,10 @@ inline __m256 sum_lanes_of_8(const __m256 v[8]) {
 // a time; block_size is a multiple of 8, so the 8 keys of a step share a block. head_rows is
 // the KV head's first key row; scores is [group, len].
 // `prefetch_bytes` of each upcoming token's row are fetched ahead from the row's start: the
-// KV head's own D floats, or for the first KV head of a sequence the whole row of every head,
-// which the other heads of the sequence then find in cache (work items run a sequence's heads
-// one after another on one thread).
+// KV head's own D floats, or for the first KV head of a sequence not fetched ahead
+// (`NextRows`) the whole row of every head, which the other heads of the sequence then find in
+// cache (work items run a sequence's heads one after another on one thread). `tick` is
+// called every 16 keys.
 template <int64_t D, typename Tick>
 void f32_scores(const float* q, int64_t group, const float* head_rows, const int64_t* table,
                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t len,
@@ -353,6 +354,7 @@ template <int64_t D, typename Tick>
 void bf16_weighted_values(const uint16_t* prob_bits, int64_t group, const PagedRows& values,
                           int64_t len, c10::BFloat16* out, Tick&& tick) {
   constexpr int64_t kHeads = 24 / (2 * (D / 32));
+  static_assert(kHeads >= 1 && kHeads <= 6, "the dispatch below runs passes of 1 to 6 heads");
   const int64_t width = 2 * ((len + 1) / 2);
   for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
     const uint16_t* probs = prob_bits + g0 * width;
@@ -375,6 +377,8 @@ void bf16_weighted_values(const uint16_t* prob_bits, int64_t group, const PagedR
 
 // Brings the next sequence's K and V rows (every head's) towards L2 while this one computes,
 // a few tokens per tick, so that memory works beside the arithmetic instead of before it.
+constexpr int64_t kMaxRowsPerTick = 8;
+
 struct NextRows {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -433,17 +437,22 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       const int64_t len = lens[seq];
       const int64_t* table = tables + seq * max_blocks;
       const int64_t head_offset = kv_head * head_dim;
-      if (kFetchesAhead && kv_head == 0) {  // were this sequence's rows fetched already?
-        fetched_ahead = next_rows.k != nullptr && next_rows.table == table;
+      if (kFetchesAhead && kv_head == 0) {
+        // Were all of this sequence's rows fetched during the one before? (Not if that one
+        // was too short to spread them over, or its passes ticked less than planned.)
+        fetched_ahead = next_rows.k != nullptr && next_rows.table == table &&
+                        next_rows.next >= next_rows.len;
         const int64_t next_seq = seq + 1;
         if (next_seq * num_kv_heads < end) {
           const int64_t next_len = lens[next_seq];
-          const int64_t ticks = num_kv_heads * 2 * ((len + 15) / 16);  // a tick per 16 keys
+          // A tick per 16 keys of each pass; at most kMaxRowsPerTick rows a tick, so that a
+          // short sequence before a long one fetches the long one's first rows, not a burst.
+          const int64_t ticks = std::max<int64_t>(1, num_kv_heads * 2 * ((len + 15) / 16));
+          const int64_t per_tick = std::min(kMaxRowsPerTick, (next_len + ticks - 1) / ticks);
           next_rows = NextRows{reinterpret_cast<const char*>(k_ptr),
                                reinterpret_cast<const char*>(v_ptr),
-                               tables + next_seq * max_blocks, next_len, 0,
-                               (next_len + ticks - 1) / ticks, block_size,
-                               static_cast<int64_t>(sizeof(T)) * block_stride,
+                               tables + next_seq * max_blocks, next_len, 0, per_tick,
+                               block_size, static_cast<int64_t>(sizeof(T)) * block_stride,
                                static_cast<int64_t>(sizeof(T)) * token_stride};
         } else {
           next_rows = NextRows{};

@@ -65,8 +65,9 @@ def _decode_batch(lens, num_heads, num_kv_heads, head_dim, dtype, block_size=16,
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2),
                                         (torch.float16, 2e-3)])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 4, 64), (14, 2, 64), (8, 8, 80),
-                                                              (16, 2, 128), (4, 1, 96)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (12, 4, 64), (16, 4, 64), (20, 4, 64), (14, 2, 64),  # groups of 3, 4, 5 and 7 (6 + 1)
+    (8, 8, 80), (16, 2, 128), (4, 1, 96)])
 def test_kernel_matches_torch_decode(kernel, dtype, atol, num_heads, num_kv_heads, head_dim):
     # Lengths on and off block boundaries, a single token, a long one.
     lens = [1, 15, 16, 17, 33, 100, 352]
@@ -75,6 +76,23 @@ def test_kernel_matches_torch_decode(kernel, dtype, atol, num_heads, num_kv_head
     expected = decode_attention(query.float(), cache.float(), meta, scale)
     got = cpu_ops.decode_attention(query, cache, meta, scale)
     assert got.dtype == dtype and got.shape == query.shape
+    torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_fetching_ahead_over_uneven_and_empty_sequences(kernel, dtype, atol, threads):
+    """Each thread fetches the next sequence's rows while it computes one: sequences of very
+    different lengths (a short one before a long one) and an empty one mid-batch (whose
+    share of the fetching once divided by zero) give each sequence its own result, zeros
+    for the empty one."""
+    lens = [5, 0, 1200, 1, 3, 900, 17, 1]
+    query, cache, meta = _decode_batch([max(n, 1) for n in lens], 12, 4, 64, dtype)
+    expected = decode_attention(query.float(), cache.float(), meta, 0.125)
+    expected[1] = 0
+    with _torch_threads(threads):
+        got = kernel.decode_attention(query, cache[0], cache[1], meta.decode_block_tables,
+                                      torch.tensor(lens), 0.125)
     torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
 
 

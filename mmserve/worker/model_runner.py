@@ -195,10 +195,10 @@ class ModelRunner:
     def launch(self, scheduler_output: SchedulerOutput,
                encoder_pixels: EncoderPixels) -> StepResult:
         """``execute``'s step, returned once its work is issued: with
-        ``defer_sampled_tokens`` its sampled tokens stay on the device until
-        ``StepResult.result()`` (which also computes the log-probabilities rows ask for, from
-        the logits kept till then), which any thread may call while this one launches the
-        next step."""
+        ``defer_sampled_tokens`` its sampled tokens, and the prompt log-probabilities it
+        computed, stay on the device until ``StepResult.result()`` (which also computes the
+        log-probabilities rows ask for, from the logits kept till then), which any thread may
+        call while this one launches the next step."""
         # Every request's new blocks first, those of requests this step drops below included
         # (the scheduler counts them as sent), before anything here may raise.
         self.block_tables.release(scheduler_output.finished_request_ids)
@@ -330,7 +330,7 @@ class ModelRunner:
         sampling fails goes into ``out.errors`` (the others keep their tokens); anything else
         that fails raises, leaving ``out``'s results as they were. With a ``deferred`` list
         the sampled tokens go there, on the device, with what computes the log-probabilities
-        rows ask for once the tokens are known.
+        rows ask for once the tokens are known, and so do the prompt log-probabilities.
         Returns where each sampled token is (for ``last_sampled``, which the caller updates
         only once the attempt has succeeded: a rerun reads the step before's tokens)."""
         times = out.times
@@ -358,7 +358,8 @@ class ModelRunner:
             deferred.append(prompt_logprobs)  # brought to Python with the step's tokens
             prompt_logprobs = PromptLogprobs({})
         if logits is None:
-            prompt_logprobs.collect(out)
+            prompt_logprobs.collect(out)  # waits for them: forward time
+            times.forward += time.perf_counter() - t3
             return {}
         with self._busy():
             drawn = self._sample(sampled, logits)
@@ -373,6 +374,7 @@ class ModelRunner:
             return where
         tokens = drawn.to_list()
         logprobs = self._logprobs(sampled, logits, tokens) if wants_logprobs else {}
+        prompt_logprobs.collect(out)  # the last that may raise (a rerun replaces its entries)
         times.sample += time.perf_counter() - t3
         for r, token in zip(sampled, tokens, strict=True):
             if isinstance(token, Exception):
@@ -382,7 +384,6 @@ class ModelRunner:
             else:
                 out.sampled[r.request_id] = token
         out.logprobs.update(logprobs)
-        prompt_logprobs.collect(out)
         return where
 
     def _sample(self, sampled: list[ScheduledRequest], logits: torch.Tensor) -> SampledTokens:
