@@ -428,6 +428,7 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     std::vector<uint16_t> prob_bits;  // bfloat16 probabilities of the fast path
+    std::vector<float> exps;  // the fast path's softmax numerators of one head
     std::vector<int64_t> row_offsets;  // the fast path's rows of the sequence `offsets_of`
     int64_t offsets_of = -1;
     NextRows next_rows;  // ticked by the fast paths' passes
@@ -499,8 +500,8 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
         bf16_scores<kHeadDim>(q_bits, group, keys, values, len, prefetch_bytes, fscale,
                               scores.data(), next_rows);
         prob_bits.resize(group * (len + 1));
-        acc.resize(std::max<int64_t>(group * head_dim, len));
-        softmax_rows_bf16(scores.data(), group, len, prob_bits.data(), acc.data());
+        exps.resize(len);
+        softmax_rows_bf16(scores.data(), group, len, prob_bits.data(), exps.data());
         bf16_weighted_values<kHeadDim>(prob_bits.data(), group, values, len,
                                        o_ptr + (seq * num_heads + kv_head * group) * head_dim,
                                        next_rows);
