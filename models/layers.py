@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.kernels.cpu_ops import fused_kernels
-from mmserve.models.forward_context import get_forward_context
+from mmserve.models.forward_context import OutputRows, get_forward_context
 from mmserve.models.parallel import Window
 
 
@@ -210,8 +210,20 @@ class PagedAttention(nn.Module):
         self.scale = head_dim ** -0.5
         self.kv_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                output_rows: OutputRows | None = None) -> torch.Tensor:
+        """Every row's attention output; with ``output_rows``, every row's K/V written and the
+        output of those rows alone (``[len(index), heads, head_dim]``)."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound to this attention layer")
         ctx = get_forward_context()  # the runner chose the backend for its device
-        return ctx.attention(q, k, v, self.kv_cache, ctx.meta, self.scale)
+        if output_rows is None:
+            return ctx.attention(q, k, v, self.kv_cache, ctx.meta, self.scale)
+        output_rows.write_kv(k, v, self.kv_cache)
+        index = output_rows.index
+        if not len(index):
+            return q.new_empty(0, *q.shape[1:])
+        # The backend writes these rows' K/V again (the same values in the same slots).
+        return ctx.attention(q.index_select(0, index), k.index_select(0, index),
+                             v.index_select(0, index), self.kv_cache, output_rows.meta,
+                             self.scale)

@@ -11,6 +11,7 @@ from torch import nn
 
 from mmserve.kernels.cpu_ops import fused_kernels
 from mmserve.models import parallel
+from mmserve.models.forward_context import OutputRows, get_forward_context
 from mmserve.models.layers import (
     MergedLinear,
     PagedAttention,
@@ -57,7 +58,10 @@ class DecoderAttention(nn.Module):
         parallel.row_parallel(self.o_proj, first_head * d, q_size)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                output_rows: OutputRows | None = None) -> torch.Tensor:
+        """Every row's output; with ``output_rows``, every row's K/V written and the output of
+        those rows alone."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -67,7 +71,8 @@ class DecoderAttention(nn.Module):
         # with three projections.
         v = v.reshape(n, self.num_kv_heads, self.head_dim).contiguous()
         q, k = apply_rotary(q, k, rope)
-        return parallel.all_reduce(self.o_proj(self.attn(q, k, v).reshape(n, -1)))
+        o = self.attn(q, k, v, output_rows)
+        return parallel.all_reduce(self.o_proj(o.flatten(1)))
 
 
 class DecoderMLP(nn.Module):
@@ -114,6 +119,18 @@ class DecoderLayer(nn.Module):
         del attn_out  # gone before the MLP allocates
         residual.add_(self.mlp(normed))
 
+    def forward_rows(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                     output_rows: OutputRows) -> torch.Tensor:
+        """The layer for the rows that leave the pass: every row's K/V written, the rest
+        computed for ``output_rows`` alone. Returns their residual stream, a new tensor
+        ``[len(index), hidden]``."""
+        attn_out = self.self_attn(self.input_layernorm(residual), rope, output_rows)
+        residual = residual.index_select(0, output_rows.index)
+        normed = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        del attn_out
+        residual.add_(self.mlp(normed))
+        return residual
+
 
 class LlamaModel(nn.Module):
     """The decoder stack without its LM head: ``[num_tokens, hidden]`` in and out."""
@@ -136,13 +153,21 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """Every row's final hidden state, or only those of the forward context's
+        ``output_rows`` (in their order) when the runner names some."""
         rope = self.rotary.cos_sin(positions, inputs_embeds.dtype)
         # The residual stream, which every layer adds into in place: the embeddings are the
         # forward pass's own tensor (the runner builds them for it).
         residual = inputs_embeds
-        for layer in self.layers:
+        *body, last = self.layers
+        for layer in body:
             layer(residual, rope)
-        return self.norm(residual)
+        output_rows = get_forward_context().output_rows
+        if output_rows is None:
+            last(residual, rope)
+            return self.norm(residual)
+        # Only these rows' hidden states are read: the last layer computes theirs alone.
+        return self.norm(last.forward_rows(residual, rope, output_rows))
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -15,6 +15,7 @@ from transformers import AutoProcessor
 
 from mmserve import LLM, SamplingParams
 from mmserve.kernels import cpu_ops
+from mmserve.models.llama import DecoderLayer
 from mmserve.testing.oracle import hf_greedy_generate
 from tests.conftest import ARCHS, assert_no_leaks, generate_all_at_once, make_image, record_steps
 
@@ -119,6 +120,35 @@ def test_parity_with_encoder_and_prefix_cache_hits(checkpoints: dict[str, str],
     assert stats["encoder_cache_hits"] > 0
     assert stats["prefix_cache_hit_tokens"] > 0
     assert stats["encoder_items_computed"] == 3  # one encoder run per distinct image
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_parity_when_the_last_layer_computes_only_sampled_rows(checkpoints: dict[str, str],
+                                                              arch: str) -> None:
+    """Prompt chunks go through the decoder's last layer as keys and values only: its MLP
+    sees the rows the step samples (none for a chunk that ends mid-prompt), the first layer's
+    every row, and the tokens stay transformers'. A step with a request asking for prompt
+    log-probabilities computes every row, and those equal the runner's with the saving off."""
+    path = checkpoints[arch]
+    prompts = mixed_batch()
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_num_seqs=4)
+    steps = record_steps(llm)
+    first, *_, last = (m for m in llm.engine.model.modules() if isinstance(m, DecoderLayer))
+    rows: dict[str, list[int]] = {"first": [], "last": []}
+    first.mlp.register_forward_hook(lambda m, args, out: rows["first"].append(len(args[0])))
+    last.mlp.register_forward_hook(lambda m, args, out: rows["last"].append(len(args[0])))
+    assert run(llm, prompts) == reference(path, prompts)
+    forwards = [s for s in steps if s.requests]
+    assert rows["first"] == [s.num_scheduled_tokens for s in forwards]
+    assert rows["last"] == [sum(r.sample for r in s.requests) for s in forwards]
+    assert any(n < m for n, m in zip(rows["last"], rows["first"], strict=True))
+
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+    with_saving = llm.generate(prompts[3], params)[0]
+    llm.engine.runner.computes_sampled_rows_only = False
+    without = llm.generate(prompts[3], params)[0]
+    assert with_saving.prompt_logprobs and with_saving.token_ids == without.token_ids
+    assert with_saving.prompt_logprobs == without.prompt_logprobs
 
 
 @pytest.mark.parametrize("kernel_path", cpu_ops.supported_paths())

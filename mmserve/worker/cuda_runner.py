@@ -137,7 +137,9 @@ class CUDAModelRunner(ModelRunner):
         return meta, 0 if padded is None else padded - len(reqs)
 
     # ------------------------------------------------------------ forward
-    def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
+    def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta,
+                 output_rows: None = None) -> torch.Tensor:
+        # (No output rows: computes_sampled_rows_only is off here.)
         graph = None
         if meta.max_query_len == 1 and meta.block_tables.shape[1] == self.max_blocks_per_seq:
             graph = self.graphs.get(meta.num_seqs)  # _prepare_inputs padded to this size

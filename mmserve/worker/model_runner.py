@@ -24,10 +24,11 @@ from mmserve.kernels.paged_attention import (
     AttentionMetadata,
     build_attention_metadata,
     paged_attention,
+    write_kv_cache,
 )
 from mmserve.kernels.transfer import tensor_on, to_device
 from mmserve.models import parallel
-from mmserve.models.forward_context import AttentionBackend, forward_context
+from mmserve.models.forward_context import AttentionBackend, OutputRows, forward_context
 from mmserve.models.parallel import CollectiveError
 from mmserve.step import (
     PENDING_TOKEN,
@@ -145,6 +146,11 @@ class ModelRunner:
     # thread (``InlineSteps``). The CPU computes the step in ``launch``: a thread of the
     # runner's own computes it while the engine schedules the next (``StepThread``).
     launches_asynchronously = False
+    # Whether the decoder's last layer computes only the rows a step samples
+    # (``OutputRows``), where no row asks for prompt log-probabilities. The CPU runner's
+    # backend takes the decode-form metadata this needs; the Triton backend's would need its
+    # own, so the CUDA runner computes every row as before.
+    computes_sampled_rows_only = False
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int
@@ -345,12 +351,15 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows = self._prepare_inputs(requests)
         input_ids = self._with_pending_tokens(input_ids, requests)
         embeds = self._embed(input_ids, requests)
+        sampled = [r for r in requests if r.sample]
+        output_rows = self._output_rows(requests, sampled, sample_rows, len(input_ids), meta)
         t2 = time.perf_counter()
         times.prepare += t2 - t1
-        sampled = [r for r in requests if r.sample]
         with self._busy():
-            hidden = self._forward(positions, embeds, meta)
-            logits = self.model.compute_logits(hidden[sample_rows]) if sampled else None
+            hidden = self._forward(positions, embeds, meta, output_rows)
+            logits = self.model.compute_logits(
+                hidden if output_rows is not None else hidden[sample_rows]) if sampled else None
+            # (Without output rows whenever a request asks for them.)
             prompt_logprobs = self._prompt_logprobs(requests, hidden)
         t3 = time.perf_counter()
         times.forward += t3 - t2
@@ -463,10 +472,28 @@ class ModelRunner:
             start += len(r.token_ids)
         return PromptLogprobs(found)
 
-    def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
-        """The decoder pass over the flat batch; device runners swap the attention backend."""
-        with forward_context(meta, self.attention):
+    def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta,
+                 output_rows: OutputRows | None = None) -> torch.Tensor:
+        """The decoder pass over the flat batch: every row's hidden state, or those of
+        ``output_rows`` alone; device runners swap the attention backend."""
+        with forward_context(meta, self.attention, output_rows):
             return self.model(positions, embeds)
+
+    def _output_rows(self, requests: list[ScheduledRequest], sampled: list[ScheduledRequest],
+                     sample_rows: torch.Tensor, num_rows: int, meta) -> OutputRows | None:
+        """The rows the step samples, for a decoder that computes its last layer for them
+        alone, when that saves anything: some rows are not sampled (prompt chunks) and none
+        asks for prompt log-probabilities (which read every row)."""
+        if (not self.computes_sampled_rows_only or len(sampled) == num_rows
+                or any(r.prompt_logprob_targets for r in requests)):
+            return None
+        seq_lens = [r.start_pos + len(r.token_ids) for r in sampled]
+        width = -(-max(seq_lens, default=1) // self.block_size)
+        as_decodes = build_attention_metadata([1] * len(sampled), seq_lens,
+                                              self.block_tables.rows(sampled, width),
+                                              self.block_size, self.device)
+        return OutputRows(sample_rows, as_decodes,
+                          functools.partial(write_kv_cache, slot_mapping=meta.slot_mapping))
 
     @classmethod
     def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
@@ -764,6 +791,7 @@ class CPUModelRunner(ModelRunner):
     and a C heap that keeps freed memory (``cpu_allocator.py``)."""
 
     device = torch.device("cpu")
+    computes_sampled_rows_only = True
 
     @classmethod
     def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
