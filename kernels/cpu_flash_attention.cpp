@@ -10,7 +10,7 @@
 // Two passes. First each (batch, KV head) packs its keys and values into the layouts the
 // instruction reads: keys as [kv_len/16][head_dim/2][16 keys][2 dims], so one vector holds a
 // pair of dimensions of 16 keys; values as [kv_len/2][head_dim][2 keys]. Then each tile of 8
-// query rows of one head walks the keys 64 at a time with an online softmax: scores in
+// query rows of one head walks the keys 128 at a time with an online softmax: scores in
 // float32, probabilities rounded to bfloat16 for the product with V, output summed in float32.
 
 #include <ATen/ATen.h>
@@ -33,7 +33,7 @@ using mmserve_cpu::first_lanes;
 
 constexpr int64_t kRows = 8;    // query rows per tile, one accumulator register each
 constexpr int64_t kGroup = 16;  // keys per packed K vector (16 float32 lanes)
-constexpr int64_t kChunk = 64;  // keys per online-softmax step
+constexpr int64_t kChunk = 128;  // keys per online-softmax step
 
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t v;

@@ -202,7 +202,8 @@ def _reference(q, k, v, scale, causal_offset):
     (1, 1, 1, 4, 4, 64, 0),  # one token
     (1, 17, 17, 4, 1, 128, 0),  # rows not a multiple of the 8-row tile, one KV head
     (3, 197, 197, 12, 12, 64, -1),  # vision: a batch of images, bidirectional
-    (2, 64, 64, 2, 2, 64, -1),  # exact multiples of the tile and the key step
+    (2, 128, 128, 2, 2, 64, -1),  # exact multiples of the tile and the key step
+    (1, 128, 256, 4, 2, 64, 128),  # a chunk of one key step after a cached one
 ])
 def test_flash_matches_reference(flash, batch, q_len, kv_len, heads, kv_heads, head_dim,
                                  causal_offset):
