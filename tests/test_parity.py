@@ -7,6 +7,7 @@ lengths through mmserve, and checks the stats that prove the setting did what it
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -149,6 +150,23 @@ def test_parity_when_the_last_layer_computes_only_sampled_rows(checkpoints: dict
     without = llm.generate(prompts[3], params)[0]
     assert with_saving.prompt_logprobs and with_saving.token_ids == without.token_ids
     assert with_saving.prompt_logprobs == without.prompt_logprobs
+
+
+def test_a_decoder_that_ignores_output_rows_fails_its_requests_clearly(clip_llama: str,
+                                                                      monkeypatch) -> None:
+    """A decoder that returns every row where the runner named output rows would sample from
+    the wrong rows: the runner refuses its result, and the requests end with an error saying
+    why, instead of with wrong tokens."""
+    from mmserve.models import forward_context, llama
+
+    def without_output_rows():
+        return dataclasses.replace(forward_context.get_forward_context(), output_rows=None)
+
+    llm = LLM(clip_llama, dtype="float32")
+    monkeypatch.setattr(llama, "get_forward_context", without_output_rows)
+    out = llm.generate(mixed_batch()[1], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert out.finish_reason == "error" and "output_rows" in out.error
+    assert_no_leaks(llm.engine)
 
 
 @pytest.mark.parametrize("kernel_path", cpu_ops.supported_paths())

@@ -477,7 +477,13 @@ class ModelRunner:
         """The decoder pass over the flat batch: every row's hidden state, or those of
         ``output_rows`` alone; device runners swap the attention backend."""
         with forward_context(meta, self.attention, output_rows):
-            return self.model(positions, embeds)
+            hidden = self.model(positions, embeds)
+        if output_rows is not None and hidden.shape[0] != len(output_rows.index):
+            raise RuntimeError(
+                f"the model returned {hidden.shape[0]} rows for {len(output_rows.index)} output "
+                "rows: its decoder must read the forward context's output_rows "
+                "(models/forward_context.py), or its runner must not set them")
+        return hidden
 
     def _output_rows(self, requests: list[ScheduledRequest], sampled: list[ScheduledRequest],
                      sample_rows: torch.Tensor, num_rows: int, meta) -> OutputRows | None:
