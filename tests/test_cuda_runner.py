@@ -17,6 +17,7 @@ import torch
 from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.entrypoints.cli import add_engine_args, engine_kwargs
+from mmserve.models.llama import DecoderLayer
 from mmserve.worker.cuda_runner import (
     CUDA_GRAPH_BATCH_SIZES,
     CUDAModelRunner,
@@ -130,7 +131,8 @@ class EagerReplay:
 def test_triton_runner_matches_cpu_runner(clip_llama: str, cpu_runner_tokens: list[list[int]],
                                           graphs: bool, ahead: bool, caplog,
                                           monkeypatch: pytest.MonkeyPatch):
-    """Same greedy tokens as the torch-reference runner, with chunked prefill splitting images.
+    """Same greedy tokens as the torch-reference runner, with chunked prefill splitting images
+    (and the last layer of prompt steps computing only the rows they sample).
 
     ``graph-replay`` runs decode-only batches as the CUDA graphs would, with ``EagerReplay`` in
     place of the capture (which needs CUDA): padded to a captured size, copied into the static
@@ -160,9 +162,16 @@ def test_triton_runner_matches_cpu_runner(clip_llama: str, cpu_runner_tokens: li
                 runner.graph_outputs[size] = runner.graphs[size].output
             runner.graph_sizes = sizes
         engine.runner = runner
+        # Prompt steps run the last layer for the sampled rows alone, through Triton's decode
+        # path and the runner's K/V writer.
+        first, *_, last = (m for m in engine.model.modules() if isinstance(m, DecoderLayer))
+        rows: dict[str, list[int]] = {"first": [], "last": []}
+        first.mlp.register_forward_hook(lambda m, args, out: rows["first"].append(len(args[0])))
+        last.mlp.register_forward_hook(lambda m, args, out: rows["last"].append(len(args[0])))
         caplog.clear()  # what start-up said is not a step's failure
         with caplog.at_level(logging.WARNING, logger="mmserve"):
             assert _generate(llm) == cpu_runner_tokens
+        assert any(n < m for n, m in zip(rows["last"], rows["first"], strict=True))
         failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert not failures
         if graphs:

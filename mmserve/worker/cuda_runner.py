@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from mmserve.models.forward_context import forward_context
+from mmserve.models.forward_context import OutputRows, forward_context
 from mmserve.step import ScheduledRequest, SchedulerOutput
 from mmserve.worker.model_runner import CPUModelRunner, EncoderPixels, ModelRunner
 
@@ -61,8 +61,10 @@ class CUDAModelRunner(ModelRunner):
     ) -> None:
         super().__init__(model, num_blocks, block_size, dtype, seed)
         from mmserve.kernels.triton_attention import triton_paged_attention
+        from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
         self.attention = triton_paged_attention
+        self.write_kv = triton_write_kv_cache
         # Filled by capture_model; empty means every batch runs eagerly.
         self.graph_sizes: list[int] = []
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -138,13 +140,13 @@ class CUDAModelRunner(ModelRunner):
 
     # ------------------------------------------------------------ forward
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta,
-                 output_rows: None = None) -> torch.Tensor:
-        # (No output rows: computes_sampled_rows_only is off here.)
+                 output_rows: OutputRows | None = None) -> torch.Tensor:
         graph = None
+        # (A step with output rows has prompt rows: never a graph's decode-only batch.)
         if meta.max_query_len == 1 and meta.block_tables.shape[1] == self.max_blocks_per_seq:
             graph = self.graphs.get(meta.num_seqs)  # _prepare_inputs padded to this size
         if graph is None:
-            with forward_context(meta, self.attention):
+            with forward_context(meta, self.attention, output_rows):
                 return self.model(positions, embeds)
         n = meta.num_seqs
         static = self._static

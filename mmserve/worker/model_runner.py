@@ -147,10 +147,11 @@ class ModelRunner:
     # runner's own computes it while the engine schedules the next (``StepThread``).
     launches_asynchronously = False
     # Whether the decoder's last layer computes only the rows a step samples
-    # (``OutputRows``), where no row asks for prompt log-probabilities. The CPU runner's
-    # backend takes the decode-form metadata this needs; the Triton backend's would need its
-    # own, so the CUDA runner computes every row as before.
-    computes_sampled_rows_only = False
+    # (``OutputRows``), where no row asks for prompt log-probabilities.
+    computes_sampled_rows_only = True
+    # The backend's K/V writer, (key, value, kv_cache, slot_mapping): what the last layer
+    # calls for the rows it does not attend with.
+    write_kv = staticmethod(write_kv_cache)
 
     def __init__(
         self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, seed: int
@@ -352,11 +353,13 @@ class ModelRunner:
         input_ids = self._with_pending_tokens(input_ids, requests)
         embeds = self._embed(input_ids, requests)
         sampled = [r for r in requests if r.sample]
-        output_rows = self._output_rows(requests, sampled, sample_rows, len(input_ids), meta)
+        output_rows = self._output_rows(requests, sampled, sample_rows, meta)
         t2 = time.perf_counter()
         times.prepare += t2 - t1
         with self._busy():
             hidden = self._forward(positions, embeds, meta, output_rows)
+            if output_rows is not None:
+                _check_output_rows(hidden, output_rows)
             logits = self.model.compute_logits(
                 hidden if output_rows is not None else hidden[sample_rows]) if sampled else None
             # (Without output rows whenever a request asks for them.)
@@ -477,29 +480,24 @@ class ModelRunner:
         """The decoder pass over the flat batch: every row's hidden state, or those of
         ``output_rows`` alone; device runners swap the attention backend."""
         with forward_context(meta, self.attention, output_rows):
-            hidden = self.model(positions, embeds)
-        if output_rows is not None and hidden.shape[0] != len(output_rows.index):
-            raise RuntimeError(
-                f"the model returned {hidden.shape[0]} rows for {len(output_rows.index)} output "
-                "rows: its decoder must read the forward context's output_rows "
-                "(models/forward_context.py), or its runner must not set them")
-        return hidden
+            return self.model(positions, embeds)
 
     def _output_rows(self, requests: list[ScheduledRequest], sampled: list[ScheduledRequest],
-                     sample_rows: torch.Tensor, num_rows: int, meta) -> OutputRows | None:
+                     sample_rows: torch.Tensor, meta) -> OutputRows | None:
         """The rows the step samples, for a decoder that computes its last layer for them
         alone, when that saves anything: some rows are not sampled (prompt chunks) and none
-        asks for prompt log-probabilities (which read every row)."""
-        if (not self.computes_sampled_rows_only or len(sampled) == num_rows
+        asks for prompt log-probabilities (which read every row). (Padding rows do not count:
+        a decode batch padded to a CUDA graph's size runs the graph.)"""
+        if (not self.computes_sampled_rows_only
+                or len(sampled) == sum(len(r.token_ids) for r in requests)
                 or any(r.prompt_logprob_targets for r in requests)):
             return None
         seq_lens = [r.start_pos + len(r.token_ids) for r in sampled]
-        width = -(-max(seq_lens, default=1) // self.block_size)
-        as_decodes = build_attention_metadata([1] * len(sampled), seq_lens,
-                                              self.block_tables.rows(sampled, width),
-                                              self.block_size, self.device)
+        # The sampled rows as decodes of their sequences (with padding sequences that have no
+        # rows where the backend pads decode batches: they compute nothing).
+        as_decodes, _ = self._attention_metadata(sampled, [1] * len(sampled), seq_lens)
         return OutputRows(sample_rows, as_decodes,
-                          functools.partial(write_kv_cache, slot_mapping=meta.slot_mapping))
+                          functools.partial(self.write_kv, slot_mapping=meta.slot_mapping))
 
     @classmethod
     def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
@@ -797,7 +795,6 @@ class CPUModelRunner(ModelRunner):
     and a C heap that keeps freed memory (``cpu_allocator.py``)."""
 
     device = torch.device("cpu")
-    computes_sampled_rows_only = True
 
     @classmethod
     def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
@@ -876,6 +873,14 @@ def flat_positions(reqs: list[ScheduledRequest], num_padding: int = 0,
         row.extend([0] * num_padding)
     positions = tensor_on(flat, torch.long, device)
     return positions[0] if rows == 1 else positions
+
+
+def _check_output_rows(hidden: torch.Tensor, output_rows: OutputRows) -> None:
+    if hidden.shape[0] != len(output_rows.index):
+        raise RuntimeError(
+            f"the model returned {hidden.shape[0]} rows for {len(output_rows.index)} output "
+            "rows: its decoder must read the forward context's output_rows "
+            "(models/forward_context.py), or its runner must not set them")
 
 
 def _may_differ_between_ranks(error: BaseException) -> bool:
