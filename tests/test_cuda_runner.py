@@ -240,7 +240,7 @@ def test_graph_buffers_hold_positions_of_any_rows(rows: int) -> None:
                              positions=[[10 * i + row] for row in range(rows)])
             for i in range(3)]
     runner.block_tables.update(reqs)  # as launch() does first
-    input_ids, positions, meta, _ = runner._prepare_inputs(reqs)
+    input_ids, positions, meta, _, _ = runner._prepare_inputs(reqs)
     assert positions.shape == ((4,) if rows == 1 else (rows, 4))
     model.seen.clear()
     runner._forward(positions, runner._embed(input_ids, reqs), meta)

@@ -153,7 +153,7 @@ def test_runner_flattens_three_row_positions() -> None:
     runner.block_size = 4
     runner.block_tables = BlockTables()
     runner.block_tables.update([prefill, decode])  # as launch() does first
-    input_ids, positions, meta, sample_rows = runner._prepare_inputs([prefill, decode])
+    input_ids, positions, meta, sample_rows, _ = runner._prepare_inputs([prefill, decode])
     assert input_ids.shape == (5,)
     assert positions.shape == (3, 5) and positions.dtype == torch.long
     assert positions.tolist() == [[0, 1, 2, 2, 5], [0, 1, 2, 3, 5], [0, 1, 3, 2, 5]]

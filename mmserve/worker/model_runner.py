@@ -349,11 +349,11 @@ class ModelRunner:
         times.encoder += t1 - t0
         if not requests:
             return {}
-        input_ids, positions, meta, sample_rows = self._prepare_inputs(requests)
+        input_ids, positions, meta, sample_rows, num_rows = self._prepare_inputs(requests)
         input_ids = self._with_pending_tokens(input_ids, requests)
         embeds = self._embed(input_ids, requests)
         sampled = [r for r in requests if r.sample]
-        output_rows = self._output_rows(requests, sampled, sample_rows, meta)
+        output_rows = self._output_rows(requests, sampled, sample_rows, num_rows, meta)
         t2 = time.perf_counter()
         times.prepare += t2 - t1
         with self._busy():
@@ -483,13 +483,12 @@ class ModelRunner:
             return self.model(positions, embeds)
 
     def _output_rows(self, requests: list[ScheduledRequest], sampled: list[ScheduledRequest],
-                     sample_rows: torch.Tensor, meta) -> OutputRows | None:
+                     sample_rows: torch.Tensor, num_rows: int, meta) -> OutputRows | None:
         """The rows the step samples, for a decoder that computes its last layer for them
-        alone, when that saves anything: some rows are not sampled (prompt chunks) and none
-        asks for prompt log-probabilities (which read every row). (Padding rows do not count:
-        a decode batch padded to a CUDA graph's size runs the graph.)"""
-        if (not self.computes_sampled_rows_only
-                or len(sampled) == sum(len(r.token_ids) for r in requests)
+        alone, when that saves anything: some of the requests' ``num_rows`` rows are not
+        sampled (prompt chunks; padding rows do not count) and none asks for prompt
+        log-probabilities (which read every row; looked for only in such steps)."""
+        if (not self.computes_sampled_rows_only or len(sampled) == num_rows
                 or any(r.prompt_logprob_targets for r in requests)):
             return None
         seq_lens = [r.start_pos + len(r.token_ids) for r in sampled]
@@ -663,8 +662,9 @@ class ModelRunner:
 
     def _prepare_inputs(
         self, reqs: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """The flat batch: token ids, positions, attention metadata and the rows to sample.
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, int]:
+        """The flat batch: token ids, positions, attention metadata, the rows to sample and
+        the number of the requests' rows (without the padding rows a device may add).
 
         Positions are ``[rows, num_tokens]`` from the requests' slices (``[3, num_tokens]``
         for M-RoPE), squeezed to ``[num_tokens]`` when there is one row, as LLaMA's rope
@@ -681,11 +681,12 @@ class ModelRunner:
             if r.sample:
                 sample_rows.append(len(ids) - 1)
         meta, num_padding = self._attention_metadata(reqs, query_lens, seq_lens)
+        num_rows = len(ids)
         # Padding rows embed token 0 at position 0; the metadata makes them compute nothing.
         ids.extend([0] * num_padding)
         dev = self.device
         return (tensor_on(ids, torch.long, dev), flat_positions(reqs, num_padding, dev), meta,
-                tensor_on(sample_rows, torch.long, dev))
+                tensor_on(sample_rows, torch.long, dev), num_rows)
 
     def _attention_metadata(self, reqs: list[ScheduledRequest], query_lens: list[int],
                             seq_lens: list[int]) -> tuple[AttentionMetadata, int]:
@@ -778,7 +779,7 @@ class ModelRunner:
             self._assign_images(batch)
             self.block_tables.update(batch.requests)
             self._run_encoder(batch, encoder_pixels)
-            input_ids, positions, meta, sample_rows = self._prepare_inputs(batch.requests)
+            input_ids, positions, meta, sample_rows, _ = self._prepare_inputs(batch.requests)
             embeds = self._embed(input_ids, batch.requests)
             hidden = self._forward(positions, embeds, meta)
             self.model.compute_logits(hidden[sample_rows])
