@@ -52,6 +52,16 @@ COMPILED_PATHS = [name for name in cpu_ops.supported_paths()
                   if cpu_ops.PATHS[name].target is not None]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def built_cpu_kernels() -> None:
+    """The compiled CPU kernels built (or found built) before a test process runs its first
+    test. On a machine that has never built them, the build takes minutes on two cores; a
+    server a test starts would otherwise wait behind it (a build another worker started,
+    which holds the lock) inside its own start-up deadline. A build failure is not raised
+    here: the engines fall back to torch's operators, and the tests of the kernels fail."""
+    cpu_ops.load()
+
+
 @pytest.fixture(scope="module", params=COMPILED_PATHS)
 def kernel(request):
     """The compiled CPU kernels of each path in ``COMPILED_PATHS``, in force while the tests

@@ -727,6 +727,27 @@ def test_packed_linear_f32_matches_torch(packed_f32, rows, in_features, out_feat
     _assert_float32_linear_close(got, linear, x)
 
 
+def test_packed_linear_f32_does_not_depend_on_the_thread_split(packed_f32):
+    """Each thread packs the rows of the chunks its items reach, and a thread's items may start
+    in the middle of a chunk: whatever the split, every output is the same sum in the same
+    order, bit for bit."""
+    linear = _f32_linear(300, 100, True, seed=5)  # 7 panels, the last one narrow
+    x = torch.randn(203, 300, generator=torch.Generator().manual_seed(6))  # 3 chunks, a tail
+    layer = cpu_ops.PackedLinearF32(linear)
+    threads = torch.get_num_threads()
+    try:
+        outputs = []
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                outputs.append(layer(x))
+    finally:
+        torch.set_num_threads(threads)
+    _assert_float32_linear_close(outputs[0], linear, x)
+    for got in outputs[1:]:
+        assert torch.equal(got, outputs[0])
+
+
 def test_onednn_linear_matches_torch():
     if not cpu_ops.onednn_linear_supported():
         pytest.skip("this torch build has no oneDNN")
