@@ -55,6 +55,17 @@ def _bad_inputs(tmp_path) -> dict[str, tuple[dict, str]]:
         "image without part": ({"messages": [{"role": "user", "content": "hi"}],
                                 "images": [make_image(0, (20, 20))]}, "no {'type': 'image'}"),
         "remote url": (_chat("x", ["https://example.com/cat.png"]), "remote"),
+        "video in multi_modal_data": ({"prompt": "USER: <image>\nhi\nASSISTANT:",
+                                       "multi_modal_data": {"image": [make_image(0, (20, 20))],
+                                                            "video": [b"frames"]}},
+                                      "images only.*'video'"),
+        "images given twice": ({"prompt": "USER: <image>\nhi\nASSISTANT:",
+                                "images": [make_image(0, (20, 20))],
+                                "multi_modal_data": {"image": make_image(1, (20, 20))}},
+                               "both in 'images' and in 'multi_modal_data'"),
+        "multi_modal_data not a dict": ({"prompt": "USER: <image>\nhi\nASSISTANT:",
+                                         "multi_modal_data": [make_image(0, (20, 20))]},
+                                        "'multi_modal_data' must be a dict"),
     }
 
 
@@ -92,6 +103,21 @@ def test_data_url_and_bytes_and_path_images_agree(llm: LLM, tmp_path) -> None:
     ]
     outs = llm.generate(prompts, GREEDY)
     assert len({tuple(o.token_ids) for o in outs}) == 1
+    assert_no_leaks(llm.engine)
+
+
+def test_vllm_multi_modal_data_gives_the_images(llm: LLM) -> None:
+    """vLLM's prompt form, ``multi_modal_data={"image": ...}`` with one image or a list,
+    reads as mmserve's ``images``."""
+    text = "USER: <image>\n<image>\nwhat differs?\nASSISTANT:"
+    images = [make_image(6, (30, 20)), make_image(7, (20, 30))]
+    one = "USER: <image>\nwhat is it?\nASSISTANT:"
+    outs = llm.generate([{"prompt": text, "images": images},
+                         {"prompt": text, "multi_modal_data": {"image": images}},
+                         {"prompt": one, "images": images[:1]},
+                         {"prompt": one, "multi_modal_data": {"image": images[0]}}], GREEDY)
+    assert outs[0].token_ids == outs[1].token_ids and outs[2].token_ids == outs[3].token_ids
+    assert outs[0].token_ids != outs[2].token_ids  # two prompts that differ, told apart
     assert_no_leaks(llm.engine)
 
 

@@ -90,7 +90,8 @@ class InputProcessor:
     def process(self, prompt: dict[str, Any] | str,
                 max_images: int | None = None) -> ProcessedPrompt:
         """``{"prompt": str, "images": [...]}``, ``{"messages": [...], "images": [...]}``, or
-        ``{"prompt_token_ids": [...]}`` (token ids as the model reads them, text only).
+        ``{"prompt_token_ids": [...]}`` (token ids as the model reads them, text only). vLLM's
+        ``"multi_modal_data": {"image": image or [images]}`` may stand for ``"images"``.
 
         Thread-safe. Raises ``InvalidInputError`` saying what to change; a prompt with more
         than ``max_images`` images is refused before any image is decoded."""
@@ -99,6 +100,8 @@ class InputProcessor:
         if not isinstance(prompt, dict):
             raise InvalidInputError(
                 "a prompt must be a string or a dict with 'prompt' or 'messages' (and 'images')")
+        if "multi_modal_data" in prompt:
+            prompt = _images_from_multi_modal_data(prompt)
         if "prompt_token_ids" in prompt:
             if prompt.get("images"):
                 raise InvalidInputError("a prompt of token ids takes no images; send the text "
@@ -318,6 +321,33 @@ def _preprocess_peak_bytes(size: tuple[int, int], resized: int, pixel_values: En
     if PIXEL_ARITHMETIC in pixel_values:
         output += 3 * pixel_values["pixel_values"].nelement()  # uint8 -> float32
     return decoded_copies * w * h * 3 + 4 * resized * 3 + 2 * output
+
+
+def _images_from_multi_modal_data(prompt: dict[str, Any]) -> dict[str, Any]:
+    """``prompt`` with vLLM's ``multi_modal_data`` (``{"image": image or [images]}``) given as
+    mmserve's ``images``; other modalities, or images given both ways, are refused."""
+    data = prompt["multi_modal_data"]
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise InvalidInputError("'multi_modal_data' must be a dict such as {'image': [...]}",
+                                param="multi_modal_data")
+    others = sorted(str(key) for key in data if key != "image")
+    if others:
+        raise InvalidInputError(f"mmserve takes images only: 'multi_modal_data' has "
+                                f"{', '.join(map(repr, others))}; keep only 'image'",
+                                param="multi_modal_data")
+    images = data.get("image")
+    if images is None:
+        images = []
+    elif not isinstance(images, (list, tuple)):
+        images = [images]
+    if images and prompt.get("images"):
+        raise InvalidInputError("images are given both in 'images' and in "
+                                "'multi_modal_data'; give them in one of the two",
+                                param="multi_modal_data")
+    rest = {key: value for key, value in prompt.items() if key != "multi_modal_data"}
+    return {**rest, "images": list(images) or rest.get("images") or []}
 
 
 def _check_unicode(text: str, where: str) -> None:
