@@ -91,7 +91,7 @@ def client(args, vllm_bin: Path, port: int, model: str, num_prompts: int, result
            "--random-mm-num-mm-items-range-ratio", "0",
            "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
            "--random-mm-bucket-config", f"{{({h}, {w}, 1): 1.0}}",
-           "--ignore-eos", "--seed", str(args.seed), "--save-result",
+           "--ignore-eos", "--seed", str(args.seed), "--save-result", "--save-detailed",
            "--result-dir", str(result.parent), "--result-filename", result.name]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     (result.parent / f"{result.stem}.client.log").write_text(out.stdout + out.stderr)
