@@ -50,7 +50,8 @@ class LLM:
         """Run every prompt to completion; outputs come back in input order.
 
         A prompt is ``{"prompt": str, "images": [...]}`` (text in the model's own format, one
-        image token per image) or ``{"messages": [...], "images": [...]}`` in OpenAI chat form.
+        image token per image) or ``{"messages": [...], "images": [...]}`` in OpenAI chat form;
+        vLLM's ``"multi_modal_data": {"image": ...}`` may stand for ``"images"``.
 
         Prompts are preprocessed (images decoded, resized and normalized, text tokenized) and
         queued in input order, at most ``requests_ahead(max_num_seqs)`` of the call's requests
