@@ -121,6 +121,20 @@ def test_vllm_multi_modal_data_gives_the_images(llm: LLM) -> None:
     assert_no_leaks(llm.engine)
 
 
+def test_vllm_image_pil_part_in_chat(llm: LLM) -> None:
+    """vLLM's ``{"type": "image_pil", "image_pil": PIL image}`` chat part is an image part."""
+    img = make_image(8, (26, 26))
+    outs = llm.generate([_chat("what?", [img]),
+                         {"messages": [{"role": "user", "content": [
+                             {"type": "image_pil", "image_pil": img},
+                             {"type": "text", "text": "what?"}]}]}], GREEDY)
+    assert outs[0].token_ids == outs[1].token_ids
+    with pytest.raises(InvalidInputError, match="image_pil must be a PIL image"):
+        llm.generate({"messages": [{"role": "user", "content": [
+            {"type": "image_pil", "image_pil": "/etc/hostname"}]}]}, GREEDY)
+    assert_no_leaks(llm.engine)
+
+
 def test_bad_prompt_in_a_batch_queues_nothing(llm: LLM) -> None:
     with pytest.raises(InvalidInputError):
         llm.generate([_chat("fine", []), _chat("word " * 200, [])], GREEDY)

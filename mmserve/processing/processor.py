@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from mmserve.inputs import PIXEL_ARITHMETIC, EncoderInput, ImageInput, encoder_input_bytes
 from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, load_image
@@ -170,8 +171,13 @@ class InputProcessor:
                         raise InvalidInputError(f"{where}.text must be a string", param=where)
                     self._check_text(part["text"], f"{where}.text")
                     parts.append({"type": "text", "text": part["text"]})
-                elif kind in ("image", "image_url"):
-                    if kind == "image_url":
+                elif kind in ("image", "image_url", "image_pil"):
+                    if kind == "image_pil":  # vLLM's part for a PIL image in LLM.chat
+                        if not isinstance(part.get("image_pil"), Image.Image):
+                            raise InvalidInputError(f"{where}.image_pil must be a PIL image",
+                                                    param=where)
+                        ordered.append(part["image_pil"])
+                    elif kind == "image_url":
                         url = part.get("image_url")
                         url = url.get("url") if isinstance(url, dict) else url
                         if not isinstance(url, str):
@@ -193,7 +199,8 @@ class InputProcessor:
                         "images (frames as 'image_url' parts) or text.", param=where)
                 else:
                     raise InvalidInputError(
-                        f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url'",
+                        f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url', "
+                        "'image_pil'",
                         param=where)
             rendered.append({"role": role, "content": parts})
         if pending:
