@@ -728,9 +728,9 @@ def test_packed_linear_f32_matches_torch(packed_f32, rows, in_features, out_feat
 
 
 def test_packed_linear_f32_does_not_depend_on_the_thread_split(packed_f32):
-    """Each thread packs the rows of the chunks its items reach, and a thread's items may start
-    in the middle of a chunk: whatever the split, every output is the same sum in the same
-    order, bit for bit."""
+    """The kernel's work items (a chunk of rows, a panel of outputs) split between threads,
+    and a thread's items may start in the middle of a chunk: whatever the split, every output
+    is the same sum in the same order, bit for bit."""
     linear = _f32_linear(300, 100, True, seed=5)  # 7 panels, the last one narrow
     x = torch.randn(203, 300, generator=torch.Generator().manual_seed(6))  # 3 chunks, a tail
     layer = cpu_ops.PackedLinearF32(linear)
