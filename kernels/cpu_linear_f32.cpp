@@ -15,7 +15,11 @@
 // Work items are (chunk of up to 96 rows, panel); within one, the panel's inputs go in blocks
 // of 256 (16 KiB of weights), and for each block every tile of 6 rows by 16 outputs runs its
 // 12 accumulators over the block, starting from the partial sums of the block before (kept in
-// the output, in float32, so the result equals one pass over all of K in this order).
+// the output, in float32, so the result equals one pass over all of K in this order). The
+// chunks of one input are of about equal size, and threads take items a few at a time as they
+// come free (parallel_claim): with fixed halves of the items, 100 rows (a chunk of 96 and one
+// of 4) left one of two threads with 96% of the work, and every step waited for a thread that
+// another process held up. Each output is computed the same way whichever thread runs it.
 
 #include <ATen/ATen.h>
 
@@ -34,8 +38,9 @@ using mmserve_cpu::kTileRows;
 #ifdef MMSERVE_F32_FMA
 using mmserve_cpu::kTiles;
 #endif
-constexpr int64_t kChunkRows = 96;   // rows per work item
+constexpr int64_t kChunkRows = 96;   // rows per work item, at most
 constexpr int64_t kDepth = 256;      // inputs per block: 16 KiB of one panel, in L1
+constexpr int64_t kClaim = 4;        // items a thread takes at a time: 4 panels in a row
 
 }  // namespace
 
@@ -97,13 +102,19 @@ at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
   const float* wp = packed.data_ptr<float>();
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t x_stride = x.stride(0), chunks = (rows + kChunkRows - 1) / kChunkRows;
-  // Items are (row chunk, panel), panels inner: one thread's panels are one contiguous run of
-  // the packed weight, and its consecutive items share rows.
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+  const int64_t x_stride = x.stride(0);
+  // Chunks of equal size, a whole number of tiles (but the last): 100 rows are 54 + 46, not
+  // 96 + 4. Rounding up to whole tiles can leave fewer chunks than first counted.
+  const int64_t least = (rows + kChunkRows - 1) / kChunkRows;
+  const int64_t chunk_rows =
+      least > 0 ? ((rows + least - 1) / least + kTileRows - 1) / kTileRows * kTileRows : 0;
+  const int64_t chunks = least > 0 ? (rows + chunk_rows - 1) / chunk_rows : 0;
+  // Items are (row chunk, panel), panels inner: a thread's batch is a run of consecutive
+  // panels of the packed weight over the same rows.
+  mmserve_cpu::parallel_claim(chunks * panels, kClaim, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / panels, panel = item % panels;
-      const int64_t row_end = std::min(rows, (chunk + 1) * kChunkRows);
+      const int64_t row_end = std::min(rows, (chunk + 1) * chunk_rows);
       const int64_t cols = std::min(kCols, out_features - panel * kCols);
       const float* w = wp + panel * depth * kCols;
       const float* init = bp ? bp + panel * kCols : mmserve_cpu::kZeros;
@@ -114,7 +125,7 @@ at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
       // At least one block, so that without inputs (depth 0) the output is the bias (or 0).
       for (int64_t k0 = 0; k0 == 0 || k0 < depth; k0 += kDepth) {
         const int64_t block = std::min(kDepth, depth - k0);
-        for (int64_t r = chunk * kChunkRows; r < row_end; r += kTileRows) {
+        for (int64_t r = chunk * chunk_rows; r < row_end; r += kTileRows) {
           const int64_t n = std::min(kTileRows, row_end - r);
           float* dst = op + r * out_features + panel * kCols;
           if (cols == kCols) {

@@ -1,11 +1,13 @@
 // What the CPU kernels share: the argument checks that come before any pointer arithmetic,
-// the instruction set test, bfloat16 bits, lane masks, and exp (scalar, written so the
-// compiler vectorizes it, and on 16 lanes).
+// work items handed to threads as they come free, the instruction set test, bfloat16 bits,
+// lane masks, and exp (scalar, written so the compiler vectorizes it, and on 16 lanes).
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -69,6 +71,30 @@ inline void check_cpu_tensor(const at::Tensor& t, const char* fn, const char* wh
                 t.device());
   MMSERVE_CHECK(t.layout() == at::kStrided, fn, ": ", what,
                 " must be a dense (strided) tensor, not ", t.layout());
+}
+
+// Items [0, total) handed to the process's compute threads in batches of `batch`, in order, each
+// thread taking the next batch when it finishes its last one. A static split (parallel_for's
+// equal ranges) makes a step wait for its slowest thread: for uneven items, or a core that
+// another process or the kernel takes for a while. Here the thread that is held up does fewer
+// batches instead. `body(begin, end)` runs once per batch, on any thread, so what an item
+// computes must not depend on which thread runs it or on the items run before it there.
+template <typename Body>
+void parallel_claim(int64_t total, int64_t batch, const Body& body) {
+  if (total <= 0) return;
+  batch = std::max<int64_t>(batch, 1);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (total + batch - 1) / batch);
+  if (threads <= 1) {
+    body(0, total);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  // One index per thread; inside another parallel region this runs on the calling thread
+  // alone, which then claims every batch itself.
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t begin; (begin = next.fetch_add(batch, std::memory_order_relaxed)) < total;)
+      body(begin, std::min(total, begin + batch));
+  });
 }
 
 // bfloat16 is the upper half of a float32: widening is a shift, narrowing rounds to nearest

@@ -716,7 +716,7 @@ def _assert_float32_linear_close(got, linear, x):
     (3, 64, 40, True),  # fewer rows than a tile, a last panel of 8 outputs
     (8, 768, 32000, False),  # a decode step through the LM head
     (200, 2048, 768, True),  # several row chunks and input blocks, a tile tail, bias
-    (97, 300, 17, False),  # an input block tail, one output past a panel, a one-row chunk
+    (97, 300, 17, False),  # an input block tail, one output past a panel, chunks of 54 and 43
     (13, 7, 5, True),  # fewer inputs than a block, one narrow panel
 ])
 def test_packed_linear_f32_matches_torch(packed_f32, rows, in_features, out_features, bias):
@@ -728,9 +728,9 @@ def test_packed_linear_f32_matches_torch(packed_f32, rows, in_features, out_feat
 
 
 def test_packed_linear_f32_does_not_depend_on_the_thread_split(packed_f32):
-    """The kernel's work items (a chunk of rows, a panel of outputs) split between threads,
-    and a thread's items may start in the middle of a chunk: whatever the split, every output
-    is the same sum in the same order, bit for bit."""
+    """The kernel's work items (a chunk of rows, a panel of outputs) go to threads a few at a
+    time as they come free, and a thread's batch may cross from one chunk to the next: whoever
+    computes it, every output is the same sum in the same order, bit for bit."""
     linear = _f32_linear(300, 100, True, seed=5)  # 7 panels, the last one narrow
     x = torch.randn(203, 300, generator=torch.Generator().manual_seed(6))  # 3 chunks, a tail
     layer = cpu_ops.PackedLinearF32(linear)
@@ -746,6 +746,21 @@ def test_packed_linear_f32_does_not_depend_on_the_thread_split(packed_f32):
     _assert_float32_linear_close(outputs[0], linear, x)
     for got in outputs[1:]:
         assert torch.equal(got, outputs[0])
+
+
+def test_packed_linear_f32_rows_do_not_depend_on_the_other_rows(packed_f32):
+    """The rows of one call are cut into chunks of about equal size, so a row's chunk and its
+    place in a tile change with the number of rows (100 rows: 54 + 46; 203: 72 + 72 + 59):
+    each row's outputs are still the same sum in the same order as in any other call."""
+    linear = _f32_linear(300, 100, True, seed=7)
+    x = torch.randn(203, 300, generator=torch.Generator().manual_seed(8))
+    layer = cpu_ops.PackedLinearF32(linear)
+    with torch.no_grad():
+        full = layer(x)
+        _assert_float32_linear_close(full, linear, x)
+        for rows in (1, 5, 6, 96, 97, 100, 150, 193):
+            assert torch.equal(layer(x[:rows]), full[:rows]), rows
+            assert torch.equal(layer(x[-rows:]), full[-rows:]), rows
 
 
 def test_onednn_linear_matches_torch():
