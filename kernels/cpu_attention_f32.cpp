@@ -74,7 +74,7 @@ void attend_tile(const float* const* q_rows, int64_t rows, const int64_t* key_en
     const int64_t width = std::min(kChunk, (tile_end - c0 + kCols - 1) / kCols * kCols);
     for (int64_t g = 0; g < width; g += kCols)  // scores of 16 keys at a time
       product(&q[0][0], kMaxDim, k_packed + (c0 + g) * dim, dim, true,
-              mmserve_cpu::kZeros, &scores[0][g], kChunk);
+              mmserve_cpu::kZeros, &scores[0][g], kChunk, nullptr, 0);
     // Online softmax: keys past a row's end get probability 0.
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = std::clamp<int64_t>(key_end[r] - c0, 0, width);
@@ -100,7 +100,7 @@ void attend_tile(const float* const* q_rows, int64_t rows, const int64_t* key_en
     // Output += probabilities x values, 16 dimensions at a time.
     for (int64_t d0 = 0; d0 < dim; d0 += kCols)
       product(&scores[0][0], kChunk, v_packed + (d0 / kCols * padded_len + c0) * kCols, width,
-              false, nullptr, &out[0][d0], kMaxDim);
+              false, nullptr, &out[0][d0], kMaxDim, nullptr, 0);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.f / row_sum[r];

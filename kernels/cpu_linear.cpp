@@ -49,6 +49,7 @@ constexpr int64_t kChunkRows = 64;  // rows per work item of a larger input
 constexpr int64_t kStreamRows = 256;
 constexpr int64_t kBlockPairs = 128;
 constexpr int64_t kStreamPanelsPerThread = 4;
+constexpr int64_t kClaim = 4;  // items a thread takes at a time (parallel_claim)
 
 // Rows [0, R) of a tile over input pairs [0, pairs) of one block of a panel. The sums start
 // from `sums` (or the bias, or zero, on the first block) and go back to `sums`, or, on the
@@ -184,15 +185,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   // Rows are one chunk (streamed), or chunks of at most kChunkRows, all of about the same size,
-  // so that threads given equal numbers of items get equal work (197 rows: 50, 50, 50 and 47,
-  // not 64, 64, 64 and 5, which left one of two threads 59 rows behind).
+  // so that items are of about equal work (197 rows: 50, 50, 50 and 47, not 64, 64, 64 and 5,
+  // which left one of two threads 59 rows behind when each took half of the items). Threads
+  // take items a few at a time as they come free, so a thread that another process holds up
+  // does fewer of them instead of every other thread waiting for it.
   const bool one_chunk =
       rows <= kStreamRows && panels >= kStreamPanelsPerThread * at::get_num_threads();
   const int64_t x_stride = x.stride(0);
   const int64_t chunks = one_chunk ? (rows > 0) : (rows + kChunkRows - 1) / kChunkRows;
   const int64_t chunk_rows = chunks > 0 ? (rows + chunks - 1) / chunks : 0;
-  // Items are (row chunk, panel), panels inner: consecutive items of one thread share rows.
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+  // Items are (row chunk, panel), panels inner: the items of a batch share rows.
+  mmserve_cpu::parallel_claim(chunks * panels, kClaim, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t chunk = item / panels, panel = item % panels;
       const int64_t row_begin = chunk * chunk_rows;

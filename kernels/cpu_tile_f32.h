@@ -1,6 +1,7 @@
 // The float32 register tile shared by the linear layers and the attention of AVX2 machines:
 // rows [0, R) of a matrix x (R <= 6, any row stride) times `depth` rows of a 16-wide panel
-// (row k of the panel at panel + 16 k), added to a 16-column block of `out`.
+// (row k of the panel at panel + 16 k), added to a 16-column block of `out`; optionally
+// prefetching, one per step, the cache lines of weights the next tiles will read.
 #pragma once
 
 #include <cstdint>
@@ -26,10 +27,15 @@ inline constexpr float kZeros[kCols] = {};  // the `init` of a tile without a bi
 //
 // The accumulators are named variables, not an array: GCC keeps an array of vectors that is
 // read after the loop in memory, and stores all twelve on every step of it.
+//
+// Steps k < prefetch_rows also prefetch row k of `prefetch` (16 floats, one cache line of a
+// packed panel) into L2. A linear layer gives each tile of a block a share of the block that
+// follows, so that the memory fetches the next weights while the tiles compute on these.
 #define MMSERVE_ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 template <int64_t R>
 void tile(const float* x, int64_t x_stride, const float* panel, int64_t depth, bool first,
-          const float* init, float* out, int64_t out_stride) {
+          const float* init, float* out, int64_t out_stride, const float* prefetch,
+          int64_t prefetch_rows) {
   static_assert(R >= 1 && R <= kTileRows);
 #define MMSERVE_DECLARE(i) __m256 acc##i##a = _mm256_setzero_ps(), acc##i##b = acc##i##a;
   MMSERVE_ROWS(MMSERVE_DECLARE)
@@ -43,6 +49,9 @@ void tile(const float* x, int64_t x_stride, const float* panel, int64_t depth, b
   for (int64_t k = 0; k < depth; ++k) {
     const __m256 w0 = _mm256_loadu_ps(panel + k * kCols);
     const __m256 w1 = _mm256_loadu_ps(panel + k * kCols + 8);
+    if (k < prefetch_rows) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + k * kCols), _MM_HINT_T1);
+    }
 #define MMSERVE_FMA(i)                                                  \
   if constexpr (i < R) {                                                \
     const __m256 xr = _mm256_broadcast_ss(x + i * x_stride + k);        \
@@ -65,7 +74,7 @@ void tile(const float* x, int64_t x_stride, const float* panel, int64_t depth, b
 #undef MMSERVE_ROWS
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, bool, const float*, float*,
-                        int64_t);
+                        int64_t, const float*, int64_t);
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>,
                                           tile<4>, tile<5>, tile<6>};
 
