@@ -12,15 +12,15 @@
 //                                               side (two 8-lane vectors), zero-padded
 // packed_linear_f32(x [M, K], panels, bias, N) -> x @ weight.T + bias, [M, N] float32
 //
-// Work items are (chunk of up to 96 rows, panel); within one, the panel's inputs go in blocks
-// of 256 (16 KiB of weights), and for each block every tile of 6 rows by 16 outputs runs its
-// 12 accumulators over the block, starting from the partial sums of the block before (kept in
-// the output, in float32, so the result equals one pass over all of K in this order). The
-// chunks of one input are of about equal size, and threads take items a few at a time as they
-// come free (parallel_claim): with fixed halves of the items, 100 rows (a chunk of 96 and one
-// of 4) left one of two threads with 96% of the work, and every step waited for a thread that
-// another process held up. Each output is computed the same way whichever thread runs it.
-// While a block's tiles compute, they prefetch the weights the thread reads next into L2.
+// Work items are (chunk of up to 96 rows, panel); within one, the panel's inputs go in blocks (of
+// 256, 16 KiB of weights; fewer for a chunk of a few tiles), and for each block every tile of 6
+// rows by 16 outputs runs its 12 accumulators over the block, starting from the partial sums of the
+// block before (kept in the output, in float32, so the result equals one pass over all of K in this
+// order). The chunks of one input are of about equal size, and threads take items a few at a time
+// as they come free (parallel_claim): with fixed halves of the items, 100 rows (a chunk of 96 and
+// one of 4) left one of two threads with 96% of the work, and every step waited for a thread that
+// another process held up. Each output is computed the same way whichever thread runs it. While a
+// block's tiles compute, they prefetch the weights the thread reads next into L2.
 
 #include <ATen/ATen.h>
 
@@ -40,8 +40,18 @@ using mmserve_cpu::kTileRows;
 using mmserve_cpu::kTiles;
 #endif
 constexpr int64_t kChunkRows = 96;   // rows per work item, at most
-constexpr int64_t kDepth = 256;      // inputs per block: 16 KiB of one panel, in L1
 constexpr int64_t kClaim = 4;        // items a thread takes at a time: 4 panels in a row
+
+// Inputs per block of a chunk of `rows` rows. A lone tile (up to 6 rows, the weights used
+// once) and a chunk of over 48 rows take 256 (16 KiB of one panel, in L1 while the tiles pass
+// over it). A chunk of 2-4 tiles, a decode step's, reads each block from memory and uses it
+// only a few times: there 64 (4 KiB, beside 4-6 KiB of the rows' inputs) ran 1.11-1.16x the
+// speed of 256 at 16 rows, weights from memory, two threads (1.10-1.17x on one); 25-48 rows
+// ran best at 128.
+int64_t block_depth(int64_t rows) {
+  if (rows <= kTileRows || rows > 48) return 256;
+  return rows <= 24 ? 64 : 128;
+}
 
 }  // namespace
 
@@ -127,16 +137,17 @@ at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
       // out, but zeroed once so that the tile, which reads all 16, never reads uninitialized
       // memory.
       float scratch[kTileRows * kCols] = {};
+      const int64_t step = block_depth(row_end - row_begin);
       // At least one block, so that without inputs (depth 0) the output is the bias (or 0).
-      for (int64_t k0 = 0; k0 == 0 || k0 < depth; k0 += kDepth) {
-        const int64_t block = std::min(kDepth, depth - k0);
+      for (int64_t k0 = 0; k0 == 0 || k0 < depth; k0 += step) {
+        const int64_t block = std::min(step, depth - k0);
         // The tiles share out the weights this thread reads next (the panel's next block, or
         // the next panel's first), to prefetch as they go: on a decode step the memory then
         // streams while the few tiles compute (16 rows, two threads: 1.14-1.22x the speed).
         const float* ahead = w + (k0 + block) * kCols;
         const int64_t ahead_rows =
-            std::min(kDepth, depth - k0 - block + (next_adjacent ? depth : 0));
-        const int64_t share = (ahead_rows + tiles - 1) / std::max<int64_t>(tiles, 1);
+            std::min(step, depth - k0 - block + (next_adjacent ? depth : 0));
+        const int64_t share = (ahead_rows + tiles - 1) / tiles;
         for (int64_t r = row_begin, t = 0; r < row_end; r += kTileRows, ++t) {
           const int64_t n = std::min(kTileRows, row_end - r);
           const float* prefetch = ahead + t * share * kCols;
