@@ -12,24 +12,26 @@
 //
 // float32 with head sizes 64 and 128 (and blocks of a multiple of 8 tokens), on CPUs with AVX2
 // and FMA, computes the scores 8 keys at a time (a vector of partial sums per key, the 8 summed
-// across lanes at once) instead of one horizontal sum per key and head, and sums the values of
-// a block's rows in registers; float32 rows are read in place, never copied.
+// across lanes at once) instead of one horizontal sum per key and head; float32 rows are read
+// in place, never copied. Its work items are a sequence's KV heads, all of them where there
+// are sequences enough, so that both passes go token by token over whole rows (see
+// `f32_decode_attention`).
 //
 // bfloat16 with head sizes that are multiples of 32, on CPUs with AVX512-BF16, takes a faster
 // path: the dot-product instruction on bfloat16 pairs for both passes (probabilities rounded
 // to bfloat16 for the values, as torch's fused attention does; the softmax writes them), the
 // value pass keeping the sums of a compile-time number of heads in registers.
 //
-// Both fast paths prefetch, since consecutive blocks are scattered in memory. The key pass of
-// a sequence's first KV head asks for the whole K and V rows of every head (a head's part of a
-// row is two or four cache lines at head sizes 64 and 128, in bfloat16) some keys ahead, so
-// that its value pass, and the sequence's other heads where the same thread runs them next
-// (parallel_for gives each thread consecutive items) and they still fit in its L2, find them
-// in cache. Meanwhile every pass over a sequence (keys and values, each head) also fetches a
-// share of the next sequence's rows into L2 (`NextRows`), so that memory is read while the
-// arithmetic runs rather than before it: with only the first head's key pass fetching, a
-// thread read memory during a quarter of its work (four KV heads) and computed from cache
-// the rest. Each KV head of a sequence fetched this way prefetches only its own rows.
+// The bfloat16 path prefetches, since consecutive blocks are scattered in memory. The key pass
+// of a sequence's first KV head asks for the whole K and V rows of every head (a head's part of
+// a row is two or four cache lines at head sizes 64 and 128) some keys ahead, so that its value
+// pass, and the sequence's other heads where the same thread runs them next (parallel_for
+// gives each thread consecutive items) and they still fit in its L2, find them in cache.
+// Meanwhile every pass over a sequence (keys and values, each head) also fetches a share of
+// the next sequence's rows into L2 (`NextRows`), so that memory is read while the arithmetic
+// runs rather than before it: with only the first head's key pass fetching, a thread read
+// memory during a quarter of its work (four KV heads) and computed from cache the rest. Each
+// KV head of a sequence fetched this way prefetches only its own rows.
 
 #include <ATen/ATen.h>
 
@@ -100,86 +102,124 @@ inline __m256 sum_lanes_of_8(const __m256 v[8]) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// Scores of `group` float32 query heads (already scaled) against a sequence's keys, 8 keys at
-// a time; block_size is a multiple of 8, so the 8 keys of a step share a block. head_rows is
-// the KV head's first key row; scores is [group, len].
-// `prefetch_bytes` of each upcoming token's row are fetched ahead from the row's start: the
-// KV head's own D floats, or for the first KV head of a sequence not fetched ahead
-// (`NextRows`) the whole row of every head, which the other heads of the sequence then find in
-// cache (work items run a sequence's heads one after another on one thread). `tick` is
-// called every 16 keys.
-template <int64_t D, typename Tick>
-void f32_scores(const float* q, int64_t group, const float* head_rows, const int64_t* table,
-                int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t len,
-                int64_t prefetch_bytes, float* scores, Tick& tick) {
-  static const float zeros[D] = {};
-  const float* rows[8];
+// The float32 path. A work item is a sequence's KV heads: all of them, or an equal share
+// where there are too few sequences for two items per thread. With all of them, a token's K
+// (or V) row of the item is one contiguous run (1 KiB at 4 KV heads of 64) and both passes go
+// token by token, reading each block front to back; an item of some of the heads goes head by
+// head, a block at a time. Items of one KV head each, head by head with software prefetches
+// (this path before), read memory at 7-8 GB/s on two AVX2 cores that stream 11 GB/s each: the
+// passes jumped between the quarters of every row. Token by token: 1.2-1.8x their speed at
+// 16-64 sequences of 310-1,500 tokens (benchmarks/cpu_decode_attention.py); prefetching made
+// no difference either way there, and reading half of each row token by token (a sequence
+// split between threads) ran slower than head by head. Items are taken as threads come free
+// (`parallel_claim`), since sequences differ in length. Each output is computed in the same
+// order either way: a score is one key's vector of partial sums over D, a weighted value one
+// fused multiply-add per key, in key order.
+struct ItemRows {
+  const float* k;  // the item's first KV head in the caches
+  const float* v;
+  const int64_t* table;
+  int64_t len, heads, block_size, block_stride, token_stride;
+  bool whole;  // the item holds every KV head: its part of a row is the whole row
+
+  // Token t's row from the item's first KV head, as an offset into either cache.
+  int64_t offset(int64_t t) const {
+    return table[t / block_size] * block_stride + (t % block_size) * token_stride;
+  }
+};
+
+// Scores of the item's query heads (`group` per KV head, already scaled; q is
+// [heads * group, D]) against its keys, 8 keys at a time (block_size is a multiple of 8, so the
+// 8 keys of a step share a block). scores is [heads * group, len].
+template <int64_t D>
+void f32_scores(const float* q, int64_t group, const ItemRows& rows, float* scores) {
+  const int64_t len = rows.len, count = rows.heads * group;
+  auto dot = [](const float* qg, const float* key) {  // a key's vector of partial sums
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + c), _mm256_loadu_ps(key + c), acc);
+    return acc;
+  };
+  // Query head i's scores of keys t0 .. t0+n-1 from their 8 vectors of partial sums.
+  auto store = [&](int64_t i, int64_t t0, int64_t n, const float* partial) {
+    __m256 v[8];
+    for (int64_t j = 0; j < 8; ++j) v[j] = _mm256_loadu_ps(partial + 8 * j);
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, sum_lanes_of_8(v));
+    float* dst = scores + i * len + t0;
+    for (int64_t j = 0; j < n; ++j) dst[j] = sums[j];
+  };
+  std::vector<float> partial(64 * (rows.whole ? count : 1));  // [heads][8 keys][8 lanes]
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
-    if (t0 % 16 == 0) tick();
     const int64_t n = std::min<int64_t>(8, len - t0);
-    const float* first = head_rows + table[t0 / block_size] * block_stride +
-                         (t0 % block_size) * token_stride;
-    for (int64_t j = 0; j < 8; ++j) rows[j] = j < n ? first + j * token_stride : zeros;
-    const int64_t ahead = t0 + 32;  // the rows four steps ahead
-    if (ahead < len) {
-      const float* next = head_rows + table[ahead / block_size] * block_stride +
-                          (ahead % block_size) * token_stride;
-      for (int64_t j = 0; j < std::min<int64_t>(8, len - ahead); ++j)
-        prefetch_span(next + j * token_stride, prefetch_bytes);
-    }
-    for (int64_t g = 0; g < group; ++g) {
-      __m256 acc[8];
+    const float* first = rows.k + rows.offset(t0);
+    if (rows.whole) {  // token by token, each row front to back
       for (int64_t j = 0; j < 8; ++j) {
-        acc[j] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < D; c += 8)
-          acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), _mm256_loadu_ps(rows[j] + c),
-                                   acc[j]);
+        const float* row = first + j * rows.token_stride;
+        for (int64_t i = 0; i < count; ++i)
+          _mm256_storeu_ps(&partial[64 * i + 8 * j], j < n ? dot(q + i * D, row + i / group * D)
+                                                           : _mm256_setzero_ps());
       }
-      alignas(32) float sums[8];
-      _mm256_store_ps(sums, sum_lanes_of_8(acc));
-      std::copy_n(sums, n, scores + g * len + t0);
+      for (int64_t i = 0; i < count; ++i) store(i, t0, n, &partial[64 * i]);
+      continue;
+    }
+    for (int64_t i = 0; i < count; ++i) {  // head by head
+      for (int64_t j = 0; j < 8; ++j) {
+        _mm256_storeu_ps(&partial[8 * j],
+                         j < n ? dot(q + i * D, first + j * rows.token_stride + i / group * D)
+                               : _mm256_setzero_ps());
+      }
+      store(i, t0, n, partial.data());
     }
   }
 }
 
-// out[g] = sum over keys t of probs[g, t] * value row t, float32, for `group` heads: a block's
-// rows at a time, 64 dimensions in 8 accumulator registers, so each value row is loaded once per
-// head from L1 and the sums stay in registers across the block.
-template <int64_t D, typename Tick>
-void f32_weighted_values(const float* probs, int64_t group, const float* head_rows,
-                         const int64_t* table, int64_t block_size, int64_t block_stride,
-                         int64_t token_stride, int64_t len, int64_t prefetch_bytes,
-                         float* out, Tick& tick) {
+// out[i] = sum over keys t of probs[i, t] * value row t of query head i's KV head, for the
+// item's query heads, in key order. Token by token (the sums in `out`, in L1) where the item
+// holds whole rows; else head by head a block at a time, 64 dimensions in 8 accumulator
+// registers across the block.
+template <int64_t D>
+void f32_weighted_values(const float* probs, int64_t group, const ItemRows& rows, float* out) {
   static_assert(D % 64 == 0);
-  std::fill_n(out, group * D, 0.f);
-  for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-    for (int64_t t = (t0 + 15) / 16 * 16; t < t0 + block_size; t += 16) tick();  // per 16 keys
-    const float* block = head_rows + table[t0 / block_size] * block_stride;
-    const int64_t n = std::min(block_size, len - t0);
-    if (t0 + block_size < len) {  // the next block's rows, while this one's are summed
-      const float* next = head_rows + table[t0 / block_size + 1] * block_stride;
-      for (int64_t i = 0; i < std::min(block_size, len - t0 - block_size); ++i)
-        prefetch_span(next + i * token_stride, prefetch_bytes);
+  const int64_t len = rows.len, count = rows.heads * group;
+  std::fill_n(out, count * D, 0.f);
+  if (rows.whole) {
+    for (int64_t t = 0; t < len; ++t) {
+      const float* row = rows.v + rows.offset(t);
+      for (int64_t i = 0; i < count; ++i) {
+        const float* v = row + i / group * D;
+        const __m256 p = _mm256_set1_ps(probs[i * len + t]);
+        float* o = out + i * D;
+        for (int64_t c = 0; c < D; c += 8)
+          _mm256_storeu_ps(o + c,
+                           _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c), _mm256_loadu_ps(o + c)));
+      }
     }
-    for (int64_t g = 0; g < group; ++g) {
-      const float* p = probs + g * len + t0;
+    return;
+  }
+  for (int64_t t0 = 0; t0 < len; t0 += rows.block_size) {
+    const int64_t n = std::min(rows.block_size, len - t0);
+    const float* block = rows.v + rows.table[t0 / rows.block_size] * rows.block_stride;
+    for (int64_t i = 0; i < count; ++i) {
+      const float* p = probs + i * len + t0;
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
-        float* o = out + g * D + d0;
+        float* o = out + i * D + d0;
+        const float* first = block + i / group * D + d0;
         __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8);
         __m256 a2 = _mm256_loadu_ps(o + 16), a3 = _mm256_loadu_ps(o + 24);
         __m256 a4 = _mm256_loadu_ps(o + 32), a5 = _mm256_loadu_ps(o + 40);
         __m256 a6 = _mm256_loadu_ps(o + 48), a7 = _mm256_loadu_ps(o + 56);
-        for (int64_t i = 0; i < n; ++i) {
-          const float* v = block + i * token_stride + d0;
-          const __m256 pi = _mm256_set1_ps(p[i]);
-          a0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v), a0);
-          a1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 8), a1);
-          a2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 16), a2);
-          a3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 24), a3);
-          a4 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 32), a4);
-          a5 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 40), a5);
-          a6 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 48), a6);
-          a7 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(v + 56), a7);
+        for (int64_t r = 0; r < n; ++r) {
+          const float* v = first + r * rows.token_stride;
+          const __m256 pr = _mm256_set1_ps(p[r]);
+          a0 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v), a0);
+          a1 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 8), a1);
+          a2 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 16), a2);
+          a3 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 24), a3);
+          a4 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 32), a4);
+          a5 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 40), a5);
+          a6 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 48), a6);
+          a7 = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 56), a7);
         }
         _mm256_storeu_ps(o, a0);
         _mm256_storeu_ps(o + 8, a1);
@@ -192,6 +232,41 @@ void f32_weighted_values(const float* probs, int64_t group, const float* head_ro
       }
     }
   }
+}
+
+// The float32 path's whole call (block_size a multiple of 8); query and out [seqs, heads, D],
+// contiguous.
+template <int64_t D>
+void f32_decode_attention(const float* q_ptr, const float* k_ptr, const float* v_ptr,
+                          const int64_t* tables, const int64_t* lens, int64_t num_seqs,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
+                          int64_t max_blocks, float scale, float* o_ptr) {
+  if (num_seqs == 0) return;
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D, block_stride = block_size * token_stride;
+  const int64_t wanted = std::min(num_kv_heads, (2 * at::get_num_threads() + num_seqs - 1) /
+                                                    num_seqs);  // items per sequence
+  const int64_t per_item = (num_kv_heads + wanted - 1) / wanted;
+  const int64_t parts = (num_kv_heads + per_item - 1) / per_item;
+  mmserve_cpu::parallel_claim(num_seqs * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q, scores, acc;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / parts, h0 = item % parts * per_item;
+      const int64_t heads = std::min(per_item, num_kv_heads - h0);
+      const ItemRows rows{k_ptr + h0 * D, v_ptr + h0 * D, tables + seq * max_blocks, lens[seq],
+                          heads, block_size, block_stride, token_stride, parts == 1};
+      // The item's query heads, consecutive in the query and the output.
+      const int64_t first = (seq * num_heads + h0 * group) * D, count = heads * group;
+      q.resize(count * D);
+      for (int64_t i = 0; i < count * D; ++i) q[i] = q_ptr[first + i] * scale;
+      scores.resize(count * rows.len);
+      acc.resize(count * D);
+      f32_scores<D>(q.data(), group, rows, scores.data());
+      softmax_rows(scores.data(), count, rows.len);
+      f32_weighted_values<D>(scores.data(), group, rows, acc.data());
+      std::copy_n(acc.data(), count * D, o_ptr + first);
+    }
+  });
 }
 #endif  // MMSERVE_F32_FMA
 
@@ -415,13 +490,19 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   T* o_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  // Whether this instance's passes tick `NextRows` (the bfloat16 and float32 fast paths).
+#ifdef MMSERVE_F32_FMA
+  if constexpr (std::is_same_v<T, float> && kHeadDim % 64 == 0 && kHeadDim > 0) {
+    if (block_size % 8 == 0) {
+      f32_decode_attention<kHeadDim>(q_ptr, k_ptr, v_ptr, tables, lens, num_seqs, num_heads,
+                                     num_kv_heads, block_size, max_blocks, fscale, o_ptr);
+      return;
+    }
+  }
+#endif
+  // Whether this instance's passes tick `NextRows` (the bfloat16 fast path).
   constexpr bool kFetchesAhead =
 #ifdef MMSERVE_BF16_DOT
       (std::is_same_v<T, c10::BFloat16> && kHeadDim % 32 == 0 && kHeadDim > 0) ||
-#endif
-#ifdef MMSERVE_F32_FMA
-      (std::is_same_v<T, float> && kHeadDim % 64 == 0 && kHeadDim > 0) ||
 #endif
       false;
 
@@ -430,9 +511,9 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
     std::vector<uint16_t> prob_bits;  // bfloat16 probabilities of the fast path
     std::vector<float> exps;  // the fast path's softmax numerators of one head
     std::vector<int64_t> row_offsets;  // the fast path's rows of the sequence `offsets_of`
-    int64_t offsets_of = -1;
+    [[maybe_unused]] int64_t offsets_of = -1;
     NextRows next_rows;  // ticked by the fast paths' passes
-    bool fetched_ahead = false;
+    [[maybe_unused]] bool fetched_ahead = false;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t len = lens[seq];
@@ -459,10 +540,6 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
           next_rows = NextRows{};
         }
       }
-      // Bytes of each upcoming row a pass prefetches: a sequence's first KV head fetches
-      // every head's rows, unless the sequence before fetched them already.
-      const int64_t prefetch_bytes = static_cast<int64_t>(sizeof(T)) *
-                                     (kv_head == 0 && !fetched_ahead ? token_stride : head_dim);
       scores.resize(group * len);
       // Calls fn(t, row) for every cached token t of this sequence, in order, with the token's
       // K or V row of this KV head (read in place from its block) widened to float32.
@@ -484,6 +561,10 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
       if constexpr (std::is_same_v<T, c10::BFloat16> && kHeadDim % 32 == 0 && kHeadDim > 0) {
         const auto* q_bits = reinterpret_cast<const uint16_t*>(q_ptr) +
                              (seq * num_heads + kv_head * group) * head_dim;
+        // Bytes of each upcoming row a pass prefetches: a sequence's first KV head fetches
+        // every head's rows, unless the sequence before fetched them already.
+        const int64_t prefetch_bytes = static_cast<int64_t>(sizeof(T)) *
+                                       (kv_head == 0 && !fetched_ahead ? token_stride : head_dim);
         if (offsets_of != seq) {  // a sequence's KV heads are consecutive items
           row_offsets.resize(len);
           for (int64_t t0 = 0; t0 < len; t0 += block_size) {
@@ -514,50 +595,27 @@ void decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache,
         widen_row(src, q.data() + g * head_dim, head_dim);
         for (int64_t d = 0; d < head_dim; ++d) q[g * head_dim + d] *= fscale;
       }
-      bool scored = false;
-#ifdef MMSERVE_F32_FMA
-      if constexpr (std::is_same_v<T, float> && kHeadDim % 8 == 0 && kHeadDim > 0) {
-        if (block_size % 8 == 0) {
-          f32_scores<kHeadDim>(q.data(), group, k_ptr + head_offset, table, block_size,
-                               block_stride, token_stride, len, prefetch_bytes,
-                               scores.data(), next_rows);
-          scored = true;
-        }
-      }
-#endif
-      if (!scored) {  // one horizontal sum per key and head
-        for_each_row(k_ptr, [&](int64_t t, const float* kf) {
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = q.data() + g * head_dim;
-            float dot = 0.f;
+      // One horizontal sum per key and head.
+      for_each_row(k_ptr, [&](int64_t t, const float* kf) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q.data() + g * head_dim;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kf[d];
-            scores[g * len + t] = dot;
-          }
-        });
-      }
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * kf[d];
+          scores[g * len + t] = dot;
+        }
+      });
       softmax_rows(scores.data(), group, len);
       // Weighted values: one pass over the values.
-      bool weighted = false;
-#ifdef MMSERVE_F32_FMA
-      if constexpr (std::is_same_v<T, float> && kHeadDim % 64 == 0 && kHeadDim > 0) {
-        f32_weighted_values<kHeadDim>(scores.data(), group, v_ptr + head_offset, table,
-                                      block_size, block_stride, token_stride, len,
-                                      prefetch_bytes, acc.data(), next_rows);
-        weighted = true;
-      }
-#endif
-      if (!weighted) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for_each_row(v_ptr, [&](int64_t t, const float* vf) {
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + t];
-            float* a = acc.data() + g * head_dim;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_row(v_ptr, [&](int64_t t, const float* vf) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * len + t];
+          float* a = acc.data() + g * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vf[d];
-          }
-        });
-      }
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vf[d];
+        }
+      });
       for (int64_t g = 0; g < group; ++g) {
         T* dst = o_ptr + (seq * num_heads + kv_head * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d]);

@@ -96,6 +96,22 @@ def test_kernel_fetching_ahead_over_uneven_and_empty_sequences(kernel, dtype, at
     torch.testing.assert_close(got.float(), expected, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("lens", [[700], [33, 300, 1], [5, 64]])
+def test_decode_attention_does_not_depend_on_how_heads_are_split(kernel, lens):
+    """With fewer sequences than two per thread, a float32 sequence's KV heads are split
+    between work items (read head by head); with more, one item takes them all (read token by
+    token). Both compute every output in the same order: the same bits on 1 thread as on 3 or
+    4, and as torch's reference within float32 rounding."""
+    query, cache, meta = _decode_batch(lens, 12, 4, 64, torch.float32)
+    expected = decode_attention(query, cache, meta, 0.125)
+    results = []
+    for threads in (1, 3, 4):
+        with _torch_threads(threads):
+            results.append(cpu_ops.decode_attention(query, cache, meta, 0.125))
+    torch.testing.assert_close(results[0], expected, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
 def test_long_kernels_let_other_python_threads_run(kernel):
     """Decode attention and the packed linear layers give up the interpreter lock while they
     compute (as torch's operators do): a Python thread beside them keeps running, where it
