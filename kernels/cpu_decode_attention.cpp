@@ -102,19 +102,21 @@ inline __m256 sum_lanes_of_8(const __m256 v[8]) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// The float32 path. A work item is a sequence's KV heads: all of them, or an equal share
-// where there are too few sequences for two items per thread. With all of them, a token's K
-// (or V) row of the item is one contiguous run (1 KiB at 4 KV heads of 64) and both passes go
-// token by token, reading each block front to back; an item of some of the heads goes head by
-// head, a block at a time. Items of one KV head each, head by head with software prefetches
-// (this path before), read memory at 7-8 GB/s on two AVX2 cores that stream 11 GB/s each: the
-// passes jumped between the quarters of every row. Token by token: 1.2-1.8x their speed at
-// 16-64 sequences of 310-1,500 tokens (benchmarks/cpu_decode_attention.py); prefetching made
-// no difference either way there, and reading half of each row token by token (a sequence
-// split between threads) ran slower than head by head. Items are taken as threads come free
-// (`parallel_claim`), since sequences differ in length. Each output is computed in the same
-// order either way: a score is one key's vector of partial sums over D, a weighted value one
-// fused multiply-add per key, in key order.
+// The float32 path. A work item is a sequence's KV heads: all of them, or an equal share where
+// there are too few sequences for two items per thread. With all of them, a token's K (or V) row
+// of the item is one contiguous run (1 KiB at 4 KV heads of 64) and both passes go token by token,
+// reading each block front to back; an item of some of the heads goes head by head, a block at a
+// time. Items of one KV head each, head by head with software prefetches (this path before), read
+// memory at 7-8 GB/s on two AVX2 cores that stream 11 GB/s each: the passes jumped between the
+// quarters of every row. Token by token: 1.1-1.8x their speed at 16-64 sequences of 310-1,500
+// tokens (benchmarks/cpu_decode_attention.py), and reading half of each row token by token (a
+// sequence split between threads) ran slower than head by head. Nothing is prefetched: asking for
+// the rows 32 tokens ahead changed nothing head by head, and token by token ran 4-11% slower at 16
+// sequences of 310 on those cores. (On an AVX-512 EPYC, fetching the next sequence's rows ahead
+// once gave the head-by-head path 1.1-1.45x; this path is not measured there.) Items are taken as
+// threads come free (`parallel_claim`), since sequences differ in length. Each output is computed
+// in the same order either way: a score is one key's vector of partial sums over D, a weighted
+// value one fused multiply-add per key, in key order.
 struct ItemRows {
   const float* k;  // the item's first KV head in the caches
   const float* v;
