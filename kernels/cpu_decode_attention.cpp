@@ -110,25 +110,34 @@ inline __m256 sum_lanes_of_8(const __m256 v[8]) {
 // memory at 7-8 GB/s on two AVX2 cores that stream 11 GB/s each: the passes jumped between the
 // quarters of every row. Token by token: 1.1-1.8x their speed at 16-64 sequences of 310-1,500
 // tokens (benchmarks/cpu_decode_attention.py), and reading half of each row token by token (a
-// sequence split between threads) ran slower than head by head. Nothing is prefetched: asking for
-// the rows 32 tokens ahead changed nothing head by head, and token by token ran 4-11% slower at 16
-// sequences of 310 on those cores. (On an AVX-512 EPYC, fetching the next sequence's rows ahead
-// once gave the head-by-head path 1.1-1.45x; this path is not measured there.) Items are taken as
-// threads come free (`parallel_claim`), since sequences differ in length. Each output is computed
-// in the same order either way: a score is one key's vector of partial sums over D, a weighted
-// value one fused multiply-add per key, in key order.
+// sequence split between threads) ran slower than head by head. Both passes ask for the rows they
+// read next 32 tokens ahead, into L2: within 2% either way on those cores (medians of 21
+// alternating rounds), kept for machines where fetching ahead paid (on an AVX-512 EPYC,
+// prefetching took a 64-sequence call of the head-by-head path from 0.87 to 0.50 ms; this path is
+// not measured there). Items are taken as threads come free (`parallel_claim`), since sequences
+// differ in length. Each output is computed in the same order either way: a score is one key's
+// vector of partial sums over D, a weighted value one fused multiply-add per key, in key order.
 struct ItemRows {
   const float* k;  // the item's first KV head in the caches
   const float* v;
   const int64_t* table;
   int64_t len, heads, block_size, block_stride, token_stride;
+  int64_t row_bytes;  // of the item's part of a row
   bool whole;  // the item holds every KV head: its part of a row is the whole row
 
   // Token t's row from the item's first KV head, as an offset into either cache.
   int64_t offset(int64_t t) const {
     return table[t / block_size] * block_stride + (t % block_size) * token_stride;
   }
+  // Asks for row s of the item's stream (its K rows, then its V rows; past them, nothing)
+  // in L2, kAheadRows rows before a pass reads it.
+  void prefetch(int64_t s) const {
+    if (s >= 2 * len) return;
+    const char* row = reinterpret_cast<const char*>(s < len ? k + offset(s) : v + offset(s - len));
+    for (int64_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(row + line, 0, 2);
+  }
 };
+constexpr int64_t kAheadRows = 32;
 
 // Scores of the item's query heads (`group` per KV head, already scaled; q is
 // [heads * group, D]) against its keys, 8 keys at a time (block_size is a multiple of 8, so the
@@ -152,8 +161,10 @@ void f32_scores(const float* q, int64_t group, const ItemRows& rows, float* scor
     for (int64_t j = 0; j < n; ++j) dst[j] = sums[j];
   };
   std::vector<float> partial(64 * (rows.whole ? count : 1));  // [heads][8 keys][8 lanes]
+  for (int64_t s = 0; s < std::min(kAheadRows, 2 * len); ++s) rows.prefetch(s);
   for (int64_t t0 = 0; t0 < len; t0 += 8) {
     const int64_t n = std::min<int64_t>(8, len - t0);
+    for (int64_t j = 0; j < 8; ++j) rows.prefetch(t0 + kAheadRows + j);
     const float* first = rows.k + rows.offset(t0);
     if (rows.whole) {  // token by token, each row front to back
       for (int64_t j = 0; j < 8; ++j) {
@@ -187,6 +198,7 @@ void f32_weighted_values(const float* probs, int64_t group, const ItemRows& rows
   std::fill_n(out, count * D, 0.f);
   if (rows.whole) {
     for (int64_t t = 0; t < len; ++t) {
+      rows.prefetch(len + t + kAheadRows);
       const float* row = rows.v + rows.offset(t);
       for (int64_t i = 0; i < count; ++i) {
         const float* v = row + i / group * D;
@@ -201,6 +213,7 @@ void f32_weighted_values(const float* probs, int64_t group, const ItemRows& rows
   }
   for (int64_t t0 = 0; t0 < len; t0 += rows.block_size) {
     const int64_t n = std::min(rows.block_size, len - t0);
+    for (int64_t r = 0; r < n; ++r) rows.prefetch(len + t0 + kAheadRows + r);
     const float* block = rows.v + rows.table[t0 / rows.block_size] * rows.block_stride;
     for (int64_t i = 0; i < count; ++i) {
       const float* p = probs + i * len + t0;
@@ -256,7 +269,8 @@ void f32_decode_attention(const float* q_ptr, const float* k_ptr, const float* v
       const int64_t seq = item / parts, h0 = item % parts * per_item;
       const int64_t heads = std::min(per_item, num_kv_heads - h0);
       const ItemRows rows{k_ptr + h0 * D, v_ptr + h0 * D, tables + seq * max_blocks, lens[seq],
-                          heads, block_size, block_stride, token_stride, parts == 1};
+                          heads, block_size, block_stride, token_stride,
+                          static_cast<int64_t>(sizeof(float)) * heads * D, parts == 1};
       // The item's query heads, consecutive in the query and the output.
       const int64_t first = (seq * num_heads + h0 * group) * D, count = heads * group;
       q.resize(count * D);
