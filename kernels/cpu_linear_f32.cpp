@@ -45,7 +45,7 @@ constexpr int64_t kClaim = 4;        // items a thread takes at a time: 4 panels
 // Inputs per block of a chunk of `rows` rows. A lone tile (up to 6 rows, the weights used
 // once) and a chunk of over 48 rows take 256 (16 KiB of one panel, in L1 while the tiles pass
 // over it). A chunk of 2-4 tiles, a decode step's, reads each block from memory and uses it
-// only a few times: there 64 (4 KiB, beside 4-6 KiB of the rows' inputs) ran 1.11-1.16x the
+// only a few times: there 64 (4 KiB, beside 4-6 KiB of the rows' inputs) ran 1.08-1.17x the
 // speed of 256 at 16 rows, weights from memory, two threads (1.10-1.17x on one); 25-48 rows
 // ran best at 128.
 int64_t block_depth(int64_t rows) {
