@@ -209,6 +209,8 @@ def test_budget_is_filled_exactly_under_load() -> None:
     # While prompts are pending, every step spends the whole budget.
     assert [o.num_scheduled_tokens for o in outs[:5]] == [50] * 5
     assert max(o.num_scheduled_tokens for o in outs) <= 50
+    # The running count (/metrics' mmserve_scheduled_tokens): prompts and decodes.
+    assert sched.num_scheduled_tokens == sum(o.num_scheduled_tokens for o in outs) == 6 * 71
     assert_no_leaks(sched)
 
 
@@ -398,12 +400,14 @@ def test_preemption_when_kv_blocks_run_out() -> None:
     for r in reqs:
         sched.add_request(r)
     seen_preemption = False
+    scheduled = 0
     for i in range(100):
         if not sched.has_unfinished():
             break
         before = sched.num_preemptions
         out = sched.schedule()
         check_step(sched, out)
+        scheduled += out.num_scheduled_tokens
         if sched.num_preemptions > before:
             seen_preemption = True
             victim = sched.waiting[0]
@@ -421,6 +425,8 @@ def test_preemption_when_kv_blocks_run_out() -> None:
         assert r.num_output_tokens == 12
     # The preempted request kept its outputs and recomputed them as part of its prompt.
     assert len(set(reqs[1].output_token_ids)) == 12
+    # Recomputed tokens count again: more than the 2 x (10 + 11) of a run without preemption.
+    assert sched.num_scheduled_tokens == scheduled > 2 * (10 + 11)
     assert_no_leaks(sched)
 
 

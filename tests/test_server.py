@@ -358,10 +358,12 @@ def test_32_concurrent_streams_with_images(server: Server) -> None:
                                       max_retries=0) as client:
             return await asyncio.gather(*(one(client, i) for i in range(32)))
 
+    start = time.monotonic()
     results = asyncio.run(run())
     assert all(reason in ("stop", "length") for _, reason, _ in results), results
     assert all(completion >= 1 for _, _, completion in results), results
     stats = wait_drained(server.url)
+    elapsed = time.monotonic() - start
     assert stats["encoder_cache_hits"] > 0  # four distinct images among 32 requests
 
     after = httpx.get(f"{server.url}/metrics").text
@@ -378,6 +380,21 @@ def test_32_concurrent_streams_with_images(server: Server) -> None:
     itl = (metric(after, "mmserve_inter_token_latency_seconds_count")
            - metric(before, "mmserve_inter_token_latency_seconds_count"))
     assert itl == generated - 32
+
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    # The engine's steps: their wall time within the run's, and every token they computed:
+    # the prompts less prefix-cache hits, then each generated token but the last (more where
+    # a preempted request recomputed its tokens).
+    assert delta("mmserve_engine_steps_total") >= max(c for _, _, c in results)
+    assert 0 < delta("mmserve_engine_step_seconds_total") <= elapsed
+    computed = (delta("mmserve_prompt_tokens_total")
+                - delta("mmserve_prefix_cache_hit_tokens_total") + generated - 32)
+    if delta("mmserve_num_preemptions_total") == 0:
+        assert delta("mmserve_scheduled_tokens_total") == computed
+    else:
+        assert delta("mmserve_scheduled_tokens_total") > computed
     for name in ("mmserve_num_requests_running", "mmserve_num_requests_waiting",
                  "mmserve_kv_cache_usage_perc", "mmserve_encoder_cache_usage_perc",
                  "mmserve_encoder_cache_hits_total", "mmserve_encoder_cache_misses_total",

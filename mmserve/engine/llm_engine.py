@@ -171,6 +171,9 @@ class LLMEngine:
         self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        # Wall seconds spent in steps (scheduling, the runner, the outputs): against a
+        # server's uptime, the share of it the engine computed rather than waited for work.
+        self.step_seconds = 0.0
         self.num_failed_requests = 0
         # Preprocessing above this (and the step's peak activations) gives memory back.
         self.request_maker = RequestMaker(
@@ -365,7 +368,9 @@ class LLMEngine:
         core_outputs, record = self._core_step_with_record()
         t0 = time.perf_counter()
         outputs = self._assemble(core_outputs)
-        record.schedule_s += time.perf_counter() - t0
+        assembled = time.perf_counter() - t0
+        record.schedule_s += assembled
+        self.step_seconds += assembled
         return outputs, record
 
     def core_step(self) -> list[CoreOutput]:
@@ -389,6 +394,13 @@ class LLMEngine:
                                "with detokenize=False")
 
     def _core_step_with_record(self) -> tuple[list[CoreOutput], StepRecord]:
+        t0 = time.perf_counter()
+        try:
+            return self._core_step()
+        finally:
+            self.step_seconds += time.perf_counter() - t0
+
+    def _core_step(self) -> tuple[list[CoreOutput], StepRecord]:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         self._schedule_s = 0.0
@@ -762,6 +774,8 @@ class LLMEngine:
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
             "num_steps": self.num_steps,
+            "step_seconds": self.step_seconds,
+            "num_scheduled_tokens": s.num_scheduled_tokens,
             "cpu_threads": self.runner.num_threads,
             "num_failed_requests": self.num_failed_requests,
             "preprocess_peak_bytes": self.request_maker.preprocess_peak_bytes,

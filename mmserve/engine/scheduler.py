@@ -73,6 +73,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
         self.prefix_cache_hit_tokens = 0
+        self.num_scheduled_tokens = 0  # prompt and decode tokens of every step scheduled
         self.prefix_cache_queried_tokens = 0
 
     # ----------------------------------------------------------------- queue
@@ -317,6 +318,7 @@ class Scheduler:
         out.freed_encoder_hashes = ops.freed
         out.encoder_restores, out.encoder_spills = ops.restores, ops.spills
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        self.num_scheduled_tokens += self.max_num_batched_tokens - token_budget
         return out
 
     def _admission_due(self) -> bool:

@@ -142,3 +142,10 @@ class _EngineCollector(Collector):
                       "cache.", s["prefix_cache_hit_tokens"])
         yield counter("mmserve_prefix_cache_queried_tokens", "Prompt tokens looked up in the "
                       "prefix cache.", s["prefix_cache_queried_tokens"])
+        yield counter("mmserve_engine_steps", "Engine steps run.", s["num_steps"])
+        yield counter("mmserve_engine_step_seconds", "Wall seconds the engine spent in steps "
+                      "(its rate is the share of the time it computed rather than waited for "
+                      "work).", s["step_seconds"])
+        yield counter("mmserve_scheduled_tokens", "Prompt and decode tokens scheduled into "
+                      "engine steps (over mmserve_engine_steps: tokens per step).",
+                      s["num_scheduled_tokens"])
