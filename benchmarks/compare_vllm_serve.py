@@ -8,8 +8,9 @@ text tokens and ``--output-len`` output tokens (EOS ignored), ``--max-concurrenc
 same seed. Turns alternate (vLLM, mmserve, ... ``--repeats`` of each); each turn starts its
 server fresh, waits for it to answer, sends ``--warmup`` requests of the same kind (not
 counted), runs the client and stops the server. The client's result blocks and the ratios of
-output tokens/s and median TTFT / TPOT are printed; ``--keep-dir`` keeps each run's JSON and the
-servers' logs.
+output tokens/s and median TTFT / TPOT are printed, and for mmserve's turns what its
+``/metrics`` counted of the engine's steps during the run (how many, the share of the run spent
+in them, tokens a step); ``--keep-dir`` keeps each run's JSON and the servers' logs.
 
 vLLM is set up as ``compare_vllm.py`` sets it up (its CPU guide's preloads and thread binding, a
 KV cache of ``--kv-cache-gib``); see benchmarks/README.md ("Setting up vLLM") for its
@@ -116,6 +117,27 @@ def server_command(kind: str, args, model: str, port: int) -> list[str]:
             "--kv-cache-memory", str(args.kv_cache_gib << 30), *shlex.split(args.mmserve_args)]
 
 
+# mmserve's /metrics counters of its engine's steps (summed over their labels).
+ENGINE_COUNTERS = {"steps": "mmserve_engine_steps_total",
+                   "step_s": "mmserve_engine_step_seconds_total",
+                   "tokens": "mmserve_scheduled_tokens_total"}
+
+
+def engine_counters(kind: str, port: int) -> dict[str, float] | None:
+    """mmserve's engine step counters now (``ENGINE_COUNTERS``); None for vLLM."""
+    if kind != "mmserve":
+        return None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    keys = {metric: key for key, metric in ENGINE_COUNTERS.items()}
+    values = dict.fromkeys(ENGINE_COUNTERS, 0.0)
+    for line in text.splitlines():
+        key = keys.get(line.split("{", 1)[0].split(" ", 1)[0])
+        if key is not None:
+            values[key] += float(line.rsplit(" ", 1)[1])
+    return values
+
+
 def run_turn(kind: str, args, model: str, folder: Path, tag: str, envs: dict) -> dict:
     port = free_port()
     log = (folder / f"{tag}.server.log").open("w")
@@ -127,9 +149,13 @@ def run_turn(kind: str, args, model: str, folder: Path, tag: str, envs: dict) ->
         if args.warmup:
             client(args, vllm_bin, port, model, args.warmup, folder / f"{tag}.warmup.json",
                    envs["client"])
+        before = engine_counters(kind, port)
         data = client(args, vllm_bin, port, model, args.num_prompts,
                       folder / f"{tag}.json", envs["client"])
         data["start_s"] = start_s
+        after = engine_counters(kind, port)
+        if before and after:
+            data["engine"] = {k: after[k] - before[k] for k in after}
         return data
     finally:
         stop(proc)
@@ -186,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- {kind}, turn {turn + 1} (server ready in {r['start_s']:.0f} s)")
             print("\n".join(line for line in r["client_output"].splitlines()
                             if line and not line.startswith(("Namespace", "INFO", "WARNING"))))
+            if "engine" in r:  # from mmserve's /metrics: how busy the client kept its engine
+                e = r["engine"]
+                print(f"mmserve's engine: {e['steps']:.0f} steps, {e['step_s']:.1f} s in steps "
+                      f"({e['step_s'] / r['duration']:.1%} of the run), "
+                      f"{e['tokens'] / max(1, e['steps']):.0f} tokens a step")
             print(flush=True)
     ran = [k for k in results if results[k]]  # --order may name one server only
     print(f"{'':22}" + "".join(f"{k:>12}" for k in ran))
