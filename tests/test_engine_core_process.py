@@ -116,7 +116,14 @@ def test_outputs_equal_the_engine_in_this_process(core: Core, clip_llama: str) -
         forked = await core.client.add_completions(["s-0", "s-1"], PROMPTS[1], sampled)
         return ([await collect(s) for s in streams], [await collect(s) for s in forked])
 
+    before = core.client.stats()
     got_greedy, got_sampled = core.run(main())
+    # The core's step counters (``/metrics``) come over with each step's outputs.
+    after = core.client.stats()
+    assert after["num_steps"] > before["num_steps"]
+    assert after["step_seconds"] > before["step_seconds"]
+    generated = sum(len(o.token_ids) for o in got_greedy + got_sampled)
+    assert after["num_scheduled_tokens"] - before["num_scheduled_tokens"] > generated
     for got, want in zip(got_greedy, want_greedy, strict=True):
         assert got.token_ids == want.outputs[0].token_ids
         assert got.text == want.outputs[0].text
