@@ -38,6 +38,7 @@ import urllib.request
 from pathlib import Path
 
 from compare_vllm import OFFLINE_ENV, machine, vllm_preload
+from prometheus_client.parser import text_string_to_metric_families
 
 # Figures of vLLM's result JSON printed for each run, with their units.
 FIGURES = (("output_throughput", "output tokens/s"), ("request_throughput", "requests/s"),
@@ -131,10 +132,10 @@ def engine_counters(kind: str, port: int) -> dict[str, float] | None:
         text = resp.read().decode()
     keys = {metric: key for key, metric in ENGINE_COUNTERS.items()}
     values = dict.fromkeys(ENGINE_COUNTERS, 0.0)
-    for line in text.splitlines():
-        key = keys.get(line.split("{", 1)[0].split(" ", 1)[0])
-        if key is not None:
-            values[key] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in keys:
+                values[keys[sample.name]] += sample.value
     return values
 
 

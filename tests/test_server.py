@@ -367,23 +367,16 @@ def test_32_concurrent_streams_with_images(server: Server) -> None:
     assert stats["encoder_cache_hits"] > 0  # four distinct images among 32 requests
 
     after = httpx.get(f"{server.url}/metrics").text
-    finished = sum(metric(after, "mmserve_requests_total", status=s)
-                   - metric(before, "mmserve_requests_total", status=s)
-                   for s in ("stop", "length"))
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    finished = sum(delta("mmserve_requests_total", status=s) for s in ("stop", "length"))
     assert finished == 32
-    generated = (metric(after, "mmserve_generation_tokens_total")
-                 - metric(before, "mmserve_generation_tokens_total"))
+    generated = delta("mmserve_generation_tokens_total")
     assert generated == sum(c for _, _, c in results)
-    ttft = (metric(after, "mmserve_time_to_first_token_seconds_count")
-            - metric(before, "mmserve_time_to_first_token_seconds_count"))
-    assert ttft == 32
-    itl = (metric(after, "mmserve_inter_token_latency_seconds_count")
-           - metric(before, "mmserve_inter_token_latency_seconds_count"))
-    assert itl == generated - 32
-
-    def delta(name: str) -> float:
-        return metric(after, name) - metric(before, name)
-
+    assert delta("mmserve_time_to_first_token_seconds_count") == 32
+    assert delta("mmserve_inter_token_latency_seconds_count") == generated - 32
     # The engine's steps: their wall time within the run's, and every token they computed:
     # the prompts less prefix-cache hits, then each generated token but the last (more where
     # a preempted request recomputed its tokens).
