@@ -94,9 +94,10 @@ def simulate(engine: LLMEngine, device: SimulatedDevice) -> None:
     runner.defer_sampled_tokens = True
     launched: list[float] = []  # when each launched step not yet sampled will be done
 
-    def forward(positions: torch.Tensor, embeds: torch.Tensor, meta) -> torch.Tensor:
+    def forward(positions: torch.Tensor, embeds: torch.Tensor, meta,
+                output_rows=None) -> torch.Tensor:
         launched.append(device.launch())
-        return embeds
+        return embeds if output_rows is None else embeds[output_rows.index]
 
     sample = runner._sample
 
@@ -146,6 +147,10 @@ def measure(model: str, requests: int, device: SimulatedDevice, mode: str, steps
         for _ in range(steps):
             step()
         end = time.perf_counter()
+        running = len(engine.scheduler.running)
+        if running != requests:  # a failed step finishes its requests: no figure to give
+            raise RuntimeError(f"{requests - running} of {requests} requests stopped before "
+                               "the measured steps ended; see the engine's log")
         return (end - start) / steps, device.busy(start, end) / (end - start)
     finally:
         engine.close()

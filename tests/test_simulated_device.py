@@ -1,0 +1,31 @@
+"""``benchmarks/simulated_device.py`` at a tiny scale: the engine keeps stepping over the
+simulated device, in step and scheduled ahead, and the busy share is a share of the run. (Its
+figures are not checked: a step's time depends on the machine.)"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "simulated_device.py"
+
+
+@pytest.fixture(scope="module")
+def simulated_device():
+    spec = importlib.util.spec_from_file_location("simulated_device", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mode", ["in step", "ahead"])
+def test_steps_over_a_simulated_device(simulated_device, clip_llama: str, mode: str) -> None:
+    device = simulated_device.SimulatedDevice(0.002)
+    # (measure raises if a step failed and finished the requests before the timing ended.)
+    seconds, busy = simulated_device.measure(clip_llama, 4, device, mode, steps=3, threads=1)
+    # One 2 ms job a step, in order: three steps take about 6 ms or more (scheduled ahead,
+    # the first may have begun before they were timed).
+    assert seconds > 0.0013 and 0 < busy <= 1
+    assert len(device.jobs) == 30 + 3 + (1 if mode == "ahead" else 0)
