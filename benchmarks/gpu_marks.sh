@@ -6,10 +6,12 @@
 #   bash benchmarks/gpu_marks.sh DIR                # every step, in the order below
 #   bash benchmarks/gpu_marks.sh DIR 1.4b serve     # the steps named
 #
-# Steps, their limits adding up to 15 minutes (a lent machine's command may run 10: name the
-# steps, two calls):
+# Steps, their limits adding up to 16.5 minutes (a lent machine's command may run 10 and a
+# session has 15 in all: name the steps; "1.4b profile" first says most):
 #   1.4b    transformers and mmserve on the llava-1.4b checkpoint, mixed workload, 256 requests,
 #           with the GPU's busy share, the float32 check and the bfloat16 comparison
+#   profile mmserve bench on the same under torch's profiler, steps 30-69: the step's phases
+#           (host and GPU time) and the kernels, in DIR/profile (mmserve/bench/profile.py)
 #   ahead   mmserve bench on the same: scheduled in step and ahead, alternating, twice each
 #   7b      transformers and mmserve on the llava-7b checkpoint (no float32 check)
 #   serve   mmserve serve (the engine in a process of its own, the GPU default) under
@@ -20,7 +22,7 @@ set -u
 out=${1:?usage: gpu_marks.sh DIR [STEP...]}
 shift
 mkdir -p "$out"
-[ $# -gt 0 ] || set -- 1.4b ahead 7b serve
+[ $# -gt 0 ] || set -- 1.4b profile ahead 7b serve
 
 mixed=(--num-prompts 256 --image-sizes mixed --unique-images 128 --shared-prefix-len 64
        --output-len 16:96)
@@ -43,6 +45,10 @@ for name in "$@"; do
             --bench-checkpoint llava-1.4b --workloads mixed --num-prompts 256 \
             --image-sizes mixed --hf-batch-size 64 --mmserve-configs default \
             --fp32-check 32 --fp32-max-tokens 48 ;;
+    profile)
+        step profile 90 python3 -m mmserve.entrypoints.cli bench throughput \
+            --bench-checkpoint llava-1.4b "${mixed[@]}" --no-peak --no-progress \
+            --profile "$out/profile" --profile-steps 30:70 ;;
     ahead)
         for turn in 1 2; do
             for mode in --no-async-scheduling --async-scheduling; do
@@ -59,7 +65,7 @@ for name in "$@"; do
         step serve 180 python3 -m mmserve.entrypoints.cli bench serve \
             --bench-checkpoint llava-1.4b "${mixed[@]}" --max-concurrency 64 ;;
     *)
-        echo "unknown step $name (steps: 1.4b ahead 7b serve)" >&2
+        echo "unknown step $name (steps: 1.4b profile ahead 7b serve)" >&2
         exit 2 ;;
     esac
 done

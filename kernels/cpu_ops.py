@@ -75,6 +75,7 @@ from torch import nn
 
 from mmserve.kernels.paged_attention import PrefillSeq, paged_attention
 from mmserve.kernels.paged_attention import prefill_attention as torch_prefill_attention
+from mmserve.profiling import phase
 
 logger = logging.getLogger(__name__)
 
@@ -407,8 +408,9 @@ def decode_attention(query, kv_cache, meta, scale: float):
     ``decode_attention``), with keys and values read in place by the compiled kernel."""
     if _module is None:  # per layer and step: no lock, the backend only exists after load()
         raise RuntimeError("the compiled CPU decode attention is not loaded; call load() first")
-    return _module.decode_attention(query.contiguous(), kv_cache[0], kv_cache[1],
-                                    meta.decode_block_tables, meta.decode_lens, scale)
+    with phase("cpu.decode_attn"):
+        return _module.decode_attention(query.contiguous(), kv_cache[0], kv_cache[1],
+                                        meta.decode_block_tables, meta.decode_lens, scale)
 
 
 def fused_kernels(tensor: torch.Tensor) -> ModuleType | None:
@@ -463,8 +465,9 @@ def prefill_attention(query, key, value, seq: PrefillSeq, scale: float):
         return torch_prefill_attention(query, key, value, seq, scale)
     causal_offset = seq.context_len - seq.query_len
     key, value = _same_strides(key, value)
-    return flash(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), scale,
-                 causal_offset)[0]
+    with phase("cpu.prefill_attn"):
+        return flash(query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0), scale,
+                     causal_offset)[0]
 
 
 def _same_strides(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -482,7 +485,8 @@ def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     on AVX512-BF16), torch's fused attention otherwise (other devices, dtypes, CPUs)."""
     flash = _flash_kernel(query, causal=False)
     if flash is not None:
-        return flash(query, *_same_strides(key, value), scale, -1)
+        with phase("cpu.encoder_attn"):
+            return flash(query, *_same_strides(key, value), scale, -1)
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2),
                                          value.transpose(1, 2), scale=scale)
     return out.transpose(1, 2)
@@ -540,7 +544,8 @@ class _PanelLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = self._kernel(rows, self.packed, self.bias, self.out_features)
+        with phase("cpu.linear"):
+            out = self._kernel(rows, self.packed, self.bias, self.out_features)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

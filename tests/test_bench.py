@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import gzip
 import json
 import math
 import time
@@ -15,10 +16,12 @@ from PIL import Image
 
 from mmserve.bench.cli import add_bench_parser
 from mmserve.bench.flops import ModelFlops
+from mmserve.bench.profile import parse_steps
 from mmserve.bench.serve import run_load, serve_results
 from mmserve.bench.stats import summarize
 from mmserve.bench.sweep import parse_param, run_sweep
 from mmserve.bench.workload import WorkloadConfig, build_workload
+from mmserve.kernels.cpu_ops import PackedLinearF32, float32_linear
 from mmserve.worker.busy_timer import BusyTimer
 from tests.test_bench_plots import assert_plot
 
@@ -201,6 +204,42 @@ def test_bench_throughput_end_to_end(clip_llama: str, tmp_path, capsys) -> None:
     assert r["achieved_flops_per_s"] == pytest.approx(
         sum(r["model_flops"].values()) / r["elapsed_s"])
     assert_plot(plot)
+
+
+def test_bench_throughput_under_the_profiler(clip_llama: str, tmp_path, capsys) -> None:
+    out = tmp_path / "profile"
+    rc = bench(["throughput", "--model", clip_llama, *WORKLOAD_FLAGS, "--no-peak",
+                "--no-async-scheduling", "--profile", str(out), "--profile-steps", "1:4"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "output tokens/s" in printed and "torch profiler: steps 1-3 (3 steps" in printed
+    # Scheduled in step, each of the three steps runs every phase once (images may be
+    # encoded in any of them, but the encoder's phase is entered in each).
+    calls = {}
+    for line in (out / "phases.txt").read_text().splitlines()[2:]:
+        name, count = line.split()[:2]
+        calls[name] = int(count)
+    kernels = {name: n for name, n in calls.items() if name.startswith("cpu.")}
+    assert {name: n for name, n in calls.items() if name not in kernels} == dict.fromkeys(
+        ["schedule", "encoder", "prepare", "forward", "sample", "update", "outputs"], 3)
+    # The CPU's compiled kernels, which torch's profiler does not see, are labelled too.
+    assert set(kernels) <= {"cpu.linear", "cpu.decode_attn", "cpu.prefill_attn",
+                            "cpu.encoder_attn"}
+    if not torch.cuda.is_available() and float32_linear() is PackedLinearF32:
+        assert kernels["cpu.linear"] > 0
+    assert "aten::" in (out / "operators.txt").read_text()
+    with gzip.open(out / "trace.json.gz", "rt") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert {"mmserve.forward", "mmserve.schedule"} <= names
+
+
+def test_bench_profile_flags_are_checked(clip_llama: str, capsys) -> None:
+    assert bench(["throughput", "--model", clip_llama, "--profile-steps", "1:4"]) == 2
+    assert "--profile-steps needs --profile DIR" in capsys.readouterr().err
+    for bad in ("4", "5:2", "a:b", "-1:3"):
+        with pytest.raises(ValueError, match="--profile-steps"):
+            parse_steps(bad)
+    assert parse_steps("20:") == (20, None) and parse_steps(":8") == (0, 8)
 
 
 def test_busy_timer_sums_its_spans_and_counts_one_that_raises() -> None:

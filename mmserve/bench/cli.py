@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import sys
@@ -59,13 +60,24 @@ def _throughput(args: argparse.Namespace) -> int:
     from mmserve.bench.throughput import run_throughput, throughput_table
 
     _check_plot(args)
+    window = _profile_window(args)
     _set_threads(args)
     model = resolve_model(args)
     engine = _make_engine(model, args)
     workload = build_workload(workload_config(args), engine.processor.tokenizer)
     peak = _peak(args, engine)
-    run = run_throughput(engine, workload, peak, use_tqdm=not args.no_progress)
+    profiler = None
+    if window is not None:  # the GPU's kernels too on one
+        from mmserve.bench.profile import StepProfiler
+
+        profiler = StepProfiler(args.profile, *window,
+                                cuda=engine.config.resolved_device == "cuda")
+    with profiler or contextlib.nullcontext():
+        run = run_throughput(engine, workload, peak, use_tqdm=not args.no_progress,
+                             profiler=profiler)
     print(throughput_table(run.results))
+    if profiler is not None:
+        print(profiler.report + "(the run's figures above include the profiler's overhead)")
     if args.json_path:
         write_json(args.json_path, {
             "model": model, "dtype": str(engine.runner.dtype).removeprefix("torch."),
@@ -167,6 +179,20 @@ def _workload_summary(workload) -> dict[str, Any]:
             "prompt_len": c.prompt_len, "image_dir": c.image_dir, "seed": c.seed}
 
 
+def _profile_window(args: argparse.Namespace) -> tuple[int, int | None] | None:
+    """The steps ``--profile`` records (``--profile-steps``), or None without it."""
+    if args.profile is None:
+        if args.profile_steps is not None:
+            raise BenchUsageError("--profile-steps needs --profile DIR")
+        return None
+    from mmserve.bench.profile import parse_steps
+
+    try:
+        return parse_steps(args.profile_steps or ":")
+    except ValueError as e:
+        raise BenchUsageError(str(e)) from None
+
+
 def _threads() -> int:
     import torch
 
@@ -221,6 +247,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
     tp = kinds.add_parser("throughput", help="offline: the engine in this process")
     _offline(tp, "per-step timeline plot")
+    tp.add_argument("--profile", metavar="DIR",
+                    help="record the run's steps with torch's profiler (the GPU's kernels too "
+                    "on one): the step's phases, the operator table and a trace for Perfetto "
+                    "go into DIR (mmserve/bench/profile.py); it slows the run")
+    tp.add_argument("--profile-steps", metavar="START:END",
+                    help="with --profile: only steps START to END - 1, counted from 0 (either "
+                    "may be left out; e.g. 40:60 for a stretch of decode steps)")
     tp.set_defaults(func=_usage_errors_exit_2(_throughput))
 
     sw = kinds.add_parser("sweep", help="one workload across values of one engine setting")

@@ -20,6 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from mmserve.bench.flops import ModelFlops
+from mmserve.bench.profile import StepProfiler
 from mmserve.bench.report import fmt, section_table
 from mmserve.bench.stats import summarize
 from mmserve.bench.workload import Workload
@@ -74,10 +75,12 @@ def run_throughput(
     workload: Workload,
     matmul_peak: float | None = None,
     use_tqdm: bool = True,
+    profiler: StepProfiler | None = None,
 ) -> ThroughputRun:
     """Feed ``workload``'s requests to ``engine`` (``PromptFeed``), step until all finish,
     measure. The "preprocessing" time is what preprocessing cost the stepping thread: all of
-    it on the CPU, only the waits for the pool's threads beside a GPU."""
+    it on the CPU, only the waits for the pool's threads beside a GPU. ``profiler`` is told
+    before each step (``mmserve/bench/profile.py``)."""
     flops = ModelFlops.from_hf_config(engine.hf_config)
     stats0 = engine.stats()
     params = sampling_params_for(workload)
@@ -108,6 +111,8 @@ def run_throughput(
             feed.top_up(len(done))
             if not engine.has_unfinished_requests():
                 break  # nothing queued, nothing to queue: see below
+            if profiler is not None:
+                profiler.before_step(len(steps))
             t0 = time.perf_counter()
             outputs, record = engine.step_with_record()
             t1 = time.perf_counter()

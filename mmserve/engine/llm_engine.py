@@ -31,6 +31,7 @@ from mmserve.engine.structured_output import Matchers
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.inputs import EncoderInput
 from mmserve.outputs import RequestOutput
+from mmserve.profiling import phase
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import PENDING_TOKEN, ModelOutput, SchedulerOutput, StepTimes, TokenLogprobs
 from mmserve.worker import memory_profiler
@@ -367,7 +368,8 @@ class LLMEngine:
         self._require_processor(True)
         core_outputs, record = self._core_step_with_record()
         t0 = time.perf_counter()
-        outputs = self._assemble(core_outputs)
+        with phase("outputs"):
+            outputs = self._assemble(core_outputs)
         assembled = time.perf_counter() - t0
         record.schedule_s += assembled
         self.step_seconds += assembled
@@ -419,7 +421,8 @@ class LLMEngine:
             return failed.outputs, StepRecord(SchedulerOutput(), schedule_s=self._schedule_s)
         scheduler_output, result = self._take()
         t0 = time.perf_counter()
-        outputs = self._finish_step(scheduler_output, result)
+        with phase("update"):
+            outputs = self._finish_step(scheduler_output, result)
         return outputs, StepRecord(scheduler_output, result.times,
                                    self._schedule_s + time.perf_counter() - t0)
 
@@ -429,7 +432,8 @@ class LLMEngine:
         into the step's ``schedule_s``."""
         t0 = time.perf_counter()
         try:
-            return self._schedule_timed(pending)
+            with phase("schedule"):
+                return self._schedule_timed(pending)
         finally:
             self._schedule_s += time.perf_counter() - t0
 
@@ -462,7 +466,9 @@ class LLMEngine:
         scheduler_output, handle = self._submitted.popleft()
         if self._steps is None:
             return scheduler_output, handle
-        return scheduler_output, self._dead_on_worker_loss(lambda: self._steps.collect(handle))
+        with phase("collect"):  # a step launched before: its tokens, once it is done
+            return scheduler_output, self._dead_on_worker_loss(
+                lambda: self._steps.collect(handle))
 
     def _dead_on_worker_loss(self, call):
         try:

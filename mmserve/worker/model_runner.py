@@ -11,8 +11,8 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,7 @@ from mmserve.kernels.transfer import tensor_on, to_device
 from mmserve.models import parallel
 from mmserve.models.forward_context import AttentionBackend, OutputRows, forward_context
 from mmserve.models.parallel import CollectiveError
+from mmserve.profiling import phase
 from mmserve.step import (
     PENDING_TOKEN,
     ModelOutput,
@@ -343,20 +344,21 @@ class ModelRunner:
         times = out.times
         requests = scheduler_output.requests
         t0 = time.perf_counter()
-        with self._busy():
+        with self._phase("encoder"):
             self._run_encoder(scheduler_output, encoder_pixels)
         t1 = time.perf_counter()
         times.encoder += t1 - t0
         if not requests:
             return {}
-        input_ids, positions, meta, sample_rows, num_rows = self._prepare_inputs(requests)
-        input_ids = self._with_pending_tokens(input_ids, requests)
-        embeds = self._embed(input_ids, requests)
-        sampled = [r for r in requests if r.sample]
-        output_rows = self._output_rows(requests, sampled, sample_rows, num_rows, meta)
+        with phase("prepare"):
+            input_ids, positions, meta, sample_rows, num_rows = self._prepare_inputs(requests)
+            input_ids = self._with_pending_tokens(input_ids, requests)
+            embeds = self._embed(input_ids, requests)
+            sampled = [r for r in requests if r.sample]
+            output_rows = self._output_rows(requests, sampled, sample_rows, num_rows, meta)
         t2 = time.perf_counter()
         times.prepare += t2 - t1
-        with self._busy():
+        with self._phase("forward"):
             hidden = self._forward(positions, embeds, meta, output_rows)
             if output_rows is not None:
                 _check_output_rows(hidden, output_rows)
@@ -373,7 +375,7 @@ class ModelRunner:
             prompt_logprobs.collect(out)  # waits for them: forward time
             times.forward += time.perf_counter() - t3
             return {}
-        with self._busy():
+        with self._phase("sample"):
             drawn = self._sample(sampled, logits)
         where = {r.request_id: (drawn.tokens, i) for i, r in enumerate(sampled)}
         wants_logprobs = any(r.sampling_params.logprobs is not None for r in sampled)
@@ -447,10 +449,13 @@ class ModelRunner:
                            [sampled[i].sampling_params.logprobs for i in rows]),
             strict=True))
 
-    def _busy(self) -> AbstractContextManager:
-        """A span of device work for the busy timer, when one is set."""
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """A part of a step that works on the device: a span for the busy timer, when one is
+        set, and a range in torch's profiler, when it records (``mmserve.profiling``)."""
         timer = self.busy_timer
-        return nullcontext() if timer is None else timer.span()
+        with phase(name), nullcontext() if timer is None else timer.span():
+            yield
 
     def _prompt_logprobs(self, requests: list[ScheduledRequest], hidden: torch.Tensor
                          ) -> PromptLogprobs:
