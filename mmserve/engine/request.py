@@ -121,6 +121,8 @@ class Request:
         preemption see the same numbers."""
         if start >= self.num_prompt_tokens:  # generated tokens only (every decode step)
             if end == start + 1:  # one token: most requests, most steps
+                if self._position_rows == 1:
+                    return [[start + self.decode_offset]]
                 return [[start + self.decode_offset] for _ in range(self._position_rows)]
             generated = range(start + self.decode_offset, end + self.decode_offset)
             return [list(generated) for _ in range(self._position_rows)]

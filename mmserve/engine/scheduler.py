@@ -175,8 +175,6 @@ class Scheduler:
         return to_encode, num_new, compute_budget, referenced
 
     def _image_slices(self, req: Request, num_computed: int, num_new: int) -> list[ImageSlice]:
-        if num_computed >= req.images_end:  # past every image (every decode step)
-            return []
         end = num_computed + num_new
         slices = []
         for image in req.images:
@@ -232,10 +230,13 @@ class Scheduler:
             if req.aborting:
                 i += 1
                 continue
-            total = self._num_tokens(req, pending)
+            total = self._num_tokens(req, pending) if pending else req.num_tokens
             num_new = min(total - req.num_computed_tokens, token_budget)
-            to_encode, num_new, new_compute_budget, _ = self._schedule_images(
-                req, req.num_computed_tokens, num_new, compute_budget)
+            if req.num_computed_tokens >= req.images_end:  # past its images (every decode)
+                to_encode, new_compute_budget = (), compute_budget
+            else:
+                to_encode, num_new, new_compute_budget, _ = self._schedule_images(
+                    req, req.num_computed_tokens, num_new, compute_budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -252,7 +253,10 @@ class Scheduler:
                         break
                 if req.status != _RUNNING:
                     break
-            commit(req, num_new, total, to_encode)
+            if to_encode:
+                commit(req, num_new, total, to_encode)
+            else:
+                scheduled.append((req, num_new, total))
             compute_budget = new_compute_budget
             token_budget -= num_new
             i += 1
@@ -292,7 +296,8 @@ class Scheduler:
             start = req.num_computed_tokens
             assert num_new > 0, f"scheduled {num_new} tokens for {req}"
             token_ids = req.all_token_ids[start:start + num_new]
-            token_ids += [PENDING_TOKEN] * (num_new - len(token_ids))
+            if len(token_ids) < num_new:  # a token scheduled ahead of its sampling
+                token_ids += [PENDING_TOKEN] * (num_new - len(token_ids))
             new_blocks = self.kv_cache.block_ids(req, req.num_blocks_sent)
             out.requests.append(ScheduledRequest(
                 request_id=req.request_id,
@@ -300,7 +305,8 @@ class Scheduler:
                 start_pos=start,
                 block_ids=new_blocks,
                 blocks_from=req.num_blocks_sent,
-                image_slices=self._image_slices(req, start, num_new),
+                image_slices=([] if start >= req.images_end
+                              else self._image_slices(req, start, num_new)),
                 sample=start + num_new == total,
                 sampling_params=req.sampling_params,
                 positions=req.positions(start, start + num_new),
