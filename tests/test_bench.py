@@ -233,6 +233,15 @@ def test_bench_throughput_under_the_profiler(clip_llama: str, tmp_path, capsys) 
     assert {"mmserve.forward", "mmserve.schedule"} <= names
 
 
+def test_bench_profile_sees_the_runners_thread(clip_llama: str, tmp_path) -> None:
+    # Scheduled ahead, the CPU runner steps on a thread of its own: its phases are recorded.
+    out = tmp_path / "profile"
+    assert bench(["throughput", "--model", clip_llama, *WORKLOAD_FLAGS, "--no-peak",
+                  "--async-scheduling", "--profile", str(out), "--profile-steps", ":4"]) == 0
+    phases = {line.split()[0] for line in (out / "phases.txt").read_text().splitlines()[2:]}
+    assert {"schedule", "collect", "prepare", "forward", "sample"} <= phases
+
+
 def test_bench_profile_flags_are_checked(clip_llama: str, capsys) -> None:
     assert bench(["throughput", "--model", clip_llama, "--profile-steps", "1:4"]) == 2
     assert "--profile-steps needs --profile DIR" in capsys.readouterr().err

@@ -12,7 +12,9 @@ What it writes into DIR, and prints the head of:
   (ui.perfetto.dev) or chrome://tracing.
 
 ``--profile-steps START:END`` records steps START to END - 1 (counted from 0; either may be
-left out): a window of decode steps, say, instead of the whole run, and a smaller trace.
+left out): a window of decode steps, say, instead of the whole run, and a smaller trace. Every
+thread of the process is recorded where torch can (the CPU runner steps on a thread of its own
+when scheduling ahead).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from types import TracebackType
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mmserve.profiling import PREFIX
+from mmserve.profiling import PREFIX, set_recording
 
 OPERATOR_ROWS = 30  # in operators.txt; the report prints the first 12
 PRINTED_OPERATOR_ROWS = 12
@@ -60,7 +62,7 @@ class StepProfiler:
         self.first, self.end = first, end
         self.cuda = cuda
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        self._profile = profile(activities=activities)
+        self._profile = profile(activities=activities, experimental_config=_all_threads())
         self._recording = False
         self._started_s = 0.0
         self._steps: list[int] = []  # the steps recorded
@@ -74,6 +76,7 @@ class StepProfiler:
                 self.end is None or index < self.end):
             self._sync()
             self._profile.start()
+            set_recording(True)
             self._recording = True
             self._started_s = time.perf_counter()
         if self._recording:
@@ -96,6 +99,7 @@ class StepProfiler:
     def _stop(self) -> None:
         self._sync()
         self.elapsed_s = time.perf_counter() - self._started_s
+        set_recording(False)
         self._profile.stop()
         self._recording = False
 
@@ -123,6 +127,17 @@ class StepProfiler:
         by = "self device time" if self.cuda else "self CPU time"
         return (f"-- torch profiler: {window}; in {self.directory} --\n{phases}\n"
                 f"operators by {by} (all of them in operators.txt):\n{head}\n")
+
+
+def _all_threads():
+    """torch's option to record every thread (the CPU runner steps on a thread of its own
+    when scheduling ahead), where this torch has it; None (the starting thread's) otherwise."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):
+        return None
 
 
 def phase_table(events, cuda: bool) -> str:
