@@ -18,6 +18,7 @@ from torch.profiler import record_function
 PREFIX = "mmserve."
 
 _recording_all_threads = False
+_NOTHING = nullcontext()  # reusable: it holds no state
 
 
 def set_recording(on: bool) -> None:
@@ -30,4 +31,4 @@ def phase(name: str) -> AbstractContextManager:
     """The range ``mmserve.<name>`` in a profile being recorded; nothing otherwise."""
     if _recording_all_threads or torch.autograd._profiler_enabled():
         return record_function(PREFIX + name)
-    return nullcontext()
+    return _NOTHING
