@@ -32,7 +32,8 @@ replay). ``--switch-interval-ms`` sets the interpreter's switch interval
 the lock lets the one holding it run. ``--repeats N`` runs each row N times, the rows' turns
 alternating, and prints medians: on a shared machine one run's figure may be off by a tenth.
 
-Not part of the test suite: the figures depend on the machine and what else runs on it.
+The suite runs it at a tiny scale (``tests/test_simulated_device.py``) without checking its
+figures: they depend on the machine and what else runs on it.
 """
 
 from __future__ import annotations
@@ -147,9 +148,10 @@ def measure(model: str, requests: int, device: SimulatedDevice, mode: str, steps
         for _ in range(steps):
             step()
         end = time.perf_counter()
-        running = len(engine.scheduler.running)
-        if running != requests:  # a failed step finishes its requests: no figure to give
-            raise RuntimeError(f"{requests - running} of {requests} requests stopped before "
+        scheduler = engine.scheduler
+        live = len(scheduler.running) + len(scheduler.waiting)
+        if live != requests:  # a failed step finishes its requests: no figure to give
+            raise RuntimeError(f"{requests - live} of {requests} requests stopped before "
                                "the measured steps ended; see the engine's log")
         return (end - start) / steps, device.busy(start, end) / (end - start)
     finally:

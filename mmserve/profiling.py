@@ -1,6 +1,7 @@
-"""Labels for torch's profiler: each step's phases, and the calls of the CPU's compiled kernels
-(which torch does not see), as named ranges in its tables and traces (``mmserve bench
-throughput --profile``).
+"""Labels for torch's profiler: each step's phases, and the calls of the CPU's compiled linear
+layers and attention (which torch does not see), as named ranges in its tables and traces
+(``mmserve bench throughput --profile``). The compiled norms, rotary and activations are not
+labelled: their time is the forward phase's own.
 
 A label is ``torch.profiler.record_function("mmserve.NAME")`` while a profiler records and
 nothing otherwise, so that steps pay a check for it when nobody profiles. torch says whether

@@ -209,10 +209,12 @@ def test_bench_throughput_end_to_end(clip_llama: str, tmp_path, capsys) -> None:
 def test_bench_throughput_under_the_profiler(clip_llama: str, tmp_path, capsys) -> None:
     out = tmp_path / "profile"
     rc = bench(["throughput", "--model", clip_llama, *WORKLOAD_FLAGS, "--no-peak",
-                "--no-async-scheduling", "--profile", str(out), "--profile-steps", "1:4"])
+                "--no-async-scheduling", "--profile", str(out), "--profile-steps", "1:4",
+                "--json", str(tmp_path / "tp.json")])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "output tokens/s" in printed and "torch profiler: steps 1-3 (3 steps" in printed
+    assert json.loads((tmp_path / "tp.json").read_text())["profiled_steps"] == [1, 2, 3]
     # Scheduled in step, each of the three steps runs every phase once (images may be
     # encoded in any of them, but the encoder's phase is entered in each).
     calls = {}

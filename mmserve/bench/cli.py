@@ -82,6 +82,8 @@ def _throughput(args: argparse.Namespace) -> int:
         write_json(args.json_path, {
             "model": model, "dtype": str(engine.runner.dtype).removeprefix("torch."),
             "engine": _engine_summary(engine), "workload": _workload_summary(workload),
+            # The profiler's overhead is in the figures of a profiled run.
+            "profiled_steps": None if profiler is None else profiler.steps,
             **run.results, "steps": [vars(s) for s in run.steps]})
     if args.plot:
         from mmserve.bench.plots import plot_timeline

@@ -27,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
+from torch.autograd import DeviceType
+from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile
 
 from mmserve.profiling import PREFIX, set_recording
@@ -65,14 +67,15 @@ class StepProfiler:
         self._profile = profile(activities=activities, experimental_config=_all_threads())
         self._recording = False
         self._started_s = 0.0
-        self._steps: list[int] = []  # the steps recorded
+        self.steps: list[int] = []  # the steps recorded
         self.elapsed_s = 0.0
         self.report = ""
 
     def before_step(self, index: int) -> None:
         if self._recording and self.end is not None and index >= self.end:
             self._stop()
-        elif not self._recording and not self._steps and index >= self.first and (
+            self.report = self._write()  # now: the rest of the run may not end well
+        elif not self._recording and not self.steps and index >= self.first and (
                 self.end is None or index < self.end):
             self._sync()
             self._profile.start()
@@ -80,7 +83,7 @@ class StepProfiler:
             self._recording = True
             self._started_s = time.perf_counter()
         if self._recording:
-            self._steps.append(index)
+            self.steps.append(index)
 
     def __enter__(self) -> StepProfiler:
         return self
@@ -88,30 +91,43 @@ class StepProfiler:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if self._recording:
-            self._stop()
-        if exc_type is None:
+            self._stop(sync=exc_type is None)  # (a failed run's device may not answer)
+            if exc_type is None:
+                self.report = self._write()
+        elif not self.report and exc_type is None:  # the run ended before the window
             self.report = self._write()
 
     def _sync(self) -> None:
+        # Steps launch their kernels ahead (a GPU's default): the window holds those launched
+        # while it was open, the first's launched the step before it.
         if self.cuda:
-            torch.cuda.synchronize()  # the window holds its steps' kernels, and no others
+            torch.cuda.synchronize()
 
-    def _stop(self) -> None:
-        self._sync()
-        self.elapsed_s = time.perf_counter() - self._started_s
-        set_recording(False)
-        self._profile.stop()
-        self._recording = False
+    def _stop(self, sync: bool = True) -> None:
+        try:
+            if sync:
+                self._sync()
+        finally:
+            self.elapsed_s = time.perf_counter() - self._started_s
+            set_recording(False)
+            self._profile.stop()
+            self._recording = False
 
     def _write(self) -> str:
         self.directory.mkdir(parents=True, exist_ok=True)
-        if not self._steps:
+        if not self.steps:
             text = (f"torch profiler: the run ended before step {self.first}; nothing recorded "
                     "(see --profile-steps)\n")
             (self.directory / "phases.txt").write_text(text)
             return text
-        events = self._profile.key_averages()
-        window = (f"steps {self._steps[0]}-{self._steps[-1]} ({len(self._steps)} steps, "
+        # With the GPU's activity each labelled range also comes back as a span on the
+        # device, under the same name: the phases are the host's ranges, with the time of the
+        # kernels inside them; the operators leave those spans out.
+        events = EventList([e for e in self._profile.key_averages()
+                            if e.device_type == DeviceType.CPU
+                            or not getattr(e, "is_user_annotation", False)],
+                           use_device="cuda" if self.cuda else None)
+        window = (f"steps {self.steps[0]}-{self.steps[-1]} ({len(self.steps)} steps, "
                   f"{self.elapsed_s:.2f} s)")
         phases = phase_table(events, self.cuda)
         (self.directory / "phases.txt").write_text(f"{window}\n{phases}\n")
@@ -143,7 +159,8 @@ def _all_threads():
 def phase_table(events, cuda: bool) -> str:
     """The ``mmserve.*`` ranges of ``key_averages()``: calls, host ms (the range's wall time on
     its thread) and, on a GPU, the device ms of the kernels launched inside it."""
-    rows = sorted((e for e in events if e.key.startswith(PREFIX)),
+    rows = sorted((e for e in events
+                   if e.key.startswith(PREFIX) and e.device_type == DeviceType.CPU),
                   key=lambda e: -e.cpu_time_total)
     lines = [f"{'phase':<18} {'calls':>7} {'host ms':>10} {'ms a call':>10}"
              + (f" {'device ms':>10}" if cuda else "")]

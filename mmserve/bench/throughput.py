@@ -15,12 +15,11 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from mmserve.bench.flops import ModelFlops
-from mmserve.bench.profile import StepProfiler
 from mmserve.bench.report import fmt, section_table
 from mmserve.bench.stats import summarize
 from mmserve.bench.workload import Workload
@@ -29,6 +28,9 @@ from mmserve.engine.prompt_feed import PromptFeed
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import StepTimes
+
+if TYPE_CHECKING:
+    from mmserve.bench.profile import StepProfiler
 
 # Steps with at least this share of the peak number of running requests count as "full batch"
 # steps for the scheduling-overhead figure (the target is stated at 64 running).
