@@ -229,9 +229,12 @@ def test_a_process_counted_as_own_adds_its_cpu_time(monkeypatch):
 def test_engine_takes_a_fixed_thread_count(clip_llama):
     from mmserve import LLM
 
+    before = torch.get_num_threads()
     llm = LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96, cpu_threads=1)
     assert torch.get_num_threads() == 1 and llm.engine.runner.adaptive_threads is None
     assert llm.engine.stats()["cpu_threads"] == 1
+    llm.close()
+    assert torch.get_num_threads() == before  # a closed engine gives the count back
     auto = LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96)
     assert isinstance(auto.engine.runner.adaptive_threads, cpu_threads.AdaptiveThreads)
     with pytest.raises(ValueError, match="cpu_threads must be a positive integer"):

@@ -703,9 +703,9 @@ class LLMEngine:
 
     def close(self) -> None:
         """Give back everything the engine took: the KV and encoder caches, the weights, CUDA
-        graphs and their memory pool, and the CPU threads it lowered; the allocator's freed
-        memory goes back to the operating system or the driver. Requests still in flight are
-        aborted. Calling it again does nothing; stepping afterwards raises
+        graphs and their memory pool, and the CPU thread count it lowered or fixed; the
+        allocator's freed memory goes back to the operating system or the driver. Requests
+        still in flight are aborted. Calling it again does nothing; stepping afterwards raises
         ``EngineDeadError``."""
         if self._closed:
             return

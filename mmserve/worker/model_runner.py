@@ -816,6 +816,7 @@ class CPUModelRunner(ModelRunner):
         self.attention = cpu_attention_backend()  # compiled kernels when they build
         self.adaptive_threads: AdaptiveThreads | None = None
         self.fixed_threads: int | None = None  # set by set_threads, read from any thread
+        self._threads_before_fixed: int | None = None  # torch's count that a fixed one replaced
 
     def _advise_kv_cache(self, cache: torch.Tensor) -> None:
         advise_huge_pages(cache)  # decode attention reads blocks scattered across it
@@ -828,6 +829,8 @@ class CPUModelRunner(ModelRunner):
         else:
             self.adaptive_threads = None
             self.fixed_threads = threads
+            if self._threads_before_fixed is None:
+                self._threads_before_fixed = torch.get_num_threads()
             torch.set_num_threads(threads)
 
     @property
@@ -840,11 +843,15 @@ class CPUModelRunner(ModelRunner):
 
     def close(self) -> None:
         """``ModelRunner.close``, and torch's thread count back to what it was before the
-        adaptive policy lowered it."""
+        adaptive policy lowered it or a fixed count replaced it (unless someone set another
+        since). Called on the thread ``set_threads`` was: the count is a thread's own."""
         super().close()
         if self.adaptive_threads is not None:
             self.adaptive_threads = None
             restore_threads()
+        before, self._threads_before_fixed = self._threads_before_fixed, None
+        if before is not None and torch.get_num_threads() == self.fixed_threads:
+            torch.set_num_threads(before)
 
     def launch(self, scheduler_output: SchedulerOutput,
                encoder_pixels: EncoderPixels) -> StepResult:
