@@ -79,9 +79,7 @@ class KVCacheManager:
         if not computed_blocks and blocks:  # a running request (most steps: no new block)
             total = req.num_computed_tokens + num_new_tokens
             if total <= len(blocks) * self.block_size:
-                if (self.enable_caching and min(total, req.num_tokens) // self.block_size
-                        > self._num_published.get(req.request_id, 0)):  # a block filled
-                    self.publish(req, min(total, req.num_tokens))
+                self.publish(req, min(total, req.num_tokens))
                 return blocks
         computed_blocks = computed_blocks or []
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
