@@ -13,7 +13,9 @@
 // one head walks the keys 64 at a time with an online softmax: scores = q x key panels,
 // probabilities x value panels added to the running output, all in float32.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 

@@ -33,7 +33,8 @@
 // memory during a quarter of its work (four KV heads) and computed from cache the rest. Each
 // KV head of a sequence fetched this way prefetches only its own rows.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 

@@ -16,7 +16,9 @@
 // Plain loops, templated on the element (the bits of a bfloat16, or a float), which the
 // compiler vectorizes; any CPU.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 

@@ -13,7 +13,9 @@
 // query rows of one head walks the keys 128 at a time with an online softmax: scores in
 // float32, probabilities rounded to bfloat16 for the product with V, output summed in float32.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <ATen/Parallel.h>
 

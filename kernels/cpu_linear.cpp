@@ -25,7 +25,9 @@
 // into chunks of up to 64 rows that compute from cache, a whole panel per tile, since each
 // panel is read once per chunk. Summation order is the same either way.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <ATen/Parallel.h>
 

@@ -22,7 +22,9 @@
 // another process held up. Each output is computed the same way whichever thread runs it. While a
 // block's tiles compute, they prefetch the weights the thread reads next into L2.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <ATen/Parallel.h>
 

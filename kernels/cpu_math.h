@@ -3,7 +3,7 @@
 // lane masks, and exp (scalar, written so the compiler vectorizes it, and on 16 lanes).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -1,6 +1,7 @@
 // Python bindings of the compiled CPU kernels (one extension module, built by cpu_ops.py).
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,

@@ -37,9 +37,11 @@ the fastest path the CPU supports, by the measurements in ``benchmarks/README.md
 CPU lacks the instructions for is refused with the reason. mmserve's kernels use no AMX
 instructions. Tests and benchmarks switch paths with ``select_path``.
 
-Building takes about 50 s on two cores the first time; torch caches the library (under
+Building takes about a minute on two cores the first time (the sources include only the
+headers they use: all of torch's would double that); torch caches the library (under
 ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, one build per path, CPU
-model and flags, and version of the sources) for later starts. Without a compiler the
+model and flags, version of the sources, and environment: where the sources, torch and
+Python's headers are) for later starts. Without a compiler the
 ``auto`` path runs torch's operators (float32 linear layers still through oneDNN), with one
 warning saying why; a path asked for by name fails to start instead.
 
@@ -61,6 +63,7 @@ import itertools
 import logging
 import os
 import platform
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -178,20 +181,27 @@ def _cpu_signature() -> str:
 
 
 @functools.cache
-def _source_signature() -> str:
-    """A short hash of the kernels' sources. ninja rebuilds by modification times, which an
-    upgrade (a wheel's files keep their archive's times) or a checkout may set older than the
-    cached objects: a build named by content is never stale."""
+def _build_signature() -> str:
+    """A short hash of the kernels' sources and of what compiles them. ninja rebuilds by
+    modification times, which an upgrade (a wheel's files keep their archive's times) or a
+    checkout may set older than the cached objects: a build named by content is never stale.
+    It also rebuilds everything when the compile command changes, and the command names the
+    sources' directory, torch's headers and Python's: named by those too, two environments
+    (two virtual environments, two checkouts) keep a build each instead of rebuilding in
+    turn."""
     digest = hashlib.sha256()
     for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
+    for part in (str(_SOURCES[0].parent), torch.__version__, str(Path(torch.__file__).parent),
+                 sysconfig.get_paths()["include"]):
+        digest.update(part.encode() + b"\0")
     return digest.hexdigest()[:8]
 
 
 def build_name(path: KernelPath) -> str:
-    """The extension's name for ``path`` on this CPU and these sources (also its build
-    directory's name)."""
-    return f"mmserve_cpu_ops_{_cpu_signature()}_{_source_signature()}_{path.name}"
+    """The extension's name for ``path`` on this CPU, these sources and this environment (also
+    its build directory's name)."""
+    return f"mmserve_cpu_ops_{_cpu_signature()}_{_build_signature()}_{path.name}"
 
 
 T = TypeVar("T")

@@ -196,7 +196,7 @@ print(module.__file__ if module is not None else "None: " + str(cpu_ops.unavaila
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_real_load_recovers_from_a_killed_build(tmp_path: Path) -> None:
     # The build this copies is the one test_cpu_kernels.py needs: made here if no earlier test
-    # or start has made it (about 50 s, once per suite; the process keeps the module).
+    # or start has made it (about a minute, once per suite; the process keeps the module).
     assert cpu_ops.load() is not None, cpu_ops.unavailable_reason()
     name = cpu_ops.build_name(cpu_ops.active_path())
     root = tmp_path / "torch_extensions"
@@ -279,3 +279,21 @@ def test_a_named_path_that_does_not_build_fails_to_start(fresh_load):
     fresh_load.setenv(cpu_ops.KERNELS_ENV, "auto")  # auto falls back to torch's operators
     assert cpu_ops.load() is None and cpu_ops.active_path().name == "avx2"
     assert cpu_ops.float32_linear() in (cpu_ops.OneDNNLinear, None)
+
+
+def test_each_environment_keeps_a_build_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ninja rebuilds everything when the compile command changes, and the command names torch's
+    # headers, Python's and the sources' directory: two environments sharing one build
+    # directory would rebuild it in turn at every start.
+    path = cpu_ops.PATHS["avx2"]
+    names = []
+    for version, site in (("2.13.0", "/venv-a"), ("2.13.0", "/venv-b"), ("2.14.0", "/venv-a")):
+        monkeypatch.setattr(cpu_ops.torch, "__version__", version)
+        monkeypatch.setattr(cpu_ops.torch, "__file__", f"{site}/torch/__init__.py")
+        cpu_ops._build_signature.cache_clear()
+        names.append(cpu_ops.build_name(path))
+    monkeypatch.undo()
+    cpu_ops._build_signature.cache_clear()
+    assert len(set(names)) == 3, names
+    assert cpu_ops.build_name(path) not in names
+    assert cpu_ops.build_name(path) == cpu_ops.build_name(path)
