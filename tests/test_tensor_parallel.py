@@ -20,6 +20,7 @@ from transformers import AutoConfig
 
 from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
+from mmserve.engine import llm_engine
 from mmserve.engine.startup import plan_for
 from mmserve.errors import EngineDeadError
 from mmserve.models import loader, parallel
@@ -238,8 +239,10 @@ def _run_both(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "encoder_mode"), [
-    *((name, "data") for name in FAMILIES),
-    ("siglip-qwen2-one-kv-head", "weights"), ("qwen2.5-vl", "weights")])
+    # Each family, and each tower both ways: the data-parallel tower is the one-rank tower
+    # on each rank, whatever the family; the split one is each tower's own.
+    ("clip-llama", "data"), ("siglip-qwen2-one-kv-head", "weights"), ("qwen2-vl", "data"),
+    ("qwen2.5-vl", "weights")])
 def test_two_ranks_give_one_ranks_tokens(tp_checkpoints: dict[str, str], name: str,
                                          encoder_mode: str) -> None:
     """float32 greedy tokens of two ranks equal one rank's (which equal transformers',
@@ -295,6 +298,30 @@ def test_one_rank_in_a_worker_process_gives_the_same_tokens(clip_llama: str) -> 
         assert [o.token_ids for o in mp.generate(prompts, GREEDY)] == expected
         workers = mp.engine.runner._procs
     assert [w.exitcode for w in workers] == [0]  # closed, not killed
+
+
+def test_a_start_that_fails_beside_the_loading_workers_ends_them(clip_llama: str,
+                                                                monkeypatch) -> None:
+    """The workers start before the engine builds its processor, and load beside it: a
+    failure there ends them at once (the autouse check: no worker left)."""
+    started: list[MultiprocExecutor] = []
+    real_start = MultiprocExecutor.__init__
+
+    def start(self, spec) -> None:
+        real_start(self, spec)
+        started.append(self)
+
+    def broken(config, hf_config):
+        assert started and all(p.is_alive() for p in started[0]._procs)  # loading meanwhile
+        raise ValueError("no processor")
+
+    monkeypatch.setattr(MultiprocExecutor, "__init__", start)
+    monkeypatch.setattr(llm_engine, "processor_and_grammars", broken)
+    begin = time.monotonic()
+    with pytest.raises(ValueError, match="no processor"):
+        LLM(clip_llama, dtype="float32", device="cpu", tensor_parallel_size=2)
+    assert time.monotonic() - begin < 5  # killed, not waited for
+    assert not any(_alive(p.pid) for p in started[0]._procs)
 
 
 def test_settings_that_cannot_work_together_say_so(clip_llama: str) -> None:

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -255,16 +253,21 @@ def test_worker_killed_while_idle_fails_health(clip_llama: str, tmp_path: Path) 
         server.stop()
 
 
-def test_serve_refuses_a_model_that_does_not_split(clip_llama: str) -> None:
+def test_serve_refuses_a_model_that_does_not_split(clip_llama: str, capsys, caplog,
+                                                   monkeypatch) -> None:
     """Three ranks of a decoder with 4 attention heads: a one-line error naming the setting
     and status 2 before any worker starts, not a traceback."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "mmserve.entrypoints.cli", "serve", clip_llama, "--dtype",
-         "float32", "--device", "cpu", "--port", "1", "--tensor-parallel-size", "3"],
-        capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "tensor_parallel_size=3" in proc.stderr and "4 attention heads" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    monkeypatch.setattr(MultiprocExecutor, "__init__", _no_workers)
+    code = main(["serve", clip_llama, "--dtype", "float32", "--device", "cpu", "--port", "1",
+                 "--tensor-parallel-size", "3"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "tensor_parallel_size=3" in err and "4 attention heads" in err
+    assert "Traceback" not in err and not [r for r in caplog.records if r.exc_info]
+
+
+def _no_workers(self, spec) -> None:
+    raise AssertionError("a refused start starts no worker")
 
 
 # ----------------------------------------------------------------- mmserve plan

@@ -92,12 +92,29 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         dtype = config.torch_dtype
-        self.processor, self.grammars = processor_and_grammars(config, hf_config)
-        self._matchers = Matchers()  # the constrained requests' grammar state
         device = config.resolved_device
         runner_cls = runner_class(device)
         # Read before the weights load: on the CPU they come out of the RAM available now.
         memory_bytes = memory_profiler.device_memory(torch.device(device))
+        workers = None
+        if config.worker_processes:
+            # Started first: they import and load their shards while this process builds
+            # its processor; waited for below.
+            split_encoder = config.mm_encoder_tp_mode == "weights"
+            check_tensor_parallel(hf_config, dtype, config.tensor_parallel_size, split_encoder)
+            workers = MultiprocExecutor(WorkerSpec(
+                config.model, device, dtype, config.block_size, config.seed,
+                config.cpu_threads if isinstance(config.cpu_threads, int) else None,
+                config.tensor_parallel_size, config.worker_timeout, split_encoder))
+        try:
+            self.processor, self.grammars = processor_and_grammars(config, hf_config)
+            if workers is not None:
+                workers.wait_started()
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
+        self._matchers = Matchers()  # the constrained requests' grammar state
         if (device == "cuda" and config.kv_cache_memory is None
                 and not config.worker_processes):
             self._check_free_gpu_memory(config, memory_bytes)
@@ -110,16 +127,11 @@ class LLMEngine:
                          if config.schedules_ahead and not config.worker_processes
                          and not runner_cls.launches_asynchronously else None)
         on_runner_thread = self.on_runner_thread
-        if config.worker_processes:
-            # Workers load their shards and build their runners; this process holds none.
-            split_encoder = config.mm_encoder_tp_mode == "weights"
-            check_tensor_parallel(hf_config, dtype, config.tensor_parallel_size, split_encoder)
+        if workers is not None:
+            # Workers loaded their shards and built their runners; this process holds none.
             self.model = None
-            self.runner = MultiprocExecutor(WorkerSpec(
-                config.model, device, dtype, config.block_size, config.seed,
-                config.cpu_threads if isinstance(config.cpu_threads, int) else None,
-                config.tensor_parallel_size, config.worker_timeout, split_encoder))
-            weights_bytes = self.runner.weights_bytes
+            self.runner = workers
+            weights_bytes = workers.weights_bytes
         else:
             self.model, weights_bytes = on_runner_thread(runner_cls.load_model, config.model,
                                                          hf_config, dtype)

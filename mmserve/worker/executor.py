@@ -79,7 +79,11 @@ class WorkerSpec:
 
 
 class MultiprocExecutor:
-    """``spec.size`` worker processes, called like one runner (rank 0 answers)."""
+    """``spec.size`` worker processes, called like one runner (rank 0 answers).
+
+    The constructor starts the processes and returns at once, so that the engine's own start
+    (its processor, tokenizer and grammars) goes on while they import and load their shards;
+    ``wait_started`` waits for them, before the first call."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
@@ -87,6 +91,7 @@ class MultiprocExecutor:
         self.dtype = spec.dtype
         self._dead: str | None = None
         self._closed = False
+        self._started = False
         self._seq = 0  # calls sent so far (the start is call 0)
         self._steps: list[int] = []  # steps' call numbers, not collected yet
         self._kv_cache_bytes = 0
@@ -103,19 +108,33 @@ class MultiprocExecutor:
                 proc.start()
                 theirs.close()
                 self._procs.append(proc)
+        except BaseException:  # a failed or interrupted start leaves no worker behind
+            self._abandon()
+            raise
+
+    def wait_started(self) -> None:
+        """Wait until every worker has loaded its shards (``EngineDeadError`` naming a rank
+        that failed, died or hung, every worker ended)."""
+        try:
             # Loading takes as long as it takes; a hung start still ends.
-            ready = self._replies(0, "start", max(spec.timeout, START_TIMEOUT_S), every=True)
+            ready = self._replies(0, "start", max(self.spec.timeout, START_TIMEOUT_S),
+                                  every=True)
             self.weights_bytes = max(ready)  # per rank: its shards and the whole vision tower
             self._num_threads = self._call("get", "num_threads")
-        except BaseException:  # a failed or interrupted start leaves no worker behind
-            self._closed = True
-            self._kill_all()
-            for conn in self._conns:
-                conn.close()
+        except BaseException:
+            self._abandon()
             raise
-        logger.info("tensor parallelism: %d workers (pids %s), %s", spec.size,
+        self._started = True
+        logger.info("tensor parallelism: %d workers (pids %s), %s", self.spec.size,
                     ", ".join(str(p.pid) for p in self._procs),
-                    "NCCL" if spec.device == "cuda" else "gloo")
+                    "NCCL" if self.spec.device == "cuda" else "gloo")
+
+    def _abandon(self) -> None:
+        """End a start that failed or was given up: every worker killed at once."""
+        self._closed = True
+        self._kill_all()
+        for conn in self._conns:
+            conn.close()
 
     # ------------------------------------------------------------ the runner's calls
     def execute(self, scheduler_output: SchedulerOutput,
@@ -200,6 +219,9 @@ class MultiprocExecutor:
     def close(self) -> None:
         """Ask every worker to exit; kill those still there after ``CLOSE_GRACE_S``."""
         if self._closed:
+            return
+        if not self._started:  # still loading: nothing to finish
+            self._abandon()
             return
         self._closed = True
         if self._dead is None:
