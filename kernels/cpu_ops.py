@@ -38,12 +38,12 @@ CPU lacks the instructions for is refused with the reason. mmserve's kernels use
 instructions. Tests and benchmarks switch paths with ``select_path``.
 
 Building takes about a minute on two cores the first time (the sources include only the
-headers they use: all of torch's would double that); torch caches the library (under
-``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, one build per path, CPU
-model and flags, version of the sources, and environment: where the sources, torch and
-Python's headers are) for later starts. Without a compiler the
-``auto`` path runs torch's operators (float32 linear layers still through oneDNN), with one
-warning saying why; a path asked for by name fails to start instead.
+headers they use: all of torch's would take half as long again); torch caches the library
+(under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, one build per path,
+CPU model and flags, version of the sources, and environment: where the sources, torch and
+Python's headers are) for later starts. Without a compiler the ``auto`` path runs torch's
+operators (float32 linear layers still through oneDNN), with one warning saying why; a path
+asked for by name fails to start instead.
 
 Builds are serialized by an OS lock (``flock``) on ``<build directory>.mmserve-lock``, which
 the kernel releases when its holder exits, however it exits. A start killed mid-build leaves
