@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import time
+import traceback
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from transformers import AutoConfig
 from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.engine import llm_engine
+from mmserve.engine.memory_plan import InfeasiblePlanError
 from mmserve.engine.startup import plan_for
 from mmserve.errors import EngineDeadError
 from mmserve.models import loader, parallel
@@ -322,6 +324,20 @@ def test_a_start_that_fails_beside_the_loading_workers_ends_them(clip_llama: str
         LLM(clip_llama, dtype="float32", device="cpu", tensor_parallel_size=2)
     assert time.monotonic() - begin < 5  # killed, not waited for
     assert not any(_alive(p.pid) for p in started[0]._procs)
+
+
+@pytest.mark.slow
+def test_a_start_that_fails_after_the_workers_loaded_ends_them(clip_llama: str) -> None:
+    """The plan refuses the settings once the workers hold their shards: they are gone when
+    the error reaches the caller, not when its traceback (which holds the half-built engine,
+    as a notebook keeps the last one) is dropped."""
+    with pytest.raises(InfeasiblePlanError, match="smaller than one KV block") as refused:
+        LLM(clip_llama, dtype="float32", device="cpu", tensor_parallel_size=2,
+            kv_cache_memory=1024)
+    engine = next(frame.f_locals["self"] for frame, _ in traceback.walk_tb(refused.tb)
+                  if isinstance(frame.f_locals.get("self"), llm_engine.LLMEngine))
+    assert engine._closed and engine.runner.pids
+    assert not any(_alive(pid) for pid in engine.runner.pids)
 
 
 def test_settings_that_cannot_work_together_say_so(clip_llama: str) -> None:

@@ -85,7 +85,19 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         """``detokenize`` False: the engine core of a front end that detokenizes and makes
         the outputs itself (the server's ``EngineClient``, in either layout): ``core_step``
-        gives what each step did to each request, ``step`` is not for it."""
+        gives what each step did to each request, ``step`` is not for it. A start that fails
+        gives back what it took before raising (the weights, a GPU's memory, the workers), not
+        once the exception's traceback, which holds this half-built engine, is dropped."""
+        try:
+            self._start(config, detokenize)
+        except BaseException:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 (the start's error is the one to raise)
+                logger.warning("giving back what a failed start took failed", exc_info=True)
+            raise
+
+    def _start(self, config: EngineConfig, detokenize: bool) -> None:
         from transformers import AutoConfig
 
         require_model_dir(config.model)
@@ -96,24 +108,16 @@ class LLMEngine:
         runner_cls = runner_class(device)
         # Read before the weights load: on the CPU they come out of the RAM available now.
         memory_bytes = memory_profiler.device_memory(torch.device(device))
-        workers = None
         if config.worker_processes:
             # Started first: they import and load their shards while this process builds
             # its processor; waited for below.
             split_encoder = config.mm_encoder_tp_mode == "weights"
             check_tensor_parallel(hf_config, dtype, config.tensor_parallel_size, split_encoder)
-            workers = MultiprocExecutor(WorkerSpec(
+            self.runner = MultiprocExecutor(WorkerSpec(
                 config.model, device, dtype, config.block_size, config.seed,
                 config.cpu_threads if isinstance(config.cpu_threads, int) else None,
                 config.tensor_parallel_size, config.worker_timeout, split_encoder))
-        try:
-            self.processor, self.grammars = processor_and_grammars(config, hf_config)
-            if workers is not None:
-                workers.wait_started()
-        except BaseException:
-            if workers is not None:
-                workers.close()
-            raise
+        self.processor, self.grammars = processor_and_grammars(config, hf_config)
         self._matchers = Matchers()  # the constrained requests' grammar state
         if (device == "cuda" and config.kv_cache_memory is None
                 and not config.worker_processes):
@@ -127,11 +131,11 @@ class LLMEngine:
                          if config.schedules_ahead and not config.worker_processes
                          and not runner_cls.launches_asynchronously else None)
         on_runner_thread = self.on_runner_thread
-        if workers is not None:
-            # Workers loaded their shards and built their runners; this process holds none.
+        if config.worker_processes:
+            # Workers load their shards and build their runners; this process holds none.
+            self.runner.wait_started()
             self.model = None
-            self.runner = workers
-            weights_bytes = workers.weights_bytes
+            weights_bytes = self.runner.weights_bytes
         else:
             self.model, weights_bytes = on_runner_thread(runner_cls.load_model, config.model,
                                                          hf_config, dtype)
