@@ -24,7 +24,6 @@ def simulated_device():
 def test_steps_over_a_simulated_device(simulated_device, clip_llama: str, mode: str) -> None:
     device = simulated_device.SimulatedDevice(0.002)
     # (measure raises if a step failed and finished the requests before the timing ended.)
-    # (Adaptive threads, which a closed engine gives back: a fixed count would stay set.)
     seconds, busy = simulated_device.measure(clip_llama, 4, device, mode, steps=3)
     # One 2 ms job a step, in order: three steps take about 6 ms or more (scheduled ahead,
     # the first may have begun before they were timed).
