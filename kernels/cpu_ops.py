@@ -16,8 +16,8 @@ keep torch's attention.
 
 ``rms_norm``, ``rotary``, ``silu_and_mul`` and ``quick_gelu`` (``cpu_elementwise.cpp``) do in
 one pass over bfloat16 or float32 activations what torch does in three to six, rounding where
-torch's ops round. The models call them through ``fused_kernels``; other devices keep torch's
-ops.
+torch's ops round. The models call them through ``kernels/fused.py``, which gives a GPU's
+tensors the Triton kernels of the same names (``triton_fused``).
 
 ``PackedLinear`` (``cpu_linear.cpp``) replaces a bfloat16 ``nn.Linear`` once its weights are
 loaded, with the weight repacked into the panels of the pair dot-product instruction. On decode

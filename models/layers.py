@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.kernels.cpu_ops import fused_kernels
+from mmserve.kernels.fused import fused_kernels
 from mmserve.models.forward_context import OutputRows, get_forward_context
 from mmserve.models.parallel import Window
 

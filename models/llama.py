@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmserve.kernels.cpu_ops import fused_kernels
+from mmserve.kernels.fused import fused_kernels
 from mmserve.models import parallel
 from mmserve.models.forward_context import OutputRows, get_forward_context
 from mmserve.models.layers import (

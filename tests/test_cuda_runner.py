@@ -9,6 +9,7 @@ a GPU and is not exercised here.
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.entrypoints.cli import add_engine_args, engine_kwargs
+from mmserve.kernels import fused, triton_fused
 from mmserve.models.llama import DecoderLayer
 from mmserve.worker.cuda_runner import (
     CUDA_GRAPH_BATCH_SIZES,
@@ -162,6 +164,19 @@ def test_triton_runner_matches_cpu_runner(clip_llama: str, cpu_runner_tokens: li
                 runner.graph_outputs[size] = runner.graphs[size].output
             runner.graph_sizes = sizes
         engine.runner = runner
+        # The decoder's and the vision tower's norms, rotary embedding and activations take
+        # the Triton kernels a GPU takes (counted, to know they ran).
+        monkeypatch.setattr(fused, "_TRITON_DEVICES", {"cuda", "cpu"})
+        calls = collections.Counter()
+
+        def counted(name, kernel):
+            def call(*args):
+                calls[name] += 1
+                return kernel(*args)
+            return call
+
+        for name in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul", "quick_gelu"):
+            monkeypatch.setattr(triton_fused, name, counted(name, getattr(triton_fused, name)))
         # Prompt steps run the last layer for the sampled rows alone, through Triton's decode
         # path and the runner's K/V writer.
         first, *_, last = (m for m in engine.model.modules() if isinstance(m, DecoderLayer))
@@ -174,6 +189,8 @@ def test_triton_runner_matches_cpu_runner(clip_llama: str, cpu_runner_tokens: li
         assert any(n < m for n, m in zip(rows["last"], rows["first"], strict=True))
         failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert not failures
+        assert set(calls) == {"rms_norm", "add_rms_norm", "rotary", "silu_and_mul",
+                              "quick_gelu"}
         if graphs:
             assert runner.graphs[1].replays > 0 and runner.graphs[4].replays > 0
         if ahead:

@@ -7,9 +7,12 @@ fast. On a machine with CUDA the same tests run the compiled kernels on the GPU.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from mmserve.kernels import fused, triton_fused
 from mmserve.kernels.paged_attention import (
     AttentionMetadata,
     build_attention_metadata,
@@ -269,3 +272,96 @@ def test_padded_decode_batch_matches_unpadded():
         *args, device=DEVICE, num_seqs_padded=5, max_blocks=8), 0.125)
     assert torch.equal(cache, plain_cache)
     torch.testing.assert_close(padded[:3], plain, atol=0, rtol=0)
+
+
+# The fused elementwise kernels (kernels/triton_fused.py) against the torch ops they replace,
+# which round after every op. float32 and float16 give the reference's bits or differ by the
+# order of the norm's sum (and the exponential's last bit); bfloat16 likewise on a GPU, while
+# the interpreter truncates float32 -> bfloat16 instead of rounding (an ulp is 2**-7 relative).
+FUSED_TOLERANCE = {torch.float32: 2e-6, torch.float16: 1e-3,
+                   torch.bfloat16: 8e-3 if DEVICE == "cuda" else 5e-2}
+
+
+def _fused_inputs(dtype: torch.dtype, *shape: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)
+
+
+def _assert_fused_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    tol = FUSED_TOLERANCE[ref.dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", list(FUSED_TOLERANCE), ids=str)
+def test_fused_norms_and_activations_match_torchs_ops(dtype: torch.dtype) -> None:
+    """RMSNorm with and without the residual add (which happens in place), SiLU-and-mul of a
+    merged projection's strided halves, quick GELU over more than one program's elements; a
+    hidden size that is no power of two and single-row and many-row programs."""
+    from mmserve.models.layers import RMSNorm
+
+    for rows, hidden in ((7, 96), (3, 1200)):
+        x, residual = _fused_inputs(dtype, rows, hidden), _fused_inputs(dtype, rows, hidden, seed=1)
+        norm = RMSNorm(hidden, 1e-5).to(dtype).to(DEVICE)
+        norm.weight.data = _fused_inputs(dtype, hidden, seed=2)
+        _assert_fused_close(triton_fused.rms_norm(x, norm.weight, 1e-5), norm._reference(x))
+        fused_sum = residual.clone()
+        out = triton_fused.add_rms_norm(x, fused_sum, norm.weight, 1e-5)
+        _assert_fused_close(fused_sum, residual + x)
+        _assert_fused_close(out, norm._reference(residual + x))
+
+    merged = _fused_inputs(dtype, 6, 2 * 50)
+    gate, up = merged.split(50, dim=-1)
+    _assert_fused_close(triton_fused.silu_and_mul(gate, up), torch.nn.functional.silu(gate) * up)
+    x = _fused_inputs(dtype, 3, 5, 77)
+    _assert_fused_close(triton_fused.quick_gelu(x), (x * 1.702).sigmoid_().mul_(x))
+
+
+@pytest.mark.parametrize("dtype", list(FUSED_TOLERANCE), ids=str)
+def test_fused_rotary_gives_torchs_bits(dtype: torch.dtype) -> None:
+    """q as the view of a merged q/k/v projection (strided rows), a head count that is no power
+    of two: each product rounded before the sum, no fused multiply-add, so torch's bits (the
+    interpreter's bfloat16 truncation aside)."""
+    from mmserve.models.layers import _rotate_half
+
+    tokens, heads, dim = 5, 3, 16
+    merged = _fused_inputs(dtype, tokens, 3 * heads * dim)
+    q = merged[:, :heads * dim].view(tokens, heads, dim)
+    cos, sin = _fused_inputs(dtype, tokens, 1, dim, seed=1), _fused_inputs(dtype, tokens, 1, dim,
+                                                                          seed=2)
+    out = triton_fused.rotary(q, cos, sin)
+    ref = q * cos + _rotate_half(q) * sin
+    assert out.is_contiguous()
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        _assert_fused_close(out, ref)
+    else:
+        assert torch.equal(out, ref)
+
+
+def test_fused_kernels_refuse_what_they_cannot_compute() -> None:
+    x = _fused_inputs(torch.float32, 4, 8)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        triton_fused.rms_norm(x.t(), torch.ones(4, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        triton_fused.rms_norm(x, torch.ones(8, dtype=torch.float16, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="even, contiguous"):
+        triton_fused.rotary(x.view(4, 1, 8)[..., :7], x, x)
+    with pytest.raises(ValueError, match="cos table"):
+        triton_fused.rotary(x.view(4, 1, 8), x[:2], x)
+
+
+def test_fused_kernels_by_device_and_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA tensors take the Triton kernels (here the CPU stands in for a GPU), except under
+    MMSERVE_GPU_KERNELS=torch; integer tensors and the meta device take torch's ops."""
+    monkeypatch.setattr(fused, "_TRITON_DEVICES", {"cuda", DEVICE})
+    monkeypatch.setattr(fused, "_triton_module", functools.cache(fused._triton_module.__wrapped__))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert fused.fused_kernels(torch.zeros(2, dtype=dtype, device=DEVICE)) is triton_fused
+    assert fused.fused_kernels(torch.zeros(2, dtype=torch.int64, device=DEVICE)) is None
+    assert fused.fused_kernels(torch.zeros(2, device="meta")) is None
+    monkeypatch.setattr(fused, "_triton_module", functools.cache(fused._triton_module.__wrapped__))
+    monkeypatch.setenv("MMSERVE_GPU_KERNELS", "torch")
+    assert fused.fused_kernels(torch.zeros(2, device=DEVICE)) is None
+    monkeypatch.setenv("MMSERVE_GPU_KERNELS", "cutlass")
+    with pytest.raises(ValueError, match="MMSERVE_GPU_KERNELS='cutlass'"):
+        fused.gpu_path()

@@ -143,7 +143,7 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     # An import inside a function (the Triton kernels are imported where they are used).
     assert "mmserve.kernels.triton_attention" in GRAPH["mmserve.worker.cuda_runner"]
     # models/ and kernels/ under their installed names.
-    assert "mmserve.kernels.cpu_ops" in GRAPH["mmserve.models.layers"]
+    assert "mmserve.kernels.fused" in GRAPH["mmserve.models.layers"]
     assert "mmserve.models.registry" in GRAPH["mmserve.models"]  # a package's __init__
 
 
