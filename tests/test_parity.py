@@ -129,10 +129,13 @@ def test_parity_when_the_last_layer_computes_only_sampled_rows(checkpoints: dict
     """Prompt chunks go through the decoder's last layer as keys and values only: its MLP
     sees the rows the step samples (none for a chunk that ends mid-prompt), the first layer's
     every row, and the tokens stay transformers'. A step with a request asking for prompt
-    log-probabilities computes every row, and those equal the runner's with the saving off."""
+    log-probabilities computes every row, and those equal the runner's with the saving off.
+    Eager, so that every step's forward pass calls the hooks (a CUDA graph's replay does not;
+    the CUDA runner's own test covers replays)."""
     path = checkpoints[arch]
     prompts = mixed_batch()
-    llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_num_seqs=4)
+    llm = LLM(path, dtype="float32", max_num_batched_tokens=24, max_num_seqs=4,
+              enforce_eager=True)
     steps = record_steps(llm)
     first, *_, last = (m for m in llm.engine.model.modules() if isinstance(m, DecoderLayer))
     rows: dict[str, list[int]] = {"first": [], "last": []}

@@ -111,10 +111,11 @@ class CUDAModelRunner(ModelRunner):
         above its start.
 
         The memory planner subtracts this from the budget as the activations' worst case. Cached
-        but unused allocator blocks are released first so that they are not counted.
+        but unused allocator blocks are released first so that they are not counted, and so are
+        cuBLAS's workspaces, which the run then allocates again: counted by every engine alike,
+        also by one that starts while another engine of the process holds them.
         """
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        self.release_memory()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
         self.profile_run(batch, encoder_pixels)
