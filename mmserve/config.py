@@ -14,6 +14,12 @@ from typing import Any
 import torch
 
 DEVICES = ("auto", "cpu", "cuda")
+# A step's token budget by device (max_num_batched_tokens="auto"). On a GPU a step that mixes
+# prompt chunks and decodes runs eagerly, its host launching the same kernels whatever its
+# size, so fewer, larger prompt steps keep the GPU busy (vLLM's server takes 8192 there too);
+# on the CPU a step's time grows with its tokens, and decodes would wait behind long steps.
+GPU_BATCHED_TOKENS = 8192
+CPU_BATCHED_TOKENS = 2048
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -124,8 +130,10 @@ class EngineConfig:
     max_num_seqs: int | str | None = flag(
         None, "most requests running at once, or auto (default): 256, or how many sequences "
         "of --max-model-len fit", parse=int_or_auto)
-    max_num_batched_tokens: int = flag(
-        2048, "token budget of one engine step, decodes and prefill chunks together")
+    max_num_batched_tokens: int | str | None = flag(
+        None, "token budget of one engine step, decodes and prefill chunks together, or auto "
+        f"(default): {GPU_BATCHED_TOKENS} on a GPU, {CPU_BATCHED_TOKENS} on the CPU",
+        parse=int_or_auto)
     scheduler_delay_factor: float = flag(
         0.0, "while requests decode, admit waiting ones only once the oldest has waited this "
         "many times the last prompt step's duration (as vLLM's option of that name): fewer, "
@@ -174,7 +182,7 @@ class EngineConfig:
         "false}' (each image's cache hash includes them)", parse=mm_processor_kwargs_text)
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "cpu_threads"):
+        for name in ("max_model_len", "max_num_seqs", "cpu_threads", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value == "auto":
                 object.__setattr__(self, name, None)
@@ -232,6 +240,10 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device; use device='cpu' "
                              "(or 'auto'), or install a CUDA build of torch.")
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens",
+                               GPU_BATCHED_TOKENS if self.resolved_device == "cuda"
+                               else CPU_BATCHED_TOKENS)
 
     @property
     def worker_processes(self) -> bool:
