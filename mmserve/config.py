@@ -16,8 +16,9 @@ import torch
 DEVICES = ("auto", "cpu", "cuda")
 # A step's token budget by device (max_num_batched_tokens="auto"). On a GPU a step that mixes
 # prompt chunks and decodes runs eagerly, its host launching the same kernels whatever its
-# size, so fewer, larger prompt steps keep the GPU busy (vLLM's server takes 8192 there too);
-# on the CPU a step's time grows with its tokens, and decodes would wait behind long steps.
+# size, so fewer, larger prompt steps keep the GPU busy (vLLM's server takes 8192 on GPUs of
+# 70 GiB or more, its Python API 16384); on the CPU a step's time grows with its tokens, and
+# decodes would wait behind long steps.
 GPU_BATCHED_TOKENS = 8192
 CPU_BATCHED_TOKENS = 2048
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

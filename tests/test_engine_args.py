@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from mmserve.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS, EngineConfig
+from mmserve.config import EngineConfig
 from mmserve.entrypoints.cli import build_parser
 from mmserve.entrypoints.engine_args import engine_argv, engine_kwargs
 
@@ -132,14 +132,18 @@ def test_async_scheduling_is_on_by_default_for_gpus(device: str, setting: bool |
 
 
 @pytest.mark.parametrize("device, setting, expected", [
-    ("cpu", None, CPU_BATCHED_TOKENS), ("cuda", None, GPU_BATCHED_TOKENS), ("cuda", "auto", 8192),
-    ("cuda", 512, 512), ("cpu", 4096, 4096)])
+    ("cpu", None, 2048), ("cuda", None, 8192), ("cuda", "auto", 8192), ("cuda", 512, 512),
+    ("cpu", 4096, 4096)])
 def test_the_step_token_budget_is_larger_on_gpus(device: str, setting, expected: int,
                                                  monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: device == "cuda")
     config = EngineConfig(model="m", device="auto", max_num_batched_tokens=setting)
     assert config.max_num_batched_tokens == expected
     assert dataclasses.replace(config).max_num_batched_tokens == expected
+    if setting is not None:  # the flag takes the same values
+        args = build_parser().parse_args(["serve", "--max-num-batched-tokens", str(setting)])
+        assert engine_kwargs(args).get("max_num_batched_tokens") == (
+            None if setting == "auto" else setting)
 
 
 def test_async_scheduling_takes_only_a_switch_or_auto() -> None:
