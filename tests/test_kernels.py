@@ -275,11 +275,12 @@ def test_padded_decode_batch_matches_unpadded():
 
 
 # The fused elementwise kernels (kernels/triton_fused.py) against the torch ops they replace,
-# which round after every op. float32 and float16 give the reference's bits or differ by the
-# order of the norm's sum (and the exponential's last bit); bfloat16 likewise on a GPU, while
-# the interpreter truncates float32 -> bfloat16 instead of rounding (an ulp is 2**-7 relative).
-FUSED_TOLERANCE = {torch.float32: 2e-6, torch.float16: 1e-3,
-                   torch.bfloat16: 8e-3 if DEVICE == "cuda" else 5e-2}
+# which round after every op. They differ by the order of the norm's sum and, on a GPU, by the
+# approximate exponential and reciprocal square root Triton compiles, which can move a rounded
+# half-precision result by an ulp at each of two roundings (an ulp is up to 2**-10 relative in
+# float16, 2**-7 in bfloat16); the interpreter truncates float32 -> bfloat16 instead of rounding.
+FUSED_TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3,
+                   torch.bfloat16: 1.6e-2 if DEVICE == "cuda" else 5e-2}
 
 
 def _fused_inputs(dtype: torch.dtype, *shape: int, seed: int = 0) -> torch.Tensor:
