@@ -7,11 +7,17 @@ moment it needs them, before evicting any prefix-cache block and before preempti
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+import torch
+
 from mmserve.engine.block_pool import BlockPool
 from mmserve.engine.encoder_cache import EncoderCacheManager, KVLending
 from mmserve.engine.request import RequestStatus
 from mmserve.inputs import ImageInput
 from mmserve.step import ModelOutput
+from mmserve.worker.model_runner import CPUModelRunner
 from tests.test_scheduler import (
     SimulatedEncoderOutputs,
     assert_no_leaks,
@@ -227,3 +233,33 @@ def test_plan_says_what_borrowing_does_and_the_flag_turns_it_off(clip_llama: str
     off = LLM(clip_llama, dtype="float32", encoder_cache_borrowing=False).engine
     assert not off.plan.encoder_borrowing and off.scheduler.encoder_cache.lending is None
     assert "borrowing         off" in off.plan.summary()
+
+
+@pytest.mark.parametrize("shapes", [[(2, 8)] * 3, [(2, 8), (1, 16), (2, 4)]],
+                         ids=["layers of one shape", "layers of several"])
+def test_an_encoder_output_comes_back_from_borrowed_blocks_as_it_went(shapes) -> None:
+    """Written piece after piece (each layer's keys, then its values), the blocks' share of
+    each, the last piece's tail zeros; read back the same; no other block touched. Layers of
+    one shape share one tensor (one copy in each direction), others are copied layer by
+    layer."""
+    layers = [SimpleNamespace(num_kv_heads=h, head_dim=d, kv_cache=None) for h, d in shapes]
+    model = SimpleNamespace(attention_layers=lambda: layers, hidden_size=24)
+    runner = CPUModelRunner(model, 12, 4, torch.float32, 0)
+    assert [a.kv_cache for a in layers] == runner.kv_caches
+    assert len(runner._kv_groups) == (1 if len(set(shapes)) == 1 else len(shapes))
+    embeds = torch.randn(38, 24)  # 912 values: 3 blocks of 384 (or 320) over every piece
+    block_ids = [7, 2, 9]
+    before = [c.clone() for c in runner.kv_caches]
+    runner._write_kv_blocks(block_ids, embeds)
+    assert torch.equal(runner._read_kv_blocks(block_ids, 38), embeds)
+    others = [b for b in range(12) if b not in block_ids]
+    for old, new in zip(before, runner.kv_caches, strict=True):
+        assert torch.equal(old[:, others], new[:, others])
+    flat, start = embeds.reshape(-1), 0
+    for cache in runner.kv_caches:
+        for piece in cache:  # keys, then values
+            values = piece[block_ids].reshape(-1)
+            expected = flat[start:start + len(values)]
+            assert torch.equal(values[:len(expected)], expected)
+            assert not values[len(expected):].any()
+            start += len(values)

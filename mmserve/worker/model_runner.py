@@ -160,7 +160,11 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.dtype = dtype
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # each layer's [2, blocks, ...]
+        # The same memory as [pieces, blocks, values] tensors (a piece: a layer's keys or its
+        # values), pieces in layer order, keys first: where borrowed blocks hold an encoder
+        # output.
+        self._kv_groups: list[torch.Tensor] = []
         self.allocate_kv_cache(num_blocks)
         # Image embeddings by content hash; the scheduler's encoder-cache manager says when to
         # add and drop them.
@@ -522,7 +526,7 @@ class ModelRunner:
         if self.model is not None:
             for attn in self.model.attention_layers():
                 attn.kv_cache = None
-        self.kv_caches = []
+        self.kv_caches, self._kv_groups = [], []
         self.encoder_outputs.clear()
         self._pixel_tables.clear()
         self.generators.clear()
@@ -707,40 +711,44 @@ class ModelRunner:
         """Values one KV block holds over every layer, keys and values."""
         return sum(c.numel() // c.shape[1] for c in self.kv_caches)
 
-    def _block_pieces(self) -> list[tuple[torch.Tensor, int]]:
-        """The blocks' memory as ``(layer cache viewed [2, blocks, values], keys or values)``
-        pieces in a fixed order: where an encoder output borrowing them is laid out."""
-        return [(c.view(2, c.shape[1], -1), kv) for c in self.kv_caches for kv in (0, 1)]
-
     @torch.inference_mode()
     def _write_kv_blocks(self, block_ids: list[int], embeds: torch.Tensor) -> None:
-        """Copy an encoder output into borrowed KV blocks (free ones: no request reads them)."""
+        """Copy an encoder output into borrowed KV blocks (free ones: no request reads them).
+
+        Laid out piece after piece (every layer's keys, then its values, in layer order),
+        ``len(block_ids)`` blocks of each, as far as the output reaches; one copy per group of
+        pieces (``_kv_groups``): with one tensor for every layer, a single copy."""
         flat = embeds.reshape(-1)
+        n = len(block_ids)
         index = tensor_on(block_ids, torch.long, self.device)
         start = 0
-        for cache, kv in self._block_pieces():
+        for group in self._kv_groups:
             if start >= flat.numel():
                 break
-            capacity = len(block_ids) * cache.shape[2]
-            chunk = flat[start:start + capacity]
-            if chunk.numel() < capacity:
-                chunk = torch.cat([chunk, chunk.new_zeros(capacity - chunk.numel())])
-            cache[kv].index_copy_(0, index, chunk.view(len(block_ids), -1))
-            start += capacity
+            capacity = n * group.shape[2]  # one piece's share of the output
+            pieces = min(group.shape[0], -(-(flat.numel() - start) // capacity))
+            chunk = flat[start:start + pieces * capacity]
+            if chunk.numel() < pieces * capacity:  # the last piece's tail: zeros
+                chunk = torch.cat([chunk, chunk.new_zeros(pieces * capacity - chunk.numel())])
+            group[:pieces].index_copy_(1, index, chunk.view(pieces, n, -1))
+            start += pieces * capacity
 
     @torch.inference_mode()
     def _read_kv_blocks(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
         """The ``[num_tokens, hidden]`` encoder output ``_write_kv_blocks`` put there."""
         total = num_tokens * self.model.hidden_size
+        n = len(block_ids)
         index = tensor_on(block_ids, torch.long, self.device)
         parts, count = [], 0
-        for cache, kv in self._block_pieces():
+        for group in self._kv_groups:
             if count >= total:
                 break
-            part = cache[kv].index_select(0, index).reshape(-1)
+            pieces = min(group.shape[0], -(-(total - count) // (n * group.shape[2])))
+            part = group[:pieces].index_select(1, index).reshape(-1)
             parts.append(part)
             count += part.numel()
-        return torch.cat(parts)[:total].view(num_tokens, -1)
+        whole = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return whole[:total].view(num_tokens, -1)
 
     # ----------------------------------------------------------------- memory plan
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -748,15 +756,35 @@ class ModelRunner:
 
         The engine builds the runner with no blocks; on a GPU the profile run first gets the
         blocks its batch writes, and once the plan is made this is called with the planned
-        count.
+        count. Layers of one shape (every decoder here) get views of one tensor
+        ``[layers, 2, blocks, block_size, kv_heads, head_dim]``, so that an encoder output
+        moving in or out of borrowed blocks is one copy over every layer's pieces
+        (``_kv_groups``), not one per layer and kind.
         """
-        self.kv_caches = []
-        for attn in self.model.attention_layers():
-            cache = torch.empty(2, num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
+        layers = self.model.attention_layers()
+        for attn in layers:  # the old cache goes before the new one is allocated
+            attn.kv_cache = None
+        self.kv_caches, self._kv_groups = [], []
+        shapes = {(attn.num_kv_heads, attn.head_dim) for attn in layers}
+        if len(shapes) == 1:
+            (kv_heads, head_dim), = shapes
+            whole = torch.empty(len(layers), 2, num_blocks, self.block_size, kv_heads, head_dim,
                                 dtype=self.dtype, device=self.device)
-            self._advise_kv_cache(cache)
-            attn.kv_cache = cache.zero_()
-            self.kv_caches.append(cache)
+            self._advise_kv_cache(whole)
+            whole.zero_()
+            self.kv_caches = list(whole.unbind(0))
+            self._kv_groups = [whole.view(2 * len(layers), num_blocks,
+                                          self.block_size * kv_heads * head_dim)]
+        else:
+            for attn in layers:
+                cache = torch.empty(2, num_blocks, self.block_size, attn.num_kv_heads,
+                                    attn.head_dim, dtype=self.dtype, device=self.device)
+                self._advise_kv_cache(cache)
+                self.kv_caches.append(cache.zero_())
+                self._kv_groups.append(cache.view(
+                    2, num_blocks, self.block_size * attn.num_kv_heads * attn.head_dim))
+        for attn, cache in zip(layers, self.kv_caches, strict=True):
+            attn.kv_cache = cache
 
     def _advise_kv_cache(self, cache: torch.Tensor) -> None:
         """A fresh KV cache, before it is first touched (the CPU asks for huge pages)."""
