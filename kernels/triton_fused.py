@@ -191,3 +191,41 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
         grid = (triton.cdiv(x.numel(), _ELEMENTS_PER_PROGRAM),)
         _quick_gelu_kernel[grid](x, out, x.numel(), BLOCK=_ELEMENTS_PER_PROGRAM)
     return out
+
+
+def check(device: torch.device, dtype: torch.dtype) -> None:
+    """Run every kernel once on small inputs of ``device`` and ``dtype`` against torch's ops
+    (which compiles them); raises what failed. The engine checks once per device and dtype
+    before a model uses them, so that a Triton that cannot compile or run them costs speed,
+    not the engine's start."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    # Wide enough for every rounding difference (Triton's interpreter truncates to bfloat16):
+    # what this catches is a kernel that computes something else.
+    tol = {torch.float32: 1e-4, torch.float16: 1e-2}.get(dtype, 1e-1)
+
+    def same(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=tol,
+                                                         atol=tol):
+            raise RuntimeError(f"{name} differs from torch's ops by "
+                               f"{(got.float() - want.float()).abs().max().item():g}")
+
+    x, residual, weight = rand(3, 64), rand(3, 64), rand(64)
+
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        f = t.float()
+        return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    same("rms_norm", rms_norm(x, weight, 1e-6), norm(x))
+    summed = residual.clone()
+    same("add_rms_norm", add_rms_norm(x, summed, weight, 1e-6), norm(residual + x))
+    same("add_rms_norm's residual", summed, residual + x)
+    q, cos, sin = rand(3, 2, 16), rand(3, 1, 16), rand(3, 1, 16)
+    half = torch.cat((-q[..., 8:], q[..., :8]), dim=-1)
+    same("rotary", rotary(q, cos, sin), q * cos + half * sin)
+    gate, up = rand(3, 40), rand(3, 40)
+    same("silu_and_mul", silu_and_mul(gate, up), torch.nn.functional.silu(gate) * up)
+    same("quick_gelu", quick_gelu(x), x * torch.sigmoid(x * 1.702))

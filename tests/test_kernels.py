@@ -366,3 +366,24 @@ def test_fused_kernels_by_device_and_setting(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("MMSERVE_GPU_KERNELS", "cutlass")
     with pytest.raises(ValueError, match="MMSERVE_GPU_KERNELS='cutlass'"):
         fused.gpu_path()
+
+
+def test_fused_kernels_that_fail_their_check_leave_torchs_ops(monkeypatch, caplog) -> None:
+    """The check runs every kernel once per device and dtype (here in the interpreter, and it
+    passes); a kernel that cannot compile or computes something else leaves that dtype to
+    torch's ops, with a warning, instead of failing the engine's start."""
+    monkeypatch.setattr(fused, "_TRITON_DEVICES", {"cuda", DEVICE})
+    monkeypatch.setattr(fused, "_triton_module", functools.cache(fused._triton_module.__wrapped__))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        triton_fused.check(torch.device(DEVICE), dtype)
+
+    def broken(x):
+        raise RuntimeError("PTX assembly failed")
+
+    monkeypatch.setattr(triton_fused, "quick_gelu", broken)
+    with caplog.at_level("WARNING", logger="mmserve.kernels.fused"):
+        assert fused.fused_kernels(torch.zeros(2, device=DEVICE)) is None
+    assert "failed their check" in caplog.text and "PTX assembly failed" in caplog.text
+    monkeypatch.setattr(triton_fused, "quick_gelu", lambda x: x)  # computes something else
+    with pytest.raises(RuntimeError, match="quick_gelu differs"):
+        triton_fused.check(torch.device(DEVICE), torch.float32)
