@@ -8,7 +8,8 @@
 #
 # Steps, their limits adding up to 20.5 minutes (a lent machine's command may run 10 and a
 # session has 15 in all: name the steps; "1.4b profile" first says most). On 2026-11-29 an
-# H200 took 176, 61, 138 and 59 s for 1.4b, profile, 7b and serve, its start about 35 s:
+# H200 took 176, 61, 138 and 59 s for 1.4b, profile, 7b and serve (a fresh machine's start
+# and the transfers another 33 s):
 #   1.4b    transformers and mmserve on the llava-1.4b checkpoint, mixed workload, 256 requests,
 #           with the GPU's busy share, the float32 check and the bfloat16 comparison
 #   profile mmserve bench on the same under torch's profiler, steps 30-69: the step's phases

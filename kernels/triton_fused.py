@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mmserve.kernels import elementwise
+
 # One rounding per op, as torch's separate kernels round: no fused multiply-add in between.
 _NO_FMA = {"enable_fp_fusion": False}
 _ELEMENTS_PER_PROGRAM = 1024
@@ -214,18 +216,13 @@ def check(device: torch.device, dtype: torch.dtype) -> None:
                                f"{(got.float() - want.float()).abs().max().item():g}")
 
     x, residual, weight = rand(3, 64), rand(3, 64), rand(64)
-
-    def norm(t: torch.Tensor) -> torch.Tensor:
-        f = t.float()
-        return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-
-    same("rms_norm", rms_norm(x, weight, 1e-6), norm(x))
+    same("rms_norm", rms_norm(x, weight, 1e-6), elementwise.rms_norm(x, weight, 1e-6))
     summed = residual.clone()
-    same("add_rms_norm", add_rms_norm(x, summed, weight, 1e-6), norm(residual + x))
+    same("add_rms_norm", add_rms_norm(x, summed, weight, 1e-6),
+         elementwise.rms_norm(residual + x, weight, 1e-6))
     same("add_rms_norm's residual", summed, residual + x)
     q, cos, sin = rand(3, 2, 16), rand(3, 1, 16), rand(3, 1, 16)
-    half = torch.cat((-q[..., 8:], q[..., :8]), dim=-1)
-    same("rotary", rotary(q, cos, sin), q * cos + half * sin)
+    same("rotary", rotary(q, cos, sin), elementwise.rotary(q, cos, sin))
     gate, up = rand(3, 40), rand(3, 40)
-    same("silu_and_mul", silu_and_mul(gate, up), torch.nn.functional.silu(gate) * up)
-    same("quick_gelu", quick_gelu(x), x * torch.sigmoid(x * 1.702))
+    same("silu_and_mul", silu_and_mul(gate, up), elementwise.silu_and_mul(gate, up))
+    same("quick_gelu", quick_gelu(x), elementwise.quick_gelu(x))

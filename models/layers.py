@@ -6,16 +6,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.kernels import elementwise
 from mmserve.kernels.fused import fused_kernels
 from mmserve.models.forward_context import OutputRows, get_forward_context
 from mmserve.models.parallel import Window
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    if (ops := fused_kernels(x)) is not None:
-        return ops.quick_gelu(x)
-    # One new tensor, like the fused kernel (the same ops, rounded the same, in place).
-    return (x * 1.702).sigmoid_().mul_(x)
+    return (fused_kernels(x) or elementwise).quick_gelu(x)
 
 
 def get_activation(name: str):
@@ -67,7 +65,7 @@ class RMSNorm(nn.Module):
         if (x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype
                 and (ops := fused_kernels(x)) is not None):
             return ops.rms_norm(x, self.weight, self.eps)
-        return self._reference(x)
+        return elementwise.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """``residual += x`` in place (the decoder's residual stream), then the norm of the sum:
@@ -76,14 +74,7 @@ class RMSNorm(nn.Module):
                 and self.weight.dtype == x.dtype == residual.dtype
                 and (ops := fused_kernels(x)) is not None):
             return ops.add_rms_norm(x, residual, self.weight, self.eps)
-        return self._reference(residual.add_(x))
-
-    def _reference(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in float32 and scale in the input dtype, as the reference models do.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return elementwise.rms_norm(residual.add_(x), self.weight, self.eps)
 
 
 def rope_theta_of(config) -> float:
@@ -191,12 +182,7 @@ def apply_rotary(
     if ((ops := fused_kernels(q)) is not None and cos.dtype == q.dtype and q.stride(-1) == 1
             and k.stride(-1) == 1):
         return ops.rotary(q, cos, sin), ops.rotary(k, cos, sin)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return elementwise.rotary(q, cos, sin), elementwise.rotary(k, cos, sin)
 
 
 class PagedAttention(nn.Module):

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mmserve.kernels import elementwise
 from mmserve.kernels.cpu_ops import packed_encoder_attention
 from mmserve.models import parallel
 from mmserve.models.layers import PagedAttention, RMSNorm, get_activation
@@ -28,11 +29,6 @@ from mmserve.models.llama import LlamaModel
 # One image's encoder input: the processor's named tensors for it alone ("pixel_values":
 # [patches, channels * temporal * patch * patch], "image_grid_thw": [1, 3]).
 EncoderInput = Mapping[str, torch.Tensor]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class PatchEmbed(nn.Module):
@@ -90,8 +86,8 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         cos, sin = rope  # rotated in float32, as the reference does
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        q = elementwise.rotary(q.float(), cos, sin).to(x.dtype)
+        k = elementwise.rotary(k.float(), cos, sin).to(x.dtype)
         out = packed_encoder_attention(q, k, v, boundaries, self.head_dim ** -0.5)
         return parallel.encoder_all_reduce(self.proj(out.reshape(n, -1)))
 

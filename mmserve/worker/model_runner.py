@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -756,35 +757,26 @@ class ModelRunner:
 
         The engine builds the runner with no blocks; on a GPU the profile run first gets the
         blocks its batch writes, and once the plan is made this is called with the planned
-        count. Layers of one shape (every decoder here) get views of one tensor
-        ``[layers, 2, blocks, block_size, kv_heads, head_dim]``, so that an encoder output
-        moving in or out of borrowed blocks is one copy over every layer's pieces
+        count. Consecutive layers of one shape (every decoder's layers here) get views of one
+        tensor ``[layers, 2, blocks, block_size, kv_heads, head_dim]``, so that an encoder
+        output moving in or out of borrowed blocks is one copy over all their pieces
         (``_kv_groups``), not one per layer and kind.
         """
         layers = self.model.attention_layers()
         for attn in layers:  # the old cache goes before the new one is allocated
             attn.kv_cache = None
         self.kv_caches, self._kv_groups = [], []
-        shapes = {(attn.num_kv_heads, attn.head_dim) for attn in layers}
-        if len(shapes) == 1:
-            (kv_heads, head_dim), = shapes
-            whole = torch.empty(len(layers), 2, num_blocks, self.block_size, kv_heads, head_dim,
+        for shape, run in itertools.groupby(layers, lambda a: (a.num_kv_heads, a.head_dim)):
+            run = list(run)
+            whole = torch.empty(len(run), 2, num_blocks, self.block_size, *shape,
                                 dtype=self.dtype, device=self.device)
             self._advise_kv_cache(whole)
             whole.zero_()
-            self.kv_caches = list(whole.unbind(0))
-            self._kv_groups = [whole.view(2 * len(layers), num_blocks,
-                                          self.block_size * kv_heads * head_dim)]
-        else:
-            for attn in layers:
-                cache = torch.empty(2, num_blocks, self.block_size, attn.num_kv_heads,
-                                    attn.head_dim, dtype=self.dtype, device=self.device)
-                self._advise_kv_cache(cache)
-                self.kv_caches.append(cache.zero_())
-                self._kv_groups.append(cache.view(
-                    2, num_blocks, self.block_size * attn.num_kv_heads * attn.head_dim))
-        for attn, cache in zip(layers, self.kv_caches, strict=True):
-            attn.kv_cache = cache
+            for attn, cache in zip(run, whole.unbind(0), strict=True):
+                attn.kv_cache = cache
+                self.kv_caches.append(cache)
+            self._kv_groups.append(whole.view(2 * len(run), num_blocks,
+                                              self.block_size * shape[0] * shape[1]))
 
     def _advise_kv_cache(self, cache: torch.Tensor) -> None:
         """A fresh KV cache, before it is first touched (the CPU asks for huge pages)."""
