@@ -9,3 +9,22 @@ tensor's: the CPU module's, Triton's, or torch's ops). The Triton kernels are im
 where they are used, so that importing mmserve never imports Triton, and so that tests can
 switch on Triton's CPU interpreter (``TRITON_INTERPRET=1``) before the kernels are defined.
 """
+
+if __name__ == "kernels":
+    # This folder installs as ``mmserve.kernels``. Imported as plain ``kernels`` it was found
+    # only because a checkout's root is on ``sys.path`` (``python -m ...`` run there), and that
+    # name belongs to Hugging Face's ``kernels`` package, which transformers imports: load that
+    # one in this module's place, or fail as if this folder were not there.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module
+    _spec.loader.exec_module(_module)

@@ -238,3 +238,27 @@ def test_the_package_still_gives_its_names() -> None:
     assert set(mmserve.__all__) <= set(dir(mmserve))
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         mmserve.nothing  # noqa: B018
+
+
+def test_the_kernels_folder_does_not_hide_hugging_face_kernels() -> None:
+    """Run from a checkout's root, ``import kernels`` finds this repository's ``kernels/``
+    folder first; that name is Hugging Face's package (transformers >= 5.25 imports it), so the
+    folder steps aside for it, and ``mmserve.kernels`` stays this one."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    script = ("import kernels, mmserve.kernels.paged_attention as ours\n"
+              "print(kernels.__file__)\nprint(ours.__file__)")
+    run = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        assert run.returncode != 0 and "No module named 'kernels'" in run.stderr, run.stderr
+        return
+    assert run.returncode == 0, run.stderr
+    theirs, ours = (Path(line) for line in run.stdout.split())
+    assert root / "kernels" not in theirs.parents
+    assert ours == root / "kernels" / "paged_attention.py"
