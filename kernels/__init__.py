@@ -14,7 +14,8 @@ if __name__ == "kernels":
     # This folder installs as ``mmserve.kernels``. Imported as plain ``kernels`` it was found
     # only because a checkout's root is on ``sys.path`` (``python -m ...`` run there), and that
     # name belongs to Hugging Face's ``kernels`` package, which transformers imports: load that
-    # one in this module's place, or fail as if this folder were not there.
+    # one in this module's place. Where it is not installed this module stays, empty (older
+    # transformers import what they find by that name to read its version, and must not fail).
     import importlib.machinery
     import importlib.util
     import os
@@ -23,8 +24,7 @@ if __name__ == "kernels":
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _spec = importlib.machinery.PathFinder.find_spec(
         "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
-    if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module
-    _spec.loader.exec_module(_module)
+    if _spec is not None and _spec.loader is not None:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module
+        _spec.loader.exec_module(_module)
