@@ -26,8 +26,10 @@ bfloat16 matmul, which reads the [out, in] layout. ``PackedLinearF32`` (``cpu_li
 does the same for float32 on CPUs with AVX2 and FMA but without AVX-512, about twice MKL's speed
 on decode steps; ``OneDNNLinear`` (oneDNN's prepacked matmul, through torch) serves float32 on
 CPUs with AVX-512, where it is twice as fast as the AVX2 kernel on decode steps of 8 rows or
-more. The module is compiled for the instructions of the path (below), so each function is
-built for what it may use, and ``float32_linear`` / ``_flash_kernel`` choose among them.
+more, and bfloat16 on CPUs with AMX, whose tile instructions it uses (14 times the AVX512-BF16
+kernel on prompt-sized inputs of a 2-core Xeon, twice on decode steps). The module is compiled
+for the instructions of the path (below), so each function is built for what it may use, and
+``float32_linear`` / ``bfloat16_linear`` / ``_flash_kernel`` choose among them.
 
 Which of these run is a *path*, chosen once per process (``MMSERVE_CPU_KERNELS``, see
 ``PATHS``): ``torch`` (torch's operators only), ``avx2`` (the module compiled for AVX2 and
@@ -35,7 +37,7 @@ FMA, as an AVX2-only CPU runs it, on any CPU that has them) or ``avx512`` (compi
 CPU's AVX-512, with the AVX512-BF16 kernels where it has them). ``auto``, the default, takes
 the fastest path the CPU supports, by the measurements in ``benchmarks/README.md``; a path the
 CPU lacks the instructions for is refused with the reason. mmserve's kernels use no AMX
-instructions. Tests and benchmarks switch paths with ``select_path``.
+instructions (oneDNN's do). Tests and benchmarks switch paths with ``select_path``.
 
 Building takes about a minute on two cores the first time (the sources include only the
 headers they use: all of torch's would take half as long again); torch caches the library
@@ -578,8 +580,9 @@ class PackedLinearF32(_PanelLinear):
 
 
 class OneDNNLinear(nn.Module):
-    """A float32 ``nn.Linear`` whose weight oneDNN (through torch) has reordered once, at load
-    time, into the blocked layout its matmul kernels read.
+    """A float32 or bfloat16 ``nn.Linear`` whose weight oneDNN (through torch) has reordered
+    once, at load time, into the blocked layout its matmul kernels read (in bfloat16 on a CPU
+    with AMX, its tile instructions).
 
     torch's float32 ``F.linear`` goes to MKL with the weight in its ``[out, in]`` layout; for
     the few rows of a decode step MKL reads that layout at about half the memory bandwidth
@@ -600,7 +603,9 @@ class OneDNNLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        with phase("cpu.linear"):
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [],
+                                                     "")
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -631,12 +636,24 @@ def float32_linear() -> type[nn.Module] | None:
     return OneDNNLinear if onednn_linear_supported() else None
 
 
+def bfloat16_linear() -> type[nn.Module] | None:
+    """The bfloat16 linear layer of the process's path, on CPUs with AVX512-BF16 where the
+    path's module built (else None: torch's): oneDNN's where the CPU also has AMX, whose tile
+    instructions oneDNN uses and the kernel here does not (2-core Xeon: 2,048 rows 768 ->
+    3,072 in 4.3 against 60 ms, 16 rows in 0.22 against 0.58 ms, ``benchmarks/README.md``),
+    else the AVX512-BF16 kernel (``PackedLinear``)."""
+    if load() is None or not _module.packed_linear_supported():
+        return None
+    if "amx_bf16" in cpu_flags() and onednn_linear_supported():
+        return OneDNNLinear
+    return PackedLinear
+
+
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace the CPU ``nn.Linear`` layers of ``model`` whose weight no other module shares:
-    bfloat16 ones (even input size) by a ``PackedLinear`` on CPUs with AVX512-BF16, float32
-    ones by ``float32_linear()``'s layer; how many were replaced. The torch path keeps
-    torch's layers."""
-    bf16 = load() is not None and _module.packed_linear_supported()
+    bfloat16 ones (even input size) by ``bfloat16_linear()``'s layer, float32 ones by
+    ``float32_linear()``'s; how many were replaced. The torch path keeps torch's layers."""
+    bf16 = bfloat16_linear()
     fp32 = float32_linear()
     if not (bf16 or fp32):
         return 0
@@ -651,7 +668,7 @@ def pack_linear_layers(model: nn.Module) -> int:
                 continue
             dtype = child.weight.dtype
             if bf16 and dtype == torch.bfloat16 and child.in_features % 2 == 0:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, bf16(child))
             elif fp32 and dtype == torch.float32:
                 setattr(parent, name, fp32(child))
             else:

@@ -686,7 +686,7 @@ def test_pack_linear_layers_replaces_only_what_it_can_serve(packed):
         before = model["a"](x)
         assert cpu_ops.pack_linear_layers(model) == 1 + (float32_layer is not None)
         after = model["a"](x)
-    assert isinstance(model["a"], cpu_ops.PackedLinear)
+    assert isinstance(model["a"], cpu_ops.bfloat16_linear())
     assert all(isinstance(model[k], torch.nn.Linear) for k in ("odd", "tied"))
     assert isinstance(model["fp32"], float32_layer or torch.nn.Linear)
     torch.testing.assert_close(after.float(), before.float(), atol=0.1, rtol=1e-2)
@@ -696,11 +696,31 @@ def test_cpu_runner_packs_bfloat16_linear_layers(packed, clip_llama):
     from mmserve import LLM
 
     def packed_layers(llm):
-        return sum(isinstance(m, cpu_ops.PackedLinear) for m in llm.engine.model.modules())
+        return sum(isinstance(m, cpu_ops.bfloat16_linear()) and m.packed.dtype == torch.bfloat16
+                   for m in llm.engine.model.modules())
 
     # (test_engine_inputs.py generates through them in bfloat16.)
     assert packed_layers(LLM(clip_llama, device="cpu", dtype="bfloat16", max_model_len=96)) > 0
     assert packed_layers(LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96)) == 0
+
+
+def test_bfloat16_linear_layers_go_to_onednn_where_the_cpu_has_amx(packed, monkeypatch):
+    """AMX's tile matmul (oneDNN's) outruns the AVX512-BF16 kernel many times over, which stays
+    for CPUs without AMX; both compute torch's product within bfloat16's rounding."""
+    flags = cpu_ops.cpu_flags() - {"amx_bf16"}
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    assert cpu_ops.bfloat16_linear() is cpu_ops.PackedLinear
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags | {"amx_bf16"})
+    assert cpu_ops.bfloat16_linear() is (
+        cpu_ops.OneDNNLinear if cpu_ops.onednn_linear_supported() else cpu_ops.PackedLinear)
+    linear = _bf16_linear(256, 96, True, seed=8)
+    for rows in (1, 16, 300):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        with torch.no_grad():
+            want = torch.nn.functional.linear(x.float(), linear.weight.float(),
+                                              linear.bias.float())
+            for layer in (cpu_ops.PackedLinear(linear), cpu_ops.OneDNNLinear(linear)):
+                torch.testing.assert_close(layer(x).float(), want, atol=0.05, rtol=1e-2)
 
 
 @pytest.fixture(scope="module")

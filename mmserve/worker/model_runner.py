@@ -824,8 +824,8 @@ class CPUModelRunner(ModelRunner):
 
     @classmethod
     def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
-        """The model, with its bfloat16 linear layers' weights packed for the compiled kernel
-        (``cpu_ops.PackedLinear``) where the CPU has one."""
+        """The model, with its linear layers' weights packed once for the path's matmul
+        (``cpu_ops.pack_linear_layers``: oneDNN's, or a compiled kernel's)."""
         model, weight_bytes = super().load_model(model_dir, hf_config, dtype)
         pack_linear_layers(model)
         return model, weight_bytes
