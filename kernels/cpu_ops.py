@@ -437,7 +437,7 @@ def fused_kernels(tensor: torch.Tensor) -> ModuleType | None:
 
 def _flash_kernel(tensor: torch.Tensor, causal: bool) -> Callable | None:
     """The loaded module's flash attention for this query (dtype, head size, CPU): the
-    bfloat16 one on AVX512-BF16; the float32 one on AVX2 with FMA for prompt chunks (causal)
+    bfloat16 one on AVX512-BF16 (a vision tower's only without AMX); the float32 one on AVX2 with FMA for prompt chunks (causal)
     only, since for a vision tower's bidirectional attention torch's is faster in float32
     (``benchmarks/README.md``); None means torch's."""
     if tensor.device.type != "cpu":
@@ -453,6 +453,10 @@ def compiled_attention(dtype: torch.dtype, head_dim: int, causal: bool) -> Calla
     if module is None:
         return None
     if dtype == torch.bfloat16 and _flash_head_dim(module, head_dim):
+        if not causal and "amx_bf16" in cpu_flags():
+            # torch's fused attention multiplies on AMX tiles there: a vision tower's attention
+            # took 1.5-3.5x less time than the kernel's (2-core Xeon, benchmarks/README.md).
+            return None
         return module.flash_attention
     if causal and dtype == torch.float32 and _flash_f32_head_dim(module, head_dim):
         return module.flash_attention_f32

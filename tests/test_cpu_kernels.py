@@ -300,14 +300,24 @@ def _spy_on(monkeypatch, kernel, name, record):
     return calls
 
 
-def test_encoder_attention_uses_the_kernel_for_bfloat16(flash, monkeypatch):
+def _without_amx(monkeypatch) -> None:
+    """This CPU's flags less AMX: where the kernels, not torch's AMX paths, are chosen."""
+    flags = cpu_ops.cpu_flags() - {"amx_bf16"}
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_encoder_attention_uses_the_kernel_for_bfloat16(flash, monkeypatch, amx):
+    """... unless the CPU has AMX, whose tiles torch's fused attention uses (faster there)."""
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 30, 4, 64, generator=g) for _ in range(3))
+    flags = cpu_ops.cpu_flags() - {"amx_bf16"} | ({"amx_bf16"} if amx else set())
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
     calls = _spy_on(monkeypatch, flash, "flash_attention", lambda args: args[0].dtype)
     expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                               v.transpose(1, 2), scale=0.125).transpose(1, 2)
     got = cpu_ops.encoder_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)
-    assert calls == [torch.bfloat16]
+    assert calls == ([] if amx else [torch.bfloat16])
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
@@ -381,9 +391,10 @@ def test_float32_prompt_attention_takes_the_kernel(flash_f32, monkeypatch):
     assert calls == [40, 24]
 
 
-def test_packed_encoder_attention_with_rotated_query_and_key(flash):
+def test_packed_encoder_attention_with_rotated_query_and_key(flash, monkeypatch):
     """Qwen2-VL's vision attention rotates q and k (fresh tensors) and passes v as a view of the
     fused projection: strides that differ between key and value still take the kernel."""
+    _without_amx(monkeypatch)
     g = torch.Generator().manual_seed(8)
     qkv = torch.randn(70, 3, 4, 64, generator=g).bfloat16()
     q, k, v = qkv.unbind(1)
