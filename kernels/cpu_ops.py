@@ -437,9 +437,9 @@ def fused_kernels(tensor: torch.Tensor) -> ModuleType | None:
 
 def _flash_kernel(tensor: torch.Tensor, causal: bool) -> Callable | None:
     """The loaded module's flash attention for this query (dtype, head size, CPU): the
-    bfloat16 one on AVX512-BF16 (a vision tower's only without AMX); the float32 one on AVX2 with FMA for prompt chunks (causal)
-    only, since for a vision tower's bidirectional attention torch's is faster in float32
-    (``benchmarks/README.md``); None means torch's."""
+    bfloat16 one on AVX512-BF16 (a vision tower's only without AMX); the float32 one on AVX2
+    with FMA for prompt chunks (causal) only, since for a vision tower's bidirectional
+    attention torch's is faster in float32 (``benchmarks/README.md``); None means torch's."""
     if tensor.device.type != "cpu":
         return None
     return compiled_attention(tensor.dtype, tensor.shape[-1], causal)
