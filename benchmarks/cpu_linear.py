@@ -1,13 +1,17 @@
-"""float32 linear layers on this CPU: torch's ``F.linear`` (MKL), oneDNN's prepacked matmul
-(``cpu_ops.OneDNNLinear``, the ``avx512`` path's) and mmserve's AVX2/FMA kernel
-(``cpu_ops.PackedLinearF32``, the ``avx2`` path's), on the shapes of a decode step and of a
-prompt chunk. What ``MMSERVE_CPU_KERNELS=auto`` picks on each CPU comes from this table.
+"""Linear layers on this CPU, on the shapes of a decode step and of a prompt chunk. float32:
+torch's ``F.linear`` (MKL), oneDNN's prepacked matmul (``cpu_ops.OneDNNLinear``, the ``avx512``
+path's) and mmserve's AVX2/FMA kernel (``cpu_ops.PackedLinearF32``, the ``avx2`` path's).
+bfloat16 (``--dtype bfloat16``): torch's ``F.linear``, oneDNN's prepacked matmul (on CPUs with
+AMX, ``cpu_ops.bfloat16_linear``'s choice) and mmserve's AVX512-BF16 kernel
+(``cpu_ops.PackedLinear``, where the CPU has AVX512-BF16 but no AMX). What
+``MMSERVE_CPU_KERNELS=auto`` picks on each CPU comes from these tables.
 
 Each figure is one layer's time, averaged over enough different weights of that shape (at least
 ``--weights-mb`` in all, more than the L3 cache) that weights come from memory, as in a model.
 
     python benchmarks/cpu_linear.py
     python benchmarks/cpu_linear.py --rows 1,8,64 --threads 1
+    python benchmarks/cpu_linear.py --dtype bfloat16
 
 Not part of the test suite: the figures depend on the machine and what else runs on it.
 """
@@ -47,29 +51,37 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     parser.add_argument("--weights-mb", type=float, default=150.0)
     parser.add_argument("--min-seconds", type=float, default=0.5, help="per figure")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    flags = sorted(cpu_ops.cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_tile"})
-    print(f"CPU flags: {' '.join(flags)}; {torch.get_num_threads()} threads; float32")
-    with cpu_ops.using_path("avx2"):  # the AVX2 build: the kernel as the avx2 path runs it
-        impls = {"MKL": lambda lin: lin, "oneDNN": cpu_ops.OneDNNLinear,
-                 "mmserve avx2": cpu_ops.PackedLinearF32}
+    flags = sorted(cpu_ops.cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})
+    print(f"CPU flags: {' '.join(flags)}; {torch.get_num_threads()} threads; {args.dtype}")
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.float32:  # the AVX2 build: the kernel as the avx2 path runs it
+        path, impls = "avx2", {"MKL": lambda lin: lin, "oneDNN": cpu_ops.OneDNNLinear,
+                               "mmserve avx2": cpu_ops.PackedLinearF32}
+    else:
+        path, impls = "avx512", {"torch": lambda lin: lin, "oneDNN": cpu_ops.OneDNNLinear}
+    with cpu_ops.using_path(path) as module:
+        if dtype == torch.bfloat16 and module is not None and module.packed_linear_supported():
+            impls["mmserve bf16"] = cpu_ops.PackedLinear
         print(f"{'K x N':>12} {'rows':>5} " + " ".join(f"{name:>14}" for name in impls)
               + "   fastest: weights read at, arithmetic")
         with torch.no_grad():
             for k, n in SHAPES:
-                count = max(1, round(args.weights_mb * 2**20 / (k * n * 4)))
-                linears = [torch.nn.Linear(k, n, bias=False) for _ in range(count)]
+                size = dtype.itemsize
+                count = max(1, round(args.weights_mb * 2**20 / (k * n * size)))
+                linears = [torch.nn.Linear(k, n, bias=False).to(dtype) for _ in range(count)]
                 built = {name: [make(lin) for lin in linears] for name, make in impls.items()}
                 for rows in (int(r) for r in args.rows.split(",")):
-                    x = torch.randn(rows, k)
+                    x = torch.randn(rows, k, dtype=dtype)
                     times = {name: time_layers(layers, x, args.min_seconds)
                              for name, layers in built.items()}
                     best = min(times, key=times.get)
                     print(f"{f'{k} x {n}':>12} {rows:>5} "
                           + " ".join(f"{times[name] * 1e3:>11.3f} ms" for name in impls)
-                          + f"   {best}: {k * n * 4 / times[best] / 1e9:.1f} GB/s, "
+                          + f"   {best}: {k * n * size / times[best] / 1e9:.1f} GB/s, "
                           f"{2 * rows * k * n / times[best] / 1e9:.0f} GFLOP/s")
                 del linears, built
 

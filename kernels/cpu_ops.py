@@ -26,10 +26,11 @@ bfloat16 matmul, which reads the [out, in] layout. ``PackedLinearF32`` (``cpu_li
 does the same for float32 on CPUs with AVX2 and FMA but without AVX-512, about twice MKL's speed
 on decode steps; ``OneDNNLinear`` (oneDNN's prepacked matmul, through torch) serves float32 on
 CPUs with AVX-512, where it is twice as fast as the AVX2 kernel on decode steps of 8 rows or
-more, and bfloat16 on CPUs with AMX, whose tile instructions it uses (14 times the AVX512-BF16
-kernel on prompt-sized inputs of a 2-core Xeon, twice on decode steps). The module is compiled
-for the instructions of the path (below), so each function is built for what it may use, and
-``float32_linear`` / ``bfloat16_linear`` / ``_flash_kernel`` choose among them.
+more, and bfloat16 on CPUs with AMX, whose tile instructions it uses (5 times the AVX512-BF16
+kernel on prompt-sized inputs of a 2-core Xeon; ``bfloat16_linear`` says what it costs). The
+module is compiled for the instructions of the path (below), so each function is built for
+what it may use, and ``float32_linear`` / ``bfloat16_linear`` / ``_flash_kernel`` choose among
+them.
 
 Which of these run is a *path*, chosen once per process (``MMSERVE_CPU_KERNELS``, see
 ``PATHS``): ``torch`` (torch's operators only), ``avx2`` (the module compiled for AVX2 and
@@ -643,9 +644,13 @@ def float32_linear() -> type[nn.Module] | None:
 def bfloat16_linear() -> type[nn.Module] | None:
     """The bfloat16 linear layer of the process's path, on CPUs with AVX512-BF16 where the
     path's module built (else None: torch's): oneDNN's where the CPU also has AMX, whose tile
-    instructions oneDNN uses and the kernel here does not (2-core Xeon: 2,048 rows 768 ->
-    3,072 in 4.3 against 60 ms, 16 rows in 0.22 against 0.58 ms, ``benchmarks/README.md``),
-    else the AVX512-BF16 kernel (``PackedLinear``)."""
+    instructions oneDNN uses and the kernel here does not, else the AVX512-BF16 kernel
+    (``PackedLinear``). On a 2-core Xeon (``benchmarks/cpu_linear.py --dtype bfloat16``,
+    ``benchmarks/README.md``) oneDNN took a fifth of the kernel's time on 2,048 rows and
+    0.25-0.8 of it on 16-64; at 1-4 rows, where the time goes into reading the weight, the
+    kernel reads it twice as fast (a lone request decodes 1.4-1.5 times slower with oneDNN's).
+    Serving many requests at once is what the choice favours; keeping both layouts would
+    double the weights' memory."""
     if load() is None or not _module.packed_linear_supported():
         return None
     if "amx_bf16" in cpu_flags() and onednn_linear_supported():

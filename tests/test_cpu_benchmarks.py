@@ -1,0 +1,41 @@
+"""The CPU kernels' benchmark scripts run (at a tiny size), so that the tables behind the kernel
+choices can be taken again on any machine. Their figures are not checked: they depend on the
+machine and what else runs on it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmserve.kernels import cpu_ops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_linear_benchmark_prints_its_table(dtype):
+    if "avx2" not in cpu_ops.cpu_flags() or (
+            dtype == "bfloat16" and "avx512f" not in cpu_ops.cpu_flags()):
+        pytest.skip(f"the {dtype} table needs the kernel path this CPU lacks")
+    run = _run("benchmarks/cpu_linear.py", "--dtype", dtype, "--rows", "1,3",
+               "--weights-mb", "1", "--min-seconds", "0.01")
+    assert run.returncode == 0, run.stderr
+    assert f"threads; {dtype}" in run.stdout
+    assert run.stdout.count("GFLOP/s") == 2 * 5  # two row counts of five shapes
+
+
+def test_cpu_attention_benchmark_prints_its_table_or_why_not():
+    run = _run("benchmarks/cpu_attention.py", "--heads", "2", "--repeats", "1")
+    if "avx512_bf16" not in cpu_ops.cpu_flags():
+        assert run.returncode != 0 and "needs AVX512-BF16" in run.stderr
+        return
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count(" ms") == 2 * 10  # kernel and torch, five images and five prompts
