@@ -436,27 +436,36 @@ def fused_kernels(tensor: torch.Tensor) -> ModuleType | None:
     return None
 
 
-def _flash_kernel(tensor: torch.Tensor, causal: bool) -> Callable | None:
+def _flash_kernel(tensor: torch.Tensor, causal: bool, context_len: int = 0) -> Callable | None:
     """The loaded module's flash attention for this query (dtype, head size, CPU): the
-    bfloat16 one on AVX512-BF16 (a vision tower's only without AMX); the float32 one on AVX2
+    bfloat16 one on AVX512-BF16 (with AMX, short prompt chunks' only); the float32 one on AVX2
     with FMA for prompt chunks (causal) only, since for a vision tower's bidirectional
     attention torch's is faster in float32 (``benchmarks/README.md``); None means torch's."""
     if tensor.device.type != "cpu":
         return None
-    return compiled_attention(tensor.dtype, tensor.shape[-1], causal)
+    return compiled_attention(tensor.dtype, tensor.shape[-1], causal, context_len)
 
 
-def compiled_attention(dtype: torch.dtype, head_dim: int, causal: bool) -> Callable | None:
+# On CPUs with AMX, the longest context a bfloat16 prompt chunk attends to with the kernel;
+# from here on torch's fused attention, which multiplies on AMX tiles, is faster.
+AMX_KERNEL_CONTEXT = 512
+
+
+def compiled_attention(dtype: torch.dtype, head_dim: int, causal: bool,
+                       context_len: int = 0) -> Callable | None:
     """The loaded module's flash attention for queries of this dtype and head size (causal:
-    a prompt chunk; else a vision tower's bidirectional attention), or None for torch's.
-    Device-blind, for the memory plan's dry run, which runs on the meta device."""
+    a prompt chunk attending to ``context_len`` positions, its cached prefix and itself; else
+    a vision tower's bidirectional attention), or None for torch's. Device-blind, for the
+    memory plan's dry run, which runs on the meta device."""
     module = _module
     if module is None:
         return None
     if dtype == torch.bfloat16 and _flash_head_dim(module, head_dim):
-        if not causal and "amx_bf16" in cpu_flags():
-            # torch's fused attention multiplies on AMX tiles there: a vision tower's attention
-            # took 1.5-3.5x less time than the kernel's (2-core Xeon, benchmarks/README.md).
+        if "amx_bf16" in cpu_flags() and (not causal or context_len >= AMX_KERNEL_CONTEXT):
+            # torch's fused attention multiplies on AMX tiles there (2-core Xeon,
+            # benchmarks/README.md): a vision tower's attention in a quarter to two thirds of
+            # the kernel's time, prompt chunks of 512 positions and more in 0.3-0.7 of it; at
+            # 277 positions without a prefix the kernel took 0.45-1.06 of torch's.
             return None
         return module.flash_attention
     if causal and dtype == torch.float32 and _flash_f32_head_dim(module, head_dim):
@@ -477,7 +486,7 @@ def _flash_f32_head_dim(module: ModuleType, head_dim: int) -> bool:
 def prefill_attention(query, key, value, seq: PrefillSeq, scale: float):
     """``paged_attention``'s prompt-chunk path (same arguments and result as the torch
     ``prefill_attention``), with the compiled flash attention where it applies."""
-    flash = _flash_kernel(query, causal=True)
+    flash = _flash_kernel(query, causal=True, context_len=seq.context_len)
     if flash is None:
         return torch_prefill_attention(query, key, value, seq, scale)
     causal_offset = seq.context_len - seq.query_len

@@ -27,10 +27,12 @@ import torch.nn.functional as F
 
 from mmserve.kernels import cpu_ops
 from mmserve.kernels.paged_attention import (
+    PrefillSeq,
     build_attention_metadata,
     decode_attention,
     paged_attention,
 )
+from mmserve.kernels.paged_attention import prefill_attention as torch_prefill_attention
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
                                 reason="no C++ compiler: the CPU runner uses the torch path")
@@ -278,6 +280,28 @@ def test_flash_prompt_chunks_in_a_mixed_batch(flash):
                           prefill=spy)
     assert calls == [40, 24]
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_long_bfloat16_prompt_chunks_take_torchs_attention_on_amx(flash, monkeypatch, amx):
+    """With AMX, a chunk attending to ``AMX_KERNEL_CONTEXT`` positions or more (its prefix and
+    itself) goes to torch's fused attention, shorter ones keep the kernel; without, the kernel
+    serves them all. Either way the results are torch's within bfloat16's rounding."""
+    flags = cpu_ops.cpu_flags() - {"amx_bf16"} | ({"amx_bf16"} if amx else set())
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    calls = _spy_on(monkeypatch, flash, "flash_attention", lambda args: args[1].shape[1])
+    g = torch.Generator().manual_seed(9)
+    long = cpu_ops.AMX_KERNEL_CONTEXT
+    for q_len, ctx in ((40, 40), (24, long - 1), (24, long), (long + 8, long + 8)):
+        q = torch.randn(q_len, 12, 64, generator=g).bfloat16()
+        k, v = (torch.randn(ctx, 4, 64, generator=g).bfloat16() for _ in range(2))
+        seq = PrefillSeq(0, q_len, ctx, None if q_len == ctx else torch.arange(ctx),
+                         None if q_len == ctx else
+                         torch.ones(q_len, ctx, dtype=torch.bool).tril(ctx - q_len))
+        expected = torch_prefill_attention(q.float(), k.float(), v.float(), seq, 0.125)
+        got = cpu_ops.prefill_attention(q, k, v, seq, 0.125)
+        torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    assert calls == ([40, long - 1] if amx else [40, long - 1, long, long + 8])
 
 
 def _spy_on(monkeypatch, kernel, name, record):

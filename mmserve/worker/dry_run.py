@@ -113,7 +113,8 @@ def _cpu_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                    scale=None, enable_gqa=False) -> torch.Tensor:
     # Attention with a mask or causal is a prompt chunk's (paged_attention.prefill_attention).
     causal = is_causal or attn_mask is not None
-    if cpu_ops.compiled_attention(query.dtype, query.shape[-1], causal) is not None:
+    if cpu_ops.compiled_attention(query.dtype, query.shape[-1], causal,
+                                  key.shape[-2]) is not None:
         # [batch, heads, queries, dim] in, as the caller has transposed them; the kernel
         # writes a contiguous [batch, queries, heads, dim].
         return query.new_empty(query.transpose(1, 2).shape).transpose(1, 2)
