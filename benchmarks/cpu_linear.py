@@ -58,6 +58,7 @@ def main() -> None:
     flags = sorted(cpu_ops.cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})
     print(f"CPU flags: {' '.join(flags)}; {torch.get_num_threads()} threads; {args.dtype}")
     dtype = getattr(torch, args.dtype)
+    size = dtype.itemsize
     if dtype == torch.float32:  # the AVX2 build: the kernel as the avx2 path runs it
         path, impls = "avx2", {"MKL": lambda lin: lin, "oneDNN": cpu_ops.OneDNNLinear,
                                "mmserve avx2": cpu_ops.PackedLinearF32}
@@ -70,7 +71,6 @@ def main() -> None:
               + "   fastest: weights read at, arithmetic")
         with torch.no_grad():
             for k, n in SHAPES:
-                size = dtype.itemsize
                 count = max(1, round(args.weights_mb * 2**20 / (k * n * size)))
                 linears = [torch.nn.Linear(k, n, bias=False).to(dtype) for _ in range(count)]
                 built = {name: [make(lin) for lin in linears] for name, make in impls.items()}

@@ -658,9 +658,8 @@ def bfloat16_linear() -> type[nn.Module] | None:
     ``benchmarks/README.md``) oneDNN took a fifth of the kernel's time on 2,048 rows and
     0.25-0.8 of it on 16-64; at 1-4 rows, where the time goes into reading the weight, the
     kernel reads it 1.2-2.2 times as fast (a lone request decoded 1.4-1.5 times slower with
-    oneDNN's).
-    Serving many requests at once is what the choice favours; keeping both layouts would
-    double the weights' memory."""
+    oneDNN's). Serving many requests at once is what the choice favours; keeping both layouts
+    would double the weights' memory."""
     if load() is None or not _module.packed_linear_supported():
         return None
     if "amx_bf16" in cpu_flags() and onednn_linear_supported():

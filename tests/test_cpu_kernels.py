@@ -282,13 +282,19 @@ def test_flash_prompt_chunks_in_a_mixed_batch(flash):
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+def _set_amx(monkeypatch, amx: bool) -> None:
+    """This CPU's flags with AMX or without it, for the choices made by the flags (torch's AMX
+    paths or the kernels)."""
+    flags = cpu_ops.cpu_flags() - {"amx_bf16"} | ({"amx_bf16"} if amx else set())
+    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+
+
 @pytest.mark.parametrize("amx", [False, True])
 def test_long_bfloat16_prompt_chunks_take_torchs_attention_on_amx(flash, monkeypatch, amx):
     """With AMX, a chunk attending to ``AMX_KERNEL_CONTEXT`` positions or more (its prefix and
     itself) goes to torch's fused attention, shorter ones keep the kernel; without, the kernel
     serves them all. Either way the results are torch's within bfloat16's rounding."""
-    flags = cpu_ops.cpu_flags() - {"amx_bf16"} | ({"amx_bf16"} if amx else set())
-    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    _set_amx(monkeypatch, amx)
     calls = _spy_on(monkeypatch, flash, "flash_attention", lambda args: args[1].shape[1])
     g = torch.Generator().manual_seed(9)
     long = cpu_ops.AMX_KERNEL_CONTEXT
@@ -324,19 +330,12 @@ def _spy_on(monkeypatch, kernel, name, record):
     return calls
 
 
-def _without_amx(monkeypatch) -> None:
-    """This CPU's flags less AMX: where the kernels, not torch's AMX paths, are chosen."""
-    flags = cpu_ops.cpu_flags() - {"amx_bf16"}
-    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
-
-
 @pytest.mark.parametrize("amx", [False, True])
 def test_encoder_attention_uses_the_kernel_for_bfloat16(flash, monkeypatch, amx):
     """... unless the CPU has AMX, whose tiles torch's fused attention uses (faster there)."""
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 30, 4, 64, generator=g) for _ in range(3))
-    flags = cpu_ops.cpu_flags() - {"amx_bf16"} | ({"amx_bf16"} if amx else set())
-    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    _set_amx(monkeypatch, amx)
     calls = _spy_on(monkeypatch, flash, "flash_attention", lambda args: args[0].dtype)
     expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                               v.transpose(1, 2), scale=0.125).transpose(1, 2)
@@ -418,7 +417,7 @@ def test_float32_prompt_attention_takes_the_kernel(flash_f32, monkeypatch):
 def test_packed_encoder_attention_with_rotated_query_and_key(flash, monkeypatch):
     """Qwen2-VL's vision attention rotates q and k (fresh tensors) and passes v as a view of the
     fused projection: strides that differ between key and value still take the kernel."""
-    _without_amx(monkeypatch)
+    _set_amx(monkeypatch, False)
     g = torch.Generator().manual_seed(8)
     qkv = torch.randn(70, 3, 4, 64, generator=g).bfloat16()
     q, k, v = qkv.unbind(1)
@@ -742,10 +741,9 @@ def test_cpu_runner_packs_bfloat16_linear_layers(packed, clip_llama):
 def test_bfloat16_linear_layers_go_to_onednn_where_the_cpu_has_amx(packed, monkeypatch):
     """AMX's tile matmul (oneDNN's) outruns the AVX512-BF16 kernel many times over, which stays
     for CPUs without AMX; both compute torch's product within bfloat16's rounding."""
-    flags = cpu_ops.cpu_flags() - {"amx_bf16"}
-    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
+    _set_amx(monkeypatch, False)
     assert cpu_ops.bfloat16_linear() is cpu_ops.PackedLinear
-    monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags | {"amx_bf16"})
+    _set_amx(monkeypatch, True)
     assert cpu_ops.bfloat16_linear() is (
         cpu_ops.OneDNNLinear if cpu_ops.onednn_linear_supported() else cpu_ops.PackedLinear)
     linear = _bf16_linear(256, 96, True, seed=8)
