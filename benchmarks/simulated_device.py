@@ -102,8 +102,8 @@ def simulate(engine: LLMEngine, device: SimulatedDevice) -> None:
 
     sample = runner._sample
 
-    def sample_after_device(sampled, logits):
-        drawn = sample(sampled, logits)
+    def sample_after_device(*args):
+        drawn = sample(*args)
         done, to_list = launched.pop(), drawn.to_list
         drawn.to_list = lambda: (device.wait(done), to_list())[1]
         return drawn

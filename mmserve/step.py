@@ -6,10 +6,16 @@ import this leaf module and nothing of each other: the scheduler never sees a te
 engine adds the structured-output bitmasks after scheduling), and the runner never sees the
 scheduler. The pixels of the images to encode travel beside the
 ``SchedulerOutput``, as ``ModelRunner.execute``'s second argument (hash -> pixel values).
+
+Most requests of most steps decode: one token each, past their prompts and images. Those
+travel as ``DecodeRows``, columns that both sides read and fill without an object per request,
+so a step of hundreds of decodes costs a few list appends each; prompt chunks and the rarer
+cases travel as ``ScheduledRequest`` objects.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -59,10 +65,64 @@ class ScheduledRequest:
 
 
 @dataclass
+class DecodeRows:
+    """The requests of a step that compute one generated token each and sample the next
+    (past their prompts, hence past their images; no grammar): most requests of most steps,
+    as columns rather than an object each. In the step's flat batch they are the first rows,
+    in this order, before ``SchedulerOutput.chunks``."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # each one's last, or PENDING_TOKEN
+    start_pos: list[int] = field(default_factory=list)  # the token's index in its request
+    positions: list[int] = field(default_factory=list)  # its rope position, in every row alike
+    sampling_params: list[SamplingParams] = field(default_factory=list)
+    blocks_from: list[int] = field(default_factory=list)  # as ``ScheduledRequest.blocks_from``
+    # The block ids no earlier step sent, for the rows that add some (one step in a block's
+    # size): row -> ids, from index ``blocks_from[row]`` of the request's table.
+    new_blocks: dict[int, list[int]] = field(default_factory=dict)
+    position_rows: int = 1  # rows of the model's positions (3 for M-RoPE)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def append(self, request_id: str, token_id: int, start_pos: int, position: int,
+               sampling_params: SamplingParams, blocks_from: int) -> None:
+        self.request_ids.append(request_id)
+        self.token_ids.append(token_id)
+        self.start_pos.append(start_pos)
+        self.positions.append(position)
+        self.sampling_params.append(sampling_params)
+        self.blocks_from.append(blocks_from)
+
+    def select(self, rows: list[int]) -> DecodeRows:
+        """These rows alone, in this order."""
+        return DecodeRows(
+            [self.request_ids[i] for i in rows], [self.token_ids[i] for i in rows],
+            [self.start_pos[i] for i in rows], [self.positions[i] for i in rows],
+            [self.sampling_params[i] for i in rows], [self.blocks_from[i] for i in rows],
+            {j: self.new_blocks[i] for j, i in enumerate(rows) if i in self.new_blocks},
+            self.position_rows)
+
+    def request(self, row: int) -> ScheduledRequest:
+        """The row as a ``ScheduledRequest`` (for tests and rare paths: a failed step's
+        requests run again one by one)."""
+        position = self.positions[row]
+        return ScheduledRequest(
+            request_id=self.request_ids[row], token_ids=[self.token_ids[row]],
+            start_pos=self.start_pos[row], block_ids=list(self.new_blocks.get(row, ())),
+            blocks_from=self.blocks_from[row], image_slices=[], sample=True,
+            sampling_params=self.sampling_params[row],
+            positions=[[position] for _ in range(self.position_rows)])
+
+
+@dataclass
 class SchedulerOutput:
     """Everything the runner needs for one step, as plain ids, counts and hashes."""
 
-    requests: list[ScheduledRequest] = field(default_factory=list)
+    # The step's decode rows (columns), then every other request it runs (prompt chunks,
+    # requests with a grammar, a token computed again), one object each.
+    decodes: DecodeRows = field(default_factory=DecodeRows)
+    chunks: list[ScheduledRequest] = field(default_factory=list)
     # Encode these now: image hash -> embedding tokens it makes. Their pixels come separately.
     images_to_encode: dict[str, int] = field(default_factory=dict)
     freed_encoder_hashes: list[str] = field(default_factory=list)  # drop these tensors first
@@ -77,14 +137,42 @@ class SchedulerOutput:
     ahead: bool = False
 
     @property
+    def requests(self) -> list[ScheduledRequest]:
+        """Every request of the step as an object, in the batch's order (decode rows made
+        into objects: for tests and rare paths, not for every step)."""
+        decodes = self.decodes
+        return [decodes.request(i) for i in range(len(decodes))] + self.chunks
+
+    def request_ids(self) -> list[str]:
+        """The step's requests' ids, in the batch's order."""
+        return self.decodes.request_ids + [r.request_id for r in self.chunks]
+
+    def sampling_ids(self) -> list[str]:
+        """The ids of the requests that sample in this step, in the batch's order."""
+        return self.decodes.request_ids + [r.request_id for r in self.chunks if r.sample]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.decodes) + len(self.chunks)
+
+    @property
     def num_scheduled_tokens(self) -> int:
-        return sum(len(r.token_ids) for r in self.requests)
+        return len(self.decodes) + sum(len(r.token_ids) for r in self.chunks)
+
+    def without(self, request_ids: set[str] | frozenset[str]) -> SchedulerOutput:
+        """This step less the requests in ``request_ids`` (a copy; the rest is shared)."""
+        decodes = self.decodes
+        if any(rid in request_ids for rid in decodes.request_ids):
+            decodes = decodes.select([i for i, rid in enumerate(decodes.request_ids)
+                                      if rid not in request_ids])
+        return dataclasses.replace(self, decodes=decodes, chunks=[
+            r for r in self.chunks if r.request_id not in request_ids])
 
     def only(self, req: ScheduledRequest) -> SchedulerOutput:
         """This step cut down to one of its requests and the images that request encodes
         (frees and finished ids were carried out with the whole step)."""
         hashes = {s.image_hash for s in req.image_slices}
-        return SchedulerOutput(requests=[req], images_to_encode={
+        return SchedulerOutput(chunks=[req], images_to_encode={
             h: n for h, n in self.images_to_encode.items() if h in hashes})
 
 

@@ -116,7 +116,7 @@ class _Runner:
 
 
 def _step(rid: str) -> SchedulerOutput:
-    return SchedulerOutput(requests=[ScheduledRequest(rid, [5], 0, [0], [], True, GREEDY,
+    return SchedulerOutput(chunks=[ScheduledRequest(rid, [5], 0, [0], [], True, GREEDY,
                                                       [[0]])])
 
 

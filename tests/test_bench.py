@@ -109,7 +109,7 @@ def test_flop_count_matches_torch_flop_counter(clip_llama: str) -> None:
     config.vision_feature_layer = -1
     flops = ModelFlops.from_hf_config(config)
     image_tokens = int((inputs["input_ids"] == model.config.image_token_id).sum())
-    scheduled = SchedulerOutput(requests=[ScheduledRequest("r", [0] * n, 0, [], [], True,
+    scheduled = SchedulerOutput(chunks=[ScheduledRequest("r", [0] * n, 0, [], [], True,
                                                            SamplingParams(),
                                                            [list(range(n))])],
                                 images_to_encode={"h": image_tokens})

@@ -22,7 +22,7 @@ def test_rows_grow_from_what_each_step_sends_and_finished_rows_are_reused() -> N
     tables = BlockTables(rows=1, width=2)
     tables.update([sent("a", [7, 3]), sent("b", [5])])
     tables.update([sent("a", [9, 1, 4], blocks_from=2), sent("b", [], blocks_from=1)])
-    rows = tables.rows([sent("b", []), sent("a", [])], width=5)
+    rows = tables.rows(["b", "a"], width=5)
     assert rows[0, :1].tolist() == [5] and rows[1, :5].tolist() == [7, 3, 9, 1, 4]
     assert tables.table.shape[0] >= 2 and tables.table.shape[1] >= 5  # grew both ways
     # The same message again (a failed step's requests rerun one by one) changes nothing.
@@ -31,7 +31,7 @@ def test_rows_grow_from_what_each_step_sends_and_finished_rows_are_reused() -> N
     assert torch.equal(tables.table, before)
     tables.release(["a", "never-seen"])
     tables.update([sent("c", [2, 8])])  # takes a's row: its first ids are overwritten
-    assert tables.rows([sent("c", [])], width=2)[0].tolist() == [2, 8]
+    assert tables.rows(["c"], width=2)[0].tolist() == [2, 8]
     assert len(tables) == 2
 
 
@@ -39,7 +39,7 @@ def test_a_request_readmitted_after_preemption_sends_its_new_table_whole() -> No
     tables = BlockTables()
     tables.update([sent("a", [1, 2, 3, 4])])
     tables.update([sent("a", [6, 5])])  # new blocks from index 0: the old ones are void
-    assert tables.rows([sent("a", [])], width=2)[0].tolist() == [6, 5]
+    assert tables.rows(["a"], width=2)[0].tolist() == [6, 5]
     # and what it sends next continues the new table, not the old one
     with pytest.raises(ValueError, match="runner has 2 of its earlier ones"):
         tables.update([sent("a", [9], blocks_from=4)])
@@ -65,7 +65,7 @@ def test_ids_left_over_past_a_sequences_blocks_never_reach_a_kernel() -> None:
     tables.update([sent("old", [9, 9, 9, 9])])
     tables.release(["old"])
     tables.update([sent("new", [3, 4])])  # the same row; 7 tokens of blocks of 4
-    rows = tables.rows([sent("new", [])], width=4)
+    rows = tables.rows(["new"], width=4)
     assert rows[0].tolist() == [3, 4, 9, 9]
     meta = build_attention_metadata([1], [7], rows, 4)
     assert meta.decode_block_tables.tolist() == [[3, 4]]

@@ -244,7 +244,7 @@ def test_graph_buffers_hold_positions_of_any_rows(rows: int) -> None:
     ``[rows, n]`` positions in (``[n]`` for one row, as LLaMA's rope takes them), and the
     graph's decoder reads them with zeros in the padding columns."""
     from mmserve.sampling_params import SamplingParams as Params
-    from mmserve.step import ScheduledRequest
+    from mmserve.step import DecodeRows, ScheduledRequest
 
     model = _PositionsModel()
     runner = InterpretedCUDARunner(model, 4, 16, torch.float32, 0)
@@ -257,10 +257,10 @@ def test_graph_buffers_hold_positions_of_any_rows(rows: int) -> None:
                              positions=[[10 * i + row] for row in range(rows)])
             for i in range(3)]
     runner.block_tables.update(reqs)  # as launch() does first
-    input_ids, positions, meta, _, _ = runner._prepare_inputs(reqs)
+    input_ids, positions, meta, _, _ = runner._prepare_inputs(DecodeRows(), reqs)
     assert positions.shape == ((4,) if rows == 1 else (rows, 4))
     model.seen.clear()
-    runner._forward(positions, runner._embed(input_ids, reqs), meta)
+    runner._forward(positions, runner._embed(input_ids, reqs, 0), meta)
     assert runner.graphs[4].replays == 1
     expected = [[10 * i + row for i in range(3)] + [0] for row in range(rows)]
     (seen,) = model.seen

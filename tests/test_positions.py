@@ -16,7 +16,7 @@ from mmserve.engine.request import Request
 from mmserve.engine.scheduler import Scheduler
 from mmserve.inputs import ImageInput
 from mmserve.sampling_params import SamplingParams
-from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
+from mmserve.step import DecodeRows, ModelOutput, ScheduledRequest, SchedulerOutput
 from mmserve.worker.block_tables import BlockTables
 from mmserve.worker.model_runner import ModelRunner, flat_positions
 from tests.test_scheduler import PLACEHOLDER, assert_no_leaks, check_step, make_sched
@@ -149,24 +149,34 @@ def _sched_req(rid: str, start: int, positions: list[list[int]],
 def test_runner_flattens_three_row_positions() -> None:
     prefill = _sched_req("a", 0, [[0, 1, 2, 2], [0, 1, 2, 3], [0, 1, 3, 2]], 4, sample=False)
     decode = _sched_req("b", 9, [[5], [5], [5]], 1)
+    decodes = DecodeRows(position_rows=3)  # b again, as a decode row (its rows alike)
+    decodes.append("b", 7, 9, 5, SamplingParams(), 0)
+    decodes.new_blocks[0] = [4, 5, 6]
     runner = ModelRunner.__new__(ModelRunner)  # input preparation needs no model
     runner.block_size = 4
     runner.block_tables = BlockTables()
-    runner.block_tables.update([prefill, decode])  # as launch() does first
-    input_ids, positions, meta, sample_rows, _ = runner._prepare_inputs([prefill, decode])
-    assert input_ids.shape == (5,)
-    assert positions.shape == (3, 5) and positions.dtype == torch.long
-    assert positions.tolist() == [[0, 1, 2, 2, 5], [0, 1, 2, 3, 5], [0, 1, 3, 2, 5]]
-    assert sample_rows.tolist() == [4]
-    # Padding rows (CUDA decode batches) add zero columns in every row.
-    padded = flat_positions([prefill, decode], num_padding=2)
-    assert padded.shape == (3, 7) and padded[:, 5:].eq(0).all()
+    for rows in (DecodeRows(), [prefill, decode]), (decodes, [prefill]):
+        runner.block_tables.update(rows[1])  # as launch() does first
+        runner.block_tables.update_decodes(rows[0])
+        input_ids, positions, meta, sample_rows, _ = runner._prepare_inputs(*rows)
+        assert input_ids.shape == (5,)
+        assert positions.shape == (3, 5) and positions.dtype == torch.long
+        if rows[0].request_ids:  # decode rows come first
+            assert positions.tolist() == [[5, 0, 1, 2, 2], [5, 0, 1, 2, 3], [5, 0, 1, 3, 2]]
+            assert sample_rows.tolist() == [0]
+        else:
+            assert positions.tolist() == [[0, 1, 2, 2, 5], [0, 1, 2, 3, 5], [0, 1, 3, 2, 5]]
+            assert sample_rows.tolist() == [4]
+        # Padding rows (CUDA decode batches) add zero columns in every row.
+        padded = flat_positions(*rows, num_padding=2)
+        assert padded.shape == (3, 7) and padded[:, 5:].eq(0).all()
+    assert runner.block_tables.rows(["b"], 3)[0].tolist() == [4, 5, 6]
 
 
 def test_runner_squeezes_one_row_positions() -> None:
     # One row stays [num_tokens], as LLaMA's rope takes it.
     reqs = [_sched_req("a", 0, [[0, 1, 2]], 3), _sched_req("b", 6, [[6, 7]], 2)]
-    positions = flat_positions(reqs, num_padding=1)
+    positions = flat_positions(DecodeRows(), reqs, num_padding=1)
     assert positions.shape == (6,)
     assert positions.tolist() == [0, 1, 2, 6, 7, 0]
 

@@ -97,6 +97,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert req.num_computed_tokens == s.start_pos + n
         assert s.token_ids == req.all_token_ids[s.start_pos:s.start_pos + n]
         assert s.sample == (s.start_pos + n == req.num_tokens)
+        assert s.positions == req.positions(s.start_pos, s.start_pos + n)
         # The blocks not sent before, up to the request's whole table: enough for the chunk.
         assert s.block_ids == kv.block_ids(req, s.blocks_from)
         assert s.blocks_from + len(s.block_ids) == len(kv.block_ids(req))
@@ -113,6 +114,18 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert got == expected
         for sl in s.image_slices:
             assert sl.image_hash in sched.encoder_cache.entries
+    # Steady decodes travel as decode rows (columns), first in the batch; everything else as
+    # objects: prompt chunks, a request with a grammar, and a request's first step after a
+    # prefix hit that covered all but its last token (its images not yet looked at).
+    assert out.request_ids()[:len(out.decodes)] == out.decodes.request_ids
+    for rid in out.decodes.request_ids:
+        req = sched.requests[rid]
+        assert req.num_computed_tokens == req.num_tokens > req.num_prompt_tokens
+        assert req.grammar is None
+    for s in out.chunks:
+        req = sched.requests[s.request_id]
+        assert (len(s.token_ids) > 1 or s.start_pos < req.num_prompt_tokens or not s.sample
+                or req.grammar is not None or s.blocks_from == 0), s.request_id
     # Block ownership: a block in k live tables has ref_cnt k; shared ones are cached prefix
     # blocks; owned blocks are never free; free + owned = all.
     owners: Counter[int] = Counter()
@@ -193,6 +206,7 @@ def test_token_budget_and_running_before_waiting() -> None:
     out2 = step(sched)
     # Running first, in admission order: r0 decodes, r1 finishes its prompt, then r2.
     assert [r.request_id for r in out2.requests] == ["r0", "r1", "r2"]
+    assert out2.decodes.request_ids == ["r0"]
     assert counts(out2) == {"r0": 1, "r1": 16, "r2": 40}
     assert out2.num_scheduled_tokens == 57
     drain(sched)
@@ -225,7 +239,33 @@ def test_max_num_seqs_is_respected() -> None:
     # r2 is admitted only once r0 and r1 finished (3 steps: prefill+sample, 2 decodes).
     assert first_r2 == 3
     assert set(counts(outs[0])) == {"r0", "r1"}
+    assert [o.decodes.request_ids for o in outs[1:3]] == [["r0", "r1"]] * 2
+    assert not outs[1].chunks and not outs[2].chunks
     assert all(r.num_output_tokens == 3 for r in reqs)
+    assert_no_leaks(sched)
+
+
+def test_decode_rows_cut_down_and_made_into_objects() -> None:
+    """A step's decode rows less some requests (a stale step's) keep each row's columns,
+    new blocks included, as the objects the whole step would have made."""
+    sched = make_sched(max_num_batched_tokens=64, block_size=16)
+    for rid, n in (("r0", 10), ("r1", 16), ("r2", 16)):
+        sched.add_request(make_req(rid, n, seed=len(rid + str(n)), max_tokens=4))
+    step(sched)
+    out = sched.schedule()
+    check_step(sched, out)
+    assert out.decodes.request_ids == ["r0", "r1", "r2"] and not out.chunks
+    assert sorted(out.decodes.new_blocks) == [1, 2]  # r1 and r2 start their second block
+    whole = out.requests
+    cut = out.without({"r1"})
+    assert cut.request_ids() == cut.sampling_ids() == ["r0", "r2"]
+    assert cut.num_requests == cut.num_scheduled_tokens == 2
+    assert cut.requests == [whole[0], whole[2]]
+    assert cut.decodes.new_blocks == {1: whole[2].block_ids}
+    assert out.without(set()).requests == whole
+    assert out.only(whole[1]).requests == [whole[1]]
+    sched.update(out, ModelOutput(dict.fromkeys(out.sampling_ids(), TOKEN)))
+    drain(sched)
     assert_no_leaks(sched)
 
 
@@ -682,7 +722,7 @@ class SimulatedEncoderOutputs:
         written = set()
         for r in out.requests:
             full = self.kv.block_ids(sched.requests[r.request_id])
-            row = self.tables.rows([r], len(full))[0].tolist()
+            row = self.tables.rows([r.request_id], len(full))[0].tolist()
             assert row == full, (r.request_id, row, full)
             end = r.start_pos + len(r.token_ids)
             written.update(full[r.start_pos // bs:-(-end // bs)])

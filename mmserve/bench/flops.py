@@ -65,8 +65,11 @@ class ModelFlops:
 
     def step(self, scheduled: SchedulerOutput) -> tuple[int, int]:
         """(decoder FLOPs, encoder FLOPs) of one scheduled step."""
-        decoder = 0
-        for r in scheduled.requests:
+        decodes = scheduled.decodes
+        # Decode rows: one token at position p, attending to p + 1 keys.
+        decoder = (len(decodes) * (self.decoder_per_token + self.lm_head_per_row)
+                   + (sum(decodes.start_pos) + len(decodes)) * self.attention_per_context_token)
+        for r in scheduled.chunks:
             n, start = len(r.token_ids), r.start_pos
             # Query at position p attends to p + 1 keys: sum over the chunk's positions.
             context = n * start + n * (n + 1) // 2

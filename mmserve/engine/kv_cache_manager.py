@@ -129,6 +129,9 @@ class KVCacheManager:
             self.pool.uncache([b for b in blocks if b.ref_cnt == 1])
         self.pool.free(list(reversed(blocks)))
 
+    def num_blocks(self, req: Request) -> int:
+        return len(self._req_block_ids.get(req.request_id, ()))
+
     def block_ids(self, req: Request, start: int = 0) -> list[int]:
         """The request's block ids from index ``start`` on, in order (a copy, for a step's
         message: a running request's grow at the end only)."""

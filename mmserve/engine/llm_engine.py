@@ -4,7 +4,6 @@ outputs (``output_processor.py``) unless its front end does."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import itertools
 import logging
@@ -197,6 +196,7 @@ class LLMEngine:
             self.processor, self.grammars, self.plan.max_model_len, config.limit_mm_per_prompt,
             self.encoder_budget.cache_tokens, max(64 << 20, self.plan.activation_bytes))
         self._failed_steps_in_a_row = 0
+        self._failing: set[str] = set()  # requests whose num_failed_steps is not 0
         self._dead: str | None = None
         # Steps handed to the runner and not finished yet, oldest first: one, or two while
         # one runs and the next was scheduled ahead (asynchronous scheduling, where the
@@ -325,8 +325,7 @@ class LLMEngine:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def _in_flight(self, request_id: str) -> bool:
-        return any(r.request_id == request_id for step, _ in self._submitted
-                   for r in step.requests)
+        return any(request_id in step.request_ids() for step, _ in self._submitted)
 
     def _release_aborted(self) -> None:
         """Finish the aborted requests that no step in flight holds any more."""
@@ -507,11 +506,11 @@ class LLMEngine:
         in_flight = self._submitted[0][0]
         if in_flight.images_to_encode:
             return  # which of its images fail to encode decides what may use or spill them
-        pending = frozenset(r.request_id for r in in_flight.requests if r.sample)
+        pending = frozenset(in_flight.sampling_ids())
         if self._matchers and any(rid in self._matchers for rid in pending):
             return
         ahead = self._schedule(pending)
-        if (ahead.requests or ahead.freed_encoder_hashes or ahead.encoder_restores
+        if (ahead.num_requests or ahead.freed_encoder_hashes or ahead.encoder_restores
                 or ahead.encoder_spills or ahead.finished_request_ids):
             self._submit(ahead)
             self.num_steps_ahead += 1
@@ -536,17 +535,12 @@ class LLMEngine:
                           result.prompt_logprobs):
                 for rid in stale:
                     found.pop(rid, None)
-            scheduler_output = dataclasses.replace(scheduler_output, requests=[
-                r for r in scheduler_output.requests if r.request_id not in stale])
+            scheduler_output = scheduler_output.without(stale)
         self._note_prompt_logprobs(result)
         failed = self._handle_failures(scheduler_output, result)
         if self._submitted:  # the step after, scheduled ahead: void for requests whose
             # token it computes from did not come, or whose step here failed or is redone
-            nxt = self._submitted[0][0]
-            self._stale = {r.request_id for r in nxt.requests
-                           if r.request_id in result.errors
-                           or (r.token_ids[-1] == PENDING_TOKEN
-                               and r.request_id not in result.sampled)}
+            self._stale = _void_ahead(self._submitted[0][0], result)
         changed = self.scheduler.update(scheduler_output, result)
         self.num_steps += 1
         outputs = [self._error_output(req) for req in failed if not req.aborting]
@@ -578,7 +572,7 @@ class LLMEngine:
         its grammar allows next (nothing to do, every step, while none has a grammar)."""
         if not self._matchers:
             return
-        sampling = [r for r in scheduler_output.requests if r.sample]
+        sampling = [r for r in scheduler_output.chunks if r.sample]  # (no decode rows)
         masks = self._matchers.bitmasks([r.request_id for r in sampling],
                                         self.grammars.vocab_size)
         for sched, mask in zip(sampling, masks, strict=True):
@@ -616,7 +610,7 @@ class LLMEngine:
         pixels: dict[str, EncoderInput] = {}
         if not to_encode:
             return pixels
-        for sched in scheduler_output.requests:
+        for sched in scheduler_output.chunks:
             if not sched.image_slices:
                 continue
             for image in self.scheduler.requests[sched.request_id].images:
@@ -629,24 +623,29 @@ class LLMEngine:
         """Fail or retry the requests the step failed for (see ``MAX_FAILED_STEPS``); returns
         those finished with an error. Raises ``EngineDeadError`` when the device is gone. A
         step with no request left (all void, scheduled ahead of a failure) counts nothing."""
-        if not scheduler_output.requests:
+        if not scheduler_output.num_requests:
             return []
-        # "In a row": a request the step ran without error starts counting anew.
-        for sched in scheduler_output.requests:
-            if sched.request_id not in result.errors:
-                req = self.scheduler.requests.get(sched.request_id)
-                if req is not None:
+        requests = self.scheduler.requests
+        if self._failing:  # "in a row": a request a step ran without error counts anew
+            ran = set(scheduler_output.request_ids())
+            for rid in list(self._failing):
+                req = requests.get(rid)
+                if req is None:  # finished
+                    self._failing.discard(rid)
+                elif rid in ran and rid not in result.errors:
                     req.num_failed_steps = 0
+                    self._failing.discard(rid)
         if not result.errors:
             self._failed_steps_in_a_row = 0
             return []
         failed, old = [], False
-        for sched in scheduler_output.requests:
+        for sched in scheduler_output.requests:  # (a failed step: objects are affordable)
             reason = result.errors.get(sched.request_id)
             req = self.scheduler.requests.get(sched.request_id)
             if reason is None or req is None:
                 continue
             req.num_failed_steps += 1
+            self._failing.add(req.request_id)
             old = old or req.num_output_tokens > 0
             if req.num_output_tokens > 0 and req.num_failed_steps < MAX_FAILED_STEPS:
                 self.scheduler.retry_request(req.request_id, sched.start_pos)
@@ -654,7 +653,7 @@ class LLMEngine:
                 self.scheduler.fail_request(req.request_id, reason)
                 failed.append(req)
         self.num_failed_requests += len(failed)
-        everyone = len(result.errors) == len(scheduler_output.requests)
+        everyone = len(result.errors) == scheduler_output.num_requests
         self._failed_steps_in_a_row = self._failed_steps_in_a_row + 1 if everyone and old else 0
         if self._failed_steps_in_a_row >= MAX_FAILED_STEPS:
             self._dead = (f"the last {MAX_FAILED_STEPS} engine steps failed for every request, "
@@ -803,6 +802,20 @@ class LLMEngine:
             "preprocess_peak_bytes": self.request_maker.preprocess_peak_bytes,
             "num_memory_releases": self.request_maker.num_memory_releases,
         }
+
+
+def _void_ahead(step: SchedulerOutput, result: ModelOutput) -> set[str]:
+    """The requests of ``step``, scheduled ahead of the step that gave ``result``, whose work
+    there is void: that step failed for them, or gave no token for them to continue from."""
+    errors, sampled = result.errors, result.sampled
+    decodes = step.decodes
+    void = {rid for rid, token in zip(decodes.request_ids, decodes.token_ids, strict=True)
+            if token == PENDING_TOKEN and rid not in sampled}
+    if errors:
+        void.update(rid for rid in decodes.request_ids if rid in errors)
+    void.update(r.request_id for r in step.chunks if r.request_id in errors
+                or (r.token_ids[-1] == PENDING_TOKEN and r.request_id not in sampled))
+    return void
 
 
 def gpu_memory_shortfall(needed: int, total: int, free: int, reserved: int, allocated: int,

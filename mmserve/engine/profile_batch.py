@@ -77,7 +77,7 @@ def profile_batch(
             positions=[list(range(n)) for _ in range(position_rows)]))
         next_block += num_blocks
     return ProfileBatch(
-        SchedulerOutput(requests=requests,
+        SchedulerOutput(chunks=requests,
                         images_to_encode={h: tokens for h, tokens, _ in images}),
         {h: item for h, _, item in images})
 

@@ -95,7 +95,7 @@ class Request:
                              f"of {self.num_prompt_tokens} tokens; expected [rows, "
                              f"{self.num_prompt_tokens}]")
         self.prompt_positions = prompt_positions
-        self._position_rows = prompt_positions.shape[0]
+        self.position_rows = prompt_positions.shape[0]
         self.decode_offset = decode_offset
 
     @property
@@ -121,11 +121,11 @@ class Request:
         preemption see the same numbers."""
         if start >= self.num_prompt_tokens:  # generated tokens only (every decode step)
             if end == start + 1:  # one token: most requests, most steps
-                if self._position_rows == 1:
+                if self.position_rows == 1:
                     return [[start + self.decode_offset]]
-                return [[start + self.decode_offset] for _ in range(self._position_rows)]
+                return [[start + self.decode_offset] for _ in range(self.position_rows)]
             generated = range(start + self.decode_offset, end + self.decode_offset)
-            return [list(generated) for _ in range(self._position_rows)]
+            return [list(generated) for _ in range(self.position_rows)]
         prompt_end = min(end, self.num_prompt_tokens)
         rows = self.prompt_positions[:, start:prompt_end].tolist()
         if end > prompt_end:

@@ -292,14 +292,30 @@ class Scheduler:
             token_budget -= num_new
         self._admitted_last = len(self.running) > admitted
 
+        decodes, num_blocks = out.decodes, self.kv_cache.num_blocks
         for req, num_new, total in scheduled:
             start = req.num_computed_tokens
             assert num_new > 0, f"scheduled {num_new} tokens for {req}"
+            if (num_new == 1 and start + 1 == total and start >= req.num_prompt_tokens
+                    and req.grammar is None and req.images_checked_at >= req.images_end):
+                # A decode: a row of columns. A token scheduled ahead of its sampling is
+                # the only one past the request's known tokens.
+                sent = req.num_blocks_sent
+                if num_blocks(req) > sent:  # its token starts a block
+                    new_blocks = self.kv_cache.block_ids(req, sent)
+                    decodes.new_blocks[len(decodes)] = new_blocks
+                    req.num_blocks_sent = sent + len(new_blocks)
+                decodes.position_rows = req.position_rows
+                decodes.append(req.request_id, req.all_token_ids[start]
+                               if start < len(req.all_token_ids) else PENDING_TOKEN,
+                               start, start + req.decode_offset, req.sampling_params, sent)
+                req.num_computed_tokens = total
+                continue
             token_ids = req.all_token_ids[start:start + num_new]
             if len(token_ids) < num_new:  # a token scheduled ahead of its sampling
                 token_ids += [PENDING_TOKEN] * (num_new - len(token_ids))
             new_blocks = self.kv_cache.block_ids(req, req.num_blocks_sent)
-            out.requests.append(ScheduledRequest(
+            out.chunks.append(ScheduledRequest(
                 request_id=req.request_id,
                 token_ids=token_ids,
                 start_pos=start,
@@ -388,9 +404,10 @@ class Scheduler:
         for image_hash in result.failed_images:
             self.encoder_cache.discard(image_hash)
         changed = []
-        for sched in out.requests:
-            token = result.sampled.get(sched.request_id)
-            req = self.requests.get(sched.request_id)
+        sampled, requests = result.sampled, self.requests
+        for rid in out.sampling_ids():
+            token = sampled.get(rid)
+            req = requests.get(rid)
             if token is None or req is None or req.status != _RUNNING:
                 continue
             req.append_token(token)

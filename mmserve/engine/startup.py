@@ -141,7 +141,7 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
             marked.add("activation_bytes")
     else:
         peak, method = measure_peak(batch)
-    method += (f" ({step.num_scheduled_tokens} tokens, {len(step.requests)} sequences, "
+    method += (f" ({step.num_scheduled_tokens} tokens, {step.num_requests} sequences, "
                f"{len(step.images_to_encode)} images)")
     inputs = plan_inputs(config, hf_config, device, memory_bytes, weights_bytes, peak, method,
                          budget, estimated=tuple(sorted(marked)))

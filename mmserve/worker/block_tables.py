@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from mmserve.kernels.transfer import int_tensor
-from mmserve.step import ScheduledRequest
+from mmserve.step import DecodeRows, ScheduledRequest
 
 
 class BlockTables:
@@ -56,11 +56,16 @@ class BlockTables:
                 self._grow(self.table.shape[0], max(end, 2 * self.table.shape[1]))
             self.table[row, r.blocks_from:end] = torch.tensor(r.block_ids, dtype=torch.long)
 
-    def rows(self, requests: list[ScheduledRequest], width: int) -> torch.Tensor:
-        """``[len(requests), width]``: the first ``width`` ids of the requests' tables (at
+    def update_decodes(self, decodes: DecodeRows) -> None:
+        """``update`` for a step's decode rows: only those that add blocks have any."""
+        if decodes.new_blocks:
+            self.update([decodes.request(i) for i in decodes.new_blocks])
+
+    def rows(self, request_ids: list[str], width: int) -> torch.Tensor:
+        """``[len(request_ids), width]``: the first ``width`` ids of the requests' tables (at
         most as many as the widest holds), in order."""
         row_of = self._rows
-        index = int_tensor([row_of[r.request_id] for r in requests])
+        index = int_tensor([row_of[rid] for rid in request_ids])
         return self.table[:, :width].index_select(0, index)
 
     def release(self, request_ids: Iterable[str]) -> None:

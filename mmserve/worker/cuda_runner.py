@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mmserve.models.forward_context import OutputRows, forward_context
-from mmserve.step import ScheduledRequest, SchedulerOutput
+from mmserve.step import SchedulerOutput
 from mmserve.worker.model_runner import CPUModelRunner, EncoderPixels, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -123,21 +123,21 @@ class CUDAModelRunner(ModelRunner):
         return torch.cuda.max_memory_allocated() - start
 
     # ------------------------------------------------------------ inputs
-    def _attention_metadata(self, reqs: list[ScheduledRequest], query_lens: list[int],
+    def _attention_metadata(self, request_ids: list[str], query_lens: list[int],
                             seq_lens: list[int]):
         """Triton metadata; decode-only batches are padded to a captured graph size with
         sequences that have no query tokens (slot -1: they write and attend to nothing)."""
         from mmserve.kernels.triton_attention import TritonAttentionMetadata
 
         bs = self.block_size
-        tables = self.block_tables.rows(reqs, -(-max(seq_lens, default=1) // bs))
+        tables = self.block_tables.rows(request_ids, -(-max(seq_lens, default=1) // bs))
         padded = None
         if self.graph_sizes and len(query_lens) == sum(query_lens):  # decodes only
-            padded = padded_batch_size(len(reqs), self.graph_sizes)
+            padded = padded_batch_size(len(request_ids), self.graph_sizes)
         meta = TritonAttentionMetadata.build(
             query_lens, seq_lens, tables, bs, self.device, num_seqs_padded=padded,
             max_blocks=self.max_blocks_per_seq if padded is not None else None)
-        return meta, 0 if padded is None else padded - len(reqs)
+        return meta, 0 if padded is None else padded - len(request_ids)
 
     # ------------------------------------------------------------ forward
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta,

@@ -7,7 +7,6 @@ The runner reads its step messages from ``mmserve/step.py`` and nothing of the e
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -32,8 +31,10 @@ from mmserve.models import parallel
 from mmserve.models.forward_context import AttentionBackend, OutputRows, forward_context
 from mmserve.models.parallel import CollectiveError
 from mmserve.profiling import phase
+from mmserve.sampling_params import SamplingParams
 from mmserve.step import (
     PENDING_TOKEN,
+    DecodeRows,
     ModelOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -215,7 +216,8 @@ class ModelRunner:
         # Every request's new blocks first, those of requests this step drops below included
         # (the scheduler counts them as sent), before anything here may raise.
         self.block_tables.release(scheduler_output.finished_request_ids)
-        self.block_tables.update(scheduler_output.requests)
+        self.block_tables.update(scheduler_output.chunks)
+        self.block_tables.update_decodes(scheduler_output.decodes)
         for h in scheduler_output.freed_encoder_hashes:
             self.encoder_outputs.pop(h, None)
         for h, (num_tokens, block_ids) in scheduler_output.encoder_restores.items():
@@ -242,7 +244,7 @@ class ModelRunner:
                 # longer pair up, so nothing can be rerun in step (as vLLM, the engine stops).
                 raise CollectiveError(f"tensor-parallel rank {parallel.tp_rank()}: "
                                       f"{_reason(e)}") from e
-            requests = scheduler_output.requests
+            requests = scheduler_output.requests  # (objects: a failed step's rare path)
             if len(requests) <= 1:
                 out.errors.update({r.request_id: _reason(e) for r in requests})
                 logger.error("engine step failed for request %s: %s",
@@ -252,7 +254,7 @@ class ModelRunner:
                     self._with_failed_images(scheduler_output, out)), [])
             logger.warning("an engine step of %d requests failed (%s); running each alone to "
                            "find the ones responsible", len(requests), _reason(e))
-        for req in scheduler_output.requests:
+        for req in requests:
             try:
                 self.last_sampled.update(
                     self._execute(scheduler_output.only(req), encoder_pixels, out))
@@ -284,36 +286,50 @@ class ModelRunner:
         for nothing. Each remaining ``PENDING_TOKEN`` (a token scheduled ahead of its
         sampling) is read from the device when the step's inputs are made
         (``_with_pending_tokens``). The engine's message is not changed (a copy is)."""
-        requests = scheduler_output.requests
+        chunks, decodes = scheduler_output.chunks, scheduler_output.decodes
         failed, self._failed = self._failed, set()
-        if not scheduler_output.ahead or not (
-                failed or any(r.token_ids[-1] == PENDING_TOKEN for r in requests)):
+        if not scheduler_output.ahead:
             return scheduler_output
-        kept = []
-        for r in requests:
-            if r.request_id in failed:  # scheduled before its step failed: nothing to run
-                out.errors[r.request_id] = "its step before failed"
-                continue
-            if r.token_ids[-1] == PENDING_TOKEN and r.request_id not in self.last_sampled:
-                out.errors[r.request_id] = "its step before produced no token"
-                continue
-            kept.append(r)
-        return dataclasses.replace(scheduler_output, requests=kept)
+        last_sampled = self.last_sampled
+        void: set[str] = set()
+        for rid, token in zip(decodes.request_ids, decodes.token_ids, strict=True):
+            if rid in failed or (token == PENDING_TOKEN and rid not in last_sampled):
+                void.add(rid)
+        for r in chunks:
+            if r.request_id in failed or (r.token_ids[-1] == PENDING_TOKEN
+                                          and r.request_id not in last_sampled):
+                void.add(r.request_id)
+        if not void:
+            return scheduler_output
+        for rid in void:  # scheduled before its step failed, or without a token: nothing to run
+            out.errors[rid] = ("its step before failed" if rid in failed
+                               else "its step before produced no token")
+        return scheduler_output.without(void)
 
-    def _with_pending_tokens(self, input_ids: torch.Tensor,
-                             reqs: list[ScheduledRequest]) -> torch.Tensor:
+    def _with_pending_tokens(self, input_ids: torch.Tensor, decodes: DecodeRows,
+                             chunks: list[ScheduledRequest]) -> torch.Tensor:
         """``input_ids`` with each ``PENDING_TOKEN`` replaced, on the device, by the token the
         request's last step sampled there: nothing waits for that step's tokens to reach
         Python."""
         positions: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by source
-        end = 0
-        for r in reqs:
+        last_sampled = self.last_sampled
+
+        def take(rid: str, at_row: int) -> None:
+            tokens, row = last_sampled[rid]
+            _, rows, at = positions.setdefault(id(tokens), (tokens, [], []))
+            rows.append(row)
+            at.append(at_row)
+
+        if PENDING_TOKEN in decodes.token_ids:
+            for i, (rid, token) in enumerate(zip(decodes.request_ids, decodes.token_ids,
+                                                 strict=True)):
+                if token == PENDING_TOKEN:
+                    take(rid, i)
+        end = len(decodes)
+        for r in chunks:
             end += len(r.token_ids)
             if r.token_ids[-1] == PENDING_TOKEN:
-                tokens, row = self.last_sampled[r.request_id]
-                _, rows, at = positions.setdefault(id(tokens), (tokens, [], []))
-                rows.append(row)
-                at.append(end - 1)
+                take(r.request_id, end - 1)
         for tokens, rows, at in positions.values():
             index = tensor_on(rows, torch.long, tokens.device)
             input_ids[tensor_on(at, torch.long, input_ids.device)] = tokens[index]
@@ -347,20 +363,25 @@ class ModelRunner:
         Returns where each sampled token is (for ``last_sampled``, which the caller updates
         only once the attempt has succeeded: a rerun reads the step before's tokens)."""
         times = out.times
-        requests = scheduler_output.requests
+        chunks, decodes = scheduler_output.chunks, scheduler_output.decodes
         t0 = time.perf_counter()
         with self._phase("encoder"):
             self._run_encoder(scheduler_output, encoder_pixels)
         t1 = time.perf_counter()
         times.encoder += t1 - t0
-        if not requests:
+        if not chunks and not len(decodes):
             return {}
         with phase("prepare"):
-            input_ids, positions, meta, sample_rows, num_rows = self._prepare_inputs(requests)
-            input_ids = self._with_pending_tokens(input_ids, requests)
-            embeds = self._embed(input_ids, requests)
-            sampled = [r for r in requests if r.sample]
-            output_rows = self._output_rows(requests, sampled, sample_rows, num_rows, meta)
+            input_ids, positions, meta, sample_rows, num_rows = self._prepare_inputs(
+                decodes, chunks)
+            input_ids = self._with_pending_tokens(input_ids, decodes, chunks)
+            embeds = self._embed(input_ids, chunks, len(decodes))
+            sampled = [r for r in chunks if r.sample]
+            # The sampling rows' requests, decode rows first, as columns.
+            ids = decodes.request_ids + [r.request_id for r in sampled]
+            params = decodes.sampling_params + [r.sampling_params for r in sampled]
+            output_rows = self._output_rows(chunks, decodes, sampled, sample_rows, num_rows,
+                                            meta)
         t2 = time.perf_counter()
         times.prepare += t2 - t1
         with self._phase("forward"):
@@ -368,9 +389,9 @@ class ModelRunner:
             if output_rows is not None:
                 _check_output_rows(hidden, output_rows)
             logits = self.model.compute_logits(
-                hidden if output_rows is not None else hidden[sample_rows]) if sampled else None
+                hidden if output_rows is not None else hidden[sample_rows]) if ids else None
             # (Without output rows whenever a request asks for them.)
-            prompt_logprobs = self._prompt_logprobs(requests, hidden)
+            prompt_logprobs = self._prompt_logprobs(chunks, hidden, len(decodes))
         t3 = time.perf_counter()
         times.forward += t3 - t2
         if deferred is not None and prompt_logprobs.pieces:
@@ -381,77 +402,78 @@ class ModelRunner:
             times.forward += time.perf_counter() - t3
             return {}
         with self._phase("sample"):
-            drawn = self._sample(sampled, logits)
-        where = {r.request_id: (drawn.tokens, i) for i, r in enumerate(sampled)}
-        wants_logprobs = any(r.sampling_params.logprobs is not None for r in sampled)
+            drawn = self._sample(ids, params, logits, {
+                len(decodes) + i: r.token_bitmask for i, r in enumerate(sampled)
+                if r.token_bitmask is not None})
+        tokens_at = drawn.tokens
+        where = {rid: (tokens_at, i) for i, rid in enumerate(ids)}
+        wants_logprobs = any(p.logprobs is not None for p in params)
         if deferred is not None:  # log-probabilities too, once the tokens are known
             deferred.append(DeferredTokens(
-                [r.request_id for r in sampled], drawn,
-                functools.partial(self._contained_logprobs, sampled, logits)
+                ids, drawn, functools.partial(self._contained_logprobs, ids, params, logits)
                 if wants_logprobs else None))
             times.sample += time.perf_counter() - t3
             return where
         tokens = drawn.to_list()
-        logprobs = self._logprobs(sampled, logits, tokens) if wants_logprobs else {}
+        logprobs = self._logprobs(ids, params, logits, tokens) if wants_logprobs else {}
         prompt_logprobs.collect(out)  # the last that may raise (a rerun replaces its entries)
         times.sample += time.perf_counter() - t3
-        for r, token in zip(sampled, tokens, strict=True):
+        for rid, token in zip(ids, tokens, strict=True):
             if isinstance(token, Exception):
-                out.errors[r.request_id] = _reason(token)
-                logger.error("sampling failed for request %s: %s", r.request_id,
-                             _reason(token))
+                out.errors[rid] = _reason(token)
+                logger.error("sampling failed for request %s: %s", rid, _reason(token))
             else:
-                out.sampled[r.request_id] = token
+                out.sampled[rid] = token
         out.logprobs.update(logprobs)
         return where
 
-    def _sample(self, sampled: list[ScheduledRequest], logits: torch.Tensor) -> SampledTokens:
-        """Each row's token, under the row's grammar bitmask if it has one, left on the
-        device."""
-        constrained = [i for i, r in enumerate(sampled) if r.token_bitmask is not None]
-        sample_from = logits if not constrained else apply_token_bitmasks(
-            logits, constrained, [sampled[i].token_bitmask for i in constrained])
-        return sample_on_device(sample_from, [r.sampling_params for r in sampled],
-                                lambda i: self._generator(sampled[i]))
+    def _sample(self, ids: list[str], params: list[SamplingParams], logits: torch.Tensor,
+                bitmasks: dict[int, torch.Tensor]) -> SampledTokens:
+        """Each row's token (rows: the requests ``ids``, sampling by ``params``), under the
+        row's grammar bitmask where ``bitmasks`` has one, left on the device."""
+        sample_from = logits if not bitmasks else apply_token_bitmasks(
+            logits, list(bitmasks), list(bitmasks.values()))
+        return sample_on_device(sample_from, params,
+                                lambda i: self._generator(ids[i], params[i]))
 
     @classmethod
-    def _contained_logprobs(cls, sampled: list[ScheduledRequest], logits: torch.Tensor,
-                            tokens: list[int | Exception]
+    def _contained_logprobs(cls, ids: list[str], params: list[SamplingParams],
+                            logits: torch.Tensor, tokens: list[int | Exception]
                             ) -> tuple[dict[str, TokenLogprobs], dict[str, str]]:
         """``_logprobs`` for a step whose tokens were left on the device, computed once they
         are known (the step cannot be rerun by then): if the batch's computation fails, each
         row's is computed alone, and only the requests whose own fails are failed."""
         try:
-            return cls._logprobs(sampled, logits, tokens), {}
+            return cls._logprobs(ids, params, logits, tokens), {}
         except Exception as e:  # noqa: BLE001 (contained below, and logged)
             logger.warning("the log-probabilities of a step's %d rows failed (%s); computing "
-                           "each row's alone", len(sampled), _reason(e))
+                           "each row's alone", len(ids), _reason(e))
         found: dict[str, TokenLogprobs] = {}
         failed: dict[str, str] = {}
-        for i, r in enumerate(sampled):
-            if r.sampling_params.logprobs is None or isinstance(tokens[i], Exception):
+        for i, (rid, p) in enumerate(zip(ids, params, strict=True)):
+            if p.logprobs is None or isinstance(tokens[i], Exception):
                 continue
             try:
-                found.update(cls._logprobs([r], logits[i:i + 1], [tokens[i]]))
+                found.update(cls._logprobs([rid], [p], logits[i:i + 1], [tokens[i]]))
             except Exception as e:  # noqa: BLE001
-                failed[r.request_id] = _reason(e)
-                logger.error("log-probabilities failed for request %s: %s", r.request_id,
-                             _reason(e), exc_info=e)
+                failed[rid] = _reason(e)
+                logger.error("log-probabilities failed for request %s: %s", rid, _reason(e),
+                             exc_info=e)
         return found, failed
 
     @staticmethod
-    def _logprobs(sampled: list[ScheduledRequest], logits: torch.Tensor,
+    def _logprobs(ids: list[str], params: list[SamplingParams], logits: torch.Tensor,
                   tokens: list[int | Exception]) -> dict[str, TokenLogprobs]:
         """The log-probabilities of the rows that ask for them and have a token."""
-        rows = [i for i, (r, token) in enumerate(zip(sampled, tokens, strict=True))
-                if r.sampling_params.logprobs is not None and not isinstance(token, Exception)]
+        rows = [i for i, (p, token) in enumerate(zip(params, tokens, strict=True))
+                if p.logprobs is not None and not isinstance(token, Exception)]
         if not rows:
             return {}
         index = tensor_on(rows, torch.long, logits.device)
         return dict(zip(
-            (sampled[i].request_id for i in rows),
+            (ids[i] for i in rows),
             token_logprobs(logits.index_select(0, index), [tokens[i] for i in rows],
-                           [sampled[i].sampling_params.logprobs for i in rows]),
+                           [params[i].logprobs for i in rows]),
             strict=True))
 
     @contextmanager
@@ -462,15 +484,15 @@ class ModelRunner:
         with phase(name), nullcontext() if timer is None else timer.span():
             yield
 
-    def _prompt_logprobs(self, requests: list[ScheduledRequest], hidden: torch.Tensor
-                         ) -> PromptLogprobs:
+    def _prompt_logprobs(self, chunks: list[ScheduledRequest], hidden: torch.Tensor,
+                         start: int) -> PromptLogprobs:
         """The log-probabilities of the prompt tokens that follow each request's first rows
-        (``ScheduledRequest.prompt_logprob_targets``), through the LM head
+        (``ScheduledRequest.prompt_logprob_targets``; the first chunk's at row ``start`` of
+        ``hidden``), through the LM head
         ``PROMPT_LOGPROB_ROWS`` rows at a time (a prompt chunk's logits would otherwise be
         thousands of vocabulary-wide rows at once), left on the device."""
         found = {}
-        start = 0
-        for r in requests:
+        for r in chunks:
             targets = r.prompt_logprob_targets
             if targets:
                 pieces = []
@@ -492,19 +514,23 @@ class ModelRunner:
         with forward_context(meta, self.attention, output_rows):
             return self.model(positions, embeds)
 
-    def _output_rows(self, requests: list[ScheduledRequest], sampled: list[ScheduledRequest],
-                     sample_rows: torch.Tensor, num_rows: int, meta) -> OutputRows | None:
+    def _output_rows(self, chunks: list[ScheduledRequest], decodes: DecodeRows,
+                     sampled: list[ScheduledRequest], sample_rows: torch.Tensor, num_rows: int,
+                     meta) -> OutputRows | None:
         """The rows the step samples, for a decoder that computes its last layer for them
         alone, when that saves anything: some of the requests' ``num_rows`` rows are not
         sampled (prompt chunks; padding rows do not count) and none asks for prompt
         log-probabilities (which read every row; looked for only in such steps)."""
-        if (not self.computes_sampled_rows_only or len(sampled) == num_rows
-                or any(r.prompt_logprob_targets for r in requests)):
+        num_sampled = len(decodes) + len(sampled)
+        if (not self.computes_sampled_rows_only or num_sampled == num_rows
+                or any(r.prompt_logprob_targets for r in chunks)):
             return None
-        seq_lens = [r.start_pos + len(r.token_ids) for r in sampled]
+        seq_lens = ([s + 1 for s in decodes.start_pos]
+                    + [r.start_pos + len(r.token_ids) for r in sampled])
         # The sampled rows as decodes of their sequences (with padding sequences that have no
         # rows where the backend pads decode batches: they compute nothing).
-        as_decodes, _ = self._attention_metadata(sampled, [1] * len(sampled), seq_lens)
+        as_decodes, _ = self._attention_metadata(
+            decodes.request_ids + [r.request_id for r in sampled], [1] * num_sampled, seq_lens)
         return OutputRows(sample_rows, as_decodes,
                           functools.partial(self.write_kv, slot_mapping=meta.slot_mapping))
 
@@ -555,14 +581,14 @@ class ModelRunner:
         """Prepare fast paths for decode batches (CUDA graphs) whose positions have
         ``position_rows`` rows; nothing to do on the CPU."""
 
-    def _generator(self, req: ScheduledRequest) -> torch.Generator:
-        seed = req.sampling_params.seed
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        seed = params.seed
         if seed is None:
             return self.default_generator
-        gen = self.generators.get(req.request_id)
+        gen = self.generators.get(request_id)
         if gen is None:
             gen = torch.Generator(device=self.device).manual_seed(seed)
-            self.generators[req.request_id] = gen
+            self.generators[request_id] = gen
         return gen
 
     def _run_encoder(self, scheduler_output: SchedulerOutput,
@@ -651,11 +677,12 @@ class ModelRunner:
                 out[i]["pixel_values"] = p
         return out
 
-    def _embed(self, input_ids: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
-        """Token embeddings with image embeddings scattered over their placeholders."""
+    def _embed(self, input_ids: torch.Tensor, chunks: list[ScheduledRequest],
+               start: int) -> torch.Tensor:
+        """Token embeddings with image embeddings scattered over their placeholders (the
+        first chunk's at row ``start``)."""
         rows, sources = [], []
-        start = 0
-        for r in reqs:
+        for r in chunks:
             for s in r.image_slices:
                 rows.append(torch.arange(start + s.dst_start, start + s.dst_start + s.length))
                 sources.append(self.encoder_outputs[s.image_hash][s.src_start:s.src_start
@@ -671,7 +698,7 @@ class ModelRunner:
         return embeds
 
     def _prepare_inputs(
-        self, reqs: list[ScheduledRequest]
+        self, decodes: DecodeRows, chunks: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, int]:
         """The flat batch: token ids, positions, attention metadata, the rows to sample and
         the number of the requests' rows (without the padding rows a device may add).
@@ -679,30 +706,35 @@ class ModelRunner:
         Positions are ``[rows, num_tokens]`` from the requests' slices (``[3, num_tokens]``
         for M-RoPE), squeezed to ``[num_tokens]`` when there is one row, as LLaMA's rope
         takes them."""
-        ids: list[int] = []
-        sample_rows: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []  # each request's tokens once this step has run
-        for r in reqs:  # one pass, plain integers: the tensors are made from whole columns
+        n = len(decodes)
+        ids = decodes.token_ids + []  # (a copy)
+        sample_rows = list(range(n))
+        query_lens = [1] * n
+        seq_lens = [s + 1 for s in decodes.start_pos]  # each one's tokens once this step ran
+        for r in chunks:  # one pass, plain integers: the tensors are made from whole columns
             tokens = r.token_ids
             ids += tokens
             query_lens.append(len(tokens))
             seq_lens.append(r.start_pos + len(tokens))
             if r.sample:
                 sample_rows.append(len(ids) - 1)
-        meta, num_padding = self._attention_metadata(reqs, query_lens, seq_lens)
+        meta, num_padding = self._attention_metadata(
+            decodes.request_ids + [r.request_id for r in chunks], query_lens, seq_lens)
         num_rows = len(ids)
         # Padding rows embed token 0 at position 0; the metadata makes them compute nothing.
         ids.extend([0] * num_padding)
         dev = self.device
-        return (tensor_on(ids, torch.long, dev), flat_positions(reqs, num_padding, dev), meta,
+        return (tensor_on(ids, torch.long, dev),
+                flat_positions(decodes, chunks, num_padding, dev), meta,
                 tensor_on(sample_rows, torch.long, dev), num_rows)
 
-    def _attention_metadata(self, reqs: list[ScheduledRequest], query_lens: list[int],
+    def _attention_metadata(self, request_ids: list[str], query_lens: list[int],
                             seq_lens: list[int]) -> tuple[AttentionMetadata, int]:
-        """The attention backend's metadata, and how many padding rows the batch needs."""
+        """The attention backend's metadata for these requests' rows, and how many padding
+        rows the batch needs."""
         width = -(-max(seq_lens, default=1) // self.block_size)
-        meta = build_attention_metadata(query_lens, seq_lens, self.block_tables.rows(reqs, width),
+        meta = build_attention_metadata(query_lens, seq_lens,
+                                        self.block_tables.rows(request_ids, width),
                                         self.block_size, self.device)
         return meta, 0
 
@@ -802,17 +834,19 @@ class ModelRunner:
         """
         try:
             self._assign_images(batch)
-            self.block_tables.update(batch.requests)
+            self.block_tables.update(batch.chunks)
+            self.block_tables.update_decodes(batch.decodes)
             self._run_encoder(batch, encoder_pixels)
-            input_ids, positions, meta, sample_rows, _ = self._prepare_inputs(batch.requests)
-            embeds = self._embed(input_ids, batch.requests)
+            input_ids, positions, meta, sample_rows, _ = self._prepare_inputs(batch.decodes,
+                                                                              batch.chunks)
+            embeds = self._embed(input_ids, batch.chunks, len(batch.decodes))
             hidden = self._forward(positions, embeds, meta)
             self.model.compute_logits(hidden[sample_rows])
         finally:
             for h in batch.images_to_encode:
                 self.encoder_outputs.pop(h, None)
             self._image_owners.clear()
-            self.block_tables.release(r.request_id for r in batch.requests)
+            self.block_tables.release(batch.request_ids())
 
 
 class CPUModelRunner(ModelRunner):
@@ -882,22 +916,22 @@ class CPUModelRunner(ModelRunner):
         return super().launch(scheduler_output, encoder_pixels)
 
 
-def flat_positions(reqs: list[ScheduledRequest], num_padding: int = 0,
+def flat_positions(decodes: DecodeRows, chunks: list[ScheduledRequest], num_padding: int = 0,
                    device: torch.device | str = "cpu") -> torch.Tensor:
-    """The batch's positions, the requests' slices side by side and ``num_padding`` zero
-    columns after them: ``[rows, num_tokens]``, or ``[num_tokens]`` when there is one row."""
-    if all(len(r.token_ids) == 1 and len(r.positions) == 1 == len(r.positions[0])
-           for r in reqs):  # one token and one row each (decodes, LLaMA's rope)
-        flat_row = [r.positions[0][0] for r in reqs] + [0] * num_padding
-        return tensor_on(flat_row, torch.long, device)
-    per_request = [r.positions for r in reqs]
-    num_rows = {len(p) for p in per_request}
+    """The batch's positions, the decode rows' then the chunks' side by side and
+    ``num_padding`` zero columns after them: ``[rows, num_tokens]``, or ``[num_tokens]`` when
+    there is one row."""
+    if not chunks and decodes.position_rows == 1:  # decodes with LLaMA's rope: most steps
+        return tensor_on(decodes.positions + [0] * num_padding, torch.long, device)
+    num_rows = {len(r.positions) for r in chunks}
+    if len(decodes):
+        num_rows.add(decodes.position_rows)
     if len(num_rows) > 1:
         raise ValueError(f"requests of one step have positions of {sorted(num_rows)} rows")
     rows = num_rows.pop() if num_rows else 1
-    flat: list[list[int]] = [[] for _ in range(rows)]
-    for positions, r in zip(per_request, reqs, strict=True):
-        for row, values in zip(flat, positions, strict=True):
+    flat: list[list[int]] = [decodes.positions + [] for _ in range(rows)]
+    for r in chunks:
+        for row, values in zip(flat, r.positions, strict=True):
             if len(values) != len(r.token_ids):
                 raise ValueError(f"request {r.request_id} has {len(r.token_ids)} tokens but "
                                  f"{len(values)} positions")
