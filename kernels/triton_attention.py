@@ -36,6 +36,9 @@ class TritonAttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32 cached tokens after this step, chunk included
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 physical block ids, 0-padded
     max_query_len: int  # sets the grid; a host int so launching never syncs with the device
+    # Rows may follow the last sequence's (a decode batch padded to a CUDA graph's size): their
+    # attention output is zeros, not whatever the memory held (no sequence computes them).
+    padded: bool = False
 
     @classmethod
     def build(
@@ -52,9 +55,9 @@ class TritonAttentionMetadata:
         (a list per sequence, or rows of a tensor as the runner keeps them, at least as wide as
         each sequence's blocks).
 
-        ``num_seqs_padded`` appends sequences with no query tokens (and their tokens' slots
-        are -1), and ``max_blocks`` fixes the block-table width, so a CUDA graph captured at
-        that shape can replay any smaller batch.
+        ``num_seqs_padded`` appends sequences with no query tokens (their tokens' slots are
+        -1, their rows' attention output zeros), and ``max_blocks`` fixes the block-table
+        width, so a CUDA graph captured at that shape can replay any smaller batch.
         """
         num_seqs = len(query_lens)
         if not len(seq_lens) == len(block_tables) == num_seqs:
@@ -95,6 +98,7 @@ class TritonAttentionMetadata:
             seq_lens=to_device(lens, device),
             block_tables=to_device(tables, device),
             max_query_len=max(query_lens, default=0),
+            padded=num_seqs_padded is not None,
         )
 
     @property
@@ -218,7 +222,7 @@ def triton_paged_attention(
     if query.dtype not in _TL_DTYPES or kv_cache.dtype != query.dtype:
         raise ValueError(f"query {query.dtype} and cache {kv_cache.dtype} must share one of "
                          "float16, bfloat16, float32")
-    out = torch.empty_like(query)
+    out = torch.zeros_like(query) if meta.padded else torch.empty_like(query)
     if meta.max_query_len == 0 or num_tokens == 0:
         return out
     group = num_heads // num_kv_heads

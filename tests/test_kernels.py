@@ -256,8 +256,12 @@ def test_build_metadata_rejects_bad_layouts(bad):
         TritonAttentionMetadata.build(block_size=4, **bad)
 
 
-def test_padded_decode_batch_matches_unpadded():
-    """A decode batch padded as for a CUDA graph: real rows unchanged, cache untouched by pads."""
+def test_padded_decode_batch_matches_unpadded(monkeypatch):
+    """A decode batch padded as for a CUDA graph: real rows unchanged, cache untouched by pads,
+    and the padding rows' output zeros, not memory nobody wrote (made NaN here)."""
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like",
+                        lambda t, **kw: empty_like(t, **kw).fill_(float("nan")))
     gen = torch.Generator().manual_seed(5)
     seqs = [(1, 9), (1, 4), (1, 20)]
     tables = _block_tables(seqs, 4, 16, gen)
@@ -272,6 +276,7 @@ def test_padded_decode_batch_matches_unpadded():
         *args, device=DEVICE, num_seqs_padded=5, max_blocks=8), 0.125)
     assert torch.equal(cache, plain_cache)
     torch.testing.assert_close(padded[:3], plain, atol=0, rtol=0)
+    assert torch.equal(padded[3:], torch.zeros_like(padded[3:]))
 
 
 # The fused elementwise kernels (kernels/triton_fused.py) against the torch ops they replace,

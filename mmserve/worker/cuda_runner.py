@@ -222,6 +222,7 @@ class CUDAModelRunner(ModelRunner):
             seq_lens=static["seq_lens"][:size],
             block_tables=static["block_tables"][:size],
             max_query_len=1,
+            padded=True,  # replays batches of up to ``size``, padded to it
         )
         positions = static["positions"][:, :size]  # [rows, size]
         if positions.shape[0] == 1:
