@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.paged_attention import block_table_tensor, slot_mapping, zero_past_blocks
-from mmserve.kernels.transfer import int_tensor, to_device
+from mmserve.kernels.transfer import int_tensor, to_device_all
 from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
 LOG2E = 1.4426950408889634
@@ -92,11 +92,12 @@ class TritonAttentionMetadata:
         starts[num_seqs + 1:] = starts[num_seqs]
         lens = torch.zeros(padded, dtype=torch.int32)
         lens[:num_seqs] = s_lens
+        slots, starts, lens, tables = to_device_all([slots, starts, lens, tables], device)
         return cls(
-            slot_mapping=to_device(slots, device),
-            query_start_loc=to_device(starts, device),
-            seq_lens=to_device(lens, device),
-            block_tables=to_device(tables, device),
+            slot_mapping=slots,
+            query_start_loc=starts,
+            seq_lens=lens,
+            block_tables=tables,
             max_query_len=max(query_lens, default=0),
             padded=num_seqs_padded is not None,
         )

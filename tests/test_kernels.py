@@ -20,7 +20,15 @@ from mmserve.kernels.paged_attention import (
     paged_attention,
     write_kv_cache,
 )
-from mmserve.kernels.transfer import host_tensor, tensor_on, to_device
+from mmserve.kernels.transfer import (
+    PACK_ALIGN,
+    host_tensor,
+    pack,
+    tensor_on,
+    to_device,
+    to_device_all,
+    unpack,
+)
 from mmserve.kernels.triton_attention import TritonAttentionMetadata, triton_paged_attention
 from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
@@ -120,6 +128,24 @@ def test_host_tensors_reach_the_device_whole() -> None:
     assert all(r.device.type == device.type for r in rows) and flags.dtype == torch.bool
     assert [r.sum().item() for r in rows] == [sum(range(i, i + 1000)) for i in range(20)]
     assert flags.tolist() == [True, False]
+
+
+def test_packed_tensors_come_back_whole_and_aligned() -> None:
+    """A step's host tensors travel in one buffer (``to_device_all``): each comes back with
+    its dtype, shape and values, non-contiguous and empty ones too, from an aligned offset."""
+    tensors = [torch.arange(5), torch.tensor([7, -1, 3], dtype=torch.int32),
+               torch.tensor([True, False]), torch.randn(2, 3), torch.empty(0, dtype=torch.long),
+               torch.arange(6).view(2, 3).t(), torch.tensor([[1, 2, 3]])[0]]
+    buffer, layout = pack(tensors)
+    copy = buffer.clone()  # (as the device's copy of the buffer)
+    for want, got, (start, _, _) in zip(tensors, unpack(copy, layout), layout, strict=True):
+        assert start % PACK_ALIGN == 0
+        assert not got.numel() or got.data_ptr() == copy.data_ptr() + start  # a view
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sent = to_device_all(tensors, device)
+    assert all(t.device.type == device.type for t in sent)
+    assert all(torch.equal(t.cpu(), want) for t, want in zip(sent, tensors, strict=True))
 
 
 @pytest.mark.parametrize("data, dtype", [

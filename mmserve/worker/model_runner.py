@@ -26,7 +26,13 @@ from mmserve.kernels.paged_attention import (
     paged_attention,
     write_kv_cache,
 )
-from mmserve.kernels.transfer import tensor_on, to_device
+from mmserve.kernels.transfer import (
+    host_tensor,
+    int_tensor,
+    tensor_on,
+    to_device,
+    to_device_all,
+)
 from mmserve.models import parallel
 from mmserve.models.forward_context import AttentionBackend, OutputRows, forward_context
 from mmserve.models.parallel import CollectiveError
@@ -330,9 +336,9 @@ class ModelRunner:
             end += len(r.token_ids)
             if r.token_ids[-1] == PENDING_TOKEN:
                 take(r.request_id, end - 1)
-        for tokens, rows, at in positions.values():
-            index = tensor_on(rows, torch.long, tokens.device)
-            input_ids[tensor_on(at, torch.long, input_ids.device)] = tokens[index]
+        for tokens, rows, at in positions.values():  # (tokens on the runner's device)
+            index, at = to_device_all([int_tensor(rows), int_tensor(at)], input_ids.device)
+            input_ids[at] = tokens[index]
         return input_ids
 
     def _note_failed(self, out: ModelOutput) -> ModelOutput:
@@ -723,10 +729,10 @@ class ModelRunner:
         num_rows = len(ids)
         # Padding rows embed token 0 at position 0; the metadata makes them compute nothing.
         ids.extend([0] * num_padding)
-        dev = self.device
-        return (tensor_on(ids, torch.long, dev),
-                flat_positions(decodes, chunks, num_padding, dev), meta,
-                tensor_on(sample_rows, torch.long, dev), num_rows)
+        ids, positions, sample_rows = to_device_all(
+            [int_tensor(ids), flat_positions(decodes, chunks, num_padding),
+             int_tensor(sample_rows)], self.device)
+        return ids, positions, meta, sample_rows, num_rows
 
     def _attention_metadata(self, request_ids: list[str], query_lens: list[int],
                             seq_lens: list[int]) -> tuple[AttentionMetadata, int]:
@@ -916,13 +922,13 @@ class CPUModelRunner(ModelRunner):
         return super().launch(scheduler_output, encoder_pixels)
 
 
-def flat_positions(decodes: DecodeRows, chunks: list[ScheduledRequest], num_padding: int = 0,
-                   device: torch.device | str = "cpu") -> torch.Tensor:
-    """The batch's positions, the decode rows' then the chunks' side by side and
+def flat_positions(decodes: DecodeRows, chunks: list[ScheduledRequest],
+                   num_padding: int = 0) -> torch.Tensor:
+    """The batch's positions (on the host), the decode rows' then the chunks' side by side and
     ``num_padding`` zero columns after them: ``[rows, num_tokens]``, or ``[num_tokens]`` when
     there is one row."""
     if not chunks and decodes.position_rows == 1:  # decodes with LLaMA's rope: most steps
-        return tensor_on(decodes.positions + [0] * num_padding, torch.long, device)
+        return int_tensor(decodes.positions + [0] * num_padding)
     num_rows = {len(r.positions) for r in chunks}
     if len(decodes):
         num_rows.add(decodes.position_rows)
@@ -938,7 +944,7 @@ def flat_positions(decodes: DecodeRows, chunks: list[ScheduledRequest], num_padd
             row.extend(values)
     for row in flat:
         row.extend([0] * num_padding)
-    positions = tensor_on(flat, torch.long, device)
+    positions = host_tensor(flat, torch.long)
     return positions[0] if rows == 1 else positions
 
 
