@@ -384,10 +384,10 @@ class ModelRunner:
             embeds = self._embed(input_ids, chunks, len(decodes))
             sampled = [r for r in chunks if r.sample]
             # The sampling rows' requests, decode rows first, as columns.
-            ids = decodes.request_ids + [r.request_id for r in sampled]
+            ids = scheduler_output.sampling_ids()
             params = decodes.sampling_params + [r.sampling_params for r in sampled]
-            output_rows = self._output_rows(chunks, decodes, sampled, sample_rows, num_rows,
-                                            meta)
+            output_rows = self._output_rows(chunks, decodes, sampled, ids, sample_rows,
+                                            num_rows, meta)
         t2 = time.perf_counter()
         times.prepare += t2 - t1
         with self._phase("forward"):
@@ -521,13 +521,14 @@ class ModelRunner:
             return self.model(positions, embeds)
 
     def _output_rows(self, chunks: list[ScheduledRequest], decodes: DecodeRows,
-                     sampled: list[ScheduledRequest], sample_rows: torch.Tensor, num_rows: int,
-                     meta) -> OutputRows | None:
-        """The rows the step samples, for a decoder that computes its last layer for them
-        alone, when that saves anything: some of the requests' ``num_rows`` rows are not
-        sampled (prompt chunks; padding rows do not count) and none asks for prompt
-        log-probabilities (which read every row; looked for only in such steps)."""
-        num_sampled = len(decodes) + len(sampled)
+                     sampled: list[ScheduledRequest], sampling_ids: list[str],
+                     sample_rows: torch.Tensor, num_rows: int, meta) -> OutputRows | None:
+        """The rows the step samples (``sampling_ids``' requests), for a decoder that computes
+        its last layer for them alone, when that saves anything: some of the requests'
+        ``num_rows`` rows are not sampled (prompt chunks; padding rows do not count) and none
+        asks for prompt log-probabilities (which read every row; looked for only in such
+        steps)."""
+        num_sampled = len(sampling_ids)
         if (not self.computes_sampled_rows_only or num_sampled == num_rows
                 or any(r.prompt_logprob_targets for r in chunks)):
             return None
@@ -535,8 +536,7 @@ class ModelRunner:
                     + [r.start_pos + len(r.token_ids) for r in sampled])
         # The sampled rows as decodes of their sequences (with padding sequences that have no
         # rows where the backend pads decode batches: they compute nothing).
-        as_decodes, _ = self._attention_metadata(
-            decodes.request_ids + [r.request_id for r in sampled], [1] * num_sampled, seq_lens)
+        as_decodes, _ = self._attention_metadata(sampling_ids, [1] * num_sampled, seq_lens)
         return OutputRows(sample_rows, as_decodes,
                           functools.partial(self.write_kv, slot_mapping=meta.slot_mapping))
 
