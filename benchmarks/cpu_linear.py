@@ -1,9 +1,9 @@
 """Linear layers on this CPU, on the shapes of a decode step and of a prompt chunk. float32:
 torch's ``F.linear`` (MKL), oneDNN's prepacked matmul (``cpu_ops.OneDNNLinear``, the ``avx512``
 path's) and mmserve's AVX2/FMA kernel (``cpu_ops.PackedLinearF32``, the ``avx2`` path's).
-bfloat16 (``--dtype bfloat16``): torch's ``F.linear``, oneDNN's prepacked matmul (on CPUs with
-AMX, ``cpu_ops.bfloat16_linear``'s choice) and mmserve's AVX512-BF16 kernel
-(``cpu_ops.PackedLinear``, where the CPU has AVX512-BF16 but no AMX). What
+bfloat16 (``--dtype bfloat16``): torch's ``F.linear``, oneDNN's prepacked matmul and mmserve's
+packed kernel (``cpu_ops.PackedLinear``, ``cpu_ops.bfloat16_linear``'s choice): its AVX512-BF16
+tiles, and on CPUs with AMX its tile multiply beside them ("mmserve AMX"). What
 ``MMSERVE_CPU_KERNELS=auto`` picks on each CPU comes from these tables.
 
 Each figure is one layer's time, averaged over enough different weights of that shape (at least
@@ -44,6 +44,20 @@ def time_layers(layers, x: torch.Tensor, min_s: float) -> float:
             return elapsed / calls
 
 
+class VectorTiles:
+    """``PackedLinear`` with the module's AMX path off: its AVX512-BF16 tiles on a CPU with AMX."""
+
+    def __init__(self, module, linear: torch.nn.Linear) -> None:
+        self.module, self.layer = module, cpu_ops.PackedLinear(linear)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        previous = self.module.set_packed_linear_amx(False)
+        try:
+            return self.layer(x)
+        finally:
+            self.module.set_packed_linear_amx(previous)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,8,32,64,256,2048",
@@ -66,7 +80,11 @@ def main() -> None:
         path, impls = "avx512", {"torch": lambda lin: lin, "oneDNN": cpu_ops.OneDNNLinear}
     with cpu_ops.using_path(path) as module:
         if dtype == torch.bfloat16 and module is not None and module.packed_linear_supported():
-            impls["mmserve bf16"] = cpu_ops.PackedLinear
+            if module.packed_linear_amx_supported():
+                impls["mmserve AMX"] = cpu_ops.PackedLinear
+                impls["mmserve bf16"] = lambda lin: VectorTiles(module, lin)
+            else:
+                impls["mmserve bf16"] = cpu_ops.PackedLinear
         print(f"{'K x N':>12} {'rows':>5} " + " ".join(f"{name:>14}" for name in impls)
               + "   fastest: weights read at, arithmetic")
         with torch.no_grad():

@@ -19,6 +19,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor quick_gelu(const at::Tensor& x);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 bool packed_linear_supported();
+bool packed_linear_amx_supported();
+bool set_packed_linear_amx(bool enabled);
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias, int64_t out_features);
@@ -55,6 +57,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "bfloat16 rotary embedding (rotate-half layout) in one pass");
   m.def("packed_linear_supported", &packed_linear_supported,
         "whether this build has the packed bfloat16 linear");
+  m.def("packed_linear_amx_supported", &packed_linear_amx_supported,
+        "whether the packed bfloat16 linear multiplies on AMX tiles here (built with AMX, and "
+        "the kernel lets the process use them)");
+  m.def("set_packed_linear_amx", &set_packed_linear_amx,
+        "use AMX tiles in the packed bfloat16 linear where supported (default) or not; "
+        "returns the previous setting");
   m.def("pack_linear_weight", &pack_linear_weight, "a bfloat16 [out, in] weight as panels",
         kNoGil);
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias from packed panels", kNoGil);

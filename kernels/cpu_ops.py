@@ -652,17 +652,18 @@ def float32_linear() -> type[nn.Module] | None:
 
 def bfloat16_linear() -> type[nn.Module] | None:
     """The bfloat16 linear layer of the process's path, on CPUs with AVX512-BF16 where the
-    path's module built (else None: torch's): oneDNN's where the CPU also has AMX, whose tile
-    instructions oneDNN uses and the kernel here does not, else the AVX512-BF16 kernel
-    (``PackedLinear``). On a 2-core Xeon (``benchmarks/cpu_linear.py --dtype bfloat16``,
-    ``benchmarks/README.md``) oneDNN took a fifth of the kernel's time on 2,048 rows and
-    0.25-0.8 of it on 16-64; at 1-4 rows, where the time goes into reading the weight, the
-    kernel reads it 1.2-2.2 times as fast (a lone request decoded 1.4-1.5 times slower with
-    oneDNN's). Serving many requests at once is what the choice favours; keeping both layouts
-    would double the weights' memory."""
+    path's module built (else None: torch's): the packed kernel (``PackedLinear``), which on a
+    CPU with AMX multiplies on its tiles. There (a 2-core Xeon, ``benchmarks/cpu_linear.py
+    --dtype bfloat16``, ``benchmarks/README.md``) it reads a decode step's weights 1.1-1.4 times
+    as fast as oneDNN's AMX matmul at 1-32 rows, where the time goes into reading them, and
+    takes 0.8-1.4 times oneDNN's time on prompt-sized inputs (the most on layers of 768 inputs,
+    whose 32-row chunks are short); the bench checkpoint's offline throughput rose 5-8%. A CPU
+    with AMX whose module lacks the tile path (a compiler without AMX, or a kernel that refuses
+    the tiles to the process) gets oneDNN's layer, which uses them."""
     if load() is None or not _module.packed_linear_supported():
         return None
-    if "amx_bf16" in cpu_flags() and onednn_linear_supported():
+    if ("amx_bf16" in cpu_flags() and not _module.packed_linear_amx_supported()
+            and onednn_linear_supported()):
         return OneDNNLinear
     return PackedLinear
 

@@ -738,12 +738,17 @@ def test_cpu_runner_packs_bfloat16_linear_layers(packed, clip_llama):
     assert packed_layers(LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96)) == 0
 
 
-def test_bfloat16_linear_layers_go_to_onednn_where_the_cpu_has_amx(packed, monkeypatch):
-    """AMX's tile matmul (oneDNN's) outruns the AVX512-BF16 kernel many times over, which stays
-    for CPUs without AMX; both compute torch's product within bfloat16's rounding."""
+def test_bfloat16_linear_layers_stay_packed_where_the_cpu_has_amx(packed, monkeypatch):
+    """The packed kernel serves bfloat16 layers on every CPU with AVX512-BF16: with AMX its own
+    tile path multiplies the inputs of many rows. oneDNN's layer (which uses the tiles too)
+    serves a CPU with AMX where the module's tile path is missing; both compute torch's product
+    within bfloat16's rounding."""
     _set_amx(monkeypatch, False)
     assert cpu_ops.bfloat16_linear() is cpu_ops.PackedLinear
     _set_amx(monkeypatch, True)
+    assert cpu_ops.bfloat16_linear() is cpu_ops.PackedLinear or (
+        not packed.packed_linear_amx_supported())
+    monkeypatch.setattr(packed, "packed_linear_amx_supported", lambda: False)
     assert cpu_ops.bfloat16_linear() is (
         cpu_ops.OneDNNLinear if cpu_ops.onednn_linear_supported() else cpu_ops.PackedLinear)
     linear = _bf16_linear(256, 96, True, seed=8)
@@ -754,6 +759,40 @@ def test_bfloat16_linear_layers_go_to_onednn_where_the_cpu_has_amx(packed, monke
                                               linear.bias.float())
             for layer in (cpu_ops.PackedLinear(linear), cpu_ops.OneDNNLinear(linear)):
                 torch.testing.assert_close(layer(x).float(), want, atol=0.05, rtol=1e-2)
+
+
+@pytest.mark.parametrize("in_features, out_features, bias", [
+    (256, 96, True), (96, 70, False), (100, 64, True), (2048, 40, False),
+], ids=["panels", "ragged-outputs", "inputs-off-the-tiles", "long-inputs"])
+def test_packed_linear_on_amx_tiles_matches_its_vector_tiles(packed, in_features, out_features,
+                                                             bias):
+    """The AMX tile path (inputs a multiple of 32) against the AVX512-BF16 tiles on the same
+    packed weight, and both against torch's product: row counts around the 16-row tiles, the
+    32-row chunks and the 256-row blocks (a last chunk of few rows, the tiles configured anew),
+    outputs that end mid-panel; 100 inputs stay on the vector tiles (not whole tile steps)."""
+    if not packed.packed_linear_amx_supported():
+        pytest.skip("no AMX tiles on this CPU (or the kernel refuses them to the process)")
+    linear = _bf16_linear(in_features, out_features, bias, seed=in_features)
+    layer = cpu_ops.PackedLinear(linear)
+    try:
+        for rows in (1, 8, 9, 16, 17, 32, 33, 300, 513):
+            x = torch.randn(rows, in_features,
+                            generator=torch.Generator().manual_seed(rows)).bfloat16()
+            with torch.no_grad():
+                want = torch.nn.functional.linear(
+                    x.float(), linear.weight.float(),
+                    None if linear.bias is None else linear.bias.float())
+                assert packed.set_packed_linear_amx(True) in (True, False)
+                tiles = layer(x).float()
+                assert packed.set_packed_linear_amx(False) is True
+                vectors = layer(x).float()
+            for got in (tiles, vectors):
+                torch.testing.assert_close(got, want, atol=0.05 * (in_features / 256) ** 0.5,
+                                           rtol=1e-2)
+            # Both sum in float32 and round once: they differ by at most a bfloat16 rounding.
+            torch.testing.assert_close(tiles, vectors, atol=1e-6, rtol=2 ** -7)
+    finally:
+        packed.set_packed_linear_amx(True)
 
 
 @pytest.fixture(scope="module")
