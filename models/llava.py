@@ -89,6 +89,11 @@ class LlavaForConditionalGeneration(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return self.model.language_model.attention_layers()
 
+    def encoder_modules(self) -> list[nn.Module]:
+        """The modules that only encode images, so only ever see an image's tokens at a time
+        (the CPU runner picks their linear layers' matmul for that)."""
+        return [self.model.vision_tower, self.model.multi_modal_projector]
+
     def encode_images(self, items: list[EncoderInput]) -> list[torch.Tensor]:
         """Each image's ``[tokens_per_image, hidden]`` embeddings; images of one pixel shape
         (all of them, with the processors LLaVA serves) run as one batch."""

@@ -288,6 +288,11 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return self.model.language_model.attention_layers()
 
+    def encoder_modules(self) -> list[nn.Module]:
+        """The modules that only encode images, so only ever see an image's tokens at a time
+        (the CPU runner picks their linear layers' matmul for that)."""
+        return [self.model.visual]
+
     def encode_images(self, items: list[EncoderInput]) -> list[torch.Tensor]:
         """Every image in one packed pass of the tower; one ``[tokens, hidden]`` per image."""
         grids = [tuple(int(v) for v in item["image_grid_thw"].reshape(3).tolist())

@@ -865,9 +865,10 @@ class CPUModelRunner(ModelRunner):
     @classmethod
     def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
         """The model, with its linear layers' weights packed once for the path's matmul
-        (``cpu_ops.pack_linear_layers``: oneDNN's, or a compiled kernel's)."""
+        (``cpu_ops.pack_linear_layers``: oneDNN's, or a compiled kernel's; the vision tower's,
+        which only multiplies prompt-sized inputs, may take another than the decoder's)."""
         model, weight_bytes = super().load_model(model_dir, hf_config, dtype)
-        pack_linear_layers(model)
+        pack_linear_layers(model, prompt_only=model.encoder_modules())
         return model, weight_bytes
 
     def __init__(self, *args, **kwargs) -> None:
