@@ -148,10 +148,12 @@ constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, ti
 // 0.29-0.34 and 0.35-0.37 and the vector tiles above 0.23, 0.54-0.58 and 1.1-1.3. Larger
 // inputs go in blocks of kAmxBlockRows: an item is a block by a panel, the panel reused from
 // cache by each 32-row chunk of the block, and the block's rows (192-512 KiB at 384-1024
-// inputs) from L2 by the items that follow. There oneDNN is faster: 100 to 3,152 rows took
-// 0.8-1.4 times its time, the most on layers of 768 inputs, whose chunks are 24 steps long
-// against the accumulators' drain and refill between chunks (a second set of accumulators to
-// overlap them would need more than eight tiles).
+// inputs) from L2 by the items that follow. There oneDNN is mostly faster: 64 to 3,152 rows
+// took 0.8-1.4 times its time, the most on layers of 768 inputs (24 steps a chunk). Rounding a
+// chunk's sums only once the next chunk's multiplies were under way, so that the tiles would
+// not wait for it, changed nothing measurable (1.07-1.31 times oneDNN's time at 256 and 2,048
+// rows, 1.15-1.24 before); K in blocks kept in L1 across chunks, or the rows repacked into
+// whole tiles, did not help either.
 
 constexpr int64_t kAmxChunkRows = 32;   // rows of one multiply: two row tiles of 16
 constexpr int64_t kAmxBlockRows = 256;  // rows of a work item of a larger input
