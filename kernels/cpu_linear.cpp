@@ -242,10 +242,12 @@ void amx_linear(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16
       const int64_t cols = std::min<int64_t>(kCols, out_features - panel * kCols);
       const __mmask16 lo = mmserve_cpu::first_lanes(cols);
       const __mmask16 hi = mmserve_cpu::first_lanes(cols - 16);
-      // A chunk writes 64 bytes to each of its rows; rows a multiple of 2 KiB apart fall into
-      // a few cache sets, which the writes would thrash (reading each line in before writing
-      // it): such rows are written as whole lines past the cache.
-      const bool stream = cols == kCols && (out_features * 2) % 2048 == 0 &&
+      // A chunk writes one whole cache line to each of its rows where the rows are aligned:
+      // written past the cache, the lines are not read in first (and rows a multiple of 2 KiB
+      // apart, which fall into a few cache sets, do not thrash them). 2-core Xeon with AMX,
+      // 2,048 rows: 768 -> 4096 6.0 ms against 6.8 with stores through the cache, 768 -> 1280
+      // 1.76 against 1.86; 64 rows 0.23 against 0.26 and 0.064 against 0.066.
+      const bool stream = cols == kCols && (out_features * 2) % 64 == 0 &&
                           (reinterpret_cast<uintptr_t>(op) & 63) == 0;
       const float* b = bp ? bp + panel * kCols : nullptr;
       const __m512 b0 = b ? _mm512_loadu_ps(b) : _mm512_setzero_ps();
