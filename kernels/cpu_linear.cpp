@@ -145,7 +145,7 @@ constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, ti
 // and the multiplies take a small part of that read: on a 2-core Xeon with AMX
 // (benchmarks/cpu_linear.py --dtype bfloat16, weights from memory), 768 -> 4096 at 1, 16 and 32
 // rows in 0.21-0.24, 0.23-0.25 and 0.24-0.31 ms, where oneDNN's AMX matmul took 0.26-0.32,
-// 0.29-0.34 and 0.35-0.37 and the vector tiles above 0.23, 0.54-0.58 and 1.1-1.3. Larger
+// 0.28-0.34 and 0.35-0.37 and the vector tiles above 0.23-0.24, 0.54-0.59 and 1.1-1.3. Larger
 // inputs go in blocks of kAmxBlockRows: an item is a block by a panel, the panel reused from
 // cache by each 32-row chunk of the block, and the block's rows (192-512 KiB at 384-1024
 // inputs) from L2 by the items that follow. There oneDNN is mostly faster: 64 to 3,152 rows
@@ -231,6 +231,14 @@ void amx_linear(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16
                 int64_t pairs, int64_t panels, const float* bp, uint16_t* op,
                 int64_t out_features) {
   const int64_t blocks = (rows + kAmxBlockRows - 1) / kAmxBlockRows;
+  // A chunk writes one whole cache line to each of its rows where the rows are aligned:
+  // written past the cache, the lines are not read in first (and rows a multiple of 2 KiB
+  // apart, which fall into a few cache sets, do not thrash them). 2-core Xeon with AMX, a
+  // scratch copy, weights in cache, 2,048 rows: 768 -> 4096 6.0 ms against 6.8 with stores
+  // through the cache, 768 -> 1280 1.76 against 1.86; 64 rows 0.23 against 0.26 and 0.064
+  // against 0.066.
+  const bool aligned_rows =
+      (out_features * 2) % 64 == 0 && (reinterpret_cast<uintptr_t>(op) & 63) == 0;
   // Items are (row block, panel), panels inner: a decode step's items are its panels, which
   // threads take a few at a time as they come free (parallel_claim).
   mmserve_cpu::parallel_claim(blocks * panels, kClaim, [&](int64_t begin, int64_t end) {
@@ -242,13 +250,7 @@ void amx_linear(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16
       const int64_t cols = std::min<int64_t>(kCols, out_features - panel * kCols);
       const __mmask16 lo = mmserve_cpu::first_lanes(cols);
       const __mmask16 hi = mmserve_cpu::first_lanes(cols - 16);
-      // A chunk writes one whole cache line to each of its rows where the rows are aligned:
-      // written past the cache, the lines are not read in first (and rows a multiple of 2 KiB
-      // apart, which fall into a few cache sets, do not thrash them). 2-core Xeon with AMX,
-      // 2,048 rows: 768 -> 4096 6.0 ms against 6.8 with stores through the cache, 768 -> 1280
-      // 1.76 against 1.86; 64 rows 0.23 against 0.26 and 0.064 against 0.066.
-      const bool stream = cols == kCols && (out_features * 2) % 64 == 0 &&
-                          (reinterpret_cast<uintptr_t>(op) & 63) == 0;
+      const bool stream = aligned_rows && cols == kCols;
       const float* b = bp ? bp + panel * kCols : nullptr;
       const __m512 b0 = b ? _mm512_loadu_ps(b) : _mm512_setzero_ps();
       const __m512 b1 = b ? _mm512_loadu_ps(b + 16) : _mm512_setzero_ps();

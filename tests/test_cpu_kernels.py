@@ -760,11 +760,10 @@ def test_cpu_runner_packs_bfloat16_linear_layers(packed, clip_llama):
     # The vision tower and projector are packed for prompt-sized inputs (the model's
     # encoder_modules()), the decoder for decode steps.
     model = llm.engine.model
-    tower = [m for enc in model.encoder_modules() for m in enc.modules()
-             if isinstance(m, (torch.nn.Linear, cpu_ops.PackedLinear, cpu_ops.OneDNNLinear))]
+    linear = (torch.nn.Linear, cpu_ops.PackedLinear, cpu_ops.OneDNNLinear)
+    tower = [m for enc in model.encoder_modules() for m in enc.modules() if isinstance(m, linear)]
     assert tower and all(isinstance(m, cpu_ops.bfloat16_prompt_linear()) for m in tower)
-    decoder = [m for m in model.model.language_model.modules()
-               if isinstance(m, (torch.nn.Linear, cpu_ops.PackedLinear, cpu_ops.OneDNNLinear))]
+    decoder = [m for m in model.model.language_model.modules() if isinstance(m, linear)]
     assert decoder and all(isinstance(m, cpu_ops.bfloat16_linear()) for m in decoder)
     assert packed_layers(LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96)) == 0
 
@@ -806,14 +805,15 @@ def test_packed_linear_on_amx_tiles_matches_its_vector_tiles(packed, in_features
     linear = _bf16_linear(in_features, out_features, bias, seed=in_features)
     layer = cpu_ops.PackedLinear(linear)
     try:
-        for rows in (1, 8, 9, 16, 17, 32, 33, 300, 513):
+        for i, rows in enumerate((1, 8, 9, 16, 17, 32, 33, 300, 513)):
             x = torch.randn(rows, in_features,
                             generator=torch.Generator().manual_seed(rows)).bfloat16()
             with torch.no_grad():
                 want = torch.nn.functional.linear(
                     x.float(), linear.weight.float(),
                     None if linear.bias is None else linear.bias.float())
-                assert packed.set_packed_linear_amx(True) in (True, False)
+                # On by default; off since the previous row count.
+                assert packed.set_packed_linear_amx(True) is (i == 0)
                 tiles = layer(x).float()
                 assert packed.set_packed_linear_amx(False) is True
                 vectors = layer(x).float()
