@@ -1,8 +1,9 @@
 """bfloat16 attention on this CPU: mmserve's flash attention kernel (AVX512-BF16,
 ``kernels/cpu_flash_attention.cpp``) against torch's fused attention
 (``F.scaled_dot_product_attention``), on a vision tower's images (bidirectional) and on prompt
-chunks (causal). Where the CPU has AMX, torch's multiplies on its tiles; what
-``cpu_ops.compiled_attention`` picks there comes from this table.
+chunks (causal). Where the CPU has AMX, torch's multiplies on its tiles, and so does the
+kernel's tile path, shown beside its vector code; what ``cpu_ops.compiled_attention`` picks
+there comes from this table.
 
     python benchmarks/cpu_attention.py
     python benchmarks/cpu_attention.py --heads 16 --head-dim 64 --threads 1
@@ -57,21 +58,30 @@ def main() -> None:
             raise SystemExit(f"the flash attention kernel needs AVX512-BF16 and did not build, "
                              f"or does not take heads of {args.head_dim}")
         scale = args.head_dim ** -0.5
-        print(f"{'shape':>22} {'kernel':>10} {'torch':>10}")
+        amx = module.flash_attention_amx_supported()
+        paths = {"AMX tiles": True, "vector": False} if amx else {"kernel": False}
+        print(f"{'shape':>22} " + " ".join(f"{p:>10}" for p in paths) + f" {'torch':>10}")
         with torch.inference_mode():
             cases = [(b, n, False) for b, n in VISION] + [(1, n, True) for n in PROMPTS]
             for batch, tokens, causal in cases:
                 q, k, v = (torch.randn(batch, tokens, args.heads, args.head_dim,
                                        dtype=torch.bfloat16) for _ in range(3))
                 offset = 0 if causal else -1  # the kernel's causal offset; -1: bidirectional
-                kernel = median_ms(functools.partial(module.flash_attention, q, k, v, scale,
-                                                     offset), args.repeats)
+                kernel = []
+                try:
+                    for tiles in paths.values():
+                        module.set_flash_attention_amx(tiles)
+                        kernel.append(median_ms(functools.partial(
+                            module.flash_attention, q, k, v, scale, offset), args.repeats))
+                finally:
+                    module.set_flash_attention_amx(True)
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 torch_ms = median_ms(functools.partial(F.scaled_dot_product_attention, qt, kt,
                                                        vt, scale=scale, is_causal=causal),
                                      args.repeats)
                 name = f"prompt {tokens}" if causal else f"vision {batch} x {tokens}"
-                print(f"{name:>22} {kernel:>7.2f} ms {torch_ms:>7.2f} ms")
+                print(f"{name:>22} " + " ".join(f"{ms:>7.2f} ms" for ms in kernel)
+                      + f" {torch_ms:>7.2f} ms")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@
 // pair of dimensions of 16 keys; values as [kv_len/2][head_dim][2 keys]. Then each tile of 8
 // query rows of one head walks the keys 128 at a time with an online softmax: scores in
 // float32, probabilities rounded to bfloat16 for the product with V, output summed in float32.
+// Where the CPU has AMX, tiles of 16 query rows do both products on its tile registers, from
+// the same packed keys and values, with the same softmax (amx_attend_tile below).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,10 +22,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
+#include "cpu_amx.h"
 #include "cpu_math.h"
 
 namespace {
@@ -36,6 +40,7 @@ using mmserve_cpu::first_lanes;
 constexpr int64_t kRows = 8;    // query rows per tile, one accumulator register each
 constexpr int64_t kGroup = 16;  // keys per packed K vector (16 float32 lanes)
 constexpr int64_t kChunk = 128;  // keys per online-softmax step
+constexpr int64_t kMaxRows = 16;  // query rows per tile on either path
 
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t v;
@@ -73,28 +78,79 @@ void pack_kv(const uint16_t* k, const uint16_t* v, int64_t kv_len, int64_t token
   }
 }
 
-// Rows [row0, row0 + rows) of one head against the packed keys and values of its KV head.
+// One tile's query rows and what its online softmax carries from chunk to chunk: scores of a
+// chunk (unscaled float32 sums), their probabilities in bfloat16, the float32 output sums.
+template <int64_t R, int64_t D>
+struct TileState {
+  alignas(64) uint16_t q[R][D] = {};  // zero past the tile's rows
+  alignas(64) float scores[R][kChunk];
+  alignas(64) uint16_t probs[R][kChunk];
+  alignas(64) float acc_out[R][D] = {};
+  float row_max[R], row_sum[R];
+  int64_t rows, tile_end = 0;  // keys [0, tile_end) are visible to some row
+
+  TileState(const uint16_t* const* q_rows, int64_t num_rows, const int64_t* key_end)
+      : rows(num_rows) {
+    for (int64_t r = 0; r < R; ++r) {
+      if (r < rows) std::memcpy(q[r], q_rows[r], D * sizeof(uint16_t));
+      row_max[r] = -1e30f;
+      row_sum[r] = 0.f;
+    }
+    for (int64_t r = 0; r < rows; ++r) tile_end = std::max(tile_end, key_end[r]);
+  }
+
+  // Row r's probabilities for the chunk's keys [c0, c0 + width), float32 math on the scaled
+  // scores, 16 keys per vector; keys at or past `scored` (chunk-relative) or the row's end
+  // get probability 0. Returns the factor by which the row's earlier output sums shrink.
+  float softmax_row(int64_t r, int64_t c0, int64_t width, int64_t scored, int64_t key_end,
+                    __m512 vscale) {
+    const int64_t n = r < rows ? std::clamp<int64_t>(key_end - c0, 0, scored) : 0;
+    const float* s = scores[r];
+    __m512 vmax = _mm512_set1_ps(-1e30f);
+    for (int64_t j = 0; j < width; j += kGroup)
+      vmax = _mm512_mask_max_ps(vmax, first_lanes(n - j), vmax,
+                                _mm512_mul_ps(_mm512_load_ps(s + j), vscale));
+    const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(vmax));
+    const float rescale = exp_nonpositive(row_max[r] - new_max);
+    const __m512 vnew_max = _mm512_set1_ps(new_max);
+    __m512 vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < width; j += kGroup) {
+      const __m512 e = _mm512_maskz_mov_ps(
+          first_lanes(n - j),
+          exp_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(s + j), vscale, vnew_max)));
+      vsum = _mm512_add_ps(vsum, e);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(&probs[r][j]),
+                         (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    row_sum[r] = row_sum[r] * rescale + _mm512_reduce_add_ps(vsum);
+    row_max[r] = new_max;
+    return rescale;
+  }
+
+  // The tile's rows, normalized, rounded to bfloat16.
+  void write(uint16_t* const* out_rows) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+      for (int64_t d0 = 0; d0 < D; d0 += 16)
+        _mm256_storeu_si256(
+            reinterpret_cast<__m256i*>(out_rows[r] + d0),
+            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&acc_out[r][d0]), inv)));
+    }
+  }
+};
+
+// Rows [0, rows) of one head against the packed keys and values of its KV head.
 // key_end[r]: keys [0, key_end[r]) are visible to row r.
 template <int64_t D>
 void attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
                  const uint16_t* k_packed, const uint16_t* v_packed, float scale,
                  uint16_t* const* out_rows) {
-  alignas(64) uint16_t q[kRows][D] = {};
-  alignas(64) float scores[kRows][kChunk];
-  alignas(64) uint16_t probs[kRows][kChunk];
-  alignas(64) float acc_out[kRows][D] = {};
-  float row_max[kRows], row_sum[kRows], rescale[kRows];
-  for (int64_t r = 0; r < kRows; ++r) {
-    if (r < rows) std::memcpy(q[r], q_rows[r], D * sizeof(uint16_t));
-    row_max[r] = -1e30f;
-    row_sum[r] = 0.f;
-  }
-  int64_t tile_end = 0;
-  for (int64_t r = 0; r < rows; ++r) tile_end = std::max(tile_end, key_end[r]);
+  TileState<kRows, D> tile(q_rows, rows, key_end);
   const __m512 vscale = _mm512_set1_ps(scale);
-
-  for (int64_t c0 = 0; c0 < tile_end; c0 += kChunk) {
-    const int64_t groups = std::min<int64_t>(kChunk / kGroup, (tile_end - c0 + kGroup - 1) / kGroup);
+  float rescale[kRows];
+  for (int64_t c0 = 0; c0 < tile.tile_end; c0 += kChunk) {
+    const int64_t groups =
+        std::min<int64_t>(kChunk / kGroup, (tile.tile_end - c0 + kGroup - 1) / kGroup);
     const int64_t width = groups * kGroup;
     // Scores: kGroups x 16 keys by kRows rows per pass over the head dimension, each
     // broadcast query pair used for every group.
@@ -109,69 +165,154 @@ void attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t* key
         for (int64_t i = 0; i < kGroups; ++i)
           keys[i] = _mm512_loadu_si512(kg + (i * (D / 2) + p) * 2 * kGroup);
         for (int64_t r = 0; r < kRows; ++r) {
-          const uint32_t pair = load_pair(&q[r][2 * p]);
+          const uint32_t pair = load_pair(&tile.q[r][2 * p]);
           for (int64_t i = 0; i < kGroups; ++i) acc[i][r] = dot_pairs(acc[i][r], pair, keys[i]);
         }
       }
       for (int64_t i = 0; i < kGroups; ++i)
         for (int64_t r = 0; r < kRows; ++r)
-          _mm512_store_ps(&scores[r][(g0 + i) * kGroup], _mm512_mul_ps(acc[i][r], vscale));
+          _mm512_store_ps(&tile.scores[r][(g0 + i) * kGroup], acc[i][r]);
     };
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) score_groups(std::integral_constant<int64_t, 2>{}, g);
     if (g < groups) score_groups(std::integral_constant<int64_t, 1>{}, g);
-    // Online softmax, float32, 16 keys per vector; keys past a row's end get probability 0.
-    for (int64_t r = 0; r < kRows; ++r) {
-      const int64_t n = r < rows ? std::clamp<int64_t>(key_end[r] - c0, 0, width) : 0;
-      const float* s = scores[r];
-      __m512 vmax = _mm512_set1_ps(-1e30f);
-      for (int64_t j = 0; j < width; j += kGroup)
-        vmax = _mm512_mask_max_ps(vmax, first_lanes(n - j), vmax, _mm512_load_ps(s + j));
-      const float new_max = std::max(row_max[r], _mm512_reduce_max_ps(vmax));
-      rescale[r] = exp_nonpositive(row_max[r] - new_max);
-      const __m512 vnew_max = _mm512_set1_ps(new_max);
-      __m512 vsum = _mm512_setzero_ps();
-      for (int64_t j = 0; j < width; j += kGroup) {
-        const __m512 e = _mm512_maskz_mov_ps(
-            first_lanes(n - j), exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(s + j), vnew_max)));
-        vsum = _mm512_add_ps(vsum, e);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(&probs[r][j]),
-                           (__m256i)_mm512_cvtneps_pbh(e));
-      }
-      row_sum[r] = row_sum[r] * rescale[r] + _mm512_reduce_add_ps(vsum);
-      row_max[r] = new_max;
-    }
+    for (int64_t r = 0; r < kRows; ++r)
+      rescale[r] = tile.softmax_row(r, c0, width, width, key_end[r], vscale);
     // Output += probabilities x values: 32 dimensions by kRows rows per pass over key pairs,
     // each broadcast probability pair used for both 16-dimension halves.
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       __m512 acc[kRows][2];
       for (int64_t r = 0; r < kRows; ++r) {
         const __m512 scale_r = _mm512_set1_ps(rescale[r]);
-        acc[r][0] = _mm512_mul_ps(_mm512_load_ps(&acc_out[r][d0]), scale_r);
-        acc[r][1] = _mm512_mul_ps(_mm512_load_ps(&acc_out[r][d0 + 16]), scale_r);
+        acc[r][0] = _mm512_mul_ps(_mm512_load_ps(&tile.acc_out[r][d0]), scale_r);
+        acc[r][1] = _mm512_mul_ps(_mm512_load_ps(&tile.acc_out[r][d0 + 16]), scale_r);
       }
       for (int64_t t = 0; t < width; t += 2) {
         const uint16_t* vt = v_packed + (c0 + t) * D + 2 * d0;
         const __m512i lo = _mm512_loadu_si512(vt), hi = _mm512_loadu_si512(vt + 32);
         for (int64_t r = 0; r < kRows; ++r) {
-          const uint32_t pair = load_pair(&probs[r][t]);
+          const uint32_t pair = load_pair(&tile.probs[r][t]);
           acc[r][0] = dot_pairs(acc[r][0], pair, lo);
           acc[r][1] = dot_pairs(acc[r][1], pair, hi);
         }
       }
       for (int64_t r = 0; r < kRows; ++r) {
-        _mm512_store_ps(&acc_out[r][d0], acc[r][0]);
-        _mm512_store_ps(&acc_out[r][d0 + 16], acc[r][1]);
+        _mm512_store_ps(&tile.acc_out[r][d0], acc[r][0]);
+        _mm512_store_ps(&tile.acc_out[r][d0 + 16], acc[r][1]);
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
-    for (int64_t d0 = 0; d0 < D; d0 += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out_rows[r] + d0),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(&acc_out[r][d0]), inv)));
-  }
+  tile.write(out_rows);
 }
+
+#ifdef MMSERVE_AMX
+
+// Where the CPU has AMX, both products run on its tiles over the same packed keys and values:
+// a group of 16 packed keys is a weight tile as it lies (16 dimension pairs by 16 keys, rows 64
+// bytes apart), a pair of packed value rows holds 16 key pairs by 32 dimensions, so a value
+// tile is 16 dimensions of it (rows 4 * head_dim bytes apart). A tile is 16 query rows: the
+// scores of 16 rows by 16 keys are one multiply per 32 dimensions, the probabilities of 16
+// rows by 32 keys times 16 dimensions of values one more. The online softmax between them is
+// the vector code's, on 16 rows.
+
+constexpr int64_t kAmxRows = 16;  // query rows per tile: one tile register's rows
+
+std::atomic<bool> amx_enabled{true};  // tests turn it off to run the AVX512-BF16 tiles
+
+// Every tile register 16 rows by 64 bytes. Scores: sums 0 and 1 (two groups of 16 keys), key
+// tiles 2 and 3, query tiles from 4 (one per 32 dimensions). Probabilities times values: sums
+// 0-3 (64 dimensions), probabilities 4, values 5.
+void configure_attention_tiles() {
+  mmserve_cpu::TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// attend_tile on the tiles, for up to kAmxRows rows; the tiles configured by the caller.
+template <int64_t D>
+void amx_attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
+                     const uint16_t* k_packed, const uint16_t* v_packed, float scale,
+                     uint16_t* const* out_rows) {
+  static_assert(D % 64 == 0 && D / 32 <= 4, "query tiles 4..7 hold the head dimension");
+  TileState<kAmxRows, D> tile(q_rows, rows, key_end);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t c0 = 0; c0 < tile.tile_end; c0 += kChunk) {
+    const int64_t groups =
+        std::min<int64_t>(kChunk / kGroup, (tile.tile_end - c0 + kGroup - 1) / kGroup);
+    // Keys this chunk's products cover: whole probability tiles of 32 keys, those past the
+    // scored groups with probability 0 (their packed values are zero or real keys).
+    const int64_t width = (groups * kGroup + 31) / 32 * 32;
+    // The query tiles, reloaded each chunk (the products below take registers 4 and 5).
+    _tile_loadd(4, &tile.q[0][0], D * 2);
+    _tile_loadd(5, &tile.q[0][32], D * 2);
+    if constexpr (D == 128) {
+      _tile_loadd(6, &tile.q[0][64], D * 2);
+      _tile_loadd(7, &tile.q[0][96], D * 2);
+    }
+    for (int64_t g = 0; g < groups; g += 2) {
+      const bool two = g + 1 < groups;
+      const uint16_t* kg = k_packed + (c0 / kGroup + g) * (D / 2) * (2 * kGroup);
+      _tile_zero(0);
+      _tile_zero(1);
+      // _tile_dpbf16ps names its registers in the instruction's text: literals only.
+#define MMSERVE_SCORE_STEP(query_tile, half)                               \
+  _tile_loadd(2, kg + (half) * 16 * (2 * kGroup), 64);                     \
+  _tile_dpbf16ps(0, query_tile, 2);                                        \
+  if (two) {                                                               \
+    _tile_loadd(3, kg + (D / 2 + (half) * 16) * (2 * kGroup), 64);         \
+    _tile_dpbf16ps(1, query_tile, 3);                                      \
+  }
+      MMSERVE_SCORE_STEP(4, 0)
+      MMSERVE_SCORE_STEP(5, 1)
+      if constexpr (D == 128) {
+        MMSERVE_SCORE_STEP(6, 2)
+        MMSERVE_SCORE_STEP(7, 3)
+      }
+#undef MMSERVE_SCORE_STEP
+      _tile_stored(0, &tile.scores[0][g * kGroup], kChunk * 4);
+      if (two) _tile_stored(1, &tile.scores[0][(g + 1) * kGroup], kChunk * 4);
+    }
+    for (int64_t r = 0; r < kAmxRows; ++r) {
+      const __m512 rescale =
+          _mm512_set1_ps(tile.softmax_row(r, c0, width, groups * kGroup, key_end[r], vscale));
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_store_ps(&tile.acc_out[r][d],
+                        _mm512_mul_ps(_mm512_load_ps(&tile.acc_out[r][d]), rescale));
+    }
+    // Output += probabilities x values, 64 dimensions at a time, summed in the tiles.
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      float* acc = &tile.acc_out[0][d0];
+      _tile_loadd(0, acc, D * 4);
+      _tile_loadd(1, acc + 16, D * 4);
+      _tile_loadd(2, acc + 32, D * 4);
+      _tile_loadd(3, acc + 48, D * 4);
+      for (int64_t t = 0; t < width; t += 32) {
+        const uint16_t* vt = v_packed + (c0 + t) * D + 2 * d0;
+        _tile_loadd(4, &tile.probs[0][t], kChunk * 2);
+        _tile_loadd(5, vt, 4 * D);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(5, vt + 32, 4 * D);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_loadd(5, vt + 64, 4 * D);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(5, vt + 96, 4 * D);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, acc, D * 4);
+      _tile_stored(1, acc + 16, D * 4);
+      _tile_stored(2, acc + 32, D * 4);
+      _tile_stored(3, acc + 48, D * 4);
+    }
+  }
+  tile.write(out_rows);
+}
+
+bool use_amx() { return amx_enabled.load() && mmserve_cpu::amx_permitted(); }
+
+#endif  // MMSERVE_AMX
 
 template <int64_t D>
 void flash_attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -180,7 +321,6 @@ void flash_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
   const int64_t kv_len = key.size(1), num_kv_heads = key.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t padded_len = (kv_len + kChunk - 1) / kChunk * kChunk;
-  const int64_t tiles = (q_len + kRows - 1) / kRows;
 
   auto k_packed = at::empty({batch * num_kv_heads, padded_len * D}, query.options().dtype(at::kShort));
   auto v_packed = at::empty_like(k_packed);
@@ -204,30 +344,67 @@ void flash_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
 
   // Tiles in (batch, head, rows) order: contiguous ranges give each thread whole heads, so
   // the longer causal tiles at the end of every head are spread across threads.
-  at::parallel_for(0, batch * num_heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    const uint16_t* q_rows[kRows];
-    uint16_t* out_rows[kRows];
-    int64_t key_end[kRows];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t tile = item % tiles, bh = item / tiles;
-      const int64_t b = bh / num_heads, h = bh % num_heads;
-      const int64_t row0 = tile * kRows, rows = std::min(kRows, q_len - row0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = row0 + r;
-        q_rows[r] = q_ptr + b * query.stride(0) + i * query.stride(1) + h * query.stride(2);
-        out_rows[r] = o_ptr + ((b * q_len + i) * num_heads + h) * D;
-        key_end[r] = causal_offset < 0 ? kv_len : std::min(kv_len, i + causal_offset + 1);
+  const auto attend_tiles = [&](int64_t tile_rows, auto&& attend) {
+    const int64_t tiles = (q_len + tile_rows - 1) / tile_rows;
+    at::parallel_for(0, batch * num_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+      const uint16_t* q_rows[kMaxRows];
+      uint16_t* out_rows[kMaxRows];
+      int64_t key_end[kMaxRows];
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t tile = item % tiles, bh = item / tiles;
+        const int64_t b = bh / num_heads, h = bh % num_heads;
+        const int64_t row0 = tile * tile_rows, rows = std::min(tile_rows, q_len - row0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = row0 + r;
+          q_rows[r] = q_ptr + b * query.stride(0) + i * query.stride(1) + h * query.stride(2);
+          out_rows[r] = o_ptr + ((b * q_len + i) * num_heads + h) * D;
+          key_end[r] = causal_offset < 0 ? kv_len : std::min(kv_len, i + causal_offset + 1);
+        }
+        const int64_t packed = (b * num_kv_heads + h / group) * packed_stride;
+        attend(q_rows, rows, key_end, kp_ptr + packed, vp_ptr + packed,
+               static_cast<float>(scale), out_rows, item == begin, item + 1 == end);
       }
-      const int64_t packed = (b * num_kv_heads + h / group) * packed_stride;
-      attend_tile<D>(q_rows, rows, key_end, kp_ptr + packed, vp_ptr + packed,
-                     static_cast<float>(scale), out_rows);
-    }
+    });
+  };
+#ifdef MMSERVE_AMX
+  if (use_amx()) {
+    attend_tiles(kAmxRows, [](const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
+                              const uint16_t* kp, const uint16_t* vp, float s,
+                              uint16_t* const* out_rows, bool first, bool last) {
+      if (first) configure_attention_tiles();
+      amx_attend_tile<D>(q_rows, rows, key_end, kp, vp, s, out_rows);
+      if (last) _tile_release();
+    });
+    return;
+  }
+#endif
+  attend_tiles(kRows, [](const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
+                         const uint16_t* kp, const uint16_t* vp, float s,
+                         uint16_t* const* out_rows, bool, bool) {
+    attend_tile<D>(q_rows, rows, key_end, kp, vp, s, out_rows);
   });
 }
 
 #endif  // MMSERVE_BF16_DOT
 
 }  // namespace
+
+bool flash_attention_amx_supported() {
+#ifdef MMSERVE_AMX
+  return mmserve_cpu::amx_permitted();
+#else
+  return false;
+#endif
+}
+
+bool set_flash_attention_amx(bool enabled) {
+#ifdef MMSERVE_AMX
+  return amx_enabled.exchange(enabled);
+#else
+  (void)enabled;
+  return false;
+#endif
+}
 
 bool flash_attention_supported(int64_t head_dim) {
 #ifdef MMSERVE_BF16_DOT

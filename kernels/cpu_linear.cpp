@@ -39,13 +39,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_amx.h"
 #include "cpu_math.h"
-
-#if defined(MMSERVE_BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define MMSERVE_AMX 1
-#endif
 
 namespace {
 
@@ -159,24 +154,8 @@ constexpr int64_t kAmxChunkRows = 32;   // rows of one multiply: two row tiles o
 constexpr int64_t kAmxBlockRows = 256;  // rows of a work item of a larger input
 constexpr int64_t kAmxStepPairs = 16;   // input pairs a step (32 inputs, one tile's width)
 
-struct TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out the tile registers' state to a process that asks (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA); a tile instruction before that is an illegal
-// instruction. Asked once; false where the kernel refuses.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
+using mmserve_cpu::amx_permitted;
+using mmserve_cpu::TileConfig;
 
 std::atomic<bool> amx_enabled{true};  // tests turn it off to run the AVX512-BF16 tiles
 

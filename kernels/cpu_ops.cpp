@@ -9,6 +9,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
 at::Tensor flash_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            double scale, int64_t causal_offset);
 bool flash_attention_supported(int64_t head_dim);
+bool flash_attention_amx_supported();
+bool set_flash_attention_amx(bool enabled);
 at::Tensor flash_attention_f32(const at::Tensor& query, const at::Tensor& key,
                                const at::Tensor& value, double scale, int64_t causal_offset);
 bool flash_attention_f32_supported(int64_t head_dim);
@@ -44,6 +46,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         kNoGil);
   m.def("flash_attention_supported", &flash_attention_supported,
         "whether this build has the bfloat16 flash attention for a head size");
+  m.def("flash_attention_amx_supported", &flash_attention_amx_supported,
+        "whether the bfloat16 flash attention multiplies on AMX tiles here (built with AMX, "
+        "and the kernel lets the process use them)");
+  m.def("set_flash_attention_amx", &set_flash_attention_amx,
+        "use AMX tiles in the bfloat16 flash attention where supported (default) or not; "
+        "returns the previous setting");
   m.def("flash_attention_f32", &flash_attention_f32,
         "float32 attention over many query rows (causal from an offset, or bidirectional)",
         kNoGil);

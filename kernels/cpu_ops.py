@@ -93,7 +93,8 @@ _SOURCES = [Path(__file__).with_name(name) for name in
             ("cpu_ops.cpp", "cpu_decode_attention.cpp", "cpu_flash_attention.cpp",
              "cpu_elementwise.cpp", "cpu_linear.cpp", "cpu_linear_f32.cpp",
              "cpu_attention_f32.cpp")]
-_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_math.h", "cpu_tile_f32.h")]
+_HEADERS = [Path(__file__).with_name(name)
+            for name in ("cpu_amx.h", "cpu_math.h", "cpu_tile_f32.h")]
 
 
 @dataclass(frozen=True)
@@ -438,15 +439,17 @@ def fused_kernels(tensor: torch.Tensor) -> ModuleType | None:
 
 def _flash_kernel(tensor: torch.Tensor, causal: bool, context_len: int = 0) -> Callable | None:
     """The loaded module's flash attention for this query (dtype, head size, CPU): the
-    bfloat16 one on AVX512-BF16 (with AMX, short prompt chunks' only); the float32 one on AVX2
-    with FMA for prompt chunks (causal) only, since for a vision tower's bidirectional
-    attention torch's is faster in float32 (``benchmarks/README.md``); None means torch's."""
+    bfloat16 one on AVX512-BF16 (on AMX CPUs, short prompt chunks' only where it lacks the
+    tile path); the float32 one on AVX2 with FMA for prompt chunks (causal) only, since for a
+    vision tower's bidirectional attention torch's is faster in float32
+    (``benchmarks/README.md``); None means torch's."""
     if tensor.device.type != "cpu":
         return None
     return compiled_attention(tensor.dtype, tensor.shape[-1], causal, context_len)
 
 
-# On CPUs with AMX, the longest context a bfloat16 prompt chunk attends to with the kernel;
+# On CPUs with AMX whose kernel lacks the tile path (an old compiler, or a kernel that refuses
+# the tiles), the longest context a bfloat16 prompt chunk attends to with the vector kernel;
 # from here on torch's fused attention, which multiplies on AMX tiles, is faster.
 AMX_KERNEL_CONTEXT = 512
 
@@ -461,11 +464,13 @@ def compiled_attention(dtype: torch.dtype, head_dim: int, causal: bool,
     if module is None:
         return None
     if dtype == torch.bfloat16 and _flash_head_dim(module, head_dim):
-        if "amx_bf16" in cpu_flags() and (not causal or context_len >= AMX_KERNEL_CONTEXT):
-            # torch's fused attention multiplies on AMX tiles there (2-core Xeon,
-            # benchmarks/README.md): a vision tower's attention in a quarter to two thirds of
-            # the kernel's time, prompt chunks of 512 positions and more in 0.3-0.7 of it; at
-            # 277 positions without a prefix the kernel took 0.45-1.06 of torch's.
+        if ("amx_bf16" in cpu_flags() and not module.flash_attention_amx_supported()
+                and (not causal or context_len >= AMX_KERNEL_CONTEXT)):
+            # torch's fused attention multiplies on AMX tiles there, the vector kernel does not
+            # (2-core Xeon, benchmarks/README.md): a vision tower's attention in a quarter to
+            # two thirds of the kernel's time, prompt chunks of 512 positions and more in
+            # 0.3-0.7 of it. The kernel's own tile path is as fast as torch's or faster at
+            # every size measured there, and 2-3x at a prompt's few hundred positions.
             return None
         return module.flash_attention
     if causal and dtype == torch.float32 and _flash_f32_head_dim(module, head_dim):

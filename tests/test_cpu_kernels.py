@@ -201,6 +201,18 @@ def flash(kernel):
     return kernel
 
 
+@pytest.fixture(params=["vector", "amx"])
+def flash_path(flash, request):
+    """The flash attention on its AVX512-BF16 vector code, or on AMX tiles where the CPU and
+    kernel allow them."""
+    amx = request.param == "amx"
+    if amx and not flash.flash_attention_amx_supported():
+        pytest.skip("no AMX tiles on this CPU (or the kernel refuses them to the process)")
+    previous = flash.set_flash_attention_amx(amx)
+    yield flash
+    flash.set_flash_attention_amx(previous)
+
+
 def _reference(q, k, v, scale, causal_offset):
     """float32 attention of bfloat16 inputs, [batch, len, heads, dim] layout."""
     q_len, kv_len = q.shape[1], k.shape[1]
@@ -222,9 +234,14 @@ def _reference(q, k, v, scale, causal_offset):
     (3, 197, 197, 12, 12, 64, -1),  # vision: a batch of images, bidirectional
     (2, 128, 128, 2, 2, 64, -1),  # exact multiples of the tile and the key step
     (1, 128, 256, 4, 2, 64, 128),  # a chunk of one key step after a cached one
+    (1, 33, 49, 4, 2, 64, 16),  # one row past two 16-row AMX tiles, keys past three groups
+    (2, 16, 16, 2, 1, 128, 0),  # one AMX tile, one key group
 ])
-def test_flash_matches_reference(flash, batch, q_len, kv_len, heads, kv_heads, head_dim,
+def test_flash_matches_reference(flash_path, batch, q_len, kv_len, heads, kv_heads, head_dim,
                                  causal_offset):
+    """Both paths where the CPU has AMX: the tiles (16 query rows, whole tiles of 32 keys
+    for the probabilities) and the vector code (8 rows)."""
+    flash = flash_path
     g = torch.Generator().manual_seed(q_len * 7 + kv_len)
     q = torch.randn(batch, q_len, heads, head_dim, generator=g).bfloat16()
     k, v = (torch.randn(batch, kv_len, kv_heads, head_dim, generator=g).bfloat16()
@@ -235,6 +252,26 @@ def test_flash_matches_reference(flash, batch, q_len, kv_len, heads, kv_heads, h
     assert got.dtype == torch.bfloat16 and got.shape == q.shape and got.is_contiguous()
     # bfloat16 output and probabilities: torch's own bfloat16 attention is ~1e-2 from float32.
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_flash_amx_tiles_match_the_vector_code(flash):
+    """On AMX tiles the sums are float32 as in the vector code, in another order: the outputs
+    are the same to within a bfloat16 rounding (of the output, or of a probability near a
+    rounding boundary), nearly all of them bit for bit."""
+    if not flash.flash_attention_amx_supported():
+        pytest.skip("no AMX tiles on this CPU (or the kernel refuses them to the process)")
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 150, 8, 64, generator=g).bfloat16()
+    k, v = (torch.randn(2, 300, 2, 64, generator=g).bfloat16() for _ in range(2))
+    try:
+        assert flash.set_flash_attention_amx(True) is True  # on by default
+        tiles = flash.flash_attention(q, k, v, 0.125, 150)
+        assert flash.set_flash_attention_amx(False) is True
+        vectors = flash.flash_attention(q, k, v, 0.125, 150)
+    finally:
+        flash.set_flash_attention_amx(True)
+    torch.testing.assert_close(tiles.float(), vectors.float(), atol=2e-3, rtol=2 ** -7)
+    assert (tiles == vectors).float().mean() > 0.99
 
 
 def test_flash_reads_strided_views(flash):
@@ -289,13 +326,16 @@ def _set_amx(monkeypatch, amx: bool) -> None:
     monkeypatch.setattr(cpu_ops, "cpu_flags", lambda: flags)
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_long_bfloat16_prompt_chunks_take_torchs_attention_on_amx(flash, monkeypatch, amx):
-    """With AMX, a chunk attending to ``AMX_KERNEL_CONTEXT`` positions or more (its prefix and
-    itself) goes to torch's fused attention, shorter ones keep the kernel; without, the kernel
-    serves them all. Either way the results are torch's within bfloat16's rounding."""
+@pytest.mark.parametrize("amx, kernel_tiles", [(False, False), (True, False), (True, True)])
+def test_long_bfloat16_prompt_chunks_take_torchs_attention_on_amx(flash, monkeypatch, amx,
+                                                                   kernel_tiles):
+    """On an AMX CPU whose kernel lacks the tile path, a chunk attending to
+    ``AMX_KERNEL_CONTEXT`` positions or more (its prefix and itself) goes to torch's fused
+    attention, shorter ones keep the kernel; without AMX, or with the kernel's tiles, the
+    kernel serves them all. Either way the results are torch's within bfloat16's rounding."""
     _set_amx(monkeypatch, amx)
-    calls = _spy_on(monkeypatch, flash, "flash_attention", lambda args: args[1].shape[1])
+    calls = _spy_on(monkeypatch, flash, "flash_attention", lambda args: args[1].shape[1],
+                    amx_tiles=kernel_tiles)
     g = torch.Generator().manual_seed(9)
     long = cpu_ops.AMX_KERNEL_CONTEXT
     for q_len, ctx in ((40, 40), (24, long - 1), (24, long), (long + 8, long + 8)):
@@ -307,12 +347,14 @@ def test_long_bfloat16_prompt_chunks_take_torchs_attention_on_amx(flash, monkeyp
         expected = torch_prefill_attention(q.float(), k.float(), v.float(), seq, 0.125)
         got = cpu_ops.prefill_attention(q, k, v, seq, 0.125)
         torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
-    assert calls == ([40, long - 1] if amx else [40, long - 1, long, long + 8])
+    torch_takes_long = amx and not kernel_tiles
+    assert calls == ([40, long - 1] if torch_takes_long else [40, long - 1, long, long + 8])
 
 
-def _spy_on(monkeypatch, kernel, name, record):
+def _spy_on(monkeypatch, kernel, name, record, amx_tiles=None):
     """Stand in for the loaded module with one whose function ``name`` first notes
-    ``record(args)`` of each call, then runs the kernel's; the list of notes."""
+    ``record(args)`` of each call, then runs the kernel's; the list of notes. ``amx_tiles``:
+    what its ``flash_attention_amx_supported()`` says (None: the kernel's answer)."""
     calls = []
     real = getattr(kernel, name)
 
@@ -326,21 +368,25 @@ def _spy_on(monkeypatch, kernel, name, record):
 
     module = Spy()
     setattr(module, name, spy)
+    if amx_tiles is not None:
+        module.flash_attention_amx_supported = lambda: amx_tiles
     monkeypatch.setattr(cpu_ops, "_module", module)
     return calls
 
 
-@pytest.mark.parametrize("amx", [False, True])
-def test_encoder_attention_uses_the_kernel_for_bfloat16(flash, monkeypatch, amx):
-    """... unless the CPU has AMX, whose tiles torch's fused attention uses (faster there)."""
+@pytest.mark.parametrize("amx, kernel_tiles", [(False, False), (True, False), (True, True)])
+def test_encoder_attention_uses_the_kernel_for_bfloat16(flash, monkeypatch, amx, kernel_tiles):
+    """... unless the CPU has AMX and the kernel lacks the tile path: torch's fused attention
+    uses the tiles (faster there than the vector code)."""
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 30, 4, 64, generator=g) for _ in range(3))
     _set_amx(monkeypatch, amx)
-    calls = _spy_on(monkeypatch, flash, "flash_attention", lambda args: args[0].dtype)
+    calls = _spy_on(monkeypatch, flash, "flash_attention", lambda args: args[0].dtype,
+                    amx_tiles=kernel_tiles)
     expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                               v.transpose(1, 2), scale=0.125).transpose(1, 2)
     got = cpu_ops.encoder_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 0.125)
-    assert calls == ([] if amx else [torch.bfloat16])
+    assert calls == ([] if amx and not kernel_tiles else [torch.bfloat16])
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
