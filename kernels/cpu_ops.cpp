@@ -20,6 +20,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor quick_gelu(const at::Tensor& x);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor argmax_rows(const at::Tensor& logits);
 bool packed_linear_supported();
 bool packed_linear_amx_supported();
 bool set_packed_linear_amx(bool enabled);
@@ -63,6 +64,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up in one pass");
   m.def("quick_gelu", &quick_gelu, "bfloat16 x * sigmoid(1.702 x) in one pass");
   m.def("rotary", &rotary, "bfloat16 rotary embedding (rotate-half layout) in one pass");
+  m.def("argmax_rows", &argmax_rows,
+        "each row's torch.argmax (its first maximum, or first NaN), rows in parallel", kNoGil);
   m.def("packed_linear_supported", &packed_linear_supported,
         "whether this build has the packed bfloat16 linear");
   m.def("packed_linear_amx_supported", &packed_linear_amx_supported,

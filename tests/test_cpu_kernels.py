@@ -33,6 +33,7 @@ from mmserve.kernels.paged_attention import (
     paged_attention,
 )
 from mmserve.kernels.paged_attention import prefill_attention as torch_prefill_attention
+from mmserve.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None,
                                 reason="no C++ compiler: the CPU runner uses the torch path")
@@ -577,6 +578,36 @@ def test_quick_gelu_matches_torch(kernel):
     xf = x.float()
     torch.testing.assert_close(get_activation("quick_gelu")(xf), xf * torch.sigmoid(1.702 * xf),
                                atol=0, rtol=4e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_rows_is_torchs_argmax(kernel, dtype):
+    """Greedy sampling's argmax: the first of tied maxima, the first NaN where a row has one,
+    an all -inf row's first index; rows whose length is not a multiple of 16 lanes, rows
+    further apart than their length (a view), no rows."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(19, 32000, generator=g).to(dtype)
+    logits[1, 7] = logits[1, 31990] = logits[1].max() + 1  # a tie: the first wins
+    logits[2, 5000] = float("nan")
+    logits[2, 6000] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, [17, 40]] = float("nan")
+    logits[5, -1] = 100  # the last element, in a full 16-lane vector
+    for view in (logits, logits[:, :31999], logits[:, 3:1003], logits[:0]):
+        got = kernel.argmax_rows(view)
+        assert got.dtype == torch.long and torch.equal(got, view.argmax(dim=-1))
+    assert kernel.argmax_rows(logits[:, 3:1003])[4].item() == 14  # NaN at 17, after the start
+    with pytest.raises(RuntimeError, match="argmax_rows: expected"):
+        kernel.argmax_rows(logits[:, :0])
+
+
+def test_greedy_sampling_takes_the_kernels_argmax(kernel, monkeypatch):
+    from mmserve.worker import sampler
+
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(12)).bfloat16()
+    calls = _spy_on(monkeypatch, kernel, "argmax_rows", lambda args: args[0].shape)
+    tokens = sampler.sample_each(logits, [SamplingParams(temperature=0)] * 5, None)
+    assert calls == [(5, 1000)] and tokens == logits.float().argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmserve.kernels import cpu_ops
 from mmserve.kernels.transfer import tensor_on, to_device
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import TokenLogprobs
@@ -80,9 +81,7 @@ def sample_on_device(
     generator: Callable[[int], torch.Generator],  # row -> its generator, made on demand
 ) -> SampledTokens:
     """``sample_each``'s tokens, left on the device with their copy to the host started."""
-    if logits.device.type == "cpu":  # torch's CPU argmax over bfloat16 takes 4x as long as
-        logits = logits.float()  # this copy and an argmax over float32 together
-    greedy = logits.argmax(dim=-1)
+    greedy = _argmax(logits)
     if all(p.greedy for p in params):
         return _to_host(greedy, params, {}, greedy.unsqueeze(0))
     errors: dict[int, Exception] = {}
@@ -102,6 +101,17 @@ def sample_on_device(
         tokens = tokens.index_copy(0, index, drawn)
         finite = finite.index_copy(0, index, ok.long())
     return _to_host(tokens, params, errors, torch.stack([tokens, finite]))
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's ``argmax`` (its first maximum, or first NaN): on the CPU the compiled
+    kernel's where it is loaded (rows in parallel, a tenth of torch's time at 16 rows of a
+    32,000-token vocabulary), which gives torch's answer."""
+    if (ops := cpu_ops.fused_kernels(logits)) is not None and logits.stride(-1) == 1:
+        return ops.argmax_rows(logits)
+    if logits.device.type == "cpu":  # torch's CPU argmax over bfloat16 takes 4x as long as
+        logits = logits.float()  # this copy and an argmax over float32 together
+    return logits.argmax(dim=-1)
 
 
 def _to_host(tokens: torch.Tensor, params: list[SamplingParams], errors: dict[int, Exception],
