@@ -7,12 +7,15 @@ from torch import nn
 
 from mmserve.kernels.cpu_ops import encoder_attention
 from mmserve.models import parallel
-from mmserve.models.layers import get_activation
+from mmserve.models.layers import MergedLinear, get_activation
+from mmserve.models.parallel import Window
 
 
 class VisionAttention(nn.Module):
     """Attention over this rank's heads where the tower is split (``parallel.split_encoder``),
-    over all of them otherwise."""
+    over all of them otherwise. q, k and v are one matmul (the checkpoint's three layers
+    merged): on a 2-core Xeon with AMX, 1,050 rows of CLIP-B's 768 took 1.1-1.2 ms in one
+    bfloat16 matmul where three took 2.2."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -21,21 +24,19 @@ class VisionAttention(nn.Module):
         first, self.num_heads = parallel.even_share(config.num_attention_heads,
                                                     "vision attention heads", encoder=True)
         width = self.num_heads * self.head_dim
-        self.q_proj = nn.Linear(d, width)
-        self.k_proj = nn.Linear(d, width)
-        self.v_proj = nn.Linear(d, width)
+        rows = Window(0, first * self.head_dim, width)
+        self.qkv_proj = MergedLinear(
+            d, {"q_proj": width, "k_proj": width, "v_proj": width}, bias=True,
+            windows=dict.fromkeys(("q_proj", "k_proj", "v_proj"), rows)
+            if parallel.split_encoder() else None)
         self.out_proj = nn.Linear(width, d)
         if parallel.split_encoder():
-            for proj in (self.q_proj, self.k_proj, self.v_proj):
-                parallel.column_parallel(proj, first * self.head_dim, width)
             parallel.row_parallel(self.out_proj, first * self.head_dim, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
-        shape = (b, n, self.num_heads, self.head_dim)
-        q = self.q_proj(x).view(shape)  # [b, n, heads, head_dim]
-        k = self.k_proj(x).view(shape)
-        v = self.v_proj(x).view(shape)
+        # [b, n, 3, heads, head_dim]: q, k and v are strided views of the one output.
+        q, k, v = self.qkv_proj(x).view(b, n, 3, self.num_heads, self.head_dim).unbind(2)
         o = encoder_attention(q, k, v, self.head_dim ** -0.5)
         return parallel.encoder_all_reduce(self.out_proj(o.reshape(b, n, -1)))
 
