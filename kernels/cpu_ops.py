@@ -673,13 +673,19 @@ def bfloat16_linear() -> type[nn.Module] | None:
     return PackedLinear
 
 
-def bfloat16_prompt_linear() -> type[nn.Module] | None:
-    """The bfloat16 linear layer for layers whose inputs are always prompt-sized (a vision
-    tower's: an image's hundreds of tokens at a time): oneDNN's on a CPU with AMX, where the
-    packed kernel's tiles took 0.8-1.4 times its time on 64 to 3,152 rows (``bfloat16_linear``),
-    else ``bfloat16_linear()``'s."""
+def bfloat16_prompt_linear(in_features: int, out_features: int) -> type[nn.Module] | None:
+    """The bfloat16 linear layer for a layer of this shape whose inputs are always
+    prompt-sized (a vision tower's: an image's hundreds of tokens at a time). On a CPU with
+    AMX, oneDNN's, where the packed kernel's tiles took 0.8-1.4 times its time on 64 to 3,152
+    rows (``bfloat16_linear``), except for layers of few outputs from not many inputs (CLIP-B's
+    768 x 768 and 3072 x 768, CLIP-L's 1024 x 1024): there oneDNN takes twice its usual time a
+    row over a band of row counts (394 to 1,182 rows of 768 x 768, 591 to 1,379 of 3072 x 768:
+    five images of 197 tokens), and the packed kernel keeps its pace (benchmarks/README.md).
+    Elsewhere ``bfloat16_linear()``'s."""
     bf16 = bfloat16_linear()
-    if bf16 is not None and "amx_bf16" in cpu_flags() and onednn_linear_supported():
+    narrow = out_features <= 1024 and in_features <= 3072
+    if (bf16 is not None and not narrow and "amx_bf16" in cpu_flags()
+            and onednn_linear_supported()):
         return OneDNNLinear
     return bf16
 
@@ -690,7 +696,7 @@ def pack_linear_layers(model: nn.Module, prompt_only: Iterable[nn.Module] = ()) 
     ``prompt_only`` (the model's ``encoder_modules()``) by ``bfloat16_prompt_linear()``'s,
     float32 ones by ``float32_linear()``'s; how many were replaced. The torch path keeps
     torch's layers."""
-    bf16, bf16_prompt = bfloat16_linear(), bfloat16_prompt_linear()
+    bf16 = bfloat16_linear()
     fp32 = float32_linear()
     if not (bf16 or fp32):
         return 0
@@ -706,7 +712,9 @@ def pack_linear_layers(model: nn.Module, prompt_only: Iterable[nn.Module] = ()) 
                 continue
             dtype = child.weight.dtype
             if bf16 and dtype == torch.bfloat16 and child.in_features % 2 == 0:
-                setattr(parent, name, (bf16_prompt if id(child) in prompt_layers else bf16)(child))
+                layer = (bfloat16_prompt_linear(child.in_features, child.out_features)
+                         if id(child) in prompt_layers else bf16)
+                setattr(parent, name, layer(child))
             elif fp32 and dtype == torch.float32:
                 setattr(parent, name, fp32(child))
             else:

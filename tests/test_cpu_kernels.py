@@ -806,20 +806,24 @@ def test_pack_linear_layers_replaces_only_what_it_can_serve(packed):
 @pytest.mark.parametrize("amx", [False, True])
 def test_pack_linear_layers_gives_prompt_only_layers_their_own_matmul(packed, monkeypatch, amx):
     """Layers inside ``prompt_only`` (a vision tower) take oneDNN's matmul on a CPU with AMX,
-    where it multiplies hundreds of rows faster; the rest, and every layer elsewhere, take the
-    path's bfloat16 layer. Either computes torch's product within bfloat16's rounding."""
+    where it multiplies hundreds of rows faster, unless they have few outputs from not many
+    inputs; the rest, and every layer elsewhere, take the path's bfloat16 layer. Either
+    computes torch's product within bfloat16's rounding."""
     _set_amx(monkeypatch, amx)
-    tower = torch.nn.Sequential(_bf16_linear(64, 96, True, seed=9))
+    tower = torch.nn.Sequential(_bf16_linear(64, 1056, True, seed=9),
+                                _bf16_linear(1056, 96, False, seed=8))
     model = torch.nn.ModuleDict({"tower": tower, "decoder": _bf16_linear(96, 64, False, seed=10)})
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(11)).bfloat16()
     with torch.no_grad():
         before = model["decoder"](model["tower"](x))
-        assert cpu_ops.pack_linear_layers(model, prompt_only=[tower]) == 2
+        assert cpu_ops.pack_linear_layers(model, prompt_only=[tower]) == 3
         after = model["decoder"](model["tower"](x))
-    want_tower = (cpu_ops.OneDNNLinear if amx and cpu_ops.onednn_linear_supported()
-                  else cpu_ops.PackedLinear)
-    assert cpu_ops.bfloat16_prompt_linear() is want_tower
-    assert type(tower[0]) is want_tower
+    wide = (cpu_ops.OneDNNLinear if amx and cpu_ops.onednn_linear_supported()
+            else cpu_ops.PackedLinear)
+    assert cpu_ops.bfloat16_prompt_linear(64, 1056) is wide
+    assert cpu_ops.bfloat16_prompt_linear(3584, 96) is wide  # many inputs
+    assert cpu_ops.bfloat16_prompt_linear(1056, 96) is cpu_ops.bfloat16_linear()
+    assert [type(m) for m in tower] == [wide, cpu_ops.bfloat16_linear()]
     assert type(model["decoder"]) is cpu_ops.bfloat16_linear()
     torch.testing.assert_close(after.float(), before.float(), atol=0.1, rtol=1e-2)
 
@@ -839,7 +843,9 @@ def test_cpu_runner_packs_bfloat16_linear_layers(packed, clip_llama):
     model = llm.engine.model
     linear = (torch.nn.Linear, cpu_ops.PackedLinear, cpu_ops.OneDNNLinear)
     tower = [m for enc in model.encoder_modules() for m in enc.modules() if isinstance(m, linear)]
-    assert tower and all(isinstance(m, cpu_ops.bfloat16_prompt_linear()) for m in tower)
+    assert tower and all(
+        isinstance(m, cpu_ops.bfloat16_prompt_linear(m.in_features, m.out_features))
+        for m in tower)
     decoder = [m for m in model.model.language_model.modules() if isinstance(m, linear)]
     assert decoder and all(isinstance(m, cpu_ops.bfloat16_linear()) for m in decoder)
     assert packed_layers(LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96)) == 0
