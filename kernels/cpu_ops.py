@@ -470,7 +470,7 @@ def compiled_attention(dtype: torch.dtype, head_dim: int, causal: bool,
             # (2-core Xeon, benchmarks/README.md): a vision tower's attention in a quarter to
             # two thirds of the kernel's time, prompt chunks of 512 positions and more in
             # 0.3-0.7 of it. The kernel's own tile path is as fast as torch's or faster at
-            # every size measured there, and 2-3x at a prompt's few hundred positions.
+            # every size measured there, 2.3-4.5 times on 277-token prompts.
             return None
         return module.flash_attention
     if causal and dtype == torch.float32 and _flash_f32_head_dim(module, head_dim):
