@@ -58,6 +58,23 @@ constexpr int64_t kBlockPairs = 128;
 constexpr int64_t kStreamPanelsPerThread = 4;
 constexpr int64_t kClaim = 4;  // items a thread takes at a time (parallel_claim)
 
+// A panel of a gated MLP's merged gate and up layers packed in halves (16 gate outputs, then
+// the same 16 of up: ``pack_linear_weight`` of rows so ordered) gives 16 outputs of
+// silu(gate) * up: the sums rounded to bfloat16 as the merged layer's output would be, then
+// as silu_and_mul (cpu_elementwise.cpp) rounds, the sigmoid the same arithmetic on 16 lanes.
+inline __m512 widened(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 rounded(__m512 x) { return widened((__m256i)_mm512_cvtneps_pbh(x)); }
+inline __m256i silu_and_mul16(__m512 gate_sums, __m512 up_sums) {
+  const __m512 g = rounded(gate_sums), u = rounded(up_sums);
+  const __m512 e = mmserve_cpu::exp_nonpositive(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));
+  const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  const __m512 sigmoid =
+      _mm512_mask_mul_ps(r, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), e, r);
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded(_mm512_mul_ps(g, sigmoid)), u));
+}
+
 // Rows [0, R) of a tile over input pairs [0, pairs) of one block of a panel. The sums start
 // from `sums` (or the bias, or zero, on the first block) and go back to `sums`, or, on the
 // last block, round to bfloat16 into `out`. `prefetch` (or null): the next block, of which the
@@ -65,7 +82,7 @@ constexpr int64_t kClaim = 4;  // items a thread takes at a time (parallel_claim
 template <int64_t R>
 void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pairs,
           float* sums, bool first, const float* bias, uint16_t* out, int64_t out_stride,
-          int64_t cols, const uint16_t* prefetch, bool both_lines) {
+          int64_t cols, const uint16_t* prefetch, bool both_lines, bool silu) {
   __m512 acc[R][2];
   for (int64_t r = 0; r < R; ++r) {
     if (!first) {
@@ -100,6 +117,12 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
     }
     return;
   }
+  if (silu) {  // 16 outputs a row (a whole panel: cols == kCols)
+    for (int64_t r = 0; r < R; ++r)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * out_stride),
+                          silu_and_mul16(acc[r][0], acc[r][1]));
+    return;
+  }
   // Output rows a multiple of 4 KiB apart put a tile's rows in one cache set: 12% slower at
   // 4096 outputs. Whole cache lines are then written past the cache (no read for ownership).
   if (cols == kCols && (out_stride * 2) % 4096 == 0 &&
@@ -121,7 +144,7 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
 }
 
 using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, bool,
-                        const float*, uint16_t*, int64_t, int64_t, const uint16_t*, bool);
+                        const float*, uint16_t*, int64_t, int64_t, const uint16_t*, bool, bool);
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
                                           tile<5>, tile<6>, tile<7>, tile<8>};
 
@@ -205,10 +228,11 @@ void amx_chunk(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64
 }
 
 // x [rows, 2 * pairs] times the panels into out [rows, out_features] (bfloat16), the bias
-// added before rounding once.
+// added before rounding once; with `silu`, silu(gate) * up of panels packed in halves into
+// out [rows, out_features / 2].
 void amx_linear(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16_t* wp,
                 int64_t pairs, int64_t panels, const float* bp, uint16_t* op,
-                int64_t out_features) {
+                int64_t out_features, bool silu) {
   const int64_t blocks = (rows + kAmxBlockRows - 1) / kAmxBlockRows;
   // A chunk writes one whole cache line to each of its rows where the rows are aligned:
   // written past the cache, the lines are not read in first (and rows a multiple of 2 KiB
@@ -247,9 +271,15 @@ void amx_linear(const uint16_t* xp, int64_t x_stride, int64_t rows, const uint16
           amx_chunk<false>(a, x_stride, w, pairs, sums);
         }
         for (int64_t r = 0; r < n; ++r) {
-          uint16_t* dst = op + (r0 + r) * out_features + panel * kCols;
           const __m512 s0 = _mm512_add_ps(_mm512_load_ps(sums + r * kCols), b0);
           const __m512 s1 = _mm512_add_ps(_mm512_load_ps(sums + r * kCols + 16), b1);
+          if (silu) {
+            _mm256_storeu_si256(
+                reinterpret_cast<__m256i*>(op + (r0 + r) * (out_features / 2) + panel * 16),
+                silu_and_mul16(s0, s1));
+            continue;
+          }
+          uint16_t* dst = op + (r0 + r) * out_features + panel * kCols;
           const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(s0), h1 = (__m256i)_mm512_cvtneps_pbh(s1);
           if (stream) {
             _mm512_stream_si512(reinterpret_cast<__m512i*>(dst),
@@ -321,8 +351,12 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
-                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
+namespace {
+
+// packed_linear, or with `silu` its gated-MLP form (packed_linear_silu_and_mul).
+at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed,
+                              const c10::optional<at::Tensor>& bias, int64_t out_features,
+                              bool silu) {
   MMSERVE_CHECK(packed_linear_supported(), "packed_linear: needs AVX512-BF16");
   // Everything the pointer arithmetic below assumes is checked here, before any data pointer
   // is read.
@@ -344,8 +378,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   MMSERVE_CHECK(!has_bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                               bias->numel() == 32 * packed.size(0)),
                 "packed_linear: the bias must be float32, padded to ", 32 * packed.size(0));
+  MMSERVE_CHECK(!silu || out_features == 32 * packed.size(0),
+                "packed_linear_silu_and_mul: gate and up must fill whole panels (sizes a "
+                "multiple of 16)");
   const int64_t rows = x.size(0), pairs = packed.size(1), panels = packed.size(0);
-  auto out = at::empty({rows, out_features}, x.options());
+  const int64_t out_cols = silu ? out_features / 2 : out_features;
+  auto out = at::empty({rows, out_cols}, x.options());
 #ifdef MMSERVE_BF16_DOT
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -353,7 +391,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
 #ifdef MMSERVE_AMX
   if (pairs % kAmxStepPairs == 0 && amx_enabled.load() && amx_permitted()) {
-    amx_linear(xp, x.stride(0), rows, wp, pairs, panels, bp, op, out_features);
+    amx_linear(xp, x.stride(0), rows, wp, pairs, panels, bp, op, out_features, silu);
     return out;
   }
 #endif
@@ -386,11 +424,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
           const int64_t n = std::min(kTileRows, row_end - r);
           kTiles[n](xp + r * x_stride + 2 * p0, x_stride, w + p0 * 2 * kCols, block,
                     sums + (r - row_begin) * kCols, first, b,
-                    last ? op + r * out_features + panel * kCols : nullptr, out_features, cols,
+                    last ? op + r * out_cols + panel * (silu ? kCols / 2 : kCols) : nullptr,
+                    out_cols, cols,
                     one_chunk && r - row_begin < 2 * kTileRows
                         ? w + (p0 + block) * 2 * kCols + (r == row_begin ? 0 : kCols)
                         : nullptr,
-                    row_end - row_begin <= kTileRows);
+                    row_end - row_begin <= kTileRows, silu);
         }
       }
     }
@@ -398,4 +437,17 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
   });
 #endif
   return out;
+}
+
+}  // namespace
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
+                         const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  return packed_linear_impl(x, packed, bias, out_features, false);
+}
+
+at::Tensor packed_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed,
+                                      const c10::optional<at::Tensor>& bias,
+                                      int64_t out_features) {
+  return packed_linear_impl(x, packed, bias, out_features, true);
 }

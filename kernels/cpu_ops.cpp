@@ -27,6 +27,9 @@ bool set_packed_linear_amx(bool enabled);
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias, int64_t out_features);
+at::Tensor packed_linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed,
+                                      const c10::optional<at::Tensor>& bias,
+                                      int64_t out_features);
 bool packed_linear_f32_supported();
 at::Tensor pack_linear_weight_f32(const at::Tensor& weight);
 at::Tensor packed_linear_f32(const at::Tensor& x, const at::Tensor& packed,
@@ -77,6 +80,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "a bfloat16 [out, in] weight as panels",
         kNoGil);
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias from packed panels", kNoGil);
+  m.def("packed_linear_silu_and_mul", &packed_linear_silu_and_mul,
+        "silu(gate) * up of a gated MLP's gate and up layers packed in 16-output halves",
+        kNoGil);
   m.def("packed_linear_f32_supported", &packed_linear_f32_supported,
         "whether this build has the packed float32 linear (AVX2 and FMA)");
   m.def("pack_linear_weight_f32", &pack_linear_weight_f32, "a float32 [out, in] weight as panels",

@@ -577,7 +577,7 @@ class _PanelLinear(nn.Module):
             rows = rows.contiguous()
         with phase("cpu.linear"):
             out = self._kernel(rows, self.packed, self.bias, self.out_features)
-        return out.view(*x.shape[:-1], self.out_features)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
@@ -588,6 +588,34 @@ class PackedLinear(_PanelLinear):
     panels (``cpu_linear.cpp``)."""
 
     PANEL, _pack, _matmul = 32, "pack_linear_weight", "packed_linear"
+
+
+class PackedSiluAndMul(PackedLinear):
+    """A gated MLP's merged gate and up layers (``MergedLinear`` rows ``[gate; up]``, each
+    ``halves`` outputs, a multiple of 16) as the packed kernel's panels in halves: 16 outputs of
+    gate, then the same 16 of up. Its output is ``silu(gate) * up``, ``[..., halves]``, computed
+    from the sums as the separate ``silu_and_mul`` would from the merged output, without
+    writing that output (twice the size) and reading it back."""
+
+    _matmul = "packed_linear_silu_and_mul"
+    applies_activation = True
+
+    def __init__(self, linear: nn.Linear) -> None:
+        halves = linear.out_features // 2
+        # Row i of the panels' order: gate and up alternate in blocks of 16.
+        order = torch.arange(linear.out_features).view(2, halves // 16, 16).transpose(0, 1)
+        order = order.reshape(-1)
+        interleaved = nn.Linear(linear.in_features, linear.out_features,
+                                bias=linear.bias is not None, device="meta")
+        interleaved.weight = nn.Parameter(linear.weight.detach()[order], requires_grad=False)
+        if linear.bias is not None:
+            interleaved.bias = nn.Parameter(linear.bias.detach()[order], requires_grad=False)
+        super().__init__(interleaved)
+
+    @staticmethod
+    def applies(linear: nn.Linear) -> bool:
+        """Whether ``linear`` (gate and up merged) fills whole panels in halves."""
+        return linear.out_features % 32 == 0
 
 
 class PackedLinearF32(_PanelLinear):
@@ -693,9 +721,11 @@ def bfloat16_prompt_linear(in_features: int, out_features: int) -> type[nn.Modul
 def pack_linear_layers(model: nn.Module, prompt_only: Iterable[nn.Module] = ()) -> int:
     """Replace the CPU ``nn.Linear`` layers of ``model`` whose weight no other module shares:
     bfloat16 ones (even input size) by ``bfloat16_linear()``'s layer, or inside the modules of
-    ``prompt_only`` (the model's ``encoder_modules()``) by ``bfloat16_prompt_linear()``'s,
-    float32 ones by ``float32_linear()``'s; how many were replaced. The torch path keeps
-    torch's layers."""
+    ``prompt_only`` (the model's ``encoder_modules()``) by ``bfloat16_prompt_linear()``'s, and
+    a gated MLP's merged gate and up layers whose ``fused_activation`` is ``"silu_and_mul"``
+    by ``PackedSiluAndMul`` where the packed kernel serves and they fill its panels (their
+    output then is the activation's); float32 ones by ``float32_linear()``'s; how many were
+    replaced. The torch path keeps torch's layers."""
     bf16 = bfloat16_linear()
     fp32 = float32_linear()
     if not (bf16 or fp32):
@@ -712,8 +742,13 @@ def pack_linear_layers(model: nn.Module, prompt_only: Iterable[nn.Module] = ()) 
                 continue
             dtype = child.weight.dtype
             if bf16 and dtype == torch.bfloat16 and child.in_features % 2 == 0:
-                layer = (bfloat16_prompt_linear(child.in_features, child.out_features)
-                         if id(child) in prompt_layers else bf16)
+                if id(child) in prompt_layers:
+                    layer = bfloat16_prompt_linear(child.in_features, child.out_features)
+                elif (getattr(child, "fused_activation", None) == "silu_and_mul"
+                      and bf16 is PackedLinear and PackedSiluAndMul.applies(child)):
+                    layer = PackedSiluAndMul
+                else:
+                    layer = bf16
                 setattr(parent, name, layer(child))
             elif fp32 and dtype == torch.float32:
                 setattr(parent, name, fp32(child))

@@ -41,10 +41,14 @@ class MergedLinear(nn.Linear):
     checkpoint tensor they are (``models/parallel.py``)."""
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool,
-                 windows: dict[str, Window] | None = None) -> None:
+                 windows: dict[str, Window] | None = None,
+                 fused_activation: str | None = None) -> None:
         super().__init__(in_features, sum(shards.values()), bias=bias)
         self.shards = dict(shards)
         self.shard_windows = dict(windows or {})
+        # "silu_and_mul" (two equal shards, gate then up): a kernel may replace the layer by
+        # one whose output is silu(gate) * up (``applies_activation`` then says so).
+        self.fused_activation = fused_activation
 
     def shard_rows(self) -> dict[str, slice]:
         """Each shard's output rows."""

@@ -84,16 +84,20 @@ class DecoderMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         start, size = parallel.even_share(config.intermediate_size, "MLP intermediate size")
         rows = Window(0, start, size)
+        self.fused_silu = config.hidden_act == "silu"
         self.gate_up_proj = MergedLinear(
             config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=bias,
-            windows={"gate_proj": rows, "up_proj": rows} if parallel.tp_size() > 1 else None)
+            windows={"gate_proj": rows, "up_proj": rows} if parallel.tp_size() > 1 else None,
+            fused_activation="silu_and_mul" if self.fused_silu else None)
         self.intermediate_size = size
         self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
         parallel.row_parallel(self.down_proj, start, size)
         self.act = get_activation(config.hidden_act)
-        self.fused_silu = config.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.gate_up_proj, "applies_activation", False):
+            # The CPU's packed layer computes silu(gate) * up from its sums (PackedSiluAndMul).
+            return parallel.all_reduce(self.down_proj(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         if self.fused_silu and (ops := fused_kernels(x)) is not None:
             h = ops.silu_and_mul(gate, up)

@@ -848,6 +848,10 @@ def test_cpu_runner_packs_bfloat16_linear_layers(packed, clip_llama):
         for m in tower)
     decoder = [m for m in model.model.language_model.modules() if isinstance(m, linear)]
     assert decoder and all(isinstance(m, cpu_ops.bfloat16_linear()) for m in decoder)
+    # The MLPs' gate and up layers apply SiLU themselves where the packed kernel serves.
+    mlps = [m.mlp.gate_up_proj for m in model.model.language_model.layers]
+    assert all(isinstance(m, cpu_ops.PackedSiluAndMul) for m in mlps) == (
+        cpu_ops.bfloat16_linear() is cpu_ops.PackedLinear)
     assert packed_layers(LLM(clip_llama, device="cpu", dtype="float32", max_model_len=96)) == 0
 
 
@@ -907,6 +911,59 @@ def test_packed_linear_on_amx_tiles_matches_its_vector_tiles(packed, in_features
             torch.testing.assert_close(tiles, vectors, atol=1e-6, rtol=2 ** -7)
     finally:
         packed.set_packed_linear_amx(True)
+
+
+@pytest.mark.parametrize("in_features, halves, bias", [
+    (768, 2048, False), (96, 48, True), (100, 16, False),
+], ids=["mlp", "bias", "inputs-off-the-amx-tiles"])
+def test_packed_silu_and_mul_is_the_separate_ops_bit_for_bit(packed, in_features, halves, bias):
+    """Gate and up packed in 16-output halves of each panel give silu(gate) * up straight from
+    the sums: the same bits as the merged layer's output through ``silu_and_mul``, on the AMX
+    tiles and the vector tiles, at row counts around their tiles and chunks."""
+    linear = _bf16_linear(in_features, 2 * halves, bias, seed=halves)
+    merged, fused = cpu_ops.PackedLinear(linear), cpu_ops.PackedSiluAndMul(linear)
+    amx = [True, False] if packed.packed_linear_amx_supported() else [False]
+    try:
+        for tiles in amx:
+            packed.set_packed_linear_amx(tiles)
+            for rows in (1, 8, 9, 16, 17, 33, 300):
+                x = torch.randn(rows, in_features,
+                                generator=torch.Generator().manual_seed(rows)).bfloat16()
+                with torch.no_grad():
+                    gate, up = merged(x).split(halves, dim=-1)
+                    got = fused(x)
+                assert got.shape == (rows, halves)
+                assert torch.equal(got, packed.silu_and_mul(gate, up)), (tiles, rows)
+    finally:
+        packed.set_packed_linear_amx(True)
+    assert cpu_ops.PackedSiluAndMul.applies(linear)
+    assert not cpu_ops.PackedSiluAndMul.applies(_bf16_linear(64, 2 * 40, False, seed=1))
+    with pytest.raises(RuntimeError, match="gate and up must fill whole panels"):
+        packed.packed_linear_silu_and_mul(x, merged.packed, None, 2 * halves - 2)
+
+
+def test_pack_linear_layers_fuses_silu_into_the_gate_and_up_layers(packed):
+    """A merged gate and up layer that asks for it (``fused_activation``) becomes one whose
+    output is the activation's, where it fills whole panels; others stay plain."""
+    from mmserve.models.layers import MergedLinear
+
+    def merged(halves):
+        layer = MergedLinear(64, {"gate_proj": halves, "up_proj": halves}, bias=False,
+                             fused_activation="silu_and_mul").bfloat16()
+        torch.nn.init.normal_(layer.weight, generator=torch.Generator().manual_seed(halves))
+        return layer
+
+    model = torch.nn.ModuleDict({"fits": merged(32), "ragged": merged(40),
+                                 "tower": merged(32)})
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        gate, up = model["fits"](x).split(32, dim=-1)
+        assert cpu_ops.pack_linear_layers(model, prompt_only=[model["tower"]]) == 3
+        got = model["fits"](x)
+    assert type(model["fits"]) is cpu_ops.PackedSiluAndMul and model["fits"].applies_activation
+    assert type(model["ragged"]) is cpu_ops.PackedLinear
+    assert not isinstance(model["tower"], cpu_ops.PackedSiluAndMul)
+    assert torch.equal(got, packed.silu_and_mul(gate, up))
 
 
 @pytest.fixture(scope="module")
