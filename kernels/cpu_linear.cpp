@@ -10,6 +10,10 @@
 //                                         the layout of the pair dot-product instruction
 // packed_linear(x [M, K], panels, bias, N) -> x @ weight.T + bias, [M, N]; the bias float32,
 //                                         zero-padded to whole panels, or None
+// packed_linear_silu_and_mul(x, panels, bias, N) -> silu(gate) * up, [M, N / 2], where the
+//                                         weight's rows alternate 16 of gate and the same 16
+//                                         of up (a gated MLP's merged layers, N a multiple
+//                                         of 32)
 //
 // Each work item is one panel (32 outputs) for a chunk of rows: tiles of 8 rows by 32 outputs
 // accumulate in 16 float32 registers over all of K, then round to bfloat16 once. A decode
