@@ -1,6 +1,9 @@
 // What the AMX kernels share: whether this build has the tile instructions, the tile
-// configuration's memory layout, and the process's permission to use the tile registers.
+// configuration's memory layout, the process's permission to use the tile registers, and each
+// kernel's switch between its tiles and its vector code.
 #pragma once
+
+#include <atomic>
 
 #include "cpu_math.h"
 
@@ -35,3 +38,35 @@ inline bool amx_permitted() {
 
 }  // namespace mmserve_cpu
 #endif
+
+namespace mmserve_cpu {
+
+// A kernel's choice between its AMX tiles and its vector code: the tiles where the build has
+// them and the OS lets the process use them, unless turned off (tests do, to run the vector
+// code on an AMX CPU).
+class AmxSwitch {
+ public:
+  // Built with AMX and permitted.
+  bool supported() const {
+#ifdef MMSERVE_AMX
+    return amx_permitted();
+#else
+    return false;
+#endif
+  }
+  bool on() const { return enabled_.load() && supported(); }
+  // Turns the tiles on or off where supported; the previous setting (false without AMX).
+  bool set(bool enabled) {
+#ifdef MMSERVE_AMX
+    return enabled_.exchange(enabled);
+#else
+    (void)enabled;
+    return false;
+#endif
+  }
+
+ private:
+  std::atomic<bool> enabled_{true};
+};
+
+}  // namespace mmserve_cpu

@@ -151,11 +151,9 @@ at::Tensor flash_attention_f32(const at::Tensor& query, const at::Tensor& key,
                 "flash_attention_f32: key and value strides differ");
   auto out = at::empty(query.sizes(), query.options());  // contiguous, whatever q's strides
 #ifdef MMSERVE_F32_FMA
-  const int64_t batch = query.size(0), q_len = query.size(1), num_heads = query.size(2);
+  const int64_t batch = query.size(0);
   const int64_t kv_len = key.size(1), num_kv_heads = key.size(2), dim = query.size(3);
-  const int64_t group = num_heads / num_kv_heads;
   const int64_t padded_len = (kv_len + kChunk - 1) / kChunk * kChunk;
-  const int64_t tiles = (q_len + kTileRows - 1) / kTileRows;
   const int64_t packed_stride = padded_len * dim;
   auto k_packed = at::empty({batch * num_kv_heads, packed_stride}, query.options());
   auto v_packed = at::empty_like(k_packed);
@@ -175,27 +173,14 @@ at::Tensor flash_attention_f32(const at::Tensor& query, const at::Tensor& key,
     }
   });
 
-  // Tiles in (batch, head, rows) order: contiguous ranges give each thread whole heads, so
-  // the longer causal tiles at the end of every head are spread across threads.
-  at::parallel_for(0, batch * num_heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    const float* q_rows[kTileRows];
-    float* out_rows[kTileRows];
-    int64_t key_end[kTileRows];
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t tile = item % tiles, bh = item / tiles;
-      const int64_t b = bh / num_heads, h = bh % num_heads;
-      const int64_t row0 = tile * kTileRows, rows = std::min(kTileRows, q_len - row0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = row0 + r;
-        q_rows[r] = q_ptr + b * query.stride(0) + i * query.stride(1) + h * query.stride(2);
-        out_rows[r] = o_ptr + ((b * q_len + i) * num_heads + h) * dim;
-        key_end[r] = causal_offset < 0 ? kv_len : std::min(kv_len, i + causal_offset + 1);
-      }
-      const int64_t packed = (b * num_kv_heads + h / group) * packed_stride;
-      attend_tile(q_rows, rows, key_end, kp_ptr + packed, vp_ptr + packed, dim, padded_len,
-                  static_cast<float>(scale), out_rows);
-    }
-  });
+  mmserve_cpu::for_query_tiles<kTileRows>(
+      query, q_ptr, o_ptr, kv_len, num_kv_heads, causal_offset, kTileRows,
+      [&](const float* const* q_rows, int64_t rows, const int64_t* key_end,
+          float* const* out_rows, int64_t kv_item, bool, bool) {
+        attend_tile(q_rows, rows, key_end, kp_ptr + kv_item * packed_stride,
+                    vp_ptr + kv_item * packed_stride, dim, padded_len, static_cast<float>(scale),
+                    out_rows);
+      });
 #endif
   return out;
 }

@@ -32,6 +32,8 @@
 
 namespace {
 
+mmserve_cpu::AmxSwitch amx;  // the tile path (amx_attend_tile) or the vector code
+
 #ifdef MMSERVE_BF16_DOT
 
 using mmserve_cpu::exp_nonpositive;
@@ -40,7 +42,6 @@ using mmserve_cpu::first_lanes;
 constexpr int64_t kRows = 8;    // query rows per tile, one accumulator register each
 constexpr int64_t kGroup = 16;  // keys per packed K vector (16 float32 lanes)
 constexpr int64_t kChunk = 128;  // keys per online-softmax step
-constexpr int64_t kMaxRows = 16;  // query rows per tile on either path
 
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t v;
@@ -217,7 +218,6 @@ void attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t* key
 
 constexpr int64_t kAmxRows = 16;  // query rows per tile: one tile register's rows
 
-std::atomic<bool> amx_enabled{true};  // tests turn it off to run the AVX512-BF16 tiles
 
 // Every tile register 16 rows by 64 bytes. Scores: sums 0 and 1 (two groups of 16 keys), key
 // tiles 2 and 3, query tiles from 4 (one per 32 dimensions). Probabilities times values: sums
@@ -310,16 +310,13 @@ void amx_attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t*
   tile.write(out_rows);
 }
 
-bool use_amx() { return amx_enabled.load() && mmserve_cpu::amx_permitted(); }
-
 #endif  // MMSERVE_AMX
 
 template <int64_t D>
 void flash_attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           double scale, int64_t causal_offset, at::Tensor& out) {
-  const int64_t batch = query.size(0), q_len = query.size(1), num_heads = query.size(2);
+  const int64_t batch = query.size(0);
   const int64_t kv_len = key.size(1), num_kv_heads = key.size(2);
-  const int64_t group = num_heads / num_kv_heads;
   const int64_t padded_len = (kv_len + kChunk - 1) / kChunk * kChunk;
 
   auto k_packed = at::empty({batch * num_kv_heads, padded_len * D}, query.options().dtype(at::kShort));
@@ -342,69 +339,37 @@ void flash_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
     }
   });
 
-  // Tiles in (batch, head, rows) order: contiguous ranges give each thread whole heads, so
-  // the longer causal tiles at the end of every head are spread across threads.
-  const auto attend_tiles = [&](int64_t tile_rows, auto&& attend) {
-    const int64_t tiles = (q_len + tile_rows - 1) / tile_rows;
-    at::parallel_for(0, batch * num_heads * tiles, 1, [&](int64_t begin, int64_t end) {
-      const uint16_t* q_rows[kMaxRows];
-      uint16_t* out_rows[kMaxRows];
-      int64_t key_end[kMaxRows];
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t tile = item % tiles, bh = item / tiles;
-        const int64_t b = bh / num_heads, h = bh % num_heads;
-        const int64_t row0 = tile * tile_rows, rows = std::min(tile_rows, q_len - row0);
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = row0 + r;
-          q_rows[r] = q_ptr + b * query.stride(0) + i * query.stride(1) + h * query.stride(2);
-          out_rows[r] = o_ptr + ((b * q_len + i) * num_heads + h) * D;
-          key_end[r] = causal_offset < 0 ? kv_len : std::min(kv_len, i + causal_offset + 1);
-        }
-        const int64_t packed = (b * num_kv_heads + h / group) * packed_stride;
-        attend(q_rows, rows, key_end, kp_ptr + packed, vp_ptr + packed,
-               static_cast<float>(scale), out_rows, item == begin, item + 1 == end);
-      }
-    });
-  };
+  const float fscale = static_cast<float>(scale);
 #ifdef MMSERVE_AMX
-  if (use_amx()) {
-    attend_tiles(kAmxRows, [](const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
-                              const uint16_t* kp, const uint16_t* vp, float s,
-                              uint16_t* const* out_rows, bool first, bool last) {
-      if (first) configure_attention_tiles();
-      amx_attend_tile<D>(q_rows, rows, key_end, kp, vp, s, out_rows);
-      if (last) _tile_release();
-    });
+  if (amx.on()) {
+    mmserve_cpu::for_query_tiles<kAmxRows>(
+        query, q_ptr, o_ptr, kv_len, num_kv_heads, causal_offset, kAmxRows,
+        [&](const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
+            uint16_t* const* out_rows, int64_t kv_item, bool first, bool last) {
+          if (first) configure_attention_tiles();
+          amx_attend_tile<D>(q_rows, rows, key_end, kp_ptr + kv_item * packed_stride,
+                             vp_ptr + kv_item * packed_stride, fscale, out_rows);
+          if (last) _tile_release();
+        });
     return;
   }
 #endif
-  attend_tiles(kRows, [](const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
-                         const uint16_t* kp, const uint16_t* vp, float s,
-                         uint16_t* const* out_rows, bool, bool) {
-    attend_tile<D>(q_rows, rows, key_end, kp, vp, s, out_rows);
-  });
+  mmserve_cpu::for_query_tiles<kRows>(
+      query, q_ptr, o_ptr, kv_len, num_kv_heads, causal_offset, kRows,
+      [&](const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
+          uint16_t* const* out_rows, int64_t kv_item, bool, bool) {
+        attend_tile<D>(q_rows, rows, key_end, kp_ptr + kv_item * packed_stride,
+                       vp_ptr + kv_item * packed_stride, fscale, out_rows);
+      });
 }
 
 #endif  // MMSERVE_BF16_DOT
 
 }  // namespace
 
-bool flash_attention_amx_supported() {
-#ifdef MMSERVE_AMX
-  return mmserve_cpu::amx_permitted();
-#else
-  return false;
-#endif
-}
+bool flash_attention_amx_supported() { return amx.supported(); }
 
-bool set_flash_attention_amx(bool enabled) {
-#ifdef MMSERVE_AMX
-  return amx_enabled.exchange(enabled);
-#else
-  (void)enabled;
-  return false;
-#endif
-}
+bool set_flash_attention_amx(bool enabled) { return amx.set(enabled); }
 
 bool flash_attention_supported(int64_t head_dim) {
 #ifdef MMSERVE_BF16_DOT

@@ -48,6 +48,8 @@
 
 namespace {
 
+mmserve_cpu::AmxSwitch amx;  // the tile path (amx_linear) or the vector tiles
+
 #ifdef MMSERVE_BF16_DOT
 
 constexpr int64_t kCols = 32;       // outputs per panel (two vectors of 16 float32)
@@ -181,10 +183,8 @@ constexpr int64_t kAmxChunkRows = 32;   // rows of one multiply: two row tiles o
 constexpr int64_t kAmxBlockRows = 256;  // rows of a work item of a larger input
 constexpr int64_t kAmxStepPairs = 16;   // input pairs a step (32 inputs, one tile's width)
 
-using mmserve_cpu::amx_permitted;
 using mmserve_cpu::TileConfig;
 
-std::atomic<bool> amx_enabled{true};  // tests turn it off to run the AVX512-BF16 tiles
 
 // Tiles for a chunk of `rows` (1-32) rows: accumulators 0, 1 (rows 0-15, outputs 0-15 and
 // 16-31) and 2, 3 (rows 16-31), row tiles 4 and 5, weight tiles 6 and 7.
@@ -321,22 +321,9 @@ bool packed_linear_supported() {
 #endif
 }
 
-bool packed_linear_amx_supported() {
-#ifdef MMSERVE_AMX
-  return amx_permitted();
-#else
-  return false;
-#endif
-}
+bool packed_linear_amx_supported() { return amx.supported(); }
 
-bool set_packed_linear_amx(bool enabled) {
-#ifdef MMSERVE_AMX
-  return amx_enabled.exchange(enabled);
-#else
-  (void)enabled;
-  return false;
-#endif
-}
+bool set_packed_linear_amx(bool enabled) { return amx.set(enabled); }
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   check_weight(weight);
@@ -394,7 +381,7 @@ at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed,
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
 #ifdef MMSERVE_AMX
-  if (pairs % kAmxStepPairs == 0 && amx_enabled.load() && amx_permitted()) {
+  if (pairs % kAmxStepPairs == 0 && amx.on()) {
     amx_linear(xp, x.stride(0), rows, wp, pairs, panels, bp, op, out_features, silu);
     return out;
   }

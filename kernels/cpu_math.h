@@ -97,6 +97,40 @@ void parallel_claim(int64_t total, int64_t batch, const Body& body) {
   });
 }
 
+// The query tiles of a flash attention over `query` [batch, q_len, heads, dim] (output rows
+// contiguous in `out`, the same shape): tiles of up to `tile_rows` (<= kMaxRows) rows of one
+// (batch, head), in (batch, head, rows) order, so that contiguous ranges give each thread whole
+// heads and the longer causal tiles at the end of every head are spread across threads.
+// tile(q_rows, rows, key_end, out_rows, kv_item, first, last) runs once per tile: row r's
+// query and output rows, the keys [0, key_end[r]) it sees (causal_offset >= 0: those up to
+// its position plus the offset; < 0: all kv_len), the (batch, KV head) index of its keys and
+// values, and whether this is the first or last tile the thread runs of its range.
+template <int64_t kMaxRows, typename T, typename Tile>
+void for_query_tiles(const at::Tensor& query, const T* q_ptr, T* out, int64_t kv_len,
+                     int64_t num_kv_heads, int64_t causal_offset, int64_t tile_rows,
+                     const Tile& tile) {
+  const int64_t batch = query.size(0), q_len = query.size(1), num_heads = query.size(2);
+  const int64_t dim = query.size(3), group = num_heads / num_kv_heads;
+  const int64_t tiles = (q_len + tile_rows - 1) / tile_rows;
+  at::parallel_for(0, batch * num_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    const T* q_rows[kMaxRows];
+    T* out_rows[kMaxRows];
+    int64_t key_end[kMaxRows];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / tiles / num_heads, h = item / tiles % num_heads;
+      const int64_t row0 = item % tiles * tile_rows, rows = std::min(tile_rows, q_len - row0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t i = row0 + r;
+        q_rows[r] = q_ptr + b * query.stride(0) + i * query.stride(1) + h * query.stride(2);
+        out_rows[r] = out + ((b * q_len + i) * num_heads + h) * dim;
+        key_end[r] = causal_offset < 0 ? kv_len : std::min(kv_len, i + causal_offset + 1);
+      }
+      tile(q_rows, rows, key_end, out_rows, b * num_kv_heads + h / group, item == begin,
+           item + 1 == end);
+    }
+  });
+}
+
 // bfloat16 is the upper half of a float32: widening is a shift, narrowing rounds to nearest
 // even (NaN stays NaN). Plain integer arithmetic, so loops over them vectorize.
 inline float bf16_value(uint16_t bits) {

@@ -559,15 +559,22 @@ class _PanelLinear(nn.Module):
     _pack: str
     _matmul: str
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, order: torch.Tensor | None = None) -> None:
+        """``order``: the layer's output rows in the order the panels hold them (None: as
+        they are)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        packed = getattr(_module, self._pack)(linear.weight.detach().contiguous())
+        weight = linear.weight.detach()
+        bias = None if linear.bias is None else linear.bias.detach()
+        if order is not None:
+            weight = weight[order]
+            bias = None if bias is None else bias[order]
+        packed = getattr(_module, self._pack)(weight.contiguous())
         self.register_buffer("packed", packed)
-        bias = None
-        if linear.bias is not None:  # float32, zero-padded to whole panels
-            bias = torch.zeros(packed.shape[0] * self.PANEL)
-            bias[:self.out_features] = linear.bias.detach().float()
+        if bias is not None:  # float32, zero-padded to whole panels
+            padded = torch.zeros(packed.shape[0] * self.PANEL)
+            padded[:self.out_features] = bias.float()
+            bias = padded
         self.register_buffer("bias", bias)
         self._kernel = getattr(_module, self._matmul)
 
@@ -601,16 +608,10 @@ class PackedSiluAndMul(PackedLinear):
     applies_activation = True
 
     def __init__(self, linear: nn.Linear) -> None:
-        halves = linear.out_features // 2
         # Row i of the panels' order: gate and up alternate in blocks of 16.
+        halves = linear.out_features // 2
         order = torch.arange(linear.out_features).view(2, halves // 16, 16).transpose(0, 1)
-        order = order.reshape(-1)
-        interleaved = nn.Linear(linear.in_features, linear.out_features,
-                                bias=linear.bias is not None, device="meta")
-        interleaved.weight = nn.Parameter(linear.weight.detach()[order], requires_grad=False)
-        if linear.bias is not None:
-            interleaved.bias = nn.Parameter(linear.bias.detach()[order], requires_grad=False)
-        super().__init__(interleaved)
+        super().__init__(linear, order.reshape(-1))
 
     @staticmethod
     def applies(linear: nn.Linear) -> bool:
