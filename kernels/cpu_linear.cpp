@@ -68,17 +68,11 @@ constexpr int64_t kClaim = 4;  // items a thread takes at a time (parallel_claim
 // the same 16 of up: ``pack_linear_weight`` of rows so ordered) gives 16 outputs of
 // silu(gate) * up: the sums rounded to bfloat16 as the merged layer's output would be, then
 // as silu_and_mul (cpu_elementwise.cpp) rounds, the sigmoid the same arithmetic on 16 lanes.
-inline __m512 widened(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 rounded(__m512 x) { return widened((__m256i)_mm512_cvtneps_pbh(x)); }
 inline __m256i silu_and_mul16(__m512 gate_sums, __m512 up_sums) {
-  const __m512 g = rounded(gate_sums), u = rounded(up_sums);
-  const __m512 e = mmserve_cpu::exp_nonpositive(_mm512_or_ps(g, _mm512_set1_ps(-0.f)));
-  const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  const __m512 sigmoid =
-      _mm512_mask_mul_ps(r, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), e, r);
-  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(rounded(_mm512_mul_ps(g, sigmoid)), u));
+  using mmserve_cpu::round_bf16;
+  const __m512 g = round_bf16(gate_sums), u = round_bf16(up_sums);
+  return (__m256i)_mm512_cvtneps_pbh(
+      _mm512_mul_ps(round_bf16(_mm512_mul_ps(g, mmserve_cpu::sigmoid16(g))), u));
 }
 
 // Rows [0, R) of a tile over input pairs [0, pairs) of one block of a panel. The sums start

@@ -1,6 +1,7 @@
 // What the CPU kernels share: the argument checks that come before any pointer arithmetic,
 // work items handed to threads as they come free, the instruction set test, bfloat16 bits,
-// lane masks, and exp (scalar, written so the compiler vectorizes it, and on 16 lanes).
+// lane masks, and exp (scalar, written so the compiler vectorizes it, and on 16 lanes), with
+// bfloat16 loads, stores and the sigmoid on 16 lanes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -190,6 +191,33 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, k);
+}
+
+// bfloat16 on 16 lanes: the first lanes of `m` widened to float32, and float32 rounded to
+// bfloat16 (to nearest even, subnormals to zero, as the AVX512-BF16 conversion does).
+inline __m512 widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
+  return widen_bf16(_mm256_maskz_loadu_epi16(m, p));
+}
+inline void store_bf16(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+// A float32 rounded to bfloat16's precision, as an op that stores bfloat16 leaves it.
+inline __m512 round_bf16(__m512 v) { return widen_bf16((__m256i)_mm512_cvtneps_pbh(v)); }
+
+// 1 / (1 + exp(-x)) on 16 lanes, as the scalar sigmoid of cpu_elementwise.cpp computes it.
+inline __m512 sigmoid16(__m512 x) {
+  const __m512 e = exp_nonpositive(_mm512_or_ps(x, _mm512_set1_ps(-0.f)));  // exp(-|x|)
+  const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return _mm512_mask_mul_ps(r, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), e, r);
+}
+
+// fn(i, lanes) for i = 0, 16, 32, ... < n, `lanes` the mask of those of [i, i + 16) below n.
+template <typename Fn>
+inline void for_lanes(int64_t n, Fn&& fn) {
+  for (int64_t i = 0; i < n; i += 16) fn(i, first_lanes(n - i));
 }
 #endif
 

@@ -17,6 +17,9 @@ bool flash_attention_f32_supported(int64_t head_dim);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps);
+std::tuple<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                  const at::Tensor& weight, const at::Tensor& bias,
+                                                  double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor quick_gelu(const at::Tensor& x);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
@@ -64,6 +67,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm in one pass");
   m.def("add_rms_norm", &add_rms_norm,
         "residual += x (in place), then RMSNorm of the sum, in one pass");
+  m.def("add_layer_norm", &add_layer_norm,
+        "bfloat16 x + residual and the LayerNorm of the sum, in one pass");
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up in one pass");
   m.def("quick_gelu", &quick_gelu, "bfloat16 x * sigmoid(1.702 x) in one pass");
   m.def("rotary", &rotary, "bfloat16 rotary embedding (rotate-half layout) in one pass");

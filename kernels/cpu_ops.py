@@ -37,8 +37,9 @@ Which of these run is a *path*, chosen once per process (``MMSERVE_CPU_KERNELS``
 FMA, as an AVX2-only CPU runs it, on any CPU that has them) or ``avx512`` (compiled for this
 CPU's AVX-512, with the AVX512-BF16 kernels where it has them). ``auto``, the default, takes
 the fastest path the CPU supports, by the measurements in ``benchmarks/README.md``; a path the
-CPU lacks the instructions for is refused with the reason. mmserve's kernels use no AMX
-instructions (oneDNN's do). Tests and benchmarks switch paths with ``select_path``.
+CPU lacks the instructions for is refused with the reason. On CPUs with AMX the avx512 path's
+packed linear layers and bfloat16 flash attention multiply on AMX tiles (``cpu_amx.h``), where
+the kernel asks Linux for them first. Tests and benchmarks switch paths with ``select_path``.
 
 Building takes about a minute on two cores the first time (the sources include only the
 headers they use: all of torch's would take half as long again); torch caches the library

@@ -81,6 +81,20 @@ class RMSNorm(nn.Module):
         return elementwise.rms_norm(residual.add_(x), self.weight, self.eps)
 
 
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor,
+                   norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual + x`` (a new tensor) and ``norm`` of it: one pass over bfloat16 on the CPU,
+    the sum bit for bit torch's, the norm within a rounding of it."""
+    ops = fused_kernels(x)
+    if (ops is not None and hasattr(ops, "add_layer_norm") and x.dtype == torch.bfloat16
+            and norm.weight is not None and norm.bias is not None
+            and norm.weight.dtype == residual.dtype == x.dtype
+            and x.is_contiguous() and residual.is_contiguous()):
+        return ops.add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
+    total = residual + x
+    return total, norm(total)
+
+
 def rope_theta_of(config) -> float:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     rope_type = (params or {}).get("rope_type", (params or {}).get("type", "default"))

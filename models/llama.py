@@ -115,25 +115,39 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Add the layer's attention and MLP outputs into the residual stream, in place (the
-        first add fused with the norm after it)."""
-        attn_out = self.self_attn(self.input_layernorm(residual), rope)
+    def _attend(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                mlp_out: torch.Tensor | None,
+                output_rows: OutputRows | None = None) -> torch.Tensor:
+        """The attention output, after the last layer's MLP output (``mlp_out``, where there
+        is one) is added into the residual stream, in place, fused with the norm after it."""
+        if mlp_out is None:
+            normed = self.input_layernorm(residual)
+        else:
+            normed = self.input_layernorm.add_and_norm(mlp_out, residual)
+        del mlp_out  # gone before attention allocates
+        return self.self_attn(normed, rope, output_rows)
+
+    def forward(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                mlp_out: torch.Tensor | None) -> torch.Tensor:
+        """Add the last layer's MLP output (None before the first layer) and this layer's
+        attention output into the residual stream, in place, each add fused with the norm
+        after it. Returns this layer's MLP output, for the next norm to add."""
+        attn_out = self._attend(residual, rope, mlp_out)
         normed = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         del attn_out  # gone before the MLP allocates
-        residual.add_(self.mlp(normed))
+        return self.mlp(normed)
 
     def forward_rows(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                     output_rows: OutputRows) -> torch.Tensor:
+                     mlp_out: torch.Tensor | None,
+                     output_rows: OutputRows) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer for the rows that leave the pass: every row's K/V written, the rest
-        computed for ``output_rows`` alone. Returns their residual stream, a new tensor
-        ``[len(index), hidden]``."""
-        attn_out = self.self_attn(self.input_layernorm(residual), rope, output_rows)
+        computed for ``output_rows`` alone. Returns their residual stream (a new tensor
+        ``[len(index), hidden]``) and their MLP output, not yet added into it."""
+        attn_out = self._attend(residual, rope, mlp_out, output_rows)
         residual = residual.index_select(0, output_rows.index)
         normed = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         del attn_out
-        residual.add_(self.mlp(normed))
-        return residual
+        return residual, self.mlp(normed)
 
 
 class LlamaModel(nn.Module):
@@ -162,16 +176,18 @@ class LlamaModel(nn.Module):
         rope = self.rotary.cos_sin(positions, inputs_embeds.dtype)
         # The residual stream, which every layer adds into in place: the embeddings are the
         # forward pass's own tensor (the runner builds them for it).
-        residual = inputs_embeds
+        # Each layer's MLP output is added by the next norm, in its pass over the stream.
+        residual, mlp_out = inputs_embeds, None
         *body, last = self.layers
         for layer in body:
-            layer(residual, rope)
+            mlp_out = layer(residual, rope, mlp_out)
         output_rows = get_forward_context().output_rows
         if output_rows is None:
-            last(residual, rope)
-            return self.norm(residual)
-        # Only these rows' hidden states are read: the last layer computes theirs alone.
-        return self.norm(last.forward_rows(residual, rope, output_rows))
+            mlp_out = last(residual, rope, mlp_out)
+        else:
+            # Only these rows' hidden states are read: the last layer computes theirs alone.
+            residual, mlp_out = last.forward_rows(residual, rope, mlp_out, output_rows)
+        return self.norm.add_and_norm(mlp_out, residual)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -7,7 +7,7 @@ from torch import nn
 
 from mmserve.kernels.cpu_ops import encoder_attention
 from mmserve.models import parallel
-from mmserve.models.layers import MergedLinear, get_activation
+from mmserve.models.layers import MergedLinear, add_layer_norm, get_activation
 from mmserve.models.parallel import Window
 
 
@@ -64,8 +64,8 @@ class VisionEncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
-        return x + self.mlp(self.layer_norm2(x))
+        x, normed = add_layer_norm(self.self_attn(self.layer_norm1(x)), x, self.layer_norm2)
+        return x + self.mlp(normed)
 
 
 class VisionEncoder(nn.Module):

@@ -631,6 +631,68 @@ def test_rotary_matches_torch_exactly(kernel, monkeypatch, dtype):
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 
+def test_vision_layers_add_and_layer_norm_in_one_pass(kernel, monkeypatch):
+    """``layers.add_layer_norm``: the vision tower's residual add and the LayerNorm after it,
+    one kernel call for bfloat16 (the sum torch's bit for bit), torch's ops for float32."""
+    from mmserve.models import layers
+
+    g = torch.Generator().manual_seed(12)
+    norm = torch.nn.LayerNorm(768, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(768, generator=g) * 0.1 + 1)
+        norm.bias.copy_(torch.randn(768, generator=g) * 0.1)
+    x, residual = (torch.randn(2, 197, 768, generator=g) * 3).unbind(0)
+    monkeypatch.setattr(layers, "fused_kernels", lambda t: cpu_ops._module)
+    calls = _spy_on(monkeypatch, kernel, "add_layer_norm", lambda args: args[0].dtype)
+    with torch.no_grad():
+        total, normed = layers.add_layer_norm(x, residual, norm)  # float32: torch's
+        assert torch.equal(total, residual + x) and torch.equal(normed, norm(residual + x))
+        norm = norm.bfloat16()
+        x, residual = x.bfloat16(), residual.bfloat16()
+        total, normed = layers.add_layer_norm(x, residual, norm)
+    assert calls == [torch.bfloat16]
+    assert torch.equal(total, residual + x)
+    _assert_rounds_like_torch(normed, norm(residual + x))
+    with pytest.raises(RuntimeError, match="add_layer_norm: bfloat16 only"):
+        kernel.add_layer_norm(x.float(), residual.float(), norm.weight.float(),
+                              norm.bias.float(), 1e-5)
+
+
+def test_elementwise_kernels_round_like_torch_at_any_width(kernel):
+    """Widths that leave part of a 16-lane vector (and rows shorter than one): the vector
+    loops' masked tails read and write only the row's own elements."""
+    from mmserve.models import layers
+
+    g = torch.Generator().manual_seed(11)
+    for width in (5, 37, 100):
+        weight = (torch.randn(width, generator=g) * 0.1 + 1).bfloat16()
+        wide = (torch.randn(41, width + 9, generator=g) * 3).bfloat16()
+        x = wide[:, 4:4 + width]
+        residual = (torch.randn(41, width, generator=g) * 3).bfloat16()
+        stream = residual + x
+        expected = layers.elementwise.rms_norm(stream, weight, 1e-5)  # torch's ops
+        _assert_rounds_like_torch(kernel.add_rms_norm(x, residual, weight, 1e-5), expected)
+        assert torch.equal(residual, stream)
+        _assert_rounds_like_torch(kernel.rms_norm(residual, weight, 1e-5), expected)
+        gate, up = wide[:, :width], wide[:, 9:9 + width]
+        _assert_rounds_like_torch(kernel.silu_and_mul(gate, up), F.silu(gate) * up)
+        _assert_rounds_like_torch(kernel.quick_gelu(x), x * torch.sigmoid(1.702 * x))
+        layer_norm = torch.nn.LayerNorm(width, eps=1e-5).bfloat16()
+        with torch.no_grad():
+            layer_norm.weight.copy_(weight)
+            layer_norm.bias.copy_(weight - 1)
+            total, normed = kernel.add_layer_norm(x.contiguous(), residual, layer_norm.weight,
+                                                  layer_norm.bias, 1e-5)
+            assert torch.equal(total, residual + x)
+            _assert_rounds_like_torch(normed, layer_norm(residual + x))
+    # A head of 40 dimensions: 20 a half, one full vector and four lanes.
+    rope = layers.RotaryEmbedding(40, 64, 10000.0)
+    cos_sin = rope.cos_sin(torch.arange(7), torch.bfloat16)
+    qk = (torch.randn(7, 3, 40, generator=g) * 3).bfloat16()
+    expected = layers.elementwise.rotary(qk, *cos_sin)
+    assert torch.equal(kernel.rotary(qk, *cos_sin), expected)
+
+
 def _assert_float32_close(got: torch.Tensor, expected: torch.Tensor) -> None:
     """float32: no rounding points to keep, only the math's own (an exp within 2 ulp, a sum of
     squares in another order): within a few ulp of torch's ops."""
