@@ -11,6 +11,7 @@
 //                                                      T((s - mean) * rstd * w + b)), bfloat16
 // silu_and_mul(gate [rows, n], up [rows, n])        -> T(silu(gate)) * up
 // quick_gelu(x [...])                               -> x * T(sigmoid(T(1.702 x)))
+// quick_gelu_(x)                                    -> the same, into x (contiguous)
 // rotary(x [tokens, heads, dim], cos, sin [tokens, 1, dim])
 //                                 -> T(x * cos) + T(rotate_half(x) * sin), contiguous
 // where T() rounds to the tensors' dtype (nothing in float32).
@@ -350,10 +351,9 @@ at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
-at::Tensor quick_gelu(const at::Tensor& x) {
-  check_dtype({&x}, "quick_gelu");
-  auto in = x.contiguous();
-  auto out = at::empty_like(in);
+namespace {
+
+void quick_gelu_into(const at::Tensor& in, at::Tensor& out) {
   by_dtype(in, [&](auto type) {
     using T = decltype(type);
     const T* src = elements<const T>(in);
@@ -367,7 +367,23 @@ at::Tensor quick_gelu(const at::Tensor& x) {
       }
     });
   });
+}
+
+}  // namespace
+
+at::Tensor quick_gelu(const at::Tensor& x) {
+  check_dtype({&x}, "quick_gelu");
+  auto in = x.contiguous();
+  auto out = at::empty_like(in);
+  quick_gelu_into(in, out);
   return out;
+}
+
+at::Tensor& quick_gelu_(at::Tensor& x) {
+  check_dtype({&x}, "quick_gelu_");
+  MMSERVE_CHECK(x.is_contiguous(), "quick_gelu_: expected a contiguous tensor");
+  quick_gelu_into(x, x);
+  return x;
 }
 
 // Each product rounded, then their sum, with no multiply-add fused in between: bit for bit

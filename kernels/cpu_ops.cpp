@@ -22,6 +22,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at:
                                                   double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor quick_gelu(const at::Tensor& x);
+at::Tensor& quick_gelu_(at::Tensor& x);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor argmax_rows(const at::Tensor& logits);
 bool packed_linear_supported();
@@ -71,6 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bfloat16 x + residual and the LayerNorm of the sum, in one pass");
   m.def("silu_and_mul", &silu_and_mul, "bfloat16 silu(gate) * up in one pass");
   m.def("quick_gelu", &quick_gelu, "bfloat16 x * sigmoid(1.702 x) in one pass");
+  m.def("quick_gelu_", &quick_gelu_, "quick_gelu in place");
   m.def("rotary", &rotary, "bfloat16 rotary embedding (rotate-half layout) in one pass");
   m.def("argmax_rows", &argmax_rows,
         "each row's torch.argmax (its first maximum, or first NaN), rows in parallel", kNoGil);

@@ -12,8 +12,13 @@ from mmserve.models.forward_context import OutputRows, get_forward_context
 from mmserve.models.parallel import Window
 
 
-def quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return (fused_kernels(x) or elementwise).quick_gelu(x)
+def quick_gelu(x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)``; with ``in_place``, into ``x`` where the CPU kernels can (a
+    layer's output that nothing else reads: no second tensor of its size to write)."""
+    ops = fused_kernels(x)
+    if in_place and ops is not None and hasattr(ops, "quick_gelu_") and x.is_contiguous():
+        return ops.quick_gelu_(x)
+    return (ops or elementwise).quick_gelu(x)
 
 
 def get_activation(name: str):

@@ -227,7 +227,7 @@ def test_flash_attention_rejects_bad_shapes_dtypes_and_strides(flash):
 
 
 # ---------------------------------------------------------------------------------------------
-# rms_norm, silu_and_mul, quick_gelu, rotary
+# rms_norm, add_layer_norm, silu_and_mul, quick_gelu, rotary
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -238,6 +238,10 @@ def test_fused_layers_take_valid_inputs(kernel, dtype):
     assert kernel.quick_gelu(x).shape == (3, 8)
     table = torch.ones(3, 1, 8, dtype=dtype)
     assert kernel.rotary(x.view(3, 1, 8), table, table).shape == (3, 1, 8)
+    assert kernel.quick_gelu_(x.clone()).shape == (3, 8)
+    if dtype == torch.bfloat16:
+        w = torch.ones(8, dtype=dtype)
+        assert [t.shape for t in kernel.add_layer_norm(x, x, w, w, 1e-6)] == [(3, 8), (3, 8)]
 
 
 def test_fused_layers_reject_tensors_off_the_cpu_or_not_dense(kernel):
@@ -249,6 +253,8 @@ def test_fused_layers_reject_tensors_off_the_cpu_or_not_dense(kernel):
         ("silu_and_mul", lambda: kernel.silu_and_mul(meta, x)),
         ("silu_and_mul", lambda: kernel.silu_and_mul(x, meta)),
         ("quick_gelu", lambda: kernel.quick_gelu(meta)),
+        ("quick_gelu_", lambda: kernel.quick_gelu_(meta)),
+        ("add_layer_norm", lambda: kernel.add_layer_norm(x, meta, w, w, 1e-6)),
         ("rotary", lambda: kernel.rotary(meta.view(3, 1, 8), table, table)),
         ("rotary", lambda: kernel.rotary(x.view(3, 1, 8), table, _meta(3, 1, 8))),
     ]
@@ -259,6 +265,7 @@ def test_fused_layers_reject_tensors_off_the_cpu_or_not_dense(kernel):
         ("rms_norm", lambda: kernel.rms_norm(x.to_sparse(), w, 1e-6)),
         ("silu_and_mul", lambda: kernel.silu_and_mul(x, x.to_sparse())),
         ("quick_gelu", lambda: kernel.quick_gelu(x.to_sparse())),
+        ("add_layer_norm", lambda: kernel.add_layer_norm(x.to_sparse(), x, w, w, 1e-6)),
         ("rotary", lambda: kernel.rotary(x.view(3, 1, 8).to_sparse(), table, table)),
     ]
     for name, call in sparse:
@@ -284,6 +291,13 @@ def test_fused_layers_reject_bad_shapes_and_strides(kernel):
             kernel.silu_and_mul(gate, up)
     with pytest.raises(RuntimeError, match="quick_gelu: bfloat16 or float32 only"):
         kernel.quick_gelu(x.double())
+    xb, wb = x.bfloat16(), torch.ones(8).bfloat16()
+    with pytest.raises(RuntimeError, match="add_layer_norm: expected contiguous x and residual"):
+        kernel.add_layer_norm(xb, xb[:2], wb, wb, 1e-6)
+    with pytest.raises(RuntimeError, match="add_layer_norm: expected contiguous x and residual"):
+        kernel.add_layer_norm(xb.t(), xb.t(), torch.ones(3).bfloat16(), wb[:3], 1e-6)
+    with pytest.raises(RuntimeError, match=r"add_layer_norm: weight and bias must be \[hidden\]"):
+        kernel.add_layer_norm(xb, xb, wb, wb[:7], 1e-6)
     table = torch.ones(3, 1, 8)
     for bad in (torch.randn(3, 1, 7), torch.randn(3, 1, 16)[..., ::2], torch.randn(3, 8)):
         with pytest.raises(RuntimeError, match="rotary: expected x .* even, contiguous last"):

@@ -571,6 +571,12 @@ def test_quick_gelu_matches_torch(kernel):
     x = (torch.randn(3, 197, 3072, generator=g) * 4).bfloat16()
     expected = x * torch.sigmoid(1.702 * x)
     _assert_rounds_like_torch(kernel.quick_gelu(x), expected)
+    # In place, for a layer's output that nothing else reads: the same bits, into x.
+    y = x.clone()
+    assert kernel.quick_gelu_(y).data_ptr() == y.data_ptr()
+    assert torch.equal(y, kernel.quick_gelu(x))
+    with pytest.raises(RuntimeError, match="quick_gelu_: expected a contiguous tensor"):
+        kernel.quick_gelu_(x.transpose(0, 1))
     # Extremes saturate instead of overflowing.
     edge = torch.tensor([-1e4, -100.0, 0.0, 100.0, 1e4]).bfloat16()
     torch.testing.assert_close(kernel.quick_gelu(edge), edge * torch.sigmoid(1.702 * edge))
