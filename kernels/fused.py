@@ -1,7 +1,9 @@
 """Which fused elementwise kernels a tensor's ops take: the compiled CPU module's for a CPU
 tensor (``cpu_ops``, when it built and the path uses it), Triton's for a CUDA tensor
 (``triton_fused``), else None, which means torch's ops. Both modules have the same functions:
-``rms_norm``, ``add_rms_norm``, ``rotary``, ``silu_and_mul``, ``quick_gelu``.
+``rms_norm``, ``add_rms_norm``, ``rotary``, ``silu_and_mul``, ``quick_gelu``; the CPU module
+also ``quick_gelu_`` (in place) and ``add_layer_norm`` (bfloat16), which callers look up with
+``hasattr``.
 
 ``MMSERVE_GPU_KERNELS=torch`` keeps torch's ops on a GPU (``triton``, the default, fuses), for
 comparing the two there; it is read once per process. The Triton kernels are checked against

@@ -42,3 +42,16 @@ def test_cpu_attention_benchmark_prints_its_table_or_why_not():
     # has AMX) and torch.
     columns = 3 if "AMX tiles" in run.stdout.splitlines()[1] else 2
     assert run.stdout.count(" ms") == columns * 10
+
+
+def test_cpu_elementwise_benchmark_prints_its_table():
+    run = _run("benchmarks/cpu_elementwise.py", "--rows", "3", "--repeats", "1")
+    assert run.returncode == 0, run.stderr
+    header, *rows = run.stdout.splitlines()[1:]
+    paths = [p for p in ("avx2", "avx512") if p in cpu_ops.supported_paths()]
+    assert header.split() == ["torch"] + [w for p in paths for w in (p, "path")]
+    assert [row.split()[0] for row in rows] == ["rms_norm", "add_rms_norm", "rotary",
+                                                "silu_and_mul", "quick_gelu", "add_layer_norm"]
+    for row in rows:  # torch's time, then each path's
+        assert all(float(ms) >= 0 for ms in row.split()[-1 - len(paths):])
+        assert row.split()[-2 - len(paths)].isdigit()  # the shape ends before them
