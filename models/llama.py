@@ -116,38 +116,37 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def _attend(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mlp_out: torch.Tensor | None,
-                output_rows: OutputRows | None = None) -> torch.Tensor:
-        """The attention output, after the last layer's MLP output (``mlp_out``, where there
-        is one) is added into the residual stream, in place, fused with the norm after it."""
-        if mlp_out is None:
-            normed = self.input_layernorm(residual)
-        else:
-            normed = self.input_layernorm.add_and_norm(mlp_out, residual)
-        del mlp_out  # gone before attention allocates
+                carry: list[torch.Tensor], output_rows: OutputRows | None = None) -> torch.Tensor:
+        """The attention output, after the last layer's MLP output (taken from ``carry``,
+        where there is one) is added into the residual stream, in place, fused with the norm
+        after it."""
+        norm = self.input_layernorm
+        normed = norm.add_and_norm(carry.pop(), residual) if carry else norm(residual)
         return self.self_attn(normed, rope, output_rows)
 
     def forward(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                mlp_out: torch.Tensor | None) -> torch.Tensor:
-        """Add the last layer's MLP output (None before the first layer) and this layer's
-        attention output into the residual stream, in place, each add fused with the norm
-        after it. Returns this layer's MLP output, for the next norm to add."""
-        attn_out = self._attend(residual, rope, mlp_out)
+                carry: list[torch.Tensor]) -> None:
+        """Add the last layer's MLP output and this layer's attention output into the residual
+        stream, in place, each add fused with the norm after it. ``carry`` holds the last
+        layer's MLP output (empty before the first layer) and is left holding this layer's,
+        for the next norm to add: a list the output leaves, so that no caller keeps it alive
+        through the next layer."""
+        attn_out = self._attend(residual, rope, carry)
         normed = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         del attn_out  # gone before the MLP allocates
-        return self.mlp(normed)
+        carry.append(self.mlp(normed))
 
     def forward_rows(self, residual: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                     mlp_out: torch.Tensor | None,
-                     output_rows: OutputRows) -> tuple[torch.Tensor, torch.Tensor]:
+                     carry: list[torch.Tensor], output_rows: OutputRows) -> torch.Tensor:
         """The layer for the rows that leave the pass: every row's K/V written, the rest
         computed for ``output_rows`` alone. Returns their residual stream (a new tensor
-        ``[len(index), hidden]``) and their MLP output, not yet added into it."""
-        attn_out = self._attend(residual, rope, mlp_out, output_rows)
+        ``[len(index), hidden]``), their MLP output left in ``carry`` as ``forward`` does."""
+        attn_out = self._attend(residual, rope, carry, output_rows)
         residual = residual.index_select(0, output_rows.index)
         normed = self.post_attention_layernorm.add_and_norm(attn_out, residual)
         del attn_out
-        return residual, self.mlp(normed)
+        carry.append(self.mlp(normed))
+        return residual
 
 
 class LlamaModel(nn.Module):
@@ -177,17 +176,17 @@ class LlamaModel(nn.Module):
         # The residual stream, which every layer adds into in place: the embeddings are the
         # forward pass's own tensor (the runner builds them for it).
         # Each layer's MLP output is added by the next norm, in its pass over the stream.
-        residual, mlp_out = inputs_embeds, None
+        residual, carry = inputs_embeds, []
         *body, last = self.layers
         for layer in body:
-            mlp_out = layer(residual, rope, mlp_out)
+            layer(residual, rope, carry)
         output_rows = get_forward_context().output_rows
         if output_rows is None:
-            mlp_out = last(residual, rope, mlp_out)
+            last(residual, rope, carry)
         else:
             # Only these rows' hidden states are read: the last layer computes theirs alone.
-            residual, mlp_out = last.forward_rows(residual, rope, mlp_out, output_rows)
-        return self.norm.add_and_norm(mlp_out, residual)
+            residual = last.forward_rows(residual, rope, carry, output_rows)
+        return self.norm.add_and_norm(carry.pop(), residual)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -65,12 +65,9 @@ class VisionEncoderLayer(nn.Module):
         self.mlp = VisionMLP(config)
         self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream ``x`` and its ``layer_norm1`` in; the stream with the
-        attention output added, and the MLP output, not yet added (the next layer's first norm
-        or the tower adds it), out."""
-        x, normed = add_layer_norm(self.self_attn(normed), x, self.layer_norm2)
-        return x, self.mlp(normed)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, normed = add_layer_norm(self.self_attn(self.layer_norm1(x)), x, self.layer_norm2)
+        return x + self.mlp(normed)
 
 
 class VisionEncoder(nn.Module):
@@ -139,14 +136,7 @@ class VisionTransformer(nn.Module):
         if self.model_type == "clip_vision_model":
             x = self.pre_layrnorm(x)
         hidden_states = [x]
-        mlp_out = None  # the last layer's, added into the stream by the next norm's pass
         for layer in self.encoder.layers:
-            if mlp_out is None:
-                normed = layer.layer_norm1(x)
-            else:
-                x, normed = add_layer_norm(mlp_out, x, layer.layer_norm1)
-                hidden_states.append(x)
-            x, mlp_out = layer(x, normed)
-        if mlp_out is not None:
-            hidden_states.append(x + mlp_out)
+            x = layer(x)
+            hidden_states.append(x)
         return [hidden_states[i] for i in self.feature_layers]
