@@ -28,7 +28,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 #include <tuple>
 #include <type_traits>
@@ -113,8 +112,9 @@ void by_dtype(const at::Tensor& t, Fn&& fn) {
 #ifdef MMSERVE_BF16_DOT
 // bfloat16 rows on 16 lanes where the build has AVX512-BF16: the arithmetic and the rounding
 // points of the scalar loops (which the compiler vectorizes 8 lanes wide, widening and
-// rounding bfloat16 in integer steps), with the conversion instruction's rounding, 1.3-3 times
-// their speed. Sums of squares add in another order, so a rare norm moves a bfloat16 step.
+// rounding bfloat16 in integer steps), with the conversion instruction's rounding, 1.4-2.4 times
+// their speed (benchmarks/cpu_elementwise.py). Sums of squares add in another order, so a rare
+// norm moves a bfloat16 step.
 using mmserve_cpu::for_lanes;
 using mmserve_cpu::load_bf16;
 using mmserve_cpu::round_bf16;
@@ -123,9 +123,10 @@ using mmserve_cpu::store_bf16;
 
 constexpr bool kBf16Lanes = true;
 
-void add_row(const uint16_t* x, uint16_t* sum, int64_t n) {
+// out = x + y, rounded (out may be y: the residual stream added into in place).
+void add_row(const uint16_t* x, const uint16_t* y, uint16_t* out, int64_t n) {
   for_lanes(n, [&](int64_t i, __mmask16 m) {
-    store_bf16(sum + i, _mm512_add_ps(load_bf16(x + i, m), load_bf16(sum + i, m)), m);
+    store_bf16(out + i, _mm512_add_ps(load_bf16(x + i, m), load_bf16(y + i, m)), m);
   });
 }
 
@@ -238,7 +239,7 @@ at::Tensor norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::
       const T* in = row_of<T>(x, r);
       if constexpr (lanes_for<T>) {
         if (res != nullptr) {
-          add_row(in, res + r * hidden, hidden);
+          add_row(in, res + r * hidden, res + r * hidden, hidden);
           in = res + r * hidden;
         }
         const float squares = sum_of_squares(in, hidden);
@@ -301,8 +302,7 @@ std::tuple<at::Tensor, at::Tensor> add_layer_norm(const at::Tensor& x, const at:
   for_rows(rows, hidden, [&](int64_t r) {
     const int64_t at = r * hidden;
 #ifdef MMSERVE_BF16_DOT
-    std::memcpy(sp + at, rp + at, hidden * sizeof(uint16_t));
-    add_row(xp + at, sp + at, hidden);
+    add_row(xp + at, rp + at, sp + at, hidden);
     layer_norm_row(sp + at, w, b, feps, op + at, hidden);
 #else
     float total = 0.f;
