@@ -3,7 +3,9 @@ torch's ``F.linear`` (MKL), oneDNN's prepacked matmul (``cpu_ops.OneDNNLinear``,
 path's) and mmserve's AVX2/FMA kernel (``cpu_ops.PackedLinearF32``, the ``avx2`` path's).
 bfloat16 (``--dtype bfloat16``): torch's ``F.linear``, oneDNN's prepacked matmul and mmserve's
 packed kernel (``cpu_ops.PackedLinear``, ``cpu_ops.bfloat16_linear``'s choice): its AVX512-BF16
-tiles, and on CPUs with AMX its tile multiply beside them ("mmserve AMX"). What
+vector tiles with each of their two multiplies ("mmserve dot": the pair dot product, "mmserve
+FMA": float32 FMAs on widened inputs, which the kernel takes from 16 rows on where the core runs
+them faster), and on CPUs with AMX its tile multiply beside them ("mmserve AMX"). What
 ``MMSERVE_CPU_KERNELS=auto`` picks on each CPU comes from these tables.
 
 Each figure is one layer's time, averaged over enough different weights of that shape (at least
@@ -44,18 +46,21 @@ def time_layers(layers, x: torch.Tensor, min_s: float) -> float:
             return elapsed / calls
 
 
-class VectorTiles:
-    """``PackedLinear`` with the module's AMX path off: its AVX512-BF16 tiles on a CPU with AMX."""
+class Switched:
+    """``PackedLinear`` with the module's switches set for each call: AMX off (its vector tiles
+    on a CPU with AMX), and the vector tiles' multiply, float32 FMAs or the pair dot product."""
 
-    def __init__(self, module, linear: torch.nn.Linear) -> None:
-        self.module, self.layer = module, cpu_ops.PackedLinear(linear)
+    def __init__(self, module, linear: torch.nn.Linear, fma: bool) -> None:
+        self.module, self.fma, self.layer = module, fma, cpu_ops.PackedLinear(linear)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        previous = self.module.set_packed_linear_amx(False)
+        amx = self.module.set_packed_linear_amx(False)
+        fma = self.module.set_packed_linear_fma(self.fma)
         try:
             return self.layer(x)
         finally:
-            self.module.set_packed_linear_amx(previous)
+            self.module.set_packed_linear_fma(fma)
+            self.module.set_packed_linear_amx(amx)
 
 
 def main() -> None:
@@ -82,9 +87,11 @@ def main() -> None:
         if dtype == torch.bfloat16 and module is not None and module.packed_linear_supported():
             if module.packed_linear_amx_supported():
                 impls["mmserve AMX"] = cpu_ops.PackedLinear
-                impls["mmserve bf16"] = lambda lin: VectorTiles(module, lin)
-            else:
-                impls["mmserve bf16"] = cpu_ops.PackedLinear
+            impls["mmserve dot"] = lambda lin: Switched(module, lin, fma=False)
+            impls["mmserve FMA"] = lambda lin: Switched(module, lin, fma=True)
+            print("the packed kernel's vector tiles multiply inputs of 16 rows or more with "
+                  + ("float32 FMAs" if module.packed_linear_fma() else "the pair dot product")
+                  + " on this CPU (mmserve dot / FMA: each forced)")
         print(f"{'K x N':>12} {'rows':>5} " + " ".join(f"{name:>14}" for name in impls)
               + "   fastest: weights read at, arithmetic")
         with torch.no_grad():

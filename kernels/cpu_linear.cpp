@@ -29,8 +29,11 @@
 // into chunks of up to 64 rows that compute from cache, a whole panel per tile, since each
 // panel is read once per chunk. Summation order is the same either way.
 //
-// Where the CPU has AMX (and the module was built for it), the tile multiply takes every input
-// whose size is a multiple of 32, over the same panels (see amx_linear below).
+// The tiles multiply in one of two ways, the same sums either way (see fma_multiply below): the
+// pair dot product of AVX512-BF16 on the bfloat16 inputs, or float32 FMAs on inputs widened to
+// float32, which some cores run at twice the pair dot product's rate of work. Where the CPU
+// has AMX (and the module was built for it), the tile multiply takes every input whose size
+// is a multiple of 32, over the same panels (see amx_linear below).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -40,8 +43,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 #include "cpu_amx.h"
 #include "cpu_math.h"
@@ -75,12 +81,13 @@ inline __m256i silu_and_mul16(__m512 gate_sums, __m512 up_sums) {
       _mm512_mul_ps(round_bf16(_mm512_mul_ps(g, mmserve_cpu::sigmoid16(g))), u));
 }
 
-// Rows [0, R) of a tile over input pairs [0, pairs) of one block of a panel. The sums start
+// Rows [0, R) of a tile over input pairs [0, pairs) of one block of a panel, the rows bfloat16
+// (X uint16_t: the pair dot product) or widened to float32 (X float: FMAs). The sums start
 // from `sums` (or the bias, or zero, on the first block) and go back to `sums`, or, on the
 // last block, round to bfloat16 into `out`. `prefetch` (or null): the next block, of which the
 // tile prefetches the first cache line of each input pair, or both with `both_lines`.
-template <int64_t R>
-void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pairs,
+template <int64_t R, typename X>
+void tile(const X* x, int64_t x_stride, const uint16_t* panel, int64_t pairs,
           float* sums, bool first, const float* bias, uint16_t* out, int64_t out_stride,
           int64_t cols, const uint16_t* prefetch, bool both_lines, bool silu) {
   __m512 acc[R][2];
@@ -94,20 +101,36 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
     }
   }
   for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kCols);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + p * 2 * kCols + kCols);
+    const __m512i w0 = _mm512_loadu_si512(panel + p * 2 * kCols);
+    const __m512i w1 = _mm512_loadu_si512(panel + p * 2 * kCols + kCols);
     if (prefetch) {
       _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols), _MM_HINT_T1);
       if (both_lines) {
         _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * 2 * kCols + kCols), _MM_HINT_T1);
       }
     }
-    for (int64_t r = 0; r < R; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof pair);
-      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
+    if constexpr (std::is_same_v<X, float>) {
+      // Each 32-bit lane of a weight vector holds input k's bfloat16 in its low half and input
+      // k + 1's in its high half: as float32, the high half masked and the low half shifted up.
+      const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+      const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
+      const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
+      const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
+      const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+      for (int64_t r = 0; r < R; ++r) {
+        const __m512 xo = _mm512_set1_ps(x[r * x_stride + 2 * p + 1]);
+        const __m512 xe = _mm512_set1_ps(x[r * x_stride + 2 * p]);
+        acc[r][0] = _mm512_fmadd_ps(xe, even0, _mm512_fmadd_ps(xo, odd0, acc[r][0]));
+        acc[r][1] = _mm512_fmadd_ps(xe, even1, _mm512_fmadd_ps(xo, odd1, acc[r][1]));
+      }
+    } else {
+      for (int64_t r = 0; r < R; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, x + r * x_stride + 2 * p, sizeof pair);
+        const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, (__m512bh)w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, (__m512bh)w1);
+      }
     }
   }
   if (out == nullptr) {
@@ -143,10 +166,76 @@ void tile(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t pa
   }
 }
 
-using TileFn = void (*)(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, bool,
-                        const float*, uint16_t*, int64_t, int64_t, const uint16_t*, bool, bool);
-constexpr TileFn kTiles[kTileRows + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>,
-                                          tile<5>, tile<6>, tile<7>, tile<8>};
+template <typename X>
+using TileFn = void (*)(const X*, int64_t, const uint16_t*, int64_t, float*, bool, const float*,
+                        uint16_t*, int64_t, int64_t, const uint16_t*, bool, bool);
+template <typename X>
+constexpr TileFn<X> kTiles[kTileRows + 1] = {nullptr,    tile<1, X>, tile<2, X>,
+                                             tile<3, X>, tile<4, X>, tile<5, X>,
+                                             tile<6, X>, tile<7, X>, tile<8, X>};
+
+// The vector tiles' multiply. VDPBF16PS adds to each float32 sum the product of the odd
+// bfloat16 inputs of a pair, then that of the even ones, rounding each sum to nearest even;
+// the products of bfloat16 values are exact in float32, so two FMAs in that order on inputs
+// widened to float32 give the same bits (but for subnormal numbers, which the instruction
+// flushes to zero). The FMA does 16 multiply-adds an instruction where the pair dot product
+// does 32, but cores differ in how many of each they start a cycle. A core of a 2-core Xeon
+// (family 6, model 207, AMX not exposed to the guest), 16 independent sums: VDPBF16PS 1.3
+// billion a second (85 GFLOP/s), VFMADD231PS 5.4 billion (172 GFLOP/s). There the FMA tiles
+// took 0.55-0.7 times the time of the pair dot product's from 16 rows on, and the bench
+// checkpoint's offline throughput rose 1.2-1.4 times (benchmarks/README.md). At fewer rows the
+// weights' widening costs what the faster multiply saves (a decode step of few sequences
+// waits on memory either way): those stay bfloat16.
+constexpr int64_t kFmaMinRows = 16;
+
+// Seconds that 2^14 rounds of 16 independent multiply-adds of one kind take on this core.
+template <bool kFma>
+double multiply_seconds(__m512 a, __m512bh b) {
+  constexpr int kSums = 16;
+  __m512 acc[kSums];
+  for (int j = 0; j < kSums; ++j) acc[j] = a;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < (int64_t{1} << 14); ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < kSums; ++j)
+      acc[j] = kFma ? _mm512_fmadd_ps(a, a, acc[j]) : _mm512_dpbf16_ps(acc[j], b, b);
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  __m512 sum = acc[0];
+  for (int j = 1; j < kSums; ++j) sum = _mm512_add_ps(sum, acc[j]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return seconds;
+}
+
+// Whether this core's FMAs do more than 1.25 times the pair dot product's multiply-adds a
+// second: the best of five timings of each, taken in turns (about a millisecond in all).
+bool fma_outpaces_dot() {
+  volatile float one = 1.0f;  // not a constant the compiler could fold
+  const __m512 a = _mm512_set1_ps(one * 1e-3f);
+  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x3a833a83);  // 1e-3 in both halves
+  double fma = std::numeric_limits<double>::infinity(), dot = fma;
+  for (int i = 0; i < 5; ++i) {
+    fma = std::min(fma, multiply_seconds<true>(a, b));
+    dot = std::min(dot, multiply_seconds<false>(a, b));
+  }
+  return 16.0 / fma > 1.25 * 32.0 / dot;
+}
+
+// -1 until the first call that asks (then fma_outpaces_dot()), or as set.
+std::atomic<int> fma_multiply_state{-1};
+
+bool fma_multiply() {
+  int state = fma_multiply_state.load(std::memory_order_relaxed);
+  if (state < 0) {
+    static const bool measured = fma_outpaces_dot();
+    int expected = -1;
+    fma_multiply_state.compare_exchange_strong(expected, measured ? 1 : 0);
+    state = fma_multiply_state.load(std::memory_order_relaxed);
+  }
+  return state == 1;
+}
 
 #ifdef MMSERVE_AMX
 
@@ -319,6 +408,25 @@ bool packed_linear_amx_supported() { return amx.supported(); }
 
 bool set_packed_linear_amx(bool enabled) { return amx.set(enabled); }
 
+bool packed_linear_fma() {
+#ifdef MMSERVE_BF16_DOT
+  return fma_multiply();
+#else
+  return false;
+#endif
+}
+
+bool set_packed_linear_fma(bool enabled) {
+#ifdef MMSERVE_BF16_DOT
+  const bool previous = fma_multiply();
+  fma_multiply_state.store(enabled ? 1 : 0);
+  return previous;
+#else
+  (void)enabled;
+  return false;
+#endif
+}
+
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
   check_weight(weight);
   const int64_t n = weight.size(0), k = weight.size(1), pairs = k / 2, panels = (n + 31) / 32;
@@ -387,7 +495,13 @@ at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed,
   // does fewer of them instead of every other thread waiting for it.
   const bool one_chunk =
       rows <= kStreamRows && panels >= kStreamPanelsPerThread * at::get_num_threads();
-  const int64_t x_stride = x.stride(0);
+  // Inputs of kFmaMinRows rows or more, where the FMAs outpace the pair dot product, widened
+  // to float32 once for every tile: a copy of 2 bytes an input (at 2,048 rows of 4,096 inputs,
+  // 32 MiB, freed on return).
+  const at::Tensor wide = rows >= kFmaMinRows && fma_multiply() ? x.to(at::kFloat).contiguous()
+                                                              : at::Tensor();
+  const float* xw = wide.defined() ? wide.data_ptr<float>() : nullptr;
+  const int64_t x_stride = wide.defined() ? wide.stride(0) : x.stride(0);
   const int64_t chunks = one_chunk ? (rows > 0) : (rows + kChunkRows - 1) / kChunkRows;
   const int64_t chunk_rows = chunks > 0 ? (rows + chunks - 1) / chunks : 0;
   // Items are (row chunk, panel), panels inner: the items of a batch share rows.
@@ -407,7 +521,8 @@ at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed,
         const bool first = p0 == 0, last = p0 + block == pairs;
         for (int64_t r = row_begin; r < row_end; r += kTileRows) {
           const int64_t n = std::min(kTileRows, row_end - r);
-          kTiles[n](xp + r * x_stride + 2 * p0, x_stride, w + p0 * 2 * kCols, block,
+          const auto run = [&](auto tile_fn, const auto* rows_in) {
+            tile_fn(rows_in + r * x_stride + 2 * p0, x_stride, w + p0 * 2 * kCols, block,
                     sums + (r - row_begin) * kCols, first, b,
                     last ? op + r * out_cols + panel * (silu ? kCols / 2 : kCols) : nullptr,
                     out_cols, cols,
@@ -415,6 +530,12 @@ at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed,
                         ? w + (p0 + block) * 2 * kCols + (r == row_begin ? 0 : kCols)
                         : nullptr,
                     row_end - row_begin <= kTileRows, silu);
+          };
+          if (xw) {
+            run(kTiles<float>[n], xw);
+          } else {
+            run(kTiles<uint16_t>[n], xp);
+          }
         }
       }
     }

@@ -687,8 +687,11 @@ def float32_linear() -> type[nn.Module] | None:
 
 def bfloat16_linear() -> type[nn.Module] | None:
     """The bfloat16 linear layer of the process's path, on CPUs with AVX512-BF16 where the
-    path's module built (else None: torch's): the packed kernel (``PackedLinear``), which on a
-    CPU with AMX multiplies on its tiles. There (a 2-core Xeon, ``benchmarks/cpu_linear.py
+    path's module built (else None: torch's): the packed kernel (``PackedLinear``). Its vector
+    tiles multiply with AVX512-BF16's pair dot product or, from 16 rows on where the core runs
+    them faster (a Xeon that does not expose AMX: twice the multiply-adds a cycle), with float32
+    FMAs on inputs widened to float32; the same bits either way. On a CPU with AMX it
+    multiplies on AMX tiles. There (a 2-core Xeon, ``benchmarks/cpu_linear.py
     --dtype bfloat16``, ``benchmarks/README.md``) it reads a decode step's weights 1.1-1.4 times
     as fast as oneDNN's AMX matmul at 1-32 rows, where the time goes into reading them, and
     takes 0.8-1.4 times oneDNN's time on prompt-sized inputs (the most on layers of 768 inputs,

@@ -822,6 +822,71 @@ def test_packed_linear_streamed_and_chunked_agree_bit_for_bit(packed):
     assert torch.equal(streamed, chunked)
 
 
+@contextlib.contextmanager
+def _packed_multiply(kernel, fma: bool):
+    """The packed linear's vector tiles (AMX off) multiplying with float32 FMAs or with the
+    pair dot product; the previous settings back afterwards."""
+    amx = kernel.set_packed_linear_amx(False)
+    previous = kernel.set_packed_linear_fma(fma)
+    try:
+        yield
+    finally:
+        kernel.set_packed_linear_fma(previous)
+        kernel.set_packed_linear_amx(amx)
+
+
+@pytest.mark.parametrize("in_features, out_features, bias, threads", [
+    (256, 96, True, 2), (96, 70, False, 2), (1000, 4010, True, 2), (2048, 40, False, 8),
+], ids=["panels", "ragged-outputs", "streamed-blocks", "long-inputs-chunked"])
+def test_packed_linear_fma_and_pair_dot_product_agree_bit_for_bit(packed, in_features,
+                                                                  out_features, bias, threads):
+    """The vector tiles multiply inputs of 16 rows or more with float32 FMAs on inputs widened
+    to float32 where the core runs those faster, else with AVX512-BF16's pair dot product: the
+    same products added in the same order, so the same bits, at row counts on both sides of 16,
+    around the 8-row tiles, in streamed blocks and 64-row chunks, with input rows strided."""
+    linear = _bf16_linear(in_features, out_features, bias, seed=out_features)
+    layer = cpu_ops.PackedLinear(linear)
+    g = torch.Generator().manual_seed(in_features)
+    with _torch_threads(threads), torch.no_grad():
+        for rows in (1, 15, 16, 17, 33, 64, 65, 200, 300):
+            x = torch.randn(rows, in_features + 6, generator=g).bfloat16()[:, 3:-3]
+            results = []
+            for fma in (False, True):
+                with _packed_multiply(packed, fma):
+                    results.append(layer(x))
+            assert torch.equal(*results), rows
+    exact = F.linear(x.float(), linear.weight.float(),
+                     None if linear.bias is None else linear.bias.float())
+    torch.testing.assert_close(results[1].float(), exact,
+                               atol=0.05 * (in_features / 256) ** 0.5, rtol=1e-2)
+
+
+def test_packed_silu_and_mul_fma_and_pair_dot_product_agree_bit_for_bit(packed):
+    linear = _bf16_linear(768, 2 * 1024, False, seed=4)
+    fused = cpu_ops.PackedSiluAndMul(linear)
+    for rows in (16, 40, 300):
+        x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        results = []
+        for fma in (False, True):
+            with _packed_multiply(packed, fma), torch.no_grad():
+                results.append(fused(x))
+        assert torch.equal(*results), rows
+
+
+def test_packed_linear_multiply_switch(packed):
+    """The multiply is measured on this core on first use (a bool), and can be set; the
+    setter returns the previous setting."""
+    chosen = packed.packed_linear_fma()
+    assert isinstance(chosen, bool)
+    try:
+        assert packed.set_packed_linear_fma(not chosen) is chosen
+        assert packed.packed_linear_fma() is (not chosen)
+        assert packed.set_packed_linear_fma(chosen) is (not chosen)
+    finally:
+        packed.set_packed_linear_fma(chosen)
+    assert packed.packed_linear_fma() is chosen
+
+
 def test_packed_linear_takes_strided_and_batched_inputs(packed):
     linear = _bf16_linear(64, 96, True, seed=2)
     wide = torch.randn(2, 5, 100, generator=torch.Generator().manual_seed(3)).bfloat16()
