@@ -180,10 +180,10 @@ constexpr TileFn<X> kTiles[kTileRows + 1] = {nullptr,    tile<1, X>, tile<2, X>,
 // widened to float32 give the same bits (but for subnormal numbers, which the instruction
 // flushes to zero). The FMA does 16 multiply-adds an instruction where the pair dot product
 // does 32, but cores differ in how many of each they start a cycle. A core of a 2-core Xeon
-// (family 6, model 207, AMX not exposed to the guest), 16 independent sums: VDPBF16PS 1.3
-// billion a second (85 GFLOP/s), VFMADD231PS 5.4 billion (172 GFLOP/s). There the FMA tiles
-// took 0.55-0.7 times the time of the pair dot product's from 16 rows on, and the bench
-// checkpoint's offline throughput rose 1.2-1.4 times (benchmarks/README.md). At fewer rows the
+// (family 6, model 207, AMX not exposed to the guest), 16 independent sums: VDPBF16PS 1.2-1.3
+// billion a second (78-85 GFLOP/s), VFMADD231PS 4.8-5.4 billion (153-172 GFLOP/s). There the
+// FMA tiles took 0.6-0.86 times the time of the pair dot product's from 16 rows on, and the
+// bench checkpoint's offline throughput rose 1.36-1.41 times (benchmarks/README.md). At fewer rows the
 // weights' widening costs what the faster multiply saves (a decode step of few sequences
 // waits on memory either way): those stay bfloat16.
 constexpr int64_t kFmaMinRows = 16;
@@ -210,7 +210,7 @@ double multiply_seconds(__m512 a, __m512bh b) {
 }
 
 // Whether this core's FMAs do more than 1.25 times the pair dot product's multiply-adds a
-// second: the best of five timings of each, taken in turns (about a millisecond in all).
+// second: the best of five timings of each, taken in turns (about 1.5 ms in all).
 bool fma_outpaces_dot() {
   volatile float one = 1.0f;  // not a constant the compiler could fold
   const __m512 a = _mm512_set1_ps(one * 1e-3f);
@@ -229,10 +229,9 @@ std::atomic<int> fma_multiply_state{-1};
 bool fma_multiply() {
   int state = fma_multiply_state.load(std::memory_order_relaxed);
   if (state < 0) {
-    static const bool measured = fma_outpaces_dot();
-    int expected = -1;
-    fma_multiply_state.compare_exchange_strong(expected, measured ? 1 : 0);
-    state = fma_multiply_state.load(std::memory_order_relaxed);
+    static const int measured = fma_outpaces_dot() ? 1 : 0;
+    // A setting made meanwhile wins: `state` then holds it.
+    if (fma_multiply_state.compare_exchange_strong(state, measured)) state = measured;
   }
   return state == 1;
 }
