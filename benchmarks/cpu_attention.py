@@ -1,9 +1,11 @@
 """bfloat16 attention on this CPU: mmserve's flash attention kernel (AVX512-BF16,
 ``kernels/cpu_flash_attention.cpp``) against torch's fused attention
 (``F.scaled_dot_product_attention``), on a vision tower's images (bidirectional) and on prompt
-chunks (causal). Where the CPU has AMX, torch's multiplies on its tiles, and so does the
-kernel's tile path, shown beside its vector code; what ``cpu_ops.compiled_attention`` picks
-there comes from this table.
+chunks (causal). The kernel's vector code multiplies with the pair dot product or with float32
+FMAs on widened inputs (the same sums; it takes whichever this core runs faster): both are
+shown. Where the CPU has AMX, torch's multiplies on its tiles, and so does the kernel's tile
+path, shown beside its vector code; what ``cpu_ops.compiled_attention`` picks there comes
+from this table.
 
     python benchmarks/cpu_attention.py
     python benchmarks/cpu_attention.py --heads 16 --head-dim 64 --threads 1
@@ -58,8 +60,15 @@ def main() -> None:
             raise SystemExit(f"the flash attention kernel needs AVX512-BF16 and did not build, "
                              f"or does not take heads of {args.head_dim}")
         scale = args.head_dim ** -0.5
-        amx = module.flash_attention_amx_supported()
-        paths = {"AMX tiles": True, "vector": False} if amx else {"kernel": False}
+        # Each path: (AMX tiles, float32 FMAs) forced, or None for the vector code's choice.
+        vector = {"dot": (False, False), "FMA": (False, True)}
+        if module.flash_attention_amx_supported():
+            paths = {"AMX tiles": (True, None), **{f"vector {k}": v for k, v in vector.items()}}
+        else:
+            paths = {f"kernel {k}": v for k, v in vector.items()}
+        print("the vector code multiplies with "
+              + ("float32 FMAs" if module.bf16_fma() else "the pair dot product")
+              + " on this CPU (dot / FMA: each forced)")
         print(f"{'shape':>22} " + " ".join(f"{p:>10}" for p in paths) + f" {'torch':>10}")
         with torch.inference_mode():
             cases = [(b, n, False) for b, n in VISION] + [(1, n, True) for n in PROMPTS]
@@ -68,13 +77,16 @@ def main() -> None:
                                        dtype=torch.bfloat16) for _ in range(3))
                 offset = 0 if causal else -1  # the kernel's causal offset; -1: bidirectional
                 kernel = []
+                fma = module.bf16_fma()
                 try:
-                    for tiles in paths.values():
+                    for tiles, fma_forced in paths.values():
                         module.set_flash_attention_amx(tiles)
+                        module.set_bf16_fma(fma if fma_forced is None else fma_forced)
                         kernel.append(median_ms(functools.partial(
                             module.flash_attention, q, k, v, scale, offset), args.repeats))
                 finally:
                     module.set_flash_attention_amx(True)
+                    module.set_bf16_fma(fma)
                 qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
                 torch_ms = median_ms(functools.partial(F.scaled_dot_product_attention, qt, kt,
                                                        vt, scale=scale, is_causal=causal),

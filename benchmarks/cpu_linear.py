@@ -55,11 +55,11 @@ class Switched:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         amx = self.module.set_packed_linear_amx(False)
-        fma = self.module.set_packed_linear_fma(self.fma)
+        fma = self.module.set_bf16_fma(self.fma)
         try:
             return self.layer(x)
         finally:
-            self.module.set_packed_linear_fma(fma)
+            self.module.set_bf16_fma(fma)
             self.module.set_packed_linear_amx(amx)
 
 
@@ -90,7 +90,7 @@ def main() -> None:
             impls["mmserve dot"] = lambda lin: Switched(module, lin, fma=False)
             impls["mmserve FMA"] = lambda lin: Switched(module, lin, fma=True)
             print("the packed kernel's vector tiles multiply inputs of 16 rows or more with "
-                  + ("float32 FMAs" if module.packed_linear_fma() else "the pair dot product")
+                  + ("float32 FMAs" if module.bf16_fma() else "the pair dot product")
                   + " on this CPU (mmserve dot / FMA: each forced)")
         print(f"{'K x N':>12} {'rows':>5} " + " ".join(f"{name:>14}" for name in impls)
               + "   fastest: weights read at, arithmetic")

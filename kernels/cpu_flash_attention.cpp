@@ -12,7 +12,10 @@
 // pair of dimensions of 16 keys; values as [kv_len/2][head_dim][2 keys]. Then each tile of 8
 // query rows of one head walks the keys 128 at a time with an online softmax: scores in
 // float32, probabilities rounded to bfloat16 for the product with V, output summed in float32.
-// Where the CPU has AMX, tiles of 16 query rows do both products on its tile registers, from
+// Where the core runs float32 FMAs faster than the pair dot product (mmserve_cpu::bf16_fma),
+// both products are FMAs on the same inputs widened to float32, giving the same bits: on a
+// 2-core Xeon without AMX exposed, 0.74-0.86 of the pair dot product's time (benchmarks/
+// README.md). Where the CPU has AMX, tiles of 16 query rows do both products on its tile registers, from
 // the same packed keys and values, with the same softmax (amx_attend_tile below).
 
 #include <ATen/core/Tensor.h>
@@ -141,14 +144,26 @@ struct TileState {
 };
 
 // Rows [0, rows) of one head against the packed keys and values of its KV head.
-// key_end[r]: keys [0, key_end[r]) are visible to row r.
-template <int64_t D>
+// key_end[r]: keys [0, key_end[r]) are visible to row r. kFma: both products as float32 FMAs,
+// the query rows, keys, probabilities and values widened to float32, in the order the pair
+// dot product sums (odd element of a pair, then even: mmserve_cpu::bf16_fma), the same bits.
+template <int64_t D, bool kFma>
 void attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
                  const uint16_t* k_packed, const uint16_t* v_packed, float scale,
                  uint16_t* const* out_rows) {
+  using mmserve_cpu::even_bf16;
+  using mmserve_cpu::odd_bf16;
   TileState<kRows, D> tile(q_rows, rows, key_end);
   const __m512 vscale = _mm512_set1_ps(scale);
   float rescale[kRows];
+  // The FMAs' query rows and a chunk's probabilities, as float32.
+  alignas(64) float q_wide[kFma ? kRows : 1][D];
+  alignas(64) float probs_wide[kFma ? kRows : 1][kChunk];
+  if constexpr (kFma) {
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_store_ps(&q_wide[r][d], mmserve_cpu::load_bf16(&tile.q[r][d], 0xffff));
+  }
   for (int64_t c0 = 0; c0 < tile.tile_end; c0 += kChunk) {
     const int64_t groups =
         std::min<int64_t>(kChunk / kGroup, (tile.tile_end - c0 + kGroup - 1) / kGroup);
@@ -165,9 +180,24 @@ void attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t* key
         __m512i keys[kGroups];
         for (int64_t i = 0; i < kGroups; ++i)
           keys[i] = _mm512_loadu_si512(kg + (i * (D / 2) + p) * 2 * kGroup);
-        for (int64_t r = 0; r < kRows; ++r) {
-          const uint32_t pair = load_pair(&tile.q[r][2 * p]);
-          for (int64_t i = 0; i < kGroups; ++i) acc[i][r] = dot_pairs(acc[i][r], pair, keys[i]);
+        if constexpr (kFma) {
+          __m512 odd[kGroups], even[kGroups];
+          for (int64_t i = 0; i < kGroups; ++i) {
+            odd[i] = odd_bf16(keys[i]);
+            even[i] = even_bf16(keys[i]);
+          }
+          for (int64_t r = 0; r < kRows; ++r) {
+            const __m512 qo = _mm512_set1_ps(q_wide[r][2 * p + 1]);
+            const __m512 qe = _mm512_set1_ps(q_wide[r][2 * p]);
+            for (int64_t i = 0; i < kGroups; ++i)
+              acc[i][r] = _mm512_fmadd_ps(qe, even[i], _mm512_fmadd_ps(qo, odd[i], acc[i][r]));
+          }
+        } else {
+          for (int64_t r = 0; r < kRows; ++r) {
+            const uint32_t pair = load_pair(&tile.q[r][2 * p]);
+            for (int64_t i = 0; i < kGroups; ++i)
+              acc[i][r] = dot_pairs(acc[i][r], pair, keys[i]);
+          }
         }
       }
       for (int64_t i = 0; i < kGroups; ++i)
@@ -177,8 +207,13 @@ void attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t* key
     int64_t g = 0;
     for (; g + 2 <= groups; g += 2) score_groups(std::integral_constant<int64_t, 2>{}, g);
     if (g < groups) score_groups(std::integral_constant<int64_t, 1>{}, g);
-    for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t r = 0; r < kRows; ++r) {
       rescale[r] = tile.softmax_row(r, c0, width, width, key_end[r], vscale);
+      if constexpr (kFma) {
+        for (int64_t j = 0; j < width; j += kGroup)
+          _mm512_store_ps(&probs_wide[r][j], mmserve_cpu::load_bf16(&tile.probs[r][j], 0xffff));
+      }
+    }
     // Output += probabilities x values: 32 dimensions by kRows rows per pass over key pairs,
     // each broadcast probability pair used for both 16-dimension halves.
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
@@ -191,10 +226,21 @@ void attend_tile(const uint16_t* const* q_rows, int64_t rows, const int64_t* key
       for (int64_t t = 0; t < width; t += 2) {
         const uint16_t* vt = v_packed + (c0 + t) * D + 2 * d0;
         const __m512i lo = _mm512_loadu_si512(vt), hi = _mm512_loadu_si512(vt + 32);
-        for (int64_t r = 0; r < kRows; ++r) {
-          const uint32_t pair = load_pair(&tile.probs[r][t]);
-          acc[r][0] = dot_pairs(acc[r][0], pair, lo);
-          acc[r][1] = dot_pairs(acc[r][1], pair, hi);
+        if constexpr (kFma) {  // key t's values in the pairs' low halves, t + 1's high
+          const __m512 lo_odd = odd_bf16(lo), lo_even = even_bf16(lo);
+          const __m512 hi_odd = odd_bf16(hi), hi_even = even_bf16(hi);
+          for (int64_t r = 0; r < kRows; ++r) {
+            const __m512 po = _mm512_set1_ps(probs_wide[r][t + 1]);
+            const __m512 pe = _mm512_set1_ps(probs_wide[r][t]);
+            acc[r][0] = _mm512_fmadd_ps(pe, lo_even, _mm512_fmadd_ps(po, lo_odd, acc[r][0]));
+            acc[r][1] = _mm512_fmadd_ps(pe, hi_even, _mm512_fmadd_ps(po, hi_odd, acc[r][1]));
+          }
+        } else {
+          for (int64_t r = 0; r < kRows; ++r) {
+            const uint32_t pair = load_pair(&tile.probs[r][t]);
+            acc[r][0] = dot_pairs(acc[r][0], pair, lo);
+            acc[r][1] = dot_pairs(acc[r][1], pair, hi);
+          }
         }
       }
       for (int64_t r = 0; r < kRows; ++r) {
@@ -354,12 +400,13 @@ void flash_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
     return;
   }
 #endif
+  const auto attend = mmserve_cpu::bf16_fma() ? attend_tile<D, true> : attend_tile<D, false>;
   mmserve_cpu::for_query_tiles<kRows>(
       query, q_ptr, o_ptr, kv_len, num_kv_heads, causal_offset, kRows,
       [&](const uint16_t* const* q_rows, int64_t rows, const int64_t* key_end,
           uint16_t* const* out_rows, int64_t kv_item, bool, bool) {
-        attend_tile<D>(q_rows, rows, key_end, kp_ptr + kv_item * packed_stride,
-                       vp_ptr + kv_item * packed_stride, fscale, out_rows);
+        attend(q_rows, rows, key_end, kp_ptr + kv_item * packed_stride,
+               vp_ptr + kv_item * packed_stride, fscale, out_rows);
       });
 }
 

@@ -29,9 +29,9 @@
 // into chunks of up to 64 rows that compute from cache, a whole panel per tile, since each
 // panel is read once per chunk. Summation order is the same either way.
 //
-// The tiles multiply in one of two ways, the same sums either way (see fma_multiply below): the
-// pair dot product of AVX512-BF16 on the bfloat16 inputs, or float32 FMAs on inputs widened to
-// float32, which some cores run at twice the pair dot product's rate of work. Where the CPU
+// The tiles multiply in one of two ways, the same sums either way (bf16_fma, cpu_math.h): the
+// pair dot product of AVX512-BF16 on the bfloat16 inputs, or float32 FMAs on inputs widened
+// to float32, which some cores run at twice the pair dot product's rate of work. Where the CPU
 // has AMX (and the module was built for it), the tile multiply takes every input whose size
 // is a multiple of 32, over the same panels (see amx_linear below).
 
@@ -51,6 +51,71 @@
 
 #include "cpu_amx.h"
 #include "cpu_math.h"
+
+#ifdef MMSERVE_BF16_DOT
+
+namespace mmserve_cpu {
+namespace {
+
+// Seconds that 2^14 rounds of 16 independent multiply-adds of one kind take on this core.
+template <bool kFma>
+double multiply_seconds(__m512 a, __m512bh b) {
+  constexpr int kSums = 16;
+  __m512 acc[kSums];
+  for (int j = 0; j < kSums; ++j) acc[j] = a;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < (int64_t{1} << 14); ++i) {
+#pragma GCC unroll 16
+    for (int j = 0; j < kSums; ++j)
+      acc[j] = kFma ? _mm512_fmadd_ps(a, a, acc[j]) : _mm512_dpbf16_ps(acc[j], b, b);
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  __m512 sum = acc[0];
+  for (int j = 1; j < kSums; ++j) sum = _mm512_add_ps(sum, acc[j]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return seconds;
+}
+
+// Whether this core's FMAs do more than 1.25 times the pair dot product's multiply-adds a
+// second: the best of five timings of each, taken in turns (about 1.5 ms in all).
+bool fma_outpaces_dot() {
+  volatile float one = 1.0f;  // not a constant the compiler could fold
+  const __m512 a = _mm512_set1_ps(one * 1e-3f);
+  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x3a833a83);  // 1e-3 in both halves
+  double fma = std::numeric_limits<double>::infinity(), dot = fma;
+  for (int i = 0; i < 5; ++i) {
+    fma = std::min(fma, multiply_seconds<true>(a, b));
+    dot = std::min(dot, multiply_seconds<false>(a, b));
+  }
+  return 16.0 / fma > 1.25 * 32.0 / dot;
+}
+
+// -1 until the first call that asks (then fma_outpaces_dot()), or as set.
+std::atomic<int> bf16_fma_state{-1};
+
+}  // namespace
+
+bool bf16_fma() {
+  int state = bf16_fma_state.load(std::memory_order_relaxed);
+  if (state < 0) {
+    static const int measured = fma_outpaces_dot() ? 1 : 0;
+    // A setting made meanwhile wins: `state` then holds it.
+    if (bf16_fma_state.compare_exchange_strong(state, measured)) state = measured;
+  }
+  return state == 1;
+}
+
+bool set_bf16_fma(bool enabled) {
+  const bool previous = bf16_fma();
+  bf16_fma_state.store(enabled ? 1 : 0);
+  return previous;
+}
+
+}  // namespace mmserve_cpu
+
+#endif  // MMSERVE_BF16_DOT
 
 namespace {
 
@@ -112,11 +177,8 @@ void tile(const X* x, int64_t x_stride, const uint16_t* panel, int64_t pairs,
     if constexpr (std::is_same_v<X, float>) {
       // Each 32-bit lane of a weight vector holds input k's bfloat16 in its low half and input
       // k + 1's in its high half: as float32, the high half masked and the low half shifted up.
-      const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-      const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(w0, high));
-      const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(w1, high));
-      const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));
-      const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));
+      const __m512 odd0 = mmserve_cpu::odd_bf16(w0), odd1 = mmserve_cpu::odd_bf16(w1);
+      const __m512 even0 = mmserve_cpu::even_bf16(w0), even1 = mmserve_cpu::even_bf16(w1);
       for (int64_t r = 0; r < R; ++r) {
         const __m512 xo = _mm512_set1_ps(x[r * x_stride + 2 * p + 1]);
         const __m512 xe = _mm512_set1_ps(x[r * x_stride + 2 * p]);
@@ -174,67 +236,16 @@ constexpr TileFn<X> kTiles[kTileRows + 1] = {nullptr,    tile<1, X>, tile<2, X>,
                                              tile<3, X>, tile<4, X>, tile<5, X>,
                                              tile<6, X>, tile<7, X>, tile<8, X>};
 
-// The vector tiles' multiply. VDPBF16PS adds to each float32 sum the product of the odd
-// bfloat16 inputs of a pair, then that of the even ones, rounding each sum to nearest even;
-// the products of bfloat16 values are exact in float32, so two FMAs in that order on inputs
-// widened to float32 give the same bits (but for subnormal numbers, which the instruction
-// flushes to zero). The FMA does 16 multiply-adds an instruction where the pair dot product
-// does 32, but cores differ in how many of each they start a cycle. A core of a 2-core Xeon
-// (family 6, model 207, AMX not exposed to the guest), 16 independent sums: VDPBF16PS 1.2-1.3
-// billion a second (78-85 GFLOP/s), VFMADD231PS 4.8-5.4 billion (153-172 GFLOP/s). There the
-// FMA tiles took 0.6-0.86 times the time of the pair dot product's from 16 rows on, and the
-// bench checkpoint's offline throughput rose 1.36-1.41 times (benchmarks/README.md). At fewer rows the
-// weights' widening costs what the faster multiply saves (a decode step of few sequences
-// waits on memory either way): those stay bfloat16.
+// The vector tiles' multiply (mmserve_cpu::bf16_fma). The FMA does 16 multiply-adds an
+// instruction where the pair dot product does 32, but cores differ in how many of each they
+// start a cycle. A core of a 2-core Xeon (family 6, model 207, AMX not exposed to the guest),
+// 16 independent sums: VDPBF16PS 1.2-1.3 billion a second (78-85 GFLOP/s), VFMADD231PS 4.8-5.4
+// billion (153-172 GFLOP/s). There the FMA tiles took 0.6-0.86 times the time of the pair dot
+// product's from 16 rows on, and the bench checkpoint's offline throughput rose 1.36-1.41
+// times (benchmarks/README.md). At fewer rows the weights' widening costs what the faster
+// multiply saves (a decode step of few sequences waits on memory either way): those stay
+// bfloat16.
 constexpr int64_t kFmaMinRows = 16;
-
-// Seconds that 2^14 rounds of 16 independent multiply-adds of one kind take on this core.
-template <bool kFma>
-double multiply_seconds(__m512 a, __m512bh b) {
-  constexpr int kSums = 16;
-  __m512 acc[kSums];
-  for (int j = 0; j < kSums; ++j) acc[j] = a;
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < (int64_t{1} << 14); ++i) {
-#pragma GCC unroll 16
-    for (int j = 0; j < kSums; ++j)
-      acc[j] = kFma ? _mm512_fmadd_ps(a, a, acc[j]) : _mm512_dpbf16_ps(acc[j], b, b);
-  }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  __m512 sum = acc[0];
-  for (int j = 1; j < kSums; ++j) sum = _mm512_add_ps(sum, acc[j]);
-  volatile float sink = _mm512_reduce_add_ps(sum);
-  (void)sink;
-  return seconds;
-}
-
-// Whether this core's FMAs do more than 1.25 times the pair dot product's multiply-adds a
-// second: the best of five timings of each, taken in turns (about 1.5 ms in all).
-bool fma_outpaces_dot() {
-  volatile float one = 1.0f;  // not a constant the compiler could fold
-  const __m512 a = _mm512_set1_ps(one * 1e-3f);
-  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x3a833a83);  // 1e-3 in both halves
-  double fma = std::numeric_limits<double>::infinity(), dot = fma;
-  for (int i = 0; i < 5; ++i) {
-    fma = std::min(fma, multiply_seconds<true>(a, b));
-    dot = std::min(dot, multiply_seconds<false>(a, b));
-  }
-  return 16.0 / fma > 1.25 * 32.0 / dot;
-}
-
-// -1 until the first call that asks (then fma_outpaces_dot()), or as set.
-std::atomic<int> fma_multiply_state{-1};
-
-bool fma_multiply() {
-  int state = fma_multiply_state.load(std::memory_order_relaxed);
-  if (state < 0) {
-    static const int measured = fma_outpaces_dot() ? 1 : 0;
-    // A setting made meanwhile wins: `state` then holds it.
-    if (fma_multiply_state.compare_exchange_strong(state, measured)) state = measured;
-  }
-  return state == 1;
-}
 
 #ifdef MMSERVE_AMX
 
@@ -407,19 +418,17 @@ bool packed_linear_amx_supported() { return amx.supported(); }
 
 bool set_packed_linear_amx(bool enabled) { return amx.set(enabled); }
 
-bool packed_linear_fma() {
+bool bf16_fma() {
 #ifdef MMSERVE_BF16_DOT
-  return fma_multiply();
+  return mmserve_cpu::bf16_fma();
 #else
   return false;
 #endif
 }
 
-bool set_packed_linear_fma(bool enabled) {
+bool set_bf16_fma(bool enabled) {
 #ifdef MMSERVE_BF16_DOT
-  const bool previous = fma_multiply();
-  fma_multiply_state.store(enabled ? 1 : 0);
-  return previous;
+  return mmserve_cpu::set_bf16_fma(enabled);
 #else
   (void)enabled;
   return false;
@@ -497,7 +506,7 @@ at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed,
   // Inputs of kFmaMinRows rows or more, where the FMAs outpace the pair dot product, widened
   // to float32 once for every tile: a copy of 2 bytes an input (at 2,048 rows of 4,096 inputs,
   // 32 MiB, freed on return).
-  const at::Tensor wide = rows >= kFmaMinRows && fma_multiply() ? x.to(at::kFloat).contiguous()
+  const at::Tensor wide = rows >= kFmaMinRows && mmserve_cpu::bf16_fma() ? x.to(at::kFloat).contiguous()
                                                               : at::Tensor();
   const float* xw = wide.defined() ? wide.data_ptr<float>() : nullptr;
   const int64_t x_stride = wide.defined() ? wide.stride(0) : x.stride(0);

@@ -219,6 +219,25 @@ template <typename Fn>
 inline void for_lanes(int64_t n, Fn&& fn) {
   for (int64_t i = 0; i < n; i += 16) fn(i, first_lanes(n - i));
 }
+
+// How the bfloat16 kernels' vector code multiplies: the pair dot product (VDPBF16PS), or,
+// where this core runs them faster (timed at the first call; cpu_linear.cpp), float32 FMAs
+// on inputs widened to float32. VDPBF16PS adds to each float32 sum the product of the odd
+// bfloat16 inputs of a pair, then that of the even ones, rounding each sum to nearest even;
+// products of bfloat16 values are exact in float32, so two FMAs in that order give the same
+// bits (but for subnormal numbers, which the instruction flushes to zero). set_bf16_fma
+// chooses (returning the previous choice).
+bool bf16_fma();
+bool set_bf16_fma(bool enabled);
+
+// A vector of bfloat16 pairs (input k in each 32-bit lane's low half, k + 1 in its high
+// half) as the two float32 vectors of inputs k and k + 1.
+inline __m512 even_bf16(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+}
+inline __m512 odd_bf16(__m512i pairs) {
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
 #endif
 
 }  // namespace mmserve_cpu

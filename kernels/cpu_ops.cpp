@@ -28,8 +28,8 @@ at::Tensor argmax_rows(const at::Tensor& logits);
 bool packed_linear_supported();
 bool packed_linear_amx_supported();
 bool set_packed_linear_amx(bool enabled);
-bool packed_linear_fma();
-bool set_packed_linear_fma(bool enabled);
+bool bf16_fma();
+bool set_bf16_fma(bool enabled);
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias, int64_t out_features);
@@ -86,13 +86,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_packed_linear_amx", &set_packed_linear_amx,
         "use AMX tiles in the packed bfloat16 linear where supported (default) or not; "
         "returns the previous setting");
-  m.def("packed_linear_fma", &packed_linear_fma,
-        "whether the packed bfloat16 linear's vector tiles multiply inputs of 16 rows or more "
-        "as float32 FMAs (where this core runs them faster than the pair dot product: measured "
-        "on the first call) rather than with the pair dot product; the same sums either way");
-  m.def("set_packed_linear_fma", &set_packed_linear_fma,
-        "multiply with float32 FMAs or the pair dot product in the packed bfloat16 linear's "
-        "vector tiles; returns the previous setting");
+  m.def("bf16_fma", &bf16_fma,
+        "whether the bfloat16 kernels' vector code (the packed linear's tiles at 16 rows or "
+        "more, flash attention's) multiplies as float32 FMAs on widened inputs, where this "
+        "core runs them faster than the pair dot product (measured on the first call), rather "
+        "than with the pair dot product; the same sums either way");
+  m.def("set_bf16_fma", &set_bf16_fma,
+        "multiply with float32 FMAs or the pair dot product in the bfloat16 kernels' vector "
+        "code; returns the previous setting");
   m.def("pack_linear_weight", &pack_linear_weight, "a bfloat16 [out, in] weight as panels",
         kNoGil);
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias from packed panels", kNoGil);

@@ -38,9 +38,11 @@ def test_cpu_attention_benchmark_prints_its_table_or_why_not():
         assert run.returncode != 0 and "needs AVX512-BF16" in run.stderr
         return
     assert run.returncode == 0, run.stderr
-    # Five images and five prompts: the kernel (its AMX tiles and vector code where the CPU
-    # has AMX) and torch.
-    columns = 3 if "AMX tiles" in run.stdout.splitlines()[1] else 2
+    # Five images and five prompts: the kernel (its AMX tiles where the CPU has AMX, its
+    # vector code with each multiply) and torch.
+    header = next(line for line in run.stdout.splitlines() if line.split()[:1] == ["shape"])
+    columns = 4 if "AMX tiles" in header else 3
+    assert "dot" in header and "FMA" in header
     assert run.stdout.count(" ms") == columns * 10
 
 

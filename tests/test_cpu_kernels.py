@@ -226,7 +226,8 @@ def _reference(q, k, v, scale, causal_offset):
     return out.transpose(1, 2)
 
 
-@pytest.mark.parametrize("batch,q_len,kv_len,heads,kv_heads,head_dim,causal_offset", [
+# batch, q_len, kv_len, heads, kv_heads, head_dim, causal_offset
+_FLASH_SHAPES = [
     (1, 238, 238, 12, 4, 64, 0),  # a whole prompt, GQA
     (1, 5, 300, 12, 4, 64, 295),  # a chunk after a cached prefix
     (1, 100, 1000, 8, 2, 128, 900),  # head size 128, keys past one softmax step
@@ -237,7 +238,11 @@ def _reference(q, k, v, scale, causal_offset):
     (1, 128, 256, 4, 2, 64, 128),  # a chunk of one key step after a cached one
     (1, 33, 49, 4, 2, 64, 16),  # one row past two 16-row AMX tiles, keys past three groups
     (2, 16, 16, 2, 1, 128, 0),  # one AMX tile, one key group
-])
+]
+
+
+@pytest.mark.parametrize("batch,q_len,kv_len,heads,kv_heads,head_dim,causal_offset",
+                         _FLASH_SHAPES)
 def test_flash_matches_reference(flash_path, batch, q_len, kv_len, heads, kv_heads, head_dim,
                                  causal_offset):
     """Both paths where the CPU has AMX: the tiles (16 query rows, whole tiles of 32 keys
@@ -253,6 +258,30 @@ def test_flash_matches_reference(flash_path, batch, q_len, kv_len, heads, kv_hea
     assert got.dtype == torch.bfloat16 and got.shape == q.shape and got.is_contiguous()
     # bfloat16 output and probabilities: torch's own bfloat16 attention is ~1e-2 from float32.
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("batch,q_len,kv_len,heads,kv_heads,head_dim,causal_offset",
+                         _FLASH_SHAPES)
+def test_flash_fma_and_pair_dot_product_agree_bit_for_bit(flash, batch, q_len, kv_len, heads,
+                                                         kv_heads, head_dim, causal_offset):
+    """The vector code's two multiplies (AVX512-BF16's pair dot product, float32 FMAs on
+    widened inputs, each chosen where the core runs it faster) add the same products in the
+    same order, for the scores and for the probabilities times the values: the same bits."""
+    g = torch.Generator().manual_seed(q_len * 5 + kv_len)
+    q = torch.randn(batch, q_len, heads, head_dim, generator=g).bfloat16()
+    k, v = (torch.randn(batch, kv_len, kv_heads, head_dim, generator=g).bfloat16()
+            for _ in range(2))
+    amx = flash.set_flash_attention_amx(False)
+    chosen = flash.bf16_fma()
+    try:
+        results = []
+        for fma in (False, True):
+            flash.set_bf16_fma(fma)
+            results.append(flash.flash_attention(q, k, v, head_dim ** -0.5, causal_offset))
+    finally:
+        flash.set_bf16_fma(chosen)
+        flash.set_flash_attention_amx(amx)
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
 
 
 def test_flash_amx_tiles_match_the_vector_code(flash):
@@ -827,11 +856,11 @@ def _packed_multiply(kernel, fma: bool):
     """The packed linear's vector tiles (AMX off) multiplying with float32 FMAs or with the
     pair dot product; the previous settings back afterwards."""
     amx = kernel.set_packed_linear_amx(False)
-    previous = kernel.set_packed_linear_fma(fma)
+    previous = kernel.set_bf16_fma(fma)
     try:
         yield
     finally:
-        kernel.set_packed_linear_fma(previous)
+        kernel.set_bf16_fma(previous)
         kernel.set_packed_linear_amx(amx)
 
 
@@ -876,15 +905,15 @@ def test_packed_silu_and_mul_fma_and_pair_dot_product_agree_bit_for_bit(packed):
 def test_packed_linear_multiply_switch(packed):
     """The multiply is measured on this core on first use (a bool), and can be set; the
     setter returns the previous setting."""
-    chosen = packed.packed_linear_fma()
+    chosen = packed.bf16_fma()
     assert isinstance(chosen, bool)
     try:
-        assert packed.set_packed_linear_fma(not chosen) is chosen
-        assert packed.packed_linear_fma() is (not chosen)
-        assert packed.set_packed_linear_fma(chosen) is (not chosen)
+        assert packed.set_bf16_fma(not chosen) is chosen
+        assert packed.bf16_fma() is (not chosen)
+        assert packed.set_bf16_fma(chosen) is (not chosen)
     finally:
-        packed.set_packed_linear_fma(chosen)
-    assert packed.packed_linear_fma() is chosen
+        packed.set_bf16_fma(chosen)
+    assert packed.bf16_fma() is chosen
 
 
 def test_packed_linear_takes_strided_and_batched_inputs(packed):
