@@ -14,9 +14,10 @@
 // float32, probabilities rounded to bfloat16 for the product with V, output summed in float32.
 // Where the core runs float32 FMAs faster than the pair dot product (mmserve_cpu::bf16_fma),
 // both products are FMAs on the same inputs widened to float32, giving the same bits: on a
-// 2-core Xeon without AMX exposed, 0.74-0.86 of the pair dot product's time (benchmarks/
-// README.md). Where the CPU has AMX, tiles of 16 query rows do both products on its tile registers, from
-// the same packed keys and values, with the same softmax (amx_attend_tile below).
+// 2-core Xeon without AMX exposed, 0.74-0.86 of the pair dot product's time (see
+// benchmarks/README.md). Where the CPU has AMX, tiles of 16 query rows do both products on
+// its tile registers, from the same packed keys and values, with the same softmax
+// (amx_attend_tile below).
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

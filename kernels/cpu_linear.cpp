@@ -506,8 +506,9 @@ at::Tensor packed_linear_impl(const at::Tensor& x, const at::Tensor& packed,
   // Inputs of kFmaMinRows rows or more, where the FMAs outpace the pair dot product, widened
   // to float32 once for every tile: a copy of 2 bytes an input (at 2,048 rows of 4,096 inputs,
   // 32 MiB, freed on return).
-  const at::Tensor wide = rows >= kFmaMinRows && mmserve_cpu::bf16_fma() ? x.to(at::kFloat).contiguous()
-                                                              : at::Tensor();
+  const at::Tensor wide = rows >= kFmaMinRows && mmserve_cpu::bf16_fma()
+                              ? x.to(at::kFloat).contiguous()
+                              : at::Tensor();
   const float* xw = wide.defined() ? wide.data_ptr<float>() : nullptr;
   const int64_t x_stride = wide.defined() ? wide.stride(0) : x.stride(0);
   const int64_t chunks = one_chunk ? (rows > 0) : (rows + kChunkRows - 1) / kChunkRows;

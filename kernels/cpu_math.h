@@ -236,7 +236,8 @@ inline __m512 even_bf16(__m512i pairs) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
 }
 inline __m512 odd_bf16(__m512i pairs) {
-  return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  return _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
 }
 #endif
 
