@@ -175,8 +175,7 @@ void tile(const X* x, int64_t x_stride, const uint16_t* panel, int64_t pairs,
       }
     }
     if constexpr (std::is_same_v<X, float>) {
-      // Each 32-bit lane of a weight vector holds input k's bfloat16 in its low half and input
-      // k + 1's in its high half: as float32, the high half masked and the low half shifted up.
+      // Each 32-bit lane of a weight vector holds inputs k (low half) and k + 1 (high half).
       const __m512 odd0 = mmserve_cpu::odd_bf16(w0), odd1 = mmserve_cpu::odd_bf16(w1);
       const __m512 even0 = mmserve_cpu::even_bf16(w0), even1 = mmserve_cpu::even_bf16(w1);
       for (int64_t r = 0; r < R; ++r) {

@@ -226,6 +226,25 @@ def _reference(q, k, v, scale, causal_offset):
     return out.transpose(1, 2)
 
 
+@contextlib.contextmanager
+def _vector_multiply(kernel, fma: bool, set_amx):
+    """A bfloat16 kernel's vector code (its AMX tiles off through ``set_amx``, the kernel's
+    setter) multiplying with float32 FMAs or with the pair dot product; the previous settings
+    back afterwards."""
+    amx = set_amx(False)
+    previous = kernel.set_bf16_fma(fma)
+    try:
+        yield
+    finally:
+        kernel.set_bf16_fma(previous)
+        set_amx(amx)
+
+
+def _packed_multiply(kernel, fma: bool):
+    """The packed linear's vector tiles multiplying with float32 FMAs or the pair dot product."""
+    return _vector_multiply(kernel, fma, kernel.set_packed_linear_amx)
+
+
 # batch, q_len, kv_len, heads, kv_heads, head_dim, causal_offset
 _FLASH_SHAPES = [
     (1, 238, 238, 12, 4, 64, 0),  # a whole prompt, GQA
@@ -271,16 +290,10 @@ def test_flash_fma_and_pair_dot_product_agree_bit_for_bit(flash, batch, q_len, k
     q = torch.randn(batch, q_len, heads, head_dim, generator=g).bfloat16()
     k, v = (torch.randn(batch, kv_len, kv_heads, head_dim, generator=g).bfloat16()
             for _ in range(2))
-    amx = flash.set_flash_attention_amx(False)
-    chosen = flash.bf16_fma()
-    try:
-        results = []
-        for fma in (False, True):
-            flash.set_bf16_fma(fma)
+    results = []
+    for fma in (False, True):
+        with _vector_multiply(flash, fma, flash.set_flash_attention_amx):
             results.append(flash.flash_attention(q, k, v, head_dim ** -0.5, causal_offset))
-    finally:
-        flash.set_bf16_fma(chosen)
-        flash.set_flash_attention_amx(amx)
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
 
 
@@ -851,19 +864,6 @@ def test_packed_linear_streamed_and_chunked_agree_bit_for_bit(packed):
     assert torch.equal(streamed, chunked)
 
 
-@contextlib.contextmanager
-def _packed_multiply(kernel, fma: bool):
-    """The packed linear's vector tiles (AMX off) multiplying with float32 FMAs or with the
-    pair dot product; the previous settings back afterwards."""
-    amx = kernel.set_packed_linear_amx(False)
-    previous = kernel.set_bf16_fma(fma)
-    try:
-        yield
-    finally:
-        kernel.set_bf16_fma(previous)
-        kernel.set_packed_linear_amx(amx)
-
-
 @pytest.mark.parametrize("in_features, out_features, bias, threads", [
     (256, 96, True, 2), (96, 70, False, 2), (1000, 4010, True, 2), (2048, 40, False, 8),
 ], ids=["panels", "ragged-outputs", "streamed-blocks", "long-inputs-chunked"])
@@ -902,9 +902,10 @@ def test_packed_silu_and_mul_fma_and_pair_dot_product_agree_bit_for_bit(packed):
         assert torch.equal(*results), rows
 
 
-def test_packed_linear_multiply_switch(packed):
-    """The multiply is measured on this core on first use (a bool), and can be set; the
-    setter returns the previous setting."""
+def test_bf16_multiply_switch(packed):
+    """The bfloat16 kernels' multiply (the packed linear's and flash attention's vector code)
+    is measured on this core on first use (a bool), and can be set; the setter returns the
+    previous setting."""
     chosen = packed.bf16_fma()
     assert isinstance(chosen, bool)
     try:
