@@ -196,14 +196,31 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
     return _TL_DTYPES[dtype]
 
 
-def paged_attention_tiles(max_query_len: int, group_pad: int) -> tuple[int, int]:
+# Shared memory a program may take: what a block may have on the GPUs with the least of it
+# (99 KiB on sm_86 and sm_89: A10, L4, RTX 30xx and 40xx), less room for Triton's own use.
+SHARED_MEMORY_BUDGET = 96 * 1024
+
+
+def paged_attention_tiles(max_query_len: int, group_pad: int, head_pad: int,
+                          itemsize: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_N) for a batch: short query tiles for decodes, wide ones for prefills.
 
     A tile has ``BLOCK_Q x group_pad`` rows and ``tl.dot`` needs at least 16, so a decode tile
     whose GQA group is smaller than 16 carries masked rows (query tokens the sequence lacks).
+    The dots' operands sit in shared memory (the query rows, a key and a value tile, the
+    probabilities: ``itemsize`` bytes a value); where they would pass
+    ``SHARED_MEMORY_BUDGET`` (float32 prompt chunks of heads of 128), the key tiles narrow.
+    ``triton_targets`` compiles the kernel for each GPU and checks what it takes.
     """
     rows = 16 if max_query_len <= 1 else 64
-    return max(1, rows // group_pad), 64 if max_query_len > 1 else 32
+    block_n = 64 if max_query_len > 1 else 32
+
+    def shared(n: int) -> int:
+        return (rows * head_pad + 2 * n * head_pad + rows * n) * itemsize
+
+    while block_n > 16 and shared(block_n) > SHARED_MEMORY_BUDGET:
+        block_n //= 2
+    return max(1, rows // group_pad), block_n
 
 
 def triton_paged_attention(
@@ -228,7 +245,10 @@ def triton_paged_attention(
         return out
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_q, block_n = paged_attention_tiles(meta.max_query_len, group_pad)
+    head_pad = max(16, triton.next_power_of_2(head_dim))
+    # The tiles the GPU runs (the interpreter's float32 dots for bfloat16 aside).
+    block_q, block_n = paged_attention_tiles(meta.max_query_len, group_pad, head_pad,
+                                             query.element_size())
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     grid = (meta.num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
@@ -238,7 +258,7 @@ def triton_paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), meta.block_tables.stride(0),
         block_size,
-        HEAD_DIM=head_dim, HEAD_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM=head_dim, HEAD_PAD=head_pad,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n,
         DOT_DTYPE=_dot_dtype(query.dtype),
         # float32 means "exact": keep Triton from rounding the dot inputs to TF32.
