@@ -6,9 +6,11 @@ Python only once its device work is done, as the CUDA runner's deferred tokens d
 is a timeline, not a thread (a thread would need the interpreter lock to finish a job). The
 rest runs as it does on the CPU: scheduling, the CPU runner's input preparation, the LM head
 and sampling (over logits from the token embeddings, so that tokens vary), detokenization and
-outputs, for hundreds of requests decoding at once on a tiny checkpoint. Left out: the CUDA
-runner's own preparation (Triton metadata, copies into a CUDA graph's inputs), kernel
-launches, and the LM head and sampling moving to the device. The device's busy share is the
+outputs, for hundreds of requests decoding at once on a tiny checkpoint. ``--cuda-inputs``
+adds the CUDA runner's own preparation: its Triton metadata (decode batches padded to a
+captured graph's size, block tables as wide as ``max_model_len``) and the copies into the
+graphs' static inputs, on host tensors (a GPU's pinned copies are left out). Left out too:
+kernel launches, and the LM head and sampling moving to the device. The device's busy share is the
 time it spent on jobs over the wall time: with synchronous scheduling the host's work and the
 device's add up each step; scheduled ahead, they overlap. Scheduled ahead, the engine
 launches each step on its own thread, as it does with the CUDA runner (whose launch only
@@ -19,6 +21,7 @@ runner's own, as on the CPU (and as the CUDA runner's steps were launched before
     python benchmarks/simulated_device.py --requests 64 --device-ms 0.5,1,2
     python benchmarks/simulated_device.py --device-ms 10 --kernels 300 --launch-us 10
     python benchmarks/simulated_device.py --threads 1 --device-ms 2,10 --core
+    python benchmarks/simulated_device.py --threads 1 --device-ms 0,2 --core --cuda-inputs
     python benchmarks/simulated_device.py --threads 1 --device-ms 6,10 --core \
         --runner-thread --repeats 3
 
@@ -50,6 +53,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.sampling_params import SamplingParams
 from mmserve.testing import build_tiny_checkpoint
+from mmserve.worker.cuda_runner import CUDAModelRunner, graph_batch_sizes
 from mmserve.worker.model_runner import CPUModelRunner
 
 
@@ -89,14 +93,23 @@ class SimulatedDevice:
         return sum(max(0.0, min(b, end) - max(a, start)) for a, b in self.jobs)
 
 
-def simulate(engine: LLMEngine, device: SimulatedDevice) -> None:
-    """Make ``engine``'s runner launch its decoder on ``device`` and defer its tokens."""
+def simulate(engine: LLMEngine, device: SimulatedDevice, cuda_inputs: bool = False) -> None:
+    """Make ``engine``'s runner launch its decoder on ``device`` and defer its tokens;
+    ``cuda_inputs``: prepare its inputs as the CUDA runner does, on the host."""
     runner = engine.runner
     runner.defer_sampled_tokens = True
     launched: list[float] = []  # when each launched step not yet sampled will be done
+    if cuda_inputs:
+        scheduler = engine.scheduler
+        sizes = graph_batch_sizes(scheduler.max_num_seqs)
+        CUDAModelRunner.allocate_graph_inputs(runner, sizes[-1], scheduler.max_model_len)
+        runner.graph_sizes = sizes
+        runner._attention_metadata = CUDAModelRunner._attention_metadata.__get__(runner)
 
     def forward(positions: torch.Tensor, embeds: torch.Tensor, meta,
                 output_rows=None) -> torch.Tensor:
+        if cuda_inputs and meta.padded:  # a decode batch that replays a graph
+            CUDAModelRunner.fill_graph_inputs(runner, positions, embeds, meta)
         launched.append(device.launch())
         return embeds if output_rows is None else embeds[output_rows.index]
 
@@ -119,11 +132,12 @@ MODES = {"in step": (False, True), "ahead": (True, True), "ahead, thread": (True
 
 
 def measure(model: str, requests: int, device: SimulatedDevice, mode: str, steps: int,
-            threads: int | None = None, core: bool = False) -> tuple[float, float]:
+            threads: int | None = None, core: bool = False,
+            cuda_inputs: bool = False) -> tuple[float, float]:
     """Seconds per decode step of ``requests`` requests, ``steps`` steps after a warm-up, and
     the device's busy share over those steps. ``mode``: a key of ``MODES``. ``core``: steps
     as the engine core process runs them (``core_step``: its front end detokenizes and makes
-    the outputs)."""
+    the outputs). ``cuda_inputs``: see ``simulate``."""
     ahead, inline = MODES[mode]
     # The engine picks how it launches steps from the runner's class, before building it.
     inline_before = CPUModelRunner.launches_asynchronously
@@ -137,7 +151,7 @@ def measure(model: str, requests: int, device: SimulatedDevice, mode: str, steps
         CPUModelRunner.launches_asynchronously = inline_before
     step = engine.core_step if core else engine.step
     try:
-        simulate(engine, device)
+        simulate(engine, device, cuda_inputs)
         params = SamplingParams(max_tokens=steps + 100, temperature=0.0, ignore_eos=True,
                                 output_kind="delta")
         for i in range(requests):
@@ -180,6 +194,9 @@ def main() -> None:
     parser.add_argument("--runner-thread", action="store_true",
                         help="also scheduling ahead with each step launched on a thread of "
                         "the runner's own (as on the CPU)")
+    parser.add_argument("--cuda-inputs", action="store_true",
+                        help="prepare each step's inputs as the CUDA runner does (Triton "
+                        "metadata, copies into a CUDA graph's static inputs), on the host")
     parser.add_argument("--switch-interval-ms", type=float,
                         help="the interpreter's switch interval (default: Python's, 5 ms)")
     args = parser.parse_args()
@@ -189,7 +206,8 @@ def main() -> None:
         model = args.model or str(build_tiny_checkpoint("llava", f"{tmp}/tiny"))
         print(f"{args.requests} requests decoding, {args.threads or torch.get_num_threads()} "
               f"threads, {args.kernels} launch(es) of {args.launch_us:g} us a step, switch "
-              f"interval {sys.getswitchinterval() * 1e3:g} ms")
+              f"interval {sys.getswitchinterval() * 1e3:g} ms"
+              + (", the CUDA runner's inputs" if args.cuda_inputs else ""))
         print(f"{'device ms':>9}  {'scheduling':>13}  {'outputs':>9}  {'ms a step':>9}  "
               f"{'device busy':>11}")
         modes = [m for m in MODES if args.runner_thread or m != "ahead, thread"]
@@ -201,7 +219,8 @@ def main() -> None:
                 for mode, core in rows:
                     device = SimulatedDevice(ms / 1e3, args.kernels, args.launch_us / 1e6)
                     found[mode, core].append(measure(model, args.requests, device, mode,
-                                                     args.steps, args.threads, core))
+                                                     args.steps, args.threads, core,
+                                                     args.cuda_inputs))
             for (mode, core), runs in found.items():
                 step = statistics.median(s for s, _ in runs)
                 busy = statistics.median(b for _, b in runs)

@@ -29,3 +29,21 @@ def test_steps_over_a_simulated_device(simulated_device, clip_llama: str, mode: 
     # the first may have begun before they were timed).
     assert seconds > 0.0013 and 0 < busy <= 1
     assert len(device.jobs) == 30 + 3 + (1 if mode == "ahead" else 0)
+
+
+def test_the_cuda_runners_inputs_over_a_simulated_device(simulated_device, clip_llama: str,
+                                                         monkeypatch) -> None:
+    # The CUDA runner's Triton metadata, and its copies into the graphs' static inputs for
+    # decode batches padded to a captured size (4 requests: the graph of 4).
+    filled = []
+    fill = simulated_device.CUDAModelRunner.fill_graph_inputs
+
+    def counting(runner, positions, embeds, meta):
+        filled.append(meta.num_seqs)
+        fill(runner, positions, embeds, meta)
+        assert runner._static["seq_lens"][:meta.num_seqs].tolist() == meta.seq_lens.tolist()
+
+    monkeypatch.setattr(simulated_device.CUDAModelRunner, "fill_graph_inputs", counting)
+    device = simulated_device.SimulatedDevice(0.0)
+    simulated_device.measure(clip_llama, 3, device, "ahead", steps=3, cuda_inputs=True)
+    assert filled and set(filled) == {4}  # 3 decodes padded to the graph of 4

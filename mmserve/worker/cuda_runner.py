@@ -149,6 +149,12 @@ class CUDAModelRunner(ModelRunner):
         if graph is None:
             with forward_context(meta, self.attention, output_rows):
                 return self.model(positions, embeds)
+        self.fill_graph_inputs(positions, embeds, meta)
+        graph.replay()
+        return self.graph_outputs[meta.num_seqs]
+
+    def fill_graph_inputs(self, positions: torch.Tensor, embeds: torch.Tensor, meta) -> None:
+        """Copy a decode batch padded to a captured size into the graphs' static inputs."""
         n = meta.num_seqs
         static = self._static
         # positions: [rows, n], or [n] for one row (viewed as [1, n]).
@@ -158,8 +164,6 @@ class CUDAModelRunner(ModelRunner):
         static["query_start_loc"][:n + 1].copy_(meta.query_start_loc)
         static["seq_lens"][:n].copy_(meta.seq_lens)
         static["block_tables"][:n].copy_(meta.block_tables)
-        graph.replay()
-        return self.graph_outputs[n]
 
     @torch.inference_mode()
     def capture_model(self, max_num_seqs: int, max_model_len: int,
