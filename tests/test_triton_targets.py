@@ -84,8 +84,8 @@ def test_a_kernel_over_an_architectures_shared_memory_is_reported():
     assert (fits86, fits90) == ("False", "True") and error86 == error90 == "None"
 
 
-def test_interpreted_triton_is_refused(capsys):
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # as this suite runs (conftest.py)
+def test_interpreted_triton_is_refused(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as this suite runs without a GPU
     with pytest.raises(SystemExit):
         triton_targets.main(["--arch", "90"])
     assert "TRITON_INTERPRET is set" in capsys.readouterr().err
