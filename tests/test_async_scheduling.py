@@ -7,16 +7,24 @@ in this process or in tensor-parallel workers (a broken device: tests/test_step_
 from __future__ import annotations
 
 import threading
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+import torch
 
 from mmserve import LLM, SamplingParams
 from mmserve.engine.prompt_feed import MIN_REQUESTS_AHEAD
 from mmserve.errors import InvalidInputError
-from mmserve.step import ModelOutput, ScheduledRequest, SchedulerOutput
+from mmserve.step import (
+    PENDING_TOKEN,
+    DecodeRows,
+    ModelOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.worker import model_runner
 from mmserve.worker.cpu_threads import AdaptiveThreads
@@ -443,3 +451,20 @@ def test_large_messages_both_ways_do_not_block_the_workers(tmp_path) -> None:
                              SamplingParams(max_tokens=3, temperature=0.0)])
         assert all(o.finish_reason == "length" for o in outs)
         assert len(outs[0].prompt_logprobs) > 400
+
+
+@pytest.mark.parametrize("sources", ["one step's tokens", "two steps' tokens"])
+def test_pending_tokens_are_read_where_each_request_sampled_last(sources: str) -> None:
+    # Decode rows a and b and the chunk of c wait for tokens sampled on the device: most
+    # steps, all from the step before (one tensor); after a failed or skipped step, from two.
+    step_1, step_2 = torch.tensor([101, 102, 103]), torch.tensor([201, 202])
+    b_from = (step_1, 0) if sources == "one step's tokens" else (step_2, 1)
+    runner = types.SimpleNamespace(last_sampled={"a": (step_1, 2), "b": b_from,
+                                                 "c": (step_1, 1)})
+    decodes, params = DecodeRows(), SamplingParams()
+    for rid, token in (("a", PENDING_TOKEN), ("x", 7), ("b", PENDING_TOKEN)):
+        decodes.append(rid, token, 10, 10, params, 1)
+    chunk = ScheduledRequest("c", [5, PENDING_TOKEN], 3, [], [], True, params, [[3, 4]])
+    ids = torch.tensor([PENDING_TOKEN, 7, PENDING_TOKEN, 5, PENDING_TOKEN])
+    got = model_runner.ModelRunner._with_pending_tokens(runner, ids, decodes, [chunk])
+    assert got.tolist() == [103, 7, int(b_from[0][b_from[1]]), 5, 102]

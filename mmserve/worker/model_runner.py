@@ -317,26 +317,32 @@ class ModelRunner:
         """``input_ids`` with each ``PENDING_TOKEN`` replaced, on the device, by the token the
         request's last step sampled there: nothing waits for that step's tokens to reach
         Python."""
-        positions: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}  # by source
-        last_sampled = self.last_sampled
-
-        def take(rid: str, at_row: int) -> None:
-            tokens, row = last_sampled[rid]
-            _, rows, at = positions.setdefault(id(tokens), (tokens, [], []))
-            rows.append(row)
-            at.append(at_row)
-
-        if PENDING_TOKEN in decodes.token_ids:
-            for i, (rid, token) in enumerate(zip(decodes.request_ids, decodes.token_ids,
-                                                 strict=True)):
-                if token == PENDING_TOKEN:
-                    take(rid, i)
+        # (row of input_ids, request) of each token to fill in: most decode rows when
+        # scheduling ahead, so a comprehension, not a call per row.
+        request_ids = decodes.request_ids
+        pending = ([(i, request_ids[i]) for i, token in enumerate(decodes.token_ids)
+                    if token == PENDING_TOKEN]
+                   if PENDING_TOKEN in decodes.token_ids else [])
         end = len(decodes)
         for r in chunks:
             end += len(r.token_ids)
             if r.token_ids[-1] == PENDING_TOKEN:
-                take(r.request_id, end - 1)
-        for tokens, rows, at in positions.values():  # (tokens on the runner's device)
+                pending.append((end - 1, r.request_id))
+        if not pending:
+            return input_ids
+        last_sampled = self.last_sampled
+        sources = [last_sampled[rid] for _, rid in pending]  # (tokens on the device, row)
+        first = sources[0][0]
+        if all(tokens is first for tokens, _ in sources):  # one step's tokens: most steps
+            groups = [(first, [row for _, row in sources], [at for at, _ in pending])]
+        else:
+            by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+            for (at_row, _), (tokens, row) in zip(pending, sources, strict=True):
+                _, rows, at = by_tensor.setdefault(id(tokens), (tokens, [], []))
+                rows.append(row)
+                at.append(at_row)
+            groups = list(by_tensor.values())
+        for tokens, rows, at in groups:
             index, at = to_device_all([int_tensor(rows), int_tensor(at)], input_ids.device)
             input_ids[at] = tokens[index]
         return input_ids
