@@ -104,14 +104,9 @@ class Launch:
         """Its dtype and constants, e.g. ``bf16 HEAD_DIM=128 BLOCK_Q=4``."""
         names = self.kernel.arg_names
         floats = [t[1:] for t in self.signature.values() if t in ("*fp16", "*bf16", "*fp32")]
-        consts = " ".join(f"{names[p[0]]}={_short(v)}" for p, v in self.constexprs.items()
-                          if self.signature[names[p[0]]] == "constexpr")
+        consts = " ".join(f"{names[path[0]]}={str(value).removeprefix('triton.language.')}"
+                          for path, value in self.constexprs.items())
         return f"{floats[0] if floats else '-'} {consts}".strip()
-
-
-def _short(value: object) -> str:
-    text = str(value)
-    return text.removeprefix("triton.language.")
 
 
 def _launch(kernel, args: tuple, kwargs: dict) -> Launch:
