@@ -32,6 +32,10 @@ MAX_N = 128
 # A grammar is compiled once per distinct constraint and held in a cache: bound its source.
 MAX_GRAMMAR_CHARS = 64 * 1024
 MAX_CHOICES = 256
+# Levels of JSON objects and arrays in a schema. xgrammar's conversion of a schema takes time
+# that grows with the cube of its nesting (0.05 s at 129 levels, 16 s at 941), on a thread
+# other requests' preprocessing shares; schemas written for real use nest a few levels.
+MAX_SCHEMA_DEPTH = 64
 
 # What a request's step outputs hold (``SamplingParams.output_kind``), vLLM's three kinds.
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
@@ -67,10 +71,17 @@ class StructuredOutputs:
             if isinstance(self.json, str):
                 try:
                     self.json = _json.loads(self.json)
+                except RecursionError:
+                    raise bad(f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels "
+                              "deep.") from None
                 except ValueError as e:
                     raise bad(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(self.json, dict):
                 raise bad("the JSON schema must be a JSON object (a dict).")
+            if _nesting(self.json, MAX_SCHEMA_DEPTH + 1) > MAX_SCHEMA_DEPTH:
+                raise bad(f"the JSON schema nests objects and arrays more than "
+                          f"{MAX_SCHEMA_DEPTH} levels deep; flatten it (a definition under "
+                          "$defs, referenced with $ref, can be used at any depth).")
             if len(_json.dumps(self.json)) > MAX_GRAMMAR_CHARS:
                 raise bad(f"the JSON schema is over {MAX_GRAMMAR_CHARS} characters.")
         for name in ("regex", "grammar"):
@@ -232,6 +243,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _nesting(value: object, limit: int) -> int:
+    """Levels of dicts and lists in ``value`` (a JSON document), counted up to ``limit``: one
+    level at a time, without recursion (a client's document may nest past Python's stack)."""
+    depth, level = 0, [value]
+    while depth < limit:
+        level = [v for v in level if isinstance(v, (dict, list))]
+        if not level:
+            break
+        depth += 1
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 def _short(value: object) -> str:

@@ -17,6 +17,7 @@ import xgrammar
 from pydantic import BaseModel, Field
 
 from mmserve import LLM, SamplingParams
+from mmserve.engine.llm_engine import MAX_FAILED_STEPS
 from mmserve.engine.structured_output import choice_grammar
 from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import StructuredOutputs
@@ -131,6 +132,19 @@ def test_json_strings_hold_no_raw_control_characters(llm: LLM) -> None:
     assert matcher.accept_string('{"a": "é ok", "b": "fine"}') and matcher.is_completed()
 
 
+def _nested_schema(levels: int) -> str:
+    """An object whose property is an object ... ``levels`` deep: 2 x levels + 1 levels of
+    JSON objects."""
+    return ('{"type": "object", "properties": {"a": ' * levels + '{"type": "string"}'
+            + '}, "required": ["a"]}' * levels)
+
+
+def test_a_schema_at_the_nesting_limit_compiles(llm: LLM) -> None:
+    schema = StructuredOutputs(json=_nested_schema(31))  # 63 levels
+    matcher = xgrammar.GrammarMatcher(llm.engine.grammars.compile(schema))
+    assert matcher.accept_string('{"a": ' * 31 + '"x"' + "}" * 31) and matcher.is_completed()
+
+
 @pytest.mark.parametrize("fields, fragment", [
     ({}, "exactly one of json, json_object, regex, choice and grammar, got none"),
     ({"regex": "a", "grammar": "b"}, "got regex, grammar"),
@@ -139,6 +153,11 @@ def test_json_strings_hold_no_raw_control_characters(llm: LLM) -> None:
     ({"choice": ["a", ""]}, "non-empty strings"),
     ({"regex": "x" * 70_000}, "at most 65536 characters"),
     ({"json_object": "yes"}, "must be a boolean"),
+    # Nesting: xgrammar's conversion takes time cubic in it (16 s at 941 levels), and a
+    # document nested past Python's stack must not raise RecursionError.
+    ({"json": _nested_schema(32)}, "more than 64 levels deep; flatten it"),
+    ({"json": json.loads(_nested_schema(32))}, "more than 64 levels deep; flatten it"),
+    ({"json": "[" * 100_000 + "]" * 100_000}, "more than 64 levels deep"),
 ])
 def test_constraints_are_checked_when_made(fields: dict, fragment: str) -> None:
     with pytest.raises(InvalidInputError, match=re.escape(fragment)) as e:
@@ -219,6 +238,7 @@ def _kv_bytes_per_token(text) -> int:
     ({"regex": "([a-z"}, "regex of structured_outputs cannot be used"),
     ({"grammar": "root ::= "}, "grammar of structured_outputs cannot be used"),
     ({"grammar": 'start ::= "a"'}, "grammar of structured_outputs cannot be used"),
+    ({"grammar": "root ::= root"}, "grammar of structured_outputs matches no text"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused_and_the_engine_goes_on(
         llm: LLM, fields: dict, fragment: str) -> None:
@@ -228,6 +248,26 @@ def test_a_constraint_that_does_not_compile_is_refused_and_the_engine_goes_on(
     assert_no_leaks(llm.engine)
     out = llm.generate(_chat("x"), _params("choice"))[0]
     assert out.text in CHOICES
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_grammar_that_dead_ends_fails_its_request_alone(llm: LLM, temperature: float) -> None:
+    # After "a" the grammar allows no token at all. Sampled from no token, the row's
+    # probabilities are not finite, a failure that counted as the step's: a request that had
+    # a token before, alone in its steps, made MAX_FAILED_STEPS of them and killed the engine.
+    engine = llm.engine
+    dead_end = SamplingParams(max_tokens=8, temperature=temperature, seed=1,
+                              structured_outputs={"grammar": 'root ::= "a" x\nx ::= x'})
+    for _ in range(MAX_FAILED_STEPS + 1):  # alone in its steps
+        out = llm.generate(_chat("x"), dead_end)[0]
+        assert out.finish_reason == "error" and out.text == "a"
+        assert "grammar allows no token after the text generated so far" in out.error
+    # Beside another request, which goes on.
+    expected = llm.generate(_chat("y"), _params("choice"))[0].text
+    outs = llm.generate([_chat("x"), _chat("y")], [dead_end, _params("choice")])
+    assert outs[0].finish_reason == "error" and outs[1].text == expected
+    assert_no_leaks(engine)
+    assert engine.num_failed_requests >= MAX_FAILED_STEPS + 2
 
 
 def test_the_demo_model_answers_in_the_schemas_shape() -> None:

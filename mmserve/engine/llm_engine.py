@@ -118,6 +118,9 @@ class LLMEngine:
                 config.tensor_parallel_size, config.worker_timeout, split_encoder))
         self.processor, self.grammars = processor_and_grammars(config, hf_config)
         self._matchers = Matchers()  # the constrained requests' grammar state
+        # Requests of the step being built whose grammar allows no next token: failed when
+        # the step ends, whatever their row sampled (``_constrain``, ``_fail_dead_ends``).
+        self._dead_ends: dict[str, str] = {}
         if (device == "cuda" and config.kv_cache_memory is None
                 and not config.worker_processes):
             self._check_free_gpu_memory(config, memory_bytes)
@@ -537,7 +540,7 @@ class LLMEngine:
                     found.pop(rid, None)
             scheduler_output = scheduler_output.without(stale)
         self._note_prompt_logprobs(result)
-        failed = self._handle_failures(scheduler_output, result)
+        failed = self._fail_dead_ends(result) + self._handle_failures(scheduler_output, result)
         if self._submitted:  # the step after, scheduled ahead: void for requests whose
             # token it computes from did not come, or whose step here failed or is redone
             self._stale = _void_ahead(self._submitted[0][0], result)
@@ -576,7 +579,33 @@ class LLMEngine:
         masks = self._matchers.bitmasks([r.request_id for r in sampling],
                                         self.grammars.vocab_size)
         for sched, mask in zip(sampling, masks, strict=True):
+            if mask is not None and not bool(mask.any()):  # a dead end: its row samples
+                # unconstrained, and the request fails when the step ends (its own doing,
+                # not the step's: sampling from no token at all would count as the step's)
+                self._dead_ends[sched.request_id] = (
+                    "its structured_outputs grammar allows no token after the text generated "
+                    "so far, so no text completes it; check the grammar (a rule that only "
+                    "refers to itself never ends)")
+                mask = None
             sched.token_bitmask = mask
+
+    def _fail_dead_ends(self, result: ModelOutput) -> list[Request]:
+        """Fail the requests whose grammar allowed no token in the step that ended
+        (``_constrain``); their rows' tokens and errors are dropped."""
+        if not self._dead_ends:
+            return []
+        failed = []
+        for rid, reason in self._dead_ends.items():
+            for found in (result.sampled, result.errors, result.logprobs):
+                found.pop(rid, None)
+            req = self.scheduler.requests.get(rid)
+            if req is not None and not req.finished:
+                logger.error("request %s: %s", rid, reason)
+                self.scheduler.fail_request(rid, reason)
+                failed.append(req)
+        self._dead_ends.clear()
+        self.num_failed_requests += len(failed)
+        return failed
 
     def _follow_grammar(self, req: Request) -> bool:
         """Feed the request's new token to its grammar; finish the request when the grammar

@@ -58,19 +58,29 @@ class GrammarCompiler:
         kind, source = constraint.key
         try:
             if kind == "json":
-                return compiler.compile_grammar(json_schema_grammar(source))
-            if kind == "json_object":  # an object, as OpenAI's json_object promises
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return compiler.compile_regex(source)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(constraint.choice or []))
-            return compiler.compile_grammar(source)
+                compiled = compiler.compile_grammar(json_schema_grammar(source))
+            elif kind == "json_object":  # an object, as OpenAI's json_object promises
+                compiled = compiler.compile_json_schema('{"type": "object"}',
+                                                        any_whitespace=False)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(source)
+            elif kind == "choice":
+                compiled = compiler.compile_grammar(choice_grammar(constraint.choice or []))
+            else:
+                compiled = compiler.compile_grammar(source)
         except Exception as e:  # noqa: BLE001 (xgrammar raises RuntimeError and its own)
             reason = _LOG_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
             raise InvalidInputError(
                 f"the {_KIND_NAMES[kind]} of structured_outputs cannot be used: {reason}",
                 param="structured_outputs") from None
+        first = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(first)
+        if not bool(first.any()):  # not even a stop token: it matches no text at all
+            raise InvalidInputError(
+                f"the {_KIND_NAMES[kind]} of structured_outputs matches no text: no token can "
+                "start it (a rule that only refers to itself never ends).",
+                param="structured_outputs")
+        return compiled
 
     def _get(self) -> xgrammar.GrammarCompiler:
         with self._lock:
