@@ -47,6 +47,15 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert 0.5 < draws.count(0) / len(draws) < 0.75
 
 
+def test_the_smallest_top_p_keeps_the_most_likely_token() -> None:
+    # 5e-324 (the smallest double) is 0 in float32: every token's mass before it reaches
+    # that, and the most likely token must stay (it was dropped too: probabilities not finite).
+    logits = torch.randn(3, 600, generator=torch.Generator().manual_seed(4))
+    for top_p in (5e-324, 1e-30, 1e-6):
+        params = [SamplingParams(top_p=top_p, temperature=2.0)] * 3
+        assert sample_each(logits, params, lambda i: _gens(3)[i]) == logits.argmax(-1).tolist()
+
+
 def test_a_seeded_generator_makes_a_draw_reproducible() -> None:
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(4))
     params = [SamplingParams(temperature=1.0)]

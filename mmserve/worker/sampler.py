@@ -197,8 +197,10 @@ def _top_p(x: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
             top = None
     if top is None:
         top, order = probs.sort(dim=-1, descending=True)
-    # Drop a token when the tokens ranked above it already reach top_p.
+    # Drop a token when the tokens ranked above it already reach top_p; never the most likely
+    # (a top_p below float32's smallest number reads as 0, which nothing falls short of).
     drop = top.cumsum(-1) - top >= top_p
+    drop[:, 0] = False
     keep = torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, ~drop) | ~filtered
     return x.masked_fill(~keep, float("-inf"))
 
