@@ -40,6 +40,10 @@ def _bad_inputs(tmp_path) -> dict[str, tuple[dict, str]]:
         "too many images": (_chat("x", [make_image(i, (20, 20)) for i in range(3)]),
                             "limit_mm_per_prompt"),
         "prompt too long": (_chat("word " * 200, []), "max_model_len"),
+        # Over max_model_len x 2 x the longest token's characters (96 x 2 x 9): refused
+        # before the template and the tokenizer run, and before any image is decoded.
+        "text no prompt of max_model_len holds": (
+            _chat("word " * 400, [b"not an image"]), "characters, more than max_model_len"),
         "unreadable bytes": (_chat("x", [b"definitely not an image"]), "cannot decode"),
         "truncated file": (_chat("x", [str(tmp_path / "truncated.png")]), "cannot decode"),
         "missing file": (_chat("x", [str(tmp_path / "nope.png")]), "not found"),
@@ -85,6 +89,23 @@ def test_each_bad_input_is_rejected_and_engine_keeps_serving(llm: LLM, tmp_path)
                 outputs[out.request_id] = out
         assert outputs[running].token_ids == expected, name
         assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("prompt, param", [
+    ({"prompt": "hello world " * 2_600_000}, "prompt"),  # 31 MB: refused untokenized
+    ({"prompt": "word " * 200}, "prompt"),  # tokenized: 201 tokens
+    ({"messages": [{"role": "user", "content": "hello world " * 2_600_000}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "word " * 200}]}]},
+     "messages"),
+])
+def test_a_prompt_over_max_model_len_names_its_field(llm: LLM, prompt: dict,
+                                                     param: str) -> None:
+    with pytest.raises(InvalidInputError, match="max_model_len") as e:
+        llm.engine.add_request(prompt, GREEDY)
+    assert e.value.param == param
+    assert ("characters" in str(e.value)) == (len(str(prompt)) > 1_000_000)
+    assert_no_leaks(llm.engine)
 
 
 def test_data_url_and_bytes_and_path_images_agree(llm: LLM, tmp_path) -> None:

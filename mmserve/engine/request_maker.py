@@ -46,7 +46,7 @@ class RequestMaker:
              request_id: str) -> Request:
         """Validate and tokenize a prompt into a ``Request``; ``InvalidInputError`` saying what
         to change."""
-        processed = self.processor.process(prompt, self.limit_mm_per_prompt)
+        processed = self.processor.process(prompt, self.limit_mm_per_prompt, self.max_model_len)
         self._note_preprocessing(processed.preprocess_peak_bytes)
         for img in processed.images:
             if img.length > self.encoder_cache_tokens:
@@ -58,7 +58,8 @@ class RequestMaker:
             raise InvalidInputError(
                 f"the prompt is {num_tokens} tokens (images included) but max_model_len is "
                 f"{self.max_model_len}; shorten the prompt or raise max_model_len.",
-                param="messages")
+                param="messages" if isinstance(prompt, dict) and "messages" in prompt
+                else "prompt")
         for t in params.stop_token_ids:
             if not 0 <= t < self.processor.tokenizer.vocab_size + 1024:
                 raise InvalidInputError(f"stop_token_ids has an invalid id {t}",

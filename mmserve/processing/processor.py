@@ -81,6 +81,10 @@ class InputProcessor:
         # Hugging Face fast tokenizers are not thread-safe (concurrent calls can fail with
         # "Already borrowed"); the image work before them needs no lock.
         self._tokenizer_lock = threading.Lock()
+        # The most characters one token stands for: a text longer than max_model_len times
+        # this (twice, for normalizers that join characters) is too long whatever it holds,
+        # and is refused before the chat template and the tokenizer spend seconds on it.
+        self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
 
     @property
     def tokens_per_image(self) -> int:
@@ -88,14 +92,15 @@ class InputProcessor:
         return self.family.max_tokens_per_item
 
     # ----------------------------------------------------------------- public
-    def process(self, prompt: dict[str, Any] | str,
-                max_images: int | None = None) -> ProcessedPrompt:
+    def process(self, prompt: dict[str, Any] | str, max_images: int | None = None,
+                max_tokens: int | None = None) -> ProcessedPrompt:
         """``{"prompt": str, "images": [...]}``, ``{"messages": [...], "images": [...]}``, or
         ``{"prompt_token_ids": [...]}`` (token ids as the model reads them, text only). vLLM's
         ``"multi_modal_data": {"image": image or [images]}`` may stand for ``"images"``.
 
         Thread-safe. Raises ``InvalidInputError`` saying what to change; a prompt with more
-        than ``max_images`` images is refused before any image is decoded."""
+        than ``max_images`` images is refused before any image is decoded, and one whose text
+        cannot fit in ``max_tokens`` tokens before it is rendered and tokenized."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
@@ -111,12 +116,14 @@ class InputProcessor:
         images = prompt.get("images") or []
         if not isinstance(images, (list, tuple)):
             images = [images]
+        max_chars = None if max_tokens is None else 2 * max_tokens * self.max_token_chars
         if "messages" in prompt:
-            text, images = self.render_chat(prompt["messages"], list(images))
+            text, images = self.render_chat(prompt["messages"], list(images), max_chars)
         elif "prompt" in prompt:
             text = prompt["prompt"]
             if not isinstance(text, str):
                 raise InvalidInputError("'prompt' must be a string", param="prompt")
+            self._check_length(len(text), max_chars, "prompt")
             _check_unicode(text, "prompt")
             n = text.count(self.image_token)
             if n != len(images):
@@ -133,15 +140,18 @@ class InputProcessor:
         # One image at a time, so only one decoded image and its resize are alive at once.
         return self._tokenize(text, [self._preprocess_image(im) for im in images])
 
-    def render_chat(self, messages: Any, images: list[ImageLike]) -> tuple[str, list[ImageLike]]:
+    def render_chat(self, messages: Any, images: list[ImageLike], max_chars: int | None = None
+                    ) -> tuple[str, list[ImageLike]]:
         """Render OpenAI-style messages with the chat template; returns text and images in
         placeholder order (``{"type": "image"}`` parts take from ``images`` in order,
-        ``image_url`` parts carry their own)."""
+        ``image_url`` parts carry their own). Messages whose text is over ``max_chars``
+        characters are refused before rendering."""
         if not isinstance(messages, list) or not messages:
             raise InvalidInputError("'messages' must be a non-empty list", param="messages")
         pending = list(images)
         ordered: list[ImageLike] = []
         rendered = []
+        chars = 0  # of text so far
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict) or "role" not in msg:
                 raise InvalidInputError(f"messages[{i}] must be an object with a 'role'",
@@ -156,6 +166,8 @@ class InputProcessor:
             if content is None:
                 content = ""
             if isinstance(content, str):
+                chars += len(content)
+                self._check_length(chars, max_chars, f"messages[{i}].content")
                 self._check_text(content, f"messages[{i}].content")
                 rendered.append({"role": role, "content": [{"type": "text", "text": content}]})
                 continue
@@ -169,6 +181,8 @@ class InputProcessor:
                 if kind == "text":
                     if not isinstance(part.get("text"), str):
                         raise InvalidInputError(f"{where}.text must be a string", param=where)
+                    chars += len(part["text"])
+                    self._check_length(chars, max_chars, f"{where}.text")
                     self._check_text(part["text"], f"{where}.text")
                     parts.append({"type": "text", "text": part["text"]})
                 elif kind in ("image", "image_url", "image_pil"):
@@ -239,6 +253,15 @@ class InputProcessor:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     # ----------------------------------------------------------------- steps
+    def _check_length(self, chars: int, max_chars: int | None, where: str) -> None:
+        """Refuse a prompt whose text (``chars`` characters so far) cannot fit."""
+        if max_chars is not None and chars > max_chars:
+            raise InvalidInputError(
+                f"the prompt's text is at least {chars:,} characters, more than max_model_len "
+                f"({max_chars // (2 * self.max_token_chars):,} tokens) can hold (no token of "
+                f"this model spans more than {self.max_token_chars} characters); shorten the "
+                "prompt or raise max_model_len.", param=where)
+
     def _check_text(self, text: str, where: str) -> None:
         _check_unicode(text, where)
         if self.image_token in text:
