@@ -133,6 +133,13 @@ def test_every_form_of_output_constraint() -> None:
     ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs': true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    # Fields that change the answer and that mmserve does not implement: never ignored.
+    ({"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
+    ({"logit_bias": {"abc": "x"}}, "logit_bias", "not supported"),
+    ({"tool_choice": "auto"}, "tool_choice", 'leave it out (or send "none")'),
+    ({"min_tokens": 4}, "min_tokens", "not supported"),
+    ({"min_p": 0.1}, "min_p", "not supported"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty", "leave it out (or send 1.0)"),
     ({"response_format": {"type": "xml"}}, "response_format", "must be {'type': 'text'}"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "needs 'json_schema'"),
@@ -160,6 +167,14 @@ def test_invalid_fields_name_the_parameter(change: dict, param: str, fragment: s
     assert e.value.param == param
     assert fragment in e.value.message
     assert e.value.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("neutral", [
+    {"logit_bias": {}}, {"logit_bias": None}, {"tool_choice": "none"}, {"min_tokens": 0},
+    {"min_p": 0}, {"repetition_penalty": 1}])
+def test_unsupported_fields_at_their_neutral_values_are_accepted(neutral: dict) -> None:
+    parse_chat_request(_body(**neutral), max_model_len=100, max_images=4)
+    parse_completion_request({"prompt": "hi", **neutral}, max_model_len=100)
 
 
 def test_too_many_images_rejected_before_fetching() -> None:

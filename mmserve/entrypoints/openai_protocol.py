@@ -7,6 +7,7 @@ what to change, and the offending parameter.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -184,6 +185,17 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
+# (field, the values that leave the answer as it is: None first) of the OpenAI and vLLM fields
+# that mmserve refuses unless they are neutral.
+_UNSUPPORTED: tuple[tuple[str, tuple], ...] = (
+    ("logit_bias", (None, {})),
+    ("tool_choice", (None, "none")),
+    ("min_tokens", (None, 0)),
+    ("min_p", (None, 0.0)),
+    ("repetition_penalty", (None, 1.0)),
+)
+
+
 def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_tokens: int,
                      logprobs: int | None) -> SamplingParams:
     """The sampling fields both endpoints share, checked."""
@@ -192,6 +204,12 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
         if _get(body, name, float, 0.0) != 0.0:
             raise bad_request(f"'{name}' is not supported by mmserve; leave it out or send 0.",
                               name)
+    # Fields that would change the answer and that mmserve does not implement: refused, not
+    # ignored (the client would take an answer that did not follow them for one that did).
+    for name, neutral in _UNSUPPORTED:
+        if body.get(name) not in neutral:
+            raise bad_request(f"'{name}' is not supported by mmserve; leave it out (or send "
+                              f"{json.dumps(neutral[1])}).", name)
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
