@@ -499,3 +499,14 @@ def test_one_lazily_opened_image_loads_from_many_threads_at_once(tmp_path: Path)
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(load, [image] * 8, [start] * 8))
         assert all(r == expected for r in results)
+
+
+@pytest.mark.parametrize("data, fragment", [
+    (b"definitely not an image", "its format is not one that can be read"),
+    (b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, "cannot decode the image bytes as an image"),
+])
+def test_an_undecodable_image_says_why_without_python_objects(data: bytes,
+                                                               fragment: str) -> None:
+    with pytest.raises(InvalidInputError, match=fragment) as e:
+        load_image(data, 1_000_000)
+    assert "object at 0x" not in str(e.value)

@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -86,7 +87,15 @@ def load_image(image: ImageLike, max_pixels: int) -> Image.Image:
             img.load()
             return img.convert("RGB")
         except (OSError, SyntaxError, ValueError, EOFError) as e:
-            raise InvalidInputError(f"cannot decode {what} as an image: {e}") from None
+            raise InvalidInputError(f"cannot decode {what} as an image: {_reason(e)}") from None
+
+
+def _reason(e: Exception) -> str:
+    """Pillow's reason, without the Python object it names (``<_io.BytesIO object at
+    0x...>``), which tells a client nothing."""
+    if isinstance(e, Image.UnidentifiedImageError):
+        return "its format is not one that can be read (send PNG, JPEG, GIF or WebP)"
+    return re.sub(r"<[^<>]+ object at 0x[0-9a-fA-F]+>", "it", str(e))
 
 
 def check_image(image: ImageLike, max_pixels: int) -> tuple[int, int]:
@@ -161,10 +170,10 @@ def _open(image: str | os.PathLike | bytes, max_pixels: int,
         # Pillow refuses above twice its limit, which is at least max_pixels by now: the image
         # is over ours. Its size is not known here (Pillow does not return the image).
         raise InvalidInputError(
-            f"{what} has more than {2 * Image.MAX_IMAGE_PIXELS} pixels, which exceeds the limit "
+            f"{what}: more than {2 * Image.MAX_IMAGE_PIXELS} pixels, which exceeds the limit "
             f"of {max_pixels} pixels; resize it, or raise {PIXELS_SETTING}.") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
-        raise InvalidInputError(f"cannot decode {what} as an image: {e}") from None
+        raise InvalidInputError(f"cannot decode {what} as an image: {_reason(e)}") from None
     with img:
         _check_size(img.size, max_pixels, what)
         yield img, what
