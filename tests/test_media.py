@@ -404,7 +404,7 @@ def test_loader_bounds_slow_fetches_to_its_own_pool(host: LoopbackHost) -> None:
     before = set(threading.enumerate())
     loader = MediaLoader(policy(0.5), max_pixels=10_000, max_workers=2)
 
-    async def run() -> tuple[list[object], float, Image.Image]:
+    async def run() -> tuple[list[object], float, bytes]:
         start = time.monotonic()
         slow = [loader.load(f"{host.url}/{path}", f"messages[{i}]")
                 for i, path in enumerate(["drip-body.png", "drip-headers.png", "silent.png"] * 2)]
@@ -424,8 +424,8 @@ def test_loader_bounds_slow_fetches_to_its_own_pool(host: LoopbackHost) -> None:
         assert result.param == f"messages[{i}]"
     assert 1.4 < elapsed < 2.5  # 6 fetches / 2 workers x 0.5 s
     assert len(workers) == 2
-    assert image.size == GOOD_IMAGE.size
-    assert_no_deadline_threads()
+    assert Image.open(io.BytesIO(image)).size == GOOD_IMAGE.size  # decoded later, by the
+    assert_no_deadline_threads()  # request's preprocessing
 
 
 def test_loader_reports_decode_errors_and_closes_without_waiting(host: LoopbackHost) -> None:
@@ -445,3 +445,22 @@ def test_loader_reports_decode_errors_and_closes_without_waiting(host: LoopbackH
 
     asyncio.run(asyncio.wait_for(run(), timeout=5))
     assert_no_deadline_threads()
+
+
+def test_loader_hands_on_checked_bytes_not_pixels() -> None:
+    # A 7000x7000 1-bit PNG is a few KB; decoded to RGB, 147 MB. Requests waiting for their
+    # preprocessing hold the bytes: the pixels are decoded there, one image at a time.
+    buf = io.BytesIO()
+    Image.new("1", (7000, 7000)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    loader = MediaLoader(policy(0.5), max_pixels=50_000_000, max_workers=1)
+    smaller = MediaLoader(policy(0.5), max_pixels=40_000_000, max_workers=1)
+    try:
+        data = asyncio.run(loader.load(url, "messages[0]"))
+        assert data == buf.getvalue() and len(data) < 100_000
+        with pytest.raises(InvalidInputError, match="exceeds the limit") as e:  # its header
+            asyncio.run(smaller.load(url, "messages[1]"))
+        assert e.value.param == "messages[1]"
+    finally:
+        loader.close()
+        smaller.close()

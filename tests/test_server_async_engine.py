@@ -75,6 +75,9 @@ class FakeEngine:
     def stats(self) -> dict[str, Any]:
         return {"num_running": len(self.live), "num_steps": self.steps}
 
+    def check_health(self) -> None:
+        """Healthy (the loop asks while it waits for requests)."""
+
 
 class Recorder:
     def __init__(self) -> None:
@@ -336,3 +339,38 @@ def test_a_chat_streams_role_with_its_first_output(crash: bool) -> None:
     deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
     assert deltas[0] == {"role": "assistant", "content": ""}
     assert "".join(d.get("content") or "" for d in deltas[1:]) == "xxx", deltas
+
+
+class SlowImagesEngine(FakeEngine):
+    """Preprocessing a prompt with images takes 2 s (a large image), a text prompt none."""
+
+    def __init__(self) -> None:
+        super().__init__(max_num_seqs=16)
+
+    def process_request(self, prompt: Any, params: SamplingParams, request_id: str) -> Request:
+        if isinstance(prompt, dict) and prompt.get("images"):
+            time.sleep(2.0)
+        return super().process_request(prompt, params, request_id)
+
+
+def test_a_text_prompt_does_not_wait_behind_images_being_preprocessed() -> None:
+    async def main() -> float:
+        engine = AsyncEngine(SlowImagesEngine(), preprocess_workers=2)
+        engine.start()
+
+        async def one(rid: str, prompt: Any) -> float:
+            start = time.monotonic()
+            stream = await engine.add_request(rid, prompt, SamplingParams(max_tokens=1))
+            async for _ in stream:
+                pass
+            return time.monotonic() - start
+
+        images = [asyncio.ensure_future(one(f"i{i}", {"prompt": "x", "images": [b"png"]}))
+                  for i in range(4)]  # two rounds of the two image threads
+        await asyncio.sleep(0.1)
+        text = await one("t", {"messages": [{"role": "user", "content": "hi"}]})
+        await asyncio.gather(*images)
+        await engine.shutdown()
+        return text
+
+    assert run(main()) < 1.0  # not behind the images (2 s, or 4 for the second round)

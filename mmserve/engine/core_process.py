@@ -171,7 +171,7 @@ class EngineCoreClient(EngineClient):
         flight fail."""
         self.stop()
         await asyncio.to_thread(self.close)
-        self._preprocess.shutdown(wait=False, cancel_futures=True)
+        self._stop_preprocessing()
 
     def stats(self) -> dict[str, Any]:
         """The core's counters as of its last step; preprocessing's, the front end's."""
