@@ -21,6 +21,7 @@ from mmserve.engine.llm_engine import MAX_FAILED_STEPS
 from mmserve.engine.structured_output import choice_grammar
 from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import StructuredOutputs
+from mmserve.step import ModelOutput, SchedulerOutput
 from mmserve.worker.sampler import apply_token_bitmasks
 from tests.conftest import assert_no_leaks, make_image
 from tests.test_server import Server, data_url, image_message
@@ -268,6 +269,26 @@ def test_a_grammar_that_dead_ends_fails_its_request_alone(llm: LLM, temperature:
     assert outs[0].finish_reason == "error" and outs[1].text == expected
     assert_no_leaks(engine)
     assert engine.num_failed_requests >= MAX_FAILED_STEPS + 2
+
+
+def test_a_dead_end_found_for_a_step_scheduled_ahead_waits_for_that_step(llm: LLM) -> None:
+    # Scheduling ahead, the next step's bitmasks are made while this one runs: a request
+    # found at a dead end there (one recomputing its text after a preemption, say) fails when
+    # the step it samples in ends, not the one before it (whose blocks it still uses).
+    engine = llm.engine
+    rid = engine.add_request(_chat("x"), SamplingParams(max_tokens=4, temperature=0.0))
+    engine._dead_ends = {rid: "a dead end", "gone": "a request that finished meanwhile"}
+    assert engine._fail_dead_ends(SchedulerOutput(), ModelOutput()) == []
+    assert engine._dead_ends == {rid: "a dead end"}
+    sampling_there = SchedulerOutput()
+    sampling_there.decodes.append(rid, 1, 5, 5, SamplingParams(), 1)
+    result = ModelOutput(sampled={rid: 7})
+    [failed] = engine._fail_dead_ends(sampling_there, result)
+    assert failed.request_id == rid and failed.error == "a dead end"
+    assert not engine._dead_ends and not result.sampled
+    [out] = engine._assemble([engine._error_output(failed)])  # as _finish_step's outputs
+    assert out.finish_reason == "error" and out.error == "a dead end"
+    assert_no_leaks(engine)
 
 
 def test_the_demo_model_answers_in_the_schemas_shape() -> None:

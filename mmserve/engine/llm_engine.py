@@ -540,7 +540,8 @@ class LLMEngine:
                     found.pop(rid, None)
             scheduler_output = scheduler_output.without(stale)
         self._note_prompt_logprobs(result)
-        failed = self._fail_dead_ends(result) + self._handle_failures(scheduler_output, result)
+        failed = (self._fail_dead_ends(scheduler_output, result)
+                  + self._handle_failures(scheduler_output, result))
         if self._submitted:  # the step after, scheduled ahead: void for requests whose
             # token it computes from did not come, or whose step here failed or is redone
             self._stale = _void_ahead(self._submitted[0][0], result)
@@ -589,21 +590,28 @@ class LLMEngine:
                 mask = None
             sched.token_bitmask = mask
 
-    def _fail_dead_ends(self, result: ModelOutput) -> list[Request]:
-        """Fail the requests whose grammar allowed no token in the step that ended
-        (``_constrain``); their rows' tokens and errors are dropped."""
+    def _fail_dead_ends(self, scheduler_output: SchedulerOutput,
+                        result: ModelOutput) -> list[Request]:
+        """Fail the requests whose grammar allowed no token where they sampled in the step
+        that ended (``_constrain``); their rows' tokens and errors are dropped. A dead end
+        found for the step scheduled ahead of it waits for that step to end."""
         if not self._dead_ends:
             return []
+        requests = self.scheduler.requests
+        sampled_here = set(scheduler_output.sampling_ids())
         failed = []
-        for rid, reason in self._dead_ends.items():
-            for found in (result.sampled, result.errors, result.logprobs):
-                found.pop(rid, None)
-            req = self.scheduler.requests.get(rid)
-            if req is not None and not req.finished:
-                logger.error("request %s: %s", rid, reason)
-                self.scheduler.fail_request(rid, reason)
-                failed.append(req)
-        self._dead_ends.clear()
+        for rid in list(self._dead_ends):
+            if rid not in requests:  # finished meanwhile (aborted)
+                del self._dead_ends[rid]
+            elif rid in sampled_here:
+                reason = self._dead_ends.pop(rid)
+                for found in (result.sampled, result.errors, result.logprobs):
+                    found.pop(rid, None)
+                req = requests[rid]
+                if not req.finished:
+                    logger.error("request %s: %s", rid, reason)
+                    self.scheduler.fail_request(rid, reason)
+                    failed.append(req)
         self.num_failed_requests += len(failed)
         return failed
 
