@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -72,32 +73,26 @@ def block_table_tensor(block_tables: list[list[int]] | torch.Tensor) -> torch.Te
     return padded_block_tables(block_tables, len(block_tables), max(width, 1), torch.long)
 
 
-def zero_past_blocks(tables: torch.Tensor, seq_lens: list[int] | torch.Tensor,
-                     block_size: int) -> torch.Tensor:
+def zero_past_blocks(tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
     """``tables`` (``[num_seqs, width]``) with every id past row ``i``'s first
     ``ceil(seq_lens[i] / block_size)`` set to 0: a kernel that reads whole rows (torch's
     decode path gathers them, then masks) reads block 0 there, as for a padded list."""
-    blocks = -(-_longs(seq_lens) // block_size)
-    return tables.masked_fill(torch.arange(tables.shape[1]) >= blocks.unsqueeze(1), 0)
+    blocks = -(-seq_lens // block_size)
+    return np.where(np.arange(tables.shape[1]) < blocks[:, None], tables, 0)
 
 
-def _longs(values: list[int] | torch.Tensor) -> torch.Tensor:
-    return values if isinstance(values, torch.Tensor) else int_tensor(values)
-
-
-def slot_mapping(query_lens: list[int] | torch.Tensor, seq_lens: list[int] | torch.Tensor,
-                 tables: torch.Tensor, block_size: int) -> torch.Tensor:
+def slot_mapping(query_lens: np.ndarray, seq_lens: np.ndarray, tables: np.ndarray,
+                 block_size: int) -> np.ndarray:
     """``[num_tokens]`` int64: the cache slot of each of the batch's tokens, sequence ``i``'s
     being the last ``query_lens[i]`` of its ``seq_lens[i]``, its blocks row ``i`` of
-    ``tables``. A few tensor operations, whatever the number of sequences and tokens."""
-    q = _longs(query_lens)
-    last = _longs(seq_lens) - 1
-    if len(q) == tables.shape[0] and bool((q == 1).all()):  # decodes: each sequence's last
-        rows = torch.arange(len(q))
-        return tables[rows, last // block_size] * block_size + last % block_size
-    first = last + 1 - q  # position of each chunk's first token
-    seq = torch.repeat_interleave(torch.arange(len(q)), q)
-    pos = torch.arange(len(seq)) - (torch.cumsum(q, 0) - q)[seq] + first[seq]
+    ``tables``. A few numpy operations, whatever the number of sequences and tokens (each
+    costs a fraction of a torch operation's dispatch on arrays this small)."""
+    if (query_lens == 1).all():  # decodes: each sequence's last position
+        seq, pos = np.arange(len(query_lens)), seq_lens - 1
+    else:
+        seq = np.repeat(np.arange(len(query_lens)), query_lens)
+        pos = (np.arange(len(seq)) - (np.cumsum(query_lens) - query_lens)[seq]
+               + (seq_lens - query_lens)[seq])
     return tables[seq, pos // block_size] * block_size + pos % block_size
 
 
@@ -142,10 +137,12 @@ def build_attention_metadata(
     picked = (tables[:len(q)] if decodes is None
               else tables.index_select(0, decodes))[:, :max_blocks]
     return AttentionMetadata(
-        slot_mapping=slot_mapping(q, ctx, tables, block_size).to(device),
+        slot_mapping=torch.from_numpy(
+            slot_mapping(q.numpy(), ctx.numpy(), tables.numpy(), block_size)).to(device),
         prefills=prefills,
         decode_rows=decode_rows.to(device),
-        decode_block_tables=zero_past_blocks(picked, decode_lens, block_size).to(device),
+        decode_block_tables=torch.from_numpy(
+            zero_past_blocks(picked.numpy(), decode_lens.numpy(), block_size)).to(device),
         decode_lens=decode_lens.to(device),
         block_size=block_size,
     )

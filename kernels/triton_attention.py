@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels.paged_attention import block_table_tensor
+from mmserve.kernels.paged_attention import block_table_tensor, slot_mapping, zero_past_blocks
 from mmserve.kernels.transfer import to_device_all
 from mmserve.kernels.triton_kv_cache import triton_write_kv_cache
 
@@ -66,8 +66,8 @@ class TritonAttentionMetadata:
         padded = num_seqs if num_seqs_padded is None else num_seqs_padded
         if padded < num_seqs:
             raise ValueError(f"num_seqs_padded={padded} is below the {num_seqs} sequences")
-        # NumPy over every sequence: hundreds of decodes a step, no loop over them, and each
-        # operation on arrays this small costs a fraction of a torch operation's dispatch.
+        # NumPy over every sequence (as paged_attention's helpers): hundreds of decodes a step,
+        # no loop over them.
         q = np.fromiter(query_lens, np.int64, num_seqs)
         s_lens = np.fromiter(seq_lens, np.int64, num_seqs)
         if isinstance(block_tables, torch.Tensor):
@@ -76,8 +76,7 @@ class TritonAttentionMetadata:
         else:
             rows = block_table_tensor(block_tables).numpy()
             lengths = np.fromiter(map(len, block_tables), np.int64, num_seqs)
-        blocks = -(-s_lens // block_size)  # each sequence's blocks
-        needed = int(blocks.max()) if num_seqs else 0
+        needed = int((-(-s_lens // block_size)).max()) if num_seqs else 0
         width = max(1, needed if max_blocks is None else max_blocks)
         if needed > width:
             raise ValueError(f"a sequence needs {needed} blocks, over max_blocks={width}")
@@ -87,19 +86,12 @@ class TritonAttentionMetadata:
             raise ValueError(f"sequence {i}: need 0 < query_len ({query_lens[i]}) <= seq_len "
                              f"({seq_lens[i]}) <= blocks x block_size "
                              f"({int(lengths[i]) * block_size})")
-        # Ids past a sequence's blocks (left over in the runner's rows) read as block 0.
         cols = min(width, rows.shape[1])
         tables = np.zeros((padded, width), np.int32)
-        tables[:num_seqs, :cols] = np.where(np.arange(cols) < blocks[:, None], rows[:, :cols], 0)
-        # Each token's slot: sequence i's tokens are the last q[i] of its s_lens[i].
-        if (q == 1).all():  # decodes: each sequence's last position
-            seq, pos = np.arange(num_seqs), s_lens - 1
-        else:
-            seq = np.repeat(np.arange(num_seqs), q)
-            pos = np.arange(len(seq)) - (np.cumsum(q) - q)[seq] + (s_lens - q)[seq]
+        tables[:num_seqs, :cols] = zero_past_blocks(rows[:, :cols], s_lens, block_size)
         # Padding sequences own one padding token each: a decode graph of size N has N rows.
-        slots = np.full(len(seq) + padded - num_seqs, -1, np.int64)
-        slots[:len(seq)] = rows[seq, pos // block_size] * block_size + pos % block_size
+        slots = np.concatenate([slot_mapping(q, s_lens, rows, block_size),
+                                np.full(padded - num_seqs, -1, np.int64)])
         starts = np.zeros(padded + 1, np.int32)
         starts[1:num_seqs + 1] = np.cumsum(q)
         starts[num_seqs + 1:] = starts[num_seqs]
