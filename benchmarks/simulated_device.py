@@ -115,8 +115,8 @@ def simulate(engine: LLMEngine, device: SimulatedDevice, cuda_inputs: bool = Fal
 
     sample = runner._sample
 
-    def sample_after_device(*args):
-        drawn = sample(*args)
+    def sample_after_device(*args, **kwargs):
+        drawn = sample(*args, **kwargs)
         done, to_list = launched.pop(), drawn.to_list
         drawn.to_list = lambda: (device.wait(done), to_list())[1]
         return drawn

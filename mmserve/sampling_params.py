@@ -27,6 +27,15 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 # Completions of one prompt (``n``): OpenAI's cap.
 MAX_N = 128
+# Tokens ``logit_bias`` may name, and how far it may move one (OpenAI's range, where -100
+# and 100 in effect ban and force a token).
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_LOGIT_BIAS = 100.0
+# presence_penalty and frequency_penalty: OpenAI's range.
+MAX_PENALTY = 2.0
+# repetition_penalty divides or multiplies a logit: bounded so that neither overflows nor
+# reaches 0 for ordinary logits.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 # A grammar is compiled once per distinct constraint and held in a cache: bound its source.
@@ -139,6 +148,17 @@ class SamplingParams:
     request's final output); such a request computes its whole prompt, never taking blocks from
     the prefix cache. ``structured_outputs``: constrain the text to a JSON schema, a regex, a
     choice or a grammar (``StructuredOutputs``, or a dict of its fields).
+    ``min_p`` (0 to 1, 0 is off): drop the tokens whose probability (after temperature)
+    is below ``min_p`` times the most likely token's. ``presence_penalty`` and
+    ``frequency_penalty`` (-2 to 2, OpenAI's): subtract from a token's logit this much if it
+    was generated before, and this much for each time it was. ``repetition_penalty`` (0.01 to
+    100, 1 is off; as transformers' and vLLM's): a token of the prompt or of the output so far
+    has its logit divided by it where positive, multiplied where negative. ``logit_bias``:
+    token id -> a number from -100 to 100 added to its logit (at most
+    ``MAX_LOGIT_BIAS_TOKENS`` of them). ``min_tokens``: the end-of-sequence token and
+    ``stop_token_ids`` cannot be sampled, and stop strings do not stop, until this many tokens
+    are generated (at most ``max_tokens``). All of these apply to greedy decoding as well;
+    log-probabilities stay those of the model's logits.
     ``output_kind`` (``OUTPUT_KINDS``, as vLLM's ``RequestOutputKind``): what the engine's
     step outputs for the request hold. ``cumulative``: everything generated so far, and in
     ``new_text`` / ``new_token_ids`` what the step added. ``delta``: only what the step added,
@@ -161,6 +181,21 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputs | None = None
     output_kind: str = "cumulative"
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    # Whether the logits the next token is picked from (greedily too) are the model's
+    # changed: by logit_bias, a penalty or min_tokens (set from them: the sampler's test,
+    # which most rows pass in one read).
+    adjusts_logits: bool = field(default=False, init=False, repr=False, compare=False)
+    # The token ids ``min_tokens`` holds back: the end-of-sequence token (unless
+    # ``ignore_eos``) and ``stop_token_ids``. Set when a request is made
+    # (``with_end_tokens``): the end token is the checkpoint's.
+    min_tokens_blocked: tuple[int, ...] = field(default=(), init=False, repr=False,
+                                                compare=False)
 
     def __post_init__(self) -> None:
         def bad(param: str, message: str) -> InvalidInputError:
@@ -204,12 +239,70 @@ class SamplingParams:
         if self.output_kind not in OUTPUT_KINDS:
             raise bad("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, "
                       f"got {_short(self.output_kind)}.")
+        self._check_logits_fields()
         so = self.structured_outputs
         if isinstance(so, dict):
             so = self.structured_outputs = StructuredOutputs(**so)
         if so is not None and not isinstance(so, StructuredOutputs):
             raise bad("structured_outputs", "structured_outputs must be a StructuredOutputs "
                       f"or a dict of its fields, got {_short(so)}.")
+
+    def _check_logits_fields(self) -> None:
+        def bad(param: str, message: str) -> InvalidInputError:
+            return InvalidInputError(message, param=param)
+
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"min_p must be a number from 0 to 1 (0 is off), got "
+                      f"{_short(self.min_p)}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise bad(name, f"{name} must be a number from {-MAX_PENALTY:g} to "
+                          f"{MAX_PENALTY:g}, got {_short(value)}.")
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not MIN_REPETITION_PENALTY <= rep <= MAX_REPETITION_PENALTY:
+            raise bad("repetition_penalty", f"repetition_penalty must be a number from "
+                      f"{MIN_REPETITION_PENALTY:g} to {MAX_REPETITION_PENALTY:g} (1 is off), "
+                      f"got {_short(rep)}.")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                raise bad("logit_bias", "logit_bias must map token ids to numbers, got "
+                          f"{_short(bias)}.")
+            if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+                raise bad("logit_bias", f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} "
+                          f"tokens, got {len(bias)}.")
+            for token, value in bias.items():
+                if not _is_int(token) or token < 0:
+                    raise bad("logit_bias", f"logit_bias's keys must be token ids (integers "
+                              f">= 0), got {_short(token)}.")
+                if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                    raise bad("logit_bias", f"logit_bias's values must be numbers from "
+                              f"{-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}, got "
+                              f"{_short(value)} for token {token}.")
+            self.logit_bias = {t: float(v) for t, v in bias.items() if v} or None
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"min_tokens must be an integer from 0 to max_tokens "
+                      f"({self.max_tokens}), got {_short(self.min_tokens)}.")
+        self.adjusts_logits = bool(self.logit_bias) or self.uses_history
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether the logits depend on the tokens before (penalties, ``min_tokens``)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.min_tokens)
+
+    def with_end_tokens(self, eos_token_id: int | None) -> SamplingParams:
+        """These parameters for a request of a checkpoint whose end-of-sequence token is
+        ``eos_token_id``: what ``min_tokens`` holds back is known (a copy where it changes)."""
+        blocked = tuple(dict.fromkeys(
+            ([] if self.ignore_eos or eos_token_id is None else [eos_token_id])
+            + self.stop_token_ids)) if self.min_tokens else ()
+        if blocked == self.min_tokens_blocked:
+            return self
+        params = replace(self)
+        params.min_tokens_blocked = blocked
+        return params
 
     @staticmethod
     def _check_stop(stop: object) -> list[str]:
@@ -238,7 +331,9 @@ class SamplingParams:
             seed += index
             if seed > MAX_SEED:
                 seed -= 2**64
-        return replace(self, n=1, seed=seed)
+        params = replace(self, n=1, seed=seed)
+        params.min_tokens_blocked = self.min_tokens_blocked
+        return params
 
     @property
     def greedy(self) -> bool:

@@ -62,6 +62,9 @@ class ScheduledRequest:
     # sample, packed 32 to an int32 word (bit j of word i: token 32 * i + j), on the CPU.
     token_bitmask: torch.Tensor | None = None
     blocks_from: int = 0  # index of block_ids[0] in the request's table
+    # For a request with a repetition_penalty, in its first step after admission: its tokens
+    # before ``start_pos`` (prefix-cache hits, which no chunk sends; the penalty counts them).
+    earlier_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -111,12 +111,20 @@ def record_steps(llm) -> list:
 
 def assert_no_leaks(engine) -> None:
     """After a drained engine: every KV block free, no referenced encoder-cache entry, no
-    request's text or prompt log-probabilities kept."""
+    request's text, prompt log-probabilities or token history kept."""
     stats = engine.stats()
     assert not engine.has_unfinished_requests()
     assert len(engine.output_processor or ()) == 0 and not engine._prompt_logprobs
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
     assert stats["encoder_cache_referenced_entries"] == 0, stats
+    # A runner in this process forgets a request's token history in the step after it
+    # finished, which sends its id: only those waiting for that step, or sent in a step
+    # still in flight (scheduled ahead, on the runner's thread), are left.
+    history = getattr(getattr(engine, "runner", None), "token_history", None)
+    if history is not None:
+        finishing = set(engine.scheduler._finished_ids).union(
+            *(step.finished_request_ids for step, _ in engine._submitted))
+        assert set(history.followed) <= finishing
 
 
 def generate_all_at_once(llm, prompts: list, params) -> list:

@@ -88,12 +88,16 @@ def test_same_tokens_through_chunked_prefill_and_cache_hits(
 def test_stops_sampling_logprobs_and_grammars_match(clip_llama: str, deferred: str) -> None:
     """EOS and stop strings end requests a step early (the token computed ahead for them is
     dropped), seeded sampling with n, logprobs and a grammar (whose next bitmask waits for
-    its token) in one batch."""
-    prompts = mixed_batch()[:6]
+    its token) in one batch, and penalties and min_tokens (which count tokens the step
+    before samples, on the device when scheduled ahead)."""
+    prompts = mixed_batch()[:7]
     params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=False),
               SamplingParams(max_tokens=16, temperature=0.0, stop=["e", "a"]),
               SamplingParams(max_tokens=10, temperature=0.8, seed=7, n=3, logprobs=2),
-              SamplingParams(max_tokens=10, temperature=1.0, top_p=0.7, top_k=20),
+              SamplingParams(max_tokens=10, temperature=1.0, top_p=0.7, top_k=20, min_p=0.1,
+                             presence_penalty=0.7, logit_bias={17: 2.0}),
+              SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=0.6,
+                             frequency_penalty=0.4, min_tokens=9, stop=["e", "a"]),
               SamplingParams(max_tokens=24, temperature=0.0,
                              structured_outputs={"regex": "(yes|no), [a-z]{3,6}"}),
               SamplingParams(max_tokens=5, temperature=0.0, prompt_logprobs=1)]
@@ -110,7 +114,8 @@ def test_stops_sampling_logprobs_and_grammars_match(clip_llama: str, deferred: s
 
     expected = run()
     assert run(async_scheduling=True) == expected
-    assert expected[1][0][1] == "stop" and expected[4][0][1] == "stop"
+    assert expected[1][0][1] == "stop" and expected[5][0][1] == "stop"
+    assert len(expected[4][0][0]) >= 9
 
 
 class _Runner:

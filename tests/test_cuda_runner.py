@@ -224,6 +224,7 @@ class _PositionsModel(torch.nn.Module):
     def __init__(self, hidden: int = 8) -> None:
         super().__init__()
         self.hidden = hidden
+        self.vocab_size = 16
         self.seen: list[torch.Tensor] = []
 
     def attention_layers(self) -> list:

@@ -243,7 +243,8 @@ def test_an_encoder_output_comes_back_from_borrowed_blocks_as_it_went(shapes, te
     each, the last piece's tail zeros; read back the same; no other block touched.
     Consecutive layers of one shape share one tensor (one copy each way over all of them)."""
     layers = [SimpleNamespace(num_kv_heads=h, head_dim=d, kv_cache=None) for h, d in shapes]
-    model = SimpleNamespace(attention_layers=lambda: layers, hidden_size=24)
+    model = SimpleNamespace(attention_layers=lambda: layers, hidden_size=24,
+                            vocab_size=16)
     runner = CPUModelRunner(model, 12, 4, torch.float32, 0)
     assert [a.kv_cache for a in layers] == runner.kv_caches
     assert len(runner._kv_groups) == tensors

@@ -173,6 +173,38 @@ def test_chat_equals_llm_generate(client: openai.OpenAI, clip_llama: str,
     wait_drained(server.url)
 
 
+def test_penalties_and_logit_bias_over_http_equal_the_python_api(
+        client: openai.OpenAI, clip_llama: str, server: Server) -> None:
+    """OpenAI's penalties and logit_bias, and vLLM's repetition_penalty, min_p and
+    min_tokens (in ``extra_body``, as vLLM's users send them), reach the engine; a token id
+    past the vocabulary is a 400 naming logit_bias."""
+    fields = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "logit_bias": {"17": 3.0}}
+    extra = {"repetition_penalty": 1.3, "min_p": 0.05, "min_tokens": 10}
+    llm = LLM(clip_llama, dtype="float32")
+    expected = llm.generate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]},
+        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.8,
+                       frequency_penalty=0.4, logit_bias={17: 3.0}, repetition_penalty=1.3,
+                       min_p=0.05, min_tokens=10))[0]
+    plain = llm.generate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]},
+        SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert expected.token_ids != plain.token_ids
+    answer = client.chat.completions.create(
+        model="tiny-llava", messages=image_message("hello there"), max_tokens=12,
+        temperature=0, extra_body=extra, **fields)
+    assert answer.choices[0].message.content == expected.text
+    assert answer.usage.completion_tokens == len(expected.token_ids)
+    forced = client.completions.create(model="tiny-llava", prompt="hi", max_tokens=4,
+                                       temperature=0, logit_bias={"17": 100})
+    assert forced.choices[0].text == llm.engine.processor.tokenizer.decode([17] * 4)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-llava", messages=image_message("hi"),
+                                       max_tokens=2, logit_bias={"1000000": 1})
+    assert e.value.body["param"] == "logit_bias" and "vocabulary" in e.value.body["message"]
+    wait_drained(server.url)
+
+
 def test_logprobs_over_http_equal_the_python_api(client: openai.OpenAI, clip_llama: str,
                                                  server: Server) -> None:
     """``logprobs`` / ``top_logprobs`` in OpenAI's shapes (plain and streamed), the values

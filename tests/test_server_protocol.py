@@ -132,14 +132,21 @@ def test_every_form_of_output_constraint() -> None:
     ({"logprobs": 1}, "logprobs", "must be a boolean"),
     ({"top_logprobs": 2}, "top_logprobs", "needs 'logprobs': true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "between 0 and 20"),
-    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    # Fields that change the answer and that mmserve does not implement: never ignored.
-    ({"logit_bias": {"50256": -100}}, "logit_bias", "not supported"),
-    ({"logit_bias": {"abc": "x"}}, "logit_bias", "not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", "from -2 to 2"),
+    ({"frequency_penalty": "1"}, "frequency_penalty", "must be a number"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias", "keys must be token ids, got 'abc'"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias", "keys must be token ids"),
+    ({"logit_bias": {"5": "x"}}, "logit_bias", "numbers from -100 to 100, got 'x'"),
+    ({"logit_bias": {"5": 101}}, "logit_bias", "numbers from -100 to 100"),
+    ({"logit_bias": {"5": True}}, "logit_bias", "numbers from -100 to 100"),
+    ({"logit_bias": [1, 2]}, "logit_bias", "must be an object"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024 tokens"),
+    # A field that changes the answer and that mmserve does not implement: never ignored.
     ({"tool_choice": "auto"}, "tool_choice", 'leave it out (or send "none")'),
-    ({"min_tokens": 4}, "min_tokens", "not supported"),
-    ({"min_p": 0.1}, "min_p", "not supported"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty", "leave it out (or send 1.0)"),
+    ({"min_tokens": 17, "max_tokens": 16}, "min_tokens", "from 0 to max_tokens (16)"),
+    ({"min_tokens": 1.5}, "min_tokens", "must be an integer"),
+    ({"min_p": 1.1}, "min_p", "from 0 to 1"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "from 0.01 to 100 (1 is off)"),
     ({"response_format": {"type": "xml"}}, "response_format", "must be {'type': 'text'}"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format", "needs 'json_schema'"),
@@ -171,10 +178,25 @@ def test_invalid_fields_name_the_parameter(change: dict, param: str, fragment: s
 
 @pytest.mark.parametrize("neutral", [
     {"logit_bias": {}}, {"logit_bias": None}, {"tool_choice": "none"}, {"min_tokens": 0},
-    {"min_p": 0}, {"repetition_penalty": 1}])
-def test_unsupported_fields_at_their_neutral_values_are_accepted(neutral: dict) -> None:
-    parse_chat_request(_body(**neutral), max_model_len=100, max_images=4)
-    parse_completion_request({"prompt": "hi", **neutral}, max_model_len=100)
+    {"min_p": 0}, {"repetition_penalty": 1}, {"presence_penalty": 0}])
+def test_neutral_values_leave_the_logits_alone(neutral: dict) -> None:
+    for parsed in (parse_chat_request(_body(**neutral), max_model_len=100, max_images=4),
+                   parse_completion_request({"prompt": "hi", **neutral}, max_model_len=100)):
+        assert not parsed.params.adjusts_logits
+        assert parsed.params.min_p == 0
+
+
+def test_logit_adjustments_reach_the_sampling_params() -> None:
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+              "min_p": 0.05, "min_tokens": 3, "logit_bias": {"7": -100, "12": 2.5, "9": 0},
+              "max_tokens": 8}
+    for parsed in (parse_chat_request(_body(**fields), max_model_len=100, max_images=4),
+                   parse_completion_request({"prompt": "hi", **fields}, max_model_len=100)):
+        p = parsed.params
+        assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p,
+                p.min_tokens) == (0.5, -1.0, 1.2, 0.05, 3)
+        assert p.logit_bias == {7: -100.0, 12: 2.5}  # ids as integers, zeros dropped
+        assert p.adjusts_logits and p.uses_history
 
 
 def test_too_many_images_rejected_before_fetching() -> None:

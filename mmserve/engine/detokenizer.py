@@ -13,9 +13,13 @@ class IncrementalDetokenizer:
     streamed partially before it is recognised.
     """
 
-    def __init__(self, tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        # Stop strings are looked for once this many tokens are added (``min_tokens``): in the
+        # text the token that reaches it adds, and after.
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.token_ids: list[int] = []  # what Python-level decoding reads (no Rust stream)
         self.text = ""  # everything decoded so far
@@ -30,6 +34,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> None:
         """Append one token; sets ``stopped`` when a stop string appears (text cut before it)."""
+        self.num_tokens += 1
         if self._stream is not None:  # the stream keeps the ids it needs itself
             piece = self._stream.step(self._backend, token_id)
             if piece:
@@ -51,6 +56,8 @@ class IncrementalDetokenizer:
             self._check_stop(start)
 
     def _check_stop(self, new_from: int) -> None:
+        if self.num_tokens < self.min_tokens:
+            return
         for s in self.stop:
             idx = self.text.find(s, max(0, new_from - len(s) + 1))
             if idx != -1:

@@ -67,7 +67,8 @@ class OutputProcessor:
         """Follow a request queued in the core (before its first step)."""
         params = req.sampling_params
         self._outputs[req.request_id] = _Output(
-            IncrementalDetokenizer(self.tokenizer, params.stop), params.output_kind,
+            IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens),
+            params.output_kind,
             req.num_prompt_tokens, [], None if params.logprobs is None else [])
 
     def abort(self, request_id: str) -> None:

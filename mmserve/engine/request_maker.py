@@ -64,6 +64,12 @@ class RequestMaker:
             if not 0 <= t < self.processor.tokenizer.vocab_size + 1024:
                 raise InvalidInputError(f"stop_token_ids has an invalid id {t}",
                                         param="stop_token_ids")
+        if params.logit_bias and max(params.logit_bias) >= self.grammars.vocab_size:
+            raise InvalidInputError(
+                f"logit_bias names token {max(params.logit_bias)}, but the model's vocabulary "
+                f"has {self.grammars.vocab_size} tokens (ids 0 to "
+                f"{self.grammars.vocab_size - 1}).", param="logit_bias")
+        params = params.with_end_tokens(self.processor.eos_token_id)
         grammar = None
         if params.structured_outputs is not None:  # compiled here, off the stepping thread
             grammar = self.grammars.compile(params.structured_outputs)

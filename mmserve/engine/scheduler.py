@@ -314,6 +314,8 @@ class Scheduler:
             token_ids = req.all_token_ids[start:start + num_new]
             if len(token_ids) < num_new:  # a token scheduled ahead of its sampling
                 token_ids += [PENDING_TOKEN] * (num_new - len(token_ids))
+            earlier = (req.all_token_ids[:start] if start and not req.num_blocks_sent
+                       and req.sampling_params.repetition_penalty != 1.0 else [])
             new_blocks = self.kv_cache.block_ids(req, req.num_blocks_sent)
             out.chunks.append(ScheduledRequest(
                 request_id=req.request_id,
@@ -330,6 +332,7 @@ class Scheduler:
                     [] if req.sampling_params.prompt_logprobs is None
                     else req.all_token_ids[start + 1:min(start + num_new + 1,
                                                          req.num_prompt_tokens)]),
+                earlier_token_ids=earlier,
             ))
             # Tokens count as computed once scheduled: steps run in the order scheduled.
             req.num_computed_tokens += num_new

@@ -7,14 +7,18 @@ what to change, and the offending parameter.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mmserve.errors import InvalidInputError
-from mmserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
+from mmserve.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputs,
+)
 from mmserve.step import TokenLogprobs
 
 ROLES = ("system", "developer", "user", "assistant")
@@ -185,31 +189,15 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-# (field, the values that leave the answer as it is: None first) of the OpenAI and vLLM fields
-# that mmserve refuses unless they are neutral.
-_UNSUPPORTED: tuple[tuple[str, tuple], ...] = (
-    ("logit_bias", (None, {})),
-    ("tool_choice", (None, "none")),
-    ("min_tokens", (None, 0)),
-    ("min_p", (None, 0.0)),
-    ("repetition_penalty", (None, 1.0)),
-)
-
-
 def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_tokens: int,
                      logprobs: int | None) -> SamplingParams:
     """The sampling fields both endpoints share, checked."""
     n = _get(body, "n", int, 1)
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _get(body, name, float, 0.0) != 0.0:
-            raise bad_request(f"'{name}' is not supported by mmserve; leave it out or send 0.",
-                              name)
-    # Fields that would change the answer and that mmserve does not implement: refused, not
-    # ignored (the client would take an answer that did not follow them for one that did).
-    for name, neutral in _UNSUPPORTED:
-        if body.get(name) not in neutral:
-            raise bad_request(f"'{name}' is not supported by mmserve; leave it out (or send "
-                              f"{json.dumps(neutral[1])}).", name)
+    # Refused, not ignored: the client would take an answer that did not follow it for one
+    # that did.
+    if body.get("tool_choice") not in (None, "none"):
+        raise bad_request("'tool_choice' is not supported by mmserve; leave it out (or send "
+                          '"none").', "tool_choice")
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
@@ -236,14 +224,41 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
         _check_text(stop, "stop")
     ignore_eos = _get(body, "ignore_eos", bool, False)  # vLLM's extension, for benchmarks
     structured = _structured_outputs(body)
+    # OpenAI's penalties and logit_bias, and vLLM's min_p, repetition_penalty and min_tokens:
+    # their ranges are SamplingParams' to check.
+    adjust = {name: _get(body, name, float, default) for name, default in (
+        ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_p", 0.0),
+        ("repetition_penalty", 1.0))}
     try:
         # Each step's outputs hold only what it added: the server puts answers together.
         return SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                               ignore_eos=ignore_eos, logprobs=logprobs,
-                              structured_outputs=structured, output_kind="delta")
+                              structured_outputs=structured, output_kind="delta",
+                              min_tokens=_get(body, "min_tokens", int, 0),
+                              logit_bias=_logit_bias(body.get("logit_bias")), **adjust)
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
+
+
+def _logit_bias(value: Any) -> dict[int, Any] | None:
+    """OpenAI's ``logit_bias``, an object whose keys are token ids written as strings, with
+    the ids as integers (the values are checked by ``SamplingParams``)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request("'logit_bias' must be an object mapping token ids to numbers from "
+                          "-100 to 100", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS_TOKENS:  # before converting thousands of keys
+        raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got "
+                          f"{len(value)}", "logit_bias")
+    bias = {}
+    for key, v in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12):
+            raise bad_request(f"'logit_bias' keys must be token ids, got {_short(repr(key))}",
+                              "logit_bias")
+        bias[int(key)] = v
+    return bias
 
 
 # vLLM's older names for the fields of structured_outputs.

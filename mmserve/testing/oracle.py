@@ -62,6 +62,7 @@ def hf_greedy_generate(
     prompt_text: str,
     images: list[Image.Image],
     max_new_tokens: int,
+    generate_kwargs: dict[str, Any] | None = None,
     **processor_kwargs: Any,
 ) -> list[int]:
     """Greedily generate with the reference Hugging Face model and return the new token ids.
@@ -72,7 +73,8 @@ def hf_greedy_generate(
     ``<s>``; Qwen2-VL: nothing). All the processor's outputs go to ``generate`` (Qwen2-VL: the
     image grids and token types its M-RoPE positions are computed from). Generation stops at the
     eos token (included in the result) or after ``max_new_tokens`` tokens. ``processor_kwargs``
-    go to the processor's call (image-processor settings such as Qwen2-VL's ``max_pixels``).
+    go to the processor's call (image-processor settings such as Qwen2-VL's ``max_pixels``),
+    ``generate_kwargs`` to ``generate`` (``repetition_penalty``, ``logits_processor``...).
     """
     model, processor = _load_hf(path)
     inputs = processor(text=prompt_text, images=images or None, return_tensors="pt",
@@ -82,6 +84,7 @@ def hf_greedy_generate(
         do_sample=False,
         max_new_tokens=max_new_tokens,
         pad_token_id=processor.tokenizer.pad_token_id,
+        **(generate_kwargs or {}),
     )
     prompt_len = inputs["input_ids"].shape[1]
     return [int(token) for token in output[0, prompt_len:].tolist()]

@@ -54,6 +54,7 @@ from mmserve.worker.cpu_allocator import (
     release_free_memory,
 )
 from mmserve.worker.cpu_threads import AdaptiveThreads, restore_threads
+from mmserve.worker.logits_adjust import TokenHistory, adjust_logits
 from mmserve.worker.memory_profiler import track_peak_bytes
 from mmserve.worker.sampler import (
     LogprobTensors,
@@ -186,6 +187,8 @@ class ModelRunner:
         # tokens on the device, and the row. A step scheduled ahead of it (PENDING_TOKEN,
         # asynchronous scheduling) computes from it, read there.
         self.last_sampled: dict[str, tuple[torch.Tensor, int]] = {}
+        # The tokens before of the requests whose penalties or min_tokens need them.
+        self.token_history = TokenHistory(model.vocab_size, self.device)
         # Every running request's KV block ids: a step sends only the ones it adds.
         self.block_tables = BlockTables()
         self._image_owners: dict[str, int] = {}  # this step's images' encoding ranks
@@ -233,14 +236,15 @@ class ModelRunner:
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
             self.last_sampled.pop(rid, None)
+        if len(self.token_history):
+            self.token_history.drop(scheduler_output.finished_request_ids)
         out = ModelOutput()
         scheduler_output = self._fill_pending(scheduler_output, out)
         self._assign_images(scheduler_output)
         deferred: list[DeferredTokens | PromptLogprobs] | None = (
             [] if self.defer_sampled_tokens else None)
         try:
-            self.last_sampled.update(self._execute(scheduler_output, encoder_pixels, out,
-                                                   deferred))
+            self._note_sampled(self._execute(scheduler_output, encoder_pixels, out, deferred))
             return StepResult(self._note_failed(out), deferred or [])
         except CollectiveError:
             raise  # the ranks' group is broken: no request can run (the engine stops)
@@ -262,8 +266,7 @@ class ModelRunner:
                            "find the ones responsible", len(requests), _reason(e))
         for req in requests:
             try:
-                self.last_sampled.update(
-                    self._execute(scheduler_output.only(req), encoder_pixels, out))
+                self._note_sampled(self._execute(scheduler_output.only(req), encoder_pixels, out))
             except CollectiveError:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -272,6 +275,12 @@ class ModelRunner:
                              _reason(e), exc_info=e)
         return StepResult(self._note_failed(
             self._with_failed_images(scheduler_output, out)), [])
+
+    def _note_sampled(self, where: dict[str, tuple[torch.Tensor, int]]) -> None:
+        """A step's attempt has succeeded: remember where each request's token is (the next
+        step reads it there), and count it for the requests whose history is kept."""
+        self.last_sampled.update(where)
+        self.token_history.record(where)
 
     def _assign_images(self, scheduler_output: SchedulerOutput) -> None:
         """Which rank encodes each of the step's images (tensor parallelism, the tower
@@ -389,6 +398,7 @@ class ModelRunner:
             input_ids = self._with_pending_tokens(input_ids, decodes, chunks)
             embeds = self._embed(input_ids, chunks, len(decodes))
             sampled = [r for r in chunks if r.sample]
+            self._follow_history(chunks)
             # The sampling rows' requests, decode rows first, as columns.
             ids = scheduler_output.sampling_ids()
             params = decodes.sampling_params + [r.sampling_params for r in sampled]
@@ -413,13 +423,13 @@ class ModelRunner:
             prompt_logprobs.collect(out)  # waits for them: forward time
             times.forward += time.perf_counter() - t3
             return {}
+        wants_logprobs = any(p.logprobs is not None for p in params)
         with self._phase("sample"):
             drawn = self._sample(ids, params, logits, {
                 len(decodes) + i: r.token_bitmask for i, r in enumerate(sampled)
-                if r.token_bitmask is not None})
+                if r.token_bitmask is not None}, keep_logits=wants_logprobs)
         tokens_at = drawn.tokens
         where = {rid: (tokens_at, i) for i, rid in enumerate(ids)}
-        wants_logprobs = any(p.logprobs is not None for p in params)
         if deferred is not None:  # log-probabilities too, once the tokens are known
             deferred.append(DeferredTokens(
                 ids, drawn, functools.partial(self._contained_logprobs, ids, params, logits)
@@ -439,12 +449,26 @@ class ModelRunner:
         out.logprobs.update(logprobs)
         return where
 
+    def _follow_history(self, chunks: list[ScheduledRequest]) -> None:
+        """Keep the tokens before of the chunks' requests whose sampling needs them: the
+        prompt's, for a repetition penalty (the cached part's on admission, then each
+        chunk's)."""
+        for r in chunks:
+            p = r.sampling_params
+            if p.uses_history:
+                self.token_history.follow(r.request_id, [] if p.repetition_penalty == 1.0
+                                          else r.earlier_token_ids + r.token_ids)
+
     def _sample(self, ids: list[str], params: list[SamplingParams], logits: torch.Tensor,
-                bitmasks: dict[int, torch.Tensor]) -> SampledTokens:
+                bitmasks: dict[int, torch.Tensor], keep_logits: bool) -> SampledTokens:
         """Each row's token (rows: the requests ``ids``, sampling by ``params``), under the
-        row's grammar bitmask where ``bitmasks`` has one, left on the device."""
+        row's grammar bitmask where ``bitmasks`` has one, then the changes its parameters ask
+        for (``adjust_logits``), left on the device."""
         sample_from = logits if not bitmasks else apply_token_bitmasks(
             logits, list(bitmasks), list(bitmasks.values()))
+        # In place unless the model's logits are wanted after (for log-probabilities).
+        sample_from = adjust_logits(sample_from, ids, params, self.token_history,
+                                    in_place=sample_from is not logits or not keep_logits)
         return sample_on_device(sample_from, params,
                                 lambda i: self._generator(ids[i], params[i]))
 

@@ -1,6 +1,6 @@
 """Token sampling, batched: one pass over the rows that sample, whatever their parameters.
 
-Temperature, top-k and top-p apply to all those rows at once (a row's own values, or no
+Temperature, min-p, top-k and top-p apply to all those rows at once (a row's own values, or no
 filter), and each row draws its token by inverse transform: one uniform variate against its
 cumulative probabilities. The variate comes from the row's generator: a seeded request's own
 (so it draws what it draws alone, whatever shares the step), or, for the others, one draw of
@@ -145,6 +145,8 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
     device, vocab = logits.device, logits.shape[-1]
     temperature = tensor_on([p.temperature for p in params], torch.float32, device)
     x = logits.float() / temperature.unsqueeze(1)
+    if any(p.min_p for p in params):
+        x = _min_p(x, [p.min_p for p in params])
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):  # keep each row's k best (ties with the k-th included)
         top = x.topk(max(ks), dim=-1).values
@@ -174,6 +176,16 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
                 len(rows), 1, device=device).uniform_(generator=gen)
     tokens = torch.searchsorted(cdf, u * total.unsqueeze(1), right=True).squeeze(1)
     return tokens.clamp_(max=vocab - 1), finite
+
+
+def _min_p(x: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """``x`` with each row's tokens less likely than its ``min_p`` times its most likely
+    token's probability at -inf (rows with min_p 0 keep every token; the most likely token
+    is always kept)."""
+    probs = x.softmax(-1)
+    top = probs.max(dim=-1, keepdim=True).values
+    min_p = tensor_on(min_ps, torch.float32, x.device).unsqueeze(1)
+    return x.masked_fill(probs < min_p * top, float("-inf"))
 
 
 # The nucleus is looked for among this many of the most likely tokens first (on the CPU), and

@@ -1,0 +1,216 @@
+"""The changes requests ask of the logits before a token is picked: ``logit_bias``, the
+presence, frequency and repetition penalties, and ``min_tokens``.
+
+The penalties and ``min_tokens`` depend on the tokens before, which the runner keeps on the
+device for the requests that use them (``TokenHistory``): each sampled token is counted there
+from the step's token tensor, so a step scheduled ahead of its sampling (asynchronous
+scheduling) adjusts its logits without waiting for the tokens to reach Python. Requests that
+ask for none of this cost a read of ``SamplingParams.adjusts_logits`` a row, and nothing on
+the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from mmserve.kernels.transfer import tensor_on
+from mmserve.sampling_params import SamplingParams
+
+
+class TokenHistory:
+    """For each running request whose sampling depends on its tokens before
+    (``SamplingParams.uses_history``): how many times it generated each token, which tokens
+    it has seen (generated, or in its prompt where a repetition penalty counts those), and
+    how many it generated.
+
+    Rows of two ``[slots, vocab]`` tensors on the device (int32 counts, boolean seen), a slot
+    a request, reused once its request finishes, and dropped when none is in use. A preempted
+    request keeps its slot (its tokens do not change when it is recomputed)."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self._slot: dict[str, int] = {}
+        self._free: list[int] = []
+        self._counts: torch.Tensor | None = None  # [slots, vocab] int32: generated tokens
+        self._seen: torch.Tensor | None = None  # [slots, vocab] bool: tokens seen
+        self.num_generated: dict[str, int] = {}
+        # Penalize the seen tokens alone, found on the host (the CPU's way), or whole rows
+        # (a GPU's, which never waits to learn how many tokens changed).
+        self.sparse = device.type == "cpu"
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._slot
+
+    @property
+    def followed(self) -> list[str]:
+        return list(self._slot)
+
+    def follow(self, request_id: str, token_ids: list[int]) -> None:
+        """Follow the request (a no-op for one followed), and note ``token_ids`` as seen (a
+        chunk's prompt tokens, for a repetition penalty; after a preemption its recomputed
+        output too, which changes nothing: a token generated is a token seen)."""
+        slot = self._slot_of(request_id)
+        ids = [t for t in token_ids if 0 <= t < self.vocab_size]  # not a PENDING_TOKEN
+        if ids:
+            assert self._seen is not None
+            self._seen[slot, tensor_on(ids, torch.long, self.device)] = True
+
+    def record(self, sampled: Mapping[str, tuple[torch.Tensor, int]]) -> None:
+        """Count each followed request's token of a step that has run: ``sampled`` maps a
+        request to the step's token tensor on the device and its row there."""
+        if not self._slot:
+            return
+        by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for rid, slot in self._slot.items():
+            where = sampled.get(rid)
+            if where is None:
+                continue
+            tokens, row = where
+            _, rows, slots = by_tensor.setdefault(id(tokens), (tokens, [], []))
+            rows.append(row)
+            slots.append(slot)
+            self.num_generated[rid] += 1
+        assert (self._counts is not None and self._seen is not None) or not by_tensor
+        for tokens, rows, slots in by_tensor.values():
+            at = (tensor_on(slots, torch.long, self.device),
+                  tokens.index_select(0, tensor_on(rows, torch.long, self.device)))
+            self._counts.index_put_(at, torch.ones(len(rows), dtype=torch.int32,
+                                                   device=self.device), accumulate=True)
+            self._seen[at] = True
+
+    def drop(self, request_ids: list[str]) -> None:
+        """Forget finished requests; their slots are reused."""
+        for rid in request_ids:
+            slot = self._slot.pop(rid, None)
+            if slot is not None:
+                self._free.append(slot)
+                del self.num_generated[rid]
+        if not self._slot:  # nobody uses them: give the memory back
+            self._counts = self._seen = None
+            self._free.clear()
+
+    def _slot_of(self, request_id: str) -> int:
+        slot = self._slot.get(request_id)
+        if slot is not None:
+            return slot
+        if not self._free:
+            self._grow()
+        assert self._counts is not None and self._seen is not None
+        slot = self._free.pop()
+        self._counts[slot].zero_()
+        self._seen[slot].zero_()
+        self._slot[request_id] = slot
+        self.num_generated[request_id] = 0
+        return slot
+
+    def _grow(self) -> None:
+        old = 0 if self._counts is None else self._counts.shape[0]
+        new = max(8, 2 * old)
+        counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
+        seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
+        if old:
+            counts[:old] = self._counts
+            seen[:old] = self._seen
+        self._counts, self._seen = counts, seen
+        self._free.extend(range(new - 1, old - 1, -1))
+
+    def penalize(self, logits: torch.Tensor, rows: list[int], request_ids: list[str],
+                 params: list[SamplingParams]) -> None:
+        """The repetition, frequency and presence penalties of ``params`` applied, in place,
+        to rows ``rows`` of ``logits``, those of the followed requests ``request_ids``.
+
+        Only seen tokens change, and a penalty that is off changes nothing bit for bit
+        (dividing or multiplying by 1, subtracting 0), so every row gets all three. With
+        ``sparse`` only the seen tokens are read and written (found in one pass over the
+        rows' flags), else whole rows are computed; the results are the same."""
+        assert self._counts is not None and self._seen is not None
+        device = self.device
+        slots = tensor_on([self._slot[rid] for rid in request_ids], torch.long, device)
+        row_index = tensor_on(rows, torch.long, device)
+        penalty, frequency, presence = tensor_on(
+            [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+             [p.presence_penalty for p in params]], torch.float32, device)
+        if self.sparse:
+            i, token = self._seen.index_select(0, slots).nonzero(as_tuple=True)
+            at = (row_index[i], token)
+            y = logits[at]
+            counts = self._counts[slots[i], token]
+            penalty, frequency, presence = penalty[i], frequency[i], presence[i]
+        else:
+            at = row_index
+            y = logits.index_select(0, row_index)
+            counts = self._counts.index_select(0, slots)
+            seen = self._seen.index_select(0, slots)
+            penalty, frequency, presence = (penalty.unsqueeze(1), frequency.unsqueeze(1),
+                                            presence.unsqueeze(1))
+        repeated = torch.where(y > 0, y / penalty, y * penalty)
+        repeated = repeated - frequency * counts - presence * (counts > 0)
+        logits[at] = repeated if self.sparse else torch.where(seen, repeated, y)
+
+
+def adjust_logits(logits: torch.Tensor, ids: list[str], params: list[SamplingParams],
+                  history: TokenHistory, in_place: bool) -> torch.Tensor:
+    """``logits`` (float32) as the rows' parameters change them: changed in place with
+    ``in_place``, else a copy where any row asks for a change. ``logit_bias`` added,
+    ``min_tokens``'s tokens at -inf while too few tokens are generated, then the repetition
+    penalty, then the frequency and presence penalties (vLLM's order). A grammar's bitmask is
+    applied before: a row that ``min_tokens`` would leave no token (its grammar allows only
+    the end) keeps its end tokens."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    out = logits if in_place else logits.clone()
+    _add_bias(out, rows, params)
+    _hold_back_end(out, rows, ids, params, history)
+    followed = [i for i in rows if params[i].uses_history and ids[i] in history]
+    if followed:
+        history.penalize(out, followed, [ids[i] for i in followed],
+                         [params[i] for i in followed])
+    return out
+
+
+def _add_bias(x: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
+    """``logit_bias`` added to rows ``rows`` of ``x`` (one a ``params``), in place."""
+    at: list[int] = []
+    tokens: list[int] = []
+    values: list[float] = []
+    for i in rows:
+        bias = params[i].logit_bias
+        if bias:
+            at += [i] * len(bias)
+            tokens += bias.keys()
+            values += bias.values()
+    if at:
+        device = x.device
+        index = (tensor_on(at, torch.long, device), tensor_on(tokens, torch.long, device))
+        x[index] += tensor_on(values, torch.float32, device)  # (a row's tokens are distinct)
+
+
+def _hold_back_end(x: torch.Tensor, rows: list[int], ids: list[str],
+                   params: list[SamplingParams], history: TokenHistory) -> None:
+    """The tokens ``min_tokens`` holds back at -inf, in place, in the rows ``rows`` of ``x``
+    that have generated fewer than their ``min_tokens``."""
+    at: list[int] = []
+    tokens: list[int] = []
+    vocab = x.shape[-1]
+    for i in rows:
+        p = params[i]
+        if p.min_tokens and history.num_generated.get(ids[i], 0) < p.min_tokens:
+            blocked = [t for t in p.min_tokens_blocked if t < vocab]
+            at += [i] * len(blocked)
+            tokens += blocked
+    if not at:
+        return
+    device = x.device
+    index = (tensor_on(at, torch.long, device), tensor_on(tokens, torch.long, device))
+    kept = x[index]
+    x[index] = float("-inf")
+    # A row left without a finite logit (its grammar allows only the end) keeps them.
+    dead = ~torch.isfinite(x.index_select(0, index[0])).any(-1)
+    x[index] = torch.where(dead, kept, x[index])
