@@ -17,6 +17,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.errors import InvalidInputError
 from mmserve.testing.oracle import hf_greedy_generate, load_hf_processor
+from mmserve.worker import logits_adjust
 from mmserve.worker.logits_adjust import TokenHistory, adjust_logits
 from mmserve.worker.sampler import sample_each
 from tests.conftest import assert_no_leaks
@@ -156,10 +157,12 @@ def test_min_p_keeps_the_tokens_near_the_most_likely() -> None:
 
 
 @pytest.mark.parametrize("sparse", [True, False], ids=["seen tokens (CPU)", "whole rows (GPU)"])
-def test_penalties_equal_their_definition_bit_for_bit(sparse: bool) -> None:
+def test_penalties_equal_their_definition_bit_for_bit(sparse: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of a batch with and without penalties, histories of prompt and generated tokens
-    (recorded from step token tensors, two requests' from one), against the penalties
-    computed token by token in float32."""
+    (recorded from step token tensors), against the penalties computed token by token in
+    float32; whole rows two at a time."""
+    monkeypatch.setattr(logits_adjust, "DENSE_ROWS", 2)
     vocab = 300
     g = torch.Generator().manual_seed(3)
     history = TokenHistory(vocab, torch.device("cpu"))

@@ -18,6 +18,10 @@ import torch
 from mmserve.kernels.transfer import tensor_on
 from mmserve.sampling_params import SamplingParams
 
+# Rows a GPU penalizes at once: a dozen [rows, vocab] temporaries of up to 4 bytes an entry,
+# 200 MB at a time for a vocabulary of 152,064 tokens.
+DENSE_ROWS = 32
+
 
 class TokenHistory:
     """For each running request whose sampling depends on its tokens before
@@ -128,7 +132,15 @@ class TokenHistory:
         Only seen tokens change, and a penalty that is off changes nothing bit for bit
         (dividing or multiplying by 1, subtracting 0), so every row gets all three. With
         ``sparse`` only the seen tokens are read and written (found in one pass over the
-        rows' flags), else whole rows are computed; the results are the same."""
+        rows' flags), else whole rows are computed, ``DENSE_ROWS`` at a time (which bounds
+        their temporaries); the results are the same."""
+        step = len(rows) if self.sparse else DENSE_ROWS
+        for start in range(0, len(rows), step):
+            end = start + step
+            self._penalize(logits, rows[start:end], request_ids[start:end], params[start:end])
+
+    def _penalize(self, logits: torch.Tensor, rows: list[int], request_ids: list[str],
+                  params: list[SamplingParams]) -> None:
         assert self._counts is not None and self._seen is not None
         device = self.device
         slots = tensor_on([self._slot[rid] for rid in request_ids], torch.long, device)
