@@ -103,6 +103,11 @@ class EngineConfig:
         "use (torch's thread count at most), one fewer for each core other processes keep "
         "busy, checked twice a second", parse=int_or_auto)
     seed: int = flag(0, "seed of torch and of the runner's sampling")
+    generation_config: str = flag(
+        "auto", "default sampling parameters of requests that leave them out (temperature, "
+        "top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens): 'auto' "
+        "(the checkpoint's generation_config.json), 'vllm' (mmserve's own), or a folder "
+        "holding a generation_config.json")
     async_scheduling: bool | None = flag(
         None, "schedule each step while the one before computes, the runner's steps on a "
         "thread (or in the worker processes) of their own; outputs are the same. Default "

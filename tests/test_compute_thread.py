@@ -101,10 +101,12 @@ def test_async_scheduling_builds_steps_and_closes_its_runner_on_one_thread(
     where: dict[str, set[int]] = {"load": set(), "launch": set(), "close": set()}
     load, launch, close = (CPUModelRunner.load_model, CPUModelRunner.launch,
                            CPUModelRunner.close)
+    runners: list = []  # this engine's (another test's engine may be collected meanwhile)
 
     def record(name, fn):
         def wrapped(*args, **kwargs):
-            where[name].add(threading.get_ident())
+            if name == "load" or args[0] in runners:
+                where[name].add(threading.get_ident())
             return fn(*args, **kwargs)
         return wrapped
 
@@ -114,6 +116,7 @@ def test_async_scheduling_builds_steps_and_closes_its_runner_on_one_thread(
     llm = LLM(clip_llama, device="cpu", dtype="float32", max_model_len=256,
               async_scheduling=True)
     compute = llm.engine._compute
+    runners.append(llm.engine.runner)
     outs = llm.generate(mixed_batch()[:3], SamplingParams(max_tokens=6, temperature=0.0))
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     ident = compute.ident

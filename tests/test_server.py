@@ -180,15 +180,14 @@ def test_penalties_and_logit_bias_over_http_equal_the_python_api(
     past the vocabulary is a 400 naming logit_bias."""
     fields = {"presence_penalty": 0.8, "frequency_penalty": 0.4, "logit_bias": {"17": 3.0}}
     extra = {"repetition_penalty": 1.3, "min_p": 0.05, "min_tokens": 10}
-    llm = LLM(clip_llama, dtype="float32")
-    expected = llm.generate(
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]},
-        SamplingParams(max_tokens=12, temperature=0.0, presence_penalty=0.8,
-                       frequency_penalty=0.4, logit_bias={17: 3.0}, repetition_penalty=1.3,
-                       min_p=0.05, min_tokens=10))[0]
-    plain = llm.generate(
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]},
-        SamplingParams(max_tokens=12, temperature=0.0))[0]
+    prompt = {"messages": [{"role": "user", "content": [{"type": "text",
+                                                         "text": "hello there"}]}]}
+    with LLM(clip_llama, dtype="float32") as llm:
+        expected = llm.generate(prompt, SamplingParams(
+            max_tokens=12, temperature=0.0, presence_penalty=0.8, frequency_penalty=0.4,
+            logit_bias={17: 3.0}, repetition_penalty=1.3, min_p=0.05, min_tokens=10))[0]
+        plain = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))[0]
+        forced_text = llm.engine.processor.tokenizer.decode([17] * 4)
     assert expected.token_ids != plain.token_ids
     answer = client.chat.completions.create(
         model="tiny-llava", messages=image_message("hello there"), max_tokens=12,
@@ -197,7 +196,7 @@ def test_penalties_and_logit_bias_over_http_equal_the_python_api(
     assert answer.usage.completion_tokens == len(expected.token_ids)
     forced = client.completions.create(model="tiny-llava", prompt="hi", max_tokens=4,
                                        temperature=0, logit_bias={"17": 100})
-    assert forced.choices[0].text == llm.engine.processor.tokenizer.decode([17] * 4)
+    assert forced.choices[0].text == forced_text
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny-llava", messages=image_message("hi"),
                                        max_tokens=2, logit_bias={"1000000": 1})

@@ -47,6 +47,7 @@ from mmserve.engine.async_engine import AsyncEngine, EngineClient, QueueFullErro
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints import chat_page
 from mmserve.entrypoints import openai_protocol as proto
+from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.media import MediaLoader, MediaPolicy
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
@@ -134,14 +135,19 @@ class OpenAIServer:
     in a process of its own)."""
 
     def __init__(self, engine: LLMEngine | EngineClient, config: ServerConfig,
-                 compute: ComputeThread | None = None) -> None:
+                 compute: ComputeThread | None = None,
+                 defaults: dict[str, Any] | None = None) -> None:
         """``engine``: an engine to step on a thread of this process (``compute``, the thread
         it was built on, ``ComputeThread``; by default a thread of its own), or the client of
-        one stepped elsewhere (``core_process.EngineCoreClient``)."""
+        one stepped elsewhere (``core_process.EngineCoreClient``). ``defaults``: the sampling
+        fields of requests that leave them out (by default ``sampling_defaults`` of the
+        engine's config)."""
         self.config = config
         self.model = config.served_model_name
         self.max_model_len = engine.config.max_model_len
         self.max_images = engine.config.limit_mm_per_prompt
+        self.sampling_defaults = (sampling_defaults(engine.config) if defaults is None
+                                  else defaults)
         self.media = MediaLoader(config.media, engine.config.max_image_pixels)
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model, self._stats)
@@ -208,7 +214,7 @@ class OpenAIServer:
 
     async def _parse(self, request: Request) -> proto.ChatRequest:
         chat = proto.parse_chat_request(await self._read_json(request), self.max_model_len,
-                                        self.max_images)
+                                        self.max_images, self.sampling_defaults)
         self._check_model_and_room(chat.model)  # before fetching images
         return chat
 
@@ -405,7 +411,7 @@ class OpenAIServer:
         streams: list[RequestStream] = []
         try:
             req = proto.parse_completion_request(await self._read_json(request),
-                                                 self.max_model_len)
+                                                 self.max_model_len, self.sampling_defaults)
             self._check_model_and_room(req.model)
             n = req.params.n
             for i, prompt in enumerate(req.prompts):  # choice p * n + j: prompt p's j-th
@@ -649,6 +655,7 @@ def serve(args: argparse.Namespace) -> int:
     compute = None
     try:
         engine_config = EngineConfig(model=model, **engine_kwargs(args))
+        defaults = sampling_defaults(engine_config)  # a bad file stops us before the weights
         own_process = config.engine_process
         if own_process is None:  # on the CPU, measured no faster and slower to start
             own_process = engine_config.resolved_device == "cuda"
@@ -667,7 +674,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     server = None
     try:
-        server = OpenAIServer(engine, config, compute)
+        server = OpenAIServer(engine, config, compute, defaults)
         # On SIGTERM uvicorn stops accepting connections and lets the requests in flight
         # finish for up to --shutdown-timeout seconds, cancels what is left, then runs the
         # lifespan shutdown that stops the engine loop (failing any request still in it).

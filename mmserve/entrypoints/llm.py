@@ -13,6 +13,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.memory_plan import MemoryPlan
 from mmserve.engine.prompt_feed import PromptFeed
+from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.outputs import RequestOutput
 from mmserve.processing.images import ImageLike
 from mmserve.sampling_params import SamplingParams
@@ -39,7 +40,17 @@ class LLM:
             from mmserve.demo.checkpoint import demo_model_path
 
             model = str(demo_model_path())
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))
+        config = EngineConfig(model=str(model), **engine_args)
+        # The sampling defaults of the checkpoint's generation config (a bad file stops
+        # here, before the weights load).
+        self._sampling_defaults = sampling_defaults(config)
+        self.engine = LLMEngine(config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no ``SamplingParams``: mmserve's
+        defaults (vLLM's), the fields the checkpoint's ``generation_config.json`` sets
+        replaced (``EngineConfig.generation_config``)."""
+        return SamplingParams(**self._sampling_defaults)
 
     def generate(
         self,
@@ -63,13 +74,14 @@ class LLM:
         ``InvalidInputError`` naming what to change, after the call's requests already queued
         are aborted: none is left behind. A request the engine fails on while running comes
         back with ``finish_reason == "error"`` and the reason in ``error``; the other requests
-        are unaffected.
+        are unaffected. Without ``sampling_params``: ``get_default_sampling_params()``.
         """
         if isinstance(prompts, (dict, str)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [_final_only(sampling_params or SamplingParams())] * len(prompts)
+            params = [_final_only(sampling_params or self.get_default_sampling_params())
+                      ] * len(prompts)
         else:
             params = [_final_only(p) for p in sampling_params]
             if len(params) != len(prompts):

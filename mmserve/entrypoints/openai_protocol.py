@@ -8,7 +8,7 @@ what to change, and the offending parameter.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +60,10 @@ class ChatRequest:
     model: str | None = None
 
 
-def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRequest:
-    """Validate a decoded JSON body of ``POST /v1/chat/completions``."""
+def parse_chat_request(body: Any, max_model_len: int, max_images: int,
+                       defaults: Mapping[str, Any] | None = None) -> ChatRequest:
+    """Validate a decoded JSON body of ``POST /v1/chat/completions``; ``defaults``: the
+    sampling fields a request that leaves them out gets (``sampling_defaults``)."""
     model = _model(body)
     messages, image_urls = _parse_messages(body.get("messages"))
     if len(image_urls) > max_images:
@@ -78,7 +80,8 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int) -> ChatRe
     _check_num_logprobs(top_logprobs, "top_logprobs")
     stream, include_usage = _stream_options(body)
     params = _sampling_params(body, max_model_len, default_max_tokens=max_model_len,
-                              logprobs=(top_logprobs or 0) if logprobs else None)
+                              logprobs=(top_logprobs or 0) if logprobs else None,
+                              defaults=defaults or {})
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
                        model=model)
 
@@ -100,9 +103,10 @@ MAX_COMPLETION_PROMPTS = 256
 DEFAULT_COMPLETION_TOKENS = 16
 
 
-def parse_completion_request(body: Any, max_model_len: int) -> CompletionRequest:
+def parse_completion_request(body: Any, max_model_len: int,
+                             defaults: Mapping[str, Any] | None = None) -> CompletionRequest:
     """Validate a decoded JSON body of ``POST /v1/completions`` (text only: images go to the
-    chat endpoint)."""
+    chat endpoint); ``defaults`` as ``parse_chat_request``'s."""
     model = _model(body)
     for name in ("images", "image", "image_url", "multi_modal_data", "messages"):
         if name in body:
@@ -122,7 +126,8 @@ def parse_completion_request(body: Any, max_model_len: int) -> CompletionRequest
     logprobs = _get(body, "logprobs", int, None)
     _check_num_logprobs(logprobs, "logprobs")
     stream, include_usage = _stream_options(body)
-    params = _sampling_params(body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs)
+    params = _sampling_params(body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs,
+                              defaults or {})
     prompts = _parse_prompts(body.get("prompt"))
     if len(prompts) * params.n > MAX_COMPLETION_PROMPTS:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} make {len(prompts) * params.n} "
@@ -190,8 +195,9 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_tokens: int,
-                     logprobs: int | None) -> SamplingParams:
-    """The sampling fields both endpoints share, checked."""
+                     logprobs: int | None, defaults: Mapping[str, Any]) -> SamplingParams:
+    """The sampling fields both endpoints share, checked; those left out from ``defaults``
+    where it has them (the checkpoint's generation config)."""
     n = _get(body, "n", int, 1)
     # Refused, not ignored: the client would take an answer that did not follow it for one
     # that did.
@@ -201,19 +207,19 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
-    if max_tokens is None:
-        max_tokens = min(default_max_tokens, max_model_len)  # the engine stops there anyway
+    if max_tokens is None:  # the engine stops at max_model_len anyway
+        max_tokens = min(defaults.get("max_tokens", default_max_tokens), max_model_len)
     elif not 1 <= max_tokens <= max_model_len:
         raise bad_request(f"max_tokens must be between 1 and the model's max_model_len "
                           f"({max_model_len}), got {_short_int(max_tokens)}", "max_tokens")
-    temperature = _get(body, "temperature", float, 1.0)
+    temperature = _get(body, "temperature", float, defaults.get("temperature", 1.0))
     if not 0 <= temperature <= 2:
         raise bad_request(f"temperature must be between 0 and 2, got {temperature}",
                           "temperature")
-    top_p = _get(body, "top_p", float, 1.0)
+    top_p = _get(body, "top_p", float, defaults.get("top_p", 1.0))
     if not 0 < top_p <= 1:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    top_k = _get(body, "top_k", int, 0)
+    top_k = _get(body, "top_k", int, defaults.get("top_k", 0))
     seed = _get(body, "seed", int, None)
     stop = body.get("stop")
     if isinstance(stop, list):
@@ -226,9 +232,9 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
     structured = _structured_outputs(body)
     # OpenAI's penalties and logit_bias, and vLLM's min_p, repetition_penalty and min_tokens:
     # their ranges are SamplingParams' to check.
-    adjust = {name: _get(body, name, float, default) for name, default in (
-        ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("min_p", 0.0),
-        ("repetition_penalty", 1.0))}
+    adjust = {name: _get(body, name, float, defaults.get(name, default))
+              for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                    ("min_p", 0.0), ("repetition_penalty", 1.0))}
     try:
         # Each step's outputs hold only what it added: the server puts answers together.
         return SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature,
