@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json as _json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from mmserve.errors import InvalidInputError
@@ -292,11 +293,12 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.min_tokens)
 
-    def with_end_tokens(self, eos_token_id: int | None) -> SamplingParams:
-        """These parameters for a request of a checkpoint whose end-of-sequence token is
-        ``eos_token_id``: what ``min_tokens`` holds back is known (a copy where it changes)."""
+    def with_end_tokens(self, eos_token_ids: Sequence[int]) -> SamplingParams:
+        """These parameters for a request of a checkpoint whose end-of-sequence tokens are
+        ``eos_token_ids``: what ``min_tokens`` holds back is known (a copy where it
+        changes)."""
         blocked = tuple(dict.fromkeys(
-            ([] if self.ignore_eos or eos_token_id is None else [eos_token_id])
+            ([] if self.ignore_eos else list(eos_token_ids))
             + self.stop_token_ids)) if self.min_tokens else ()
         if blocked == self.min_tokens_blocked:
             return self

@@ -125,3 +125,31 @@ def test_generate_and_the_server_follow_the_checkpoints_defaults(with_defaults: 
     with LLM(with_defaults, dtype="float32", max_model_len=256,
              generation_config="vllm") as llm:
         assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_every_end_token_the_generation_config_lists_stops(clip_llama: str,
+                                                          tmp_path: Path) -> None:
+    """A generation config that lists several end tokens (Qwen2-VL's <|im_end|> and
+    <|endoftext|>): each ends a request, as in transformers' ``generate``."""
+    from mmserve.testing.oracle import hf_greedy_generate, load_hf_processor
+
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        (plain,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12))
+    third = plain.token_ids[2]
+    path = tmp_path / "ckpt"
+    shutil.copytree(clip_llama, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    config["eos_token_id"] = [config["eos_token_id"], third]
+    (path / "generation_config.json").write_text(json.dumps(config))
+    with LLM(str(path), dtype="float32", max_model_len=256) as llm:
+        (out,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12))
+        (ignored,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12,
+                                                             ignore_eos=True))
+        (held,) = llm.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12,
+                                                          min_tokens=5))
+    assert out.token_ids == plain.token_ids[:3] and out.finish_reason == "stop"
+    text = load_hf_processor(str(path)).apply_chat_template(
+        PROMPTS[1]["messages"], add_generation_prompt=True, tokenize=False)
+    assert out.token_ids == hf_greedy_generate(str(path), text, [], 12)
+    assert ignored.token_ids == plain.token_ids and ignored.finish_reason == "length"
+    assert third not in held.token_ids[:5] and len(held.token_ids) >= 5

@@ -210,10 +210,13 @@ def test_min_tokens_leaves_a_grammars_only_token() -> None:
     """A row whose logits allow only an end token (its grammar's bitmask) keeps it under
     min_tokens rather than having no token at all; other rows lose theirs."""
     history = TokenHistory(6, torch.device("cpu"))
-    params = SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=[3]).with_end_tokens(2)
+    params = SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=[3]).with_end_tokens([2])
     assert params.min_tokens_blocked == (2, 3)
     assert params.child(1).min_tokens_blocked == (2, 3)  # the n completions' too
-    assert SamplingParams(min_tokens=4, ignore_eos=True).with_end_tokens(2).min_tokens_blocked == ()
+    unblocked = SamplingParams(min_tokens=4, ignore_eos=True).with_end_tokens([2, 7])
+    assert unblocked.min_tokens_blocked == ()
+    several = SamplingParams(max_tokens=8, min_tokens=2).with_end_tokens([2, 7])
+    assert several.min_tokens_blocked == (2, 7)
     for rid in ("a", "b"):
         history.follow(rid, [])
     inf = float("-inf")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         images: list[ImageInput] | None = None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         arrival_time: float = 0.0,
         prompt_positions: np.ndarray | None = None,
         decode_offset: int = 0,
@@ -59,7 +60,8 @@ class Request:
         """``prompt_positions``: the prompt's rope positions, ``[rows, len(prompt_token_ids)]``
         (from processing; None means LLaMA's counter, one row of ``arange``), and
         ``decode_offset``: a generated token at index ``i`` has position ``i + decode_offset``
-        in every row."""
+        in every row. ``eos_token_id``: the token, or tokens, that end it (unless
+        ``ignore_eos``)."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
@@ -72,7 +74,9 @@ class Request:
         self.images_checked_at = -1
         # Block ids the runner has of this request's (steps send the others): 0 at admission.
         self.num_blocks_sent = 0
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids: tuple[int, ...] = (
+            () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int)
+            else tuple(eos_token_id))
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

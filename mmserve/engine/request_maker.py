@@ -69,12 +69,12 @@ class RequestMaker:
                 f"logit_bias names token {max(params.logit_bias)}, but the model's vocabulary "
                 f"has {self.grammars.vocab_size} tokens (ids 0 to "
                 f"{self.grammars.vocab_size - 1}).", param="logit_bias")
-        params = params.with_end_tokens(self.processor.eos_token_id)
+        params = params.with_end_tokens(self.processor.eos_token_ids)
         grammar = None
         if params.structured_outputs is not None:  # compiled here, off the stepping thread
             grammar = self.grammars.compile(params.structured_outputs)
         req = Request(request_id, processed.token_ids, params, processed.images,
-                      eos_token_id=self.processor.eos_token_id, arrival_time=time.time(),
+                      eos_token_id=self.processor.eos_token_ids, arrival_time=time.time(),
                       prompt_positions=processed.positions,
                       decode_offset=processed.decode_offset)
         req.grammar = grammar
@@ -93,7 +93,7 @@ class RequestMaker:
         children = []
         for i, request_id in enumerate(request_ids):
             child = Request(request_id, req.prompt_token_ids, params.child(i), req.images,
-                            eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
+                            eos_token_id=req.eos_token_ids, arrival_time=req.arrival_time,
                             prompt_positions=req.prompt_positions,
                             decode_offset=req.decode_offset)
             child.grammar = req.grammar
@@ -113,7 +113,6 @@ def processor_and_grammars(config: EngineConfig,
     processor = InputProcessor(config.model, hf_config, config.max_image_pixels,
                                config.mm_processor_kwargs, config.max_image_size,
                                config.resolved_device)
-    eos = processor.eos_token_id
     grammars = GrammarCompiler(processor.tokenizer, hf_config.get_text_config().vocab_size,
-                               [] if eos is None else [eos])
+                               list(processor.eos_token_ids))
     return processor, grammars

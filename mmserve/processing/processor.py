@@ -77,7 +77,9 @@ class InputProcessor:
         self.image_token_id: int = self.family.image_token_id
         self.image_token: str = self.family.image_token
         self.max_image_pixels = max_image_pixels
-        self.eos_token_id = _eos_token_id(model_dir, hf_config, self.tokenizer)
+        # Every token that ends a sequence (the generation config's, which may list several:
+        # Qwen2-VL's <|im_end|> and <|endoftext|>).
+        self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
         # Hugging Face fast tokenizers are not thread-safe (concurrent calls can fail with
         # "Already borrowed"); the image work before them needs no lock.
         self._tokenizer_lock = threading.Lock()
@@ -391,7 +393,9 @@ def _check_unicode(text: str, where: str) -> None:
             "must be followed by its low surrogate, such as \\ude00).", param=where) from None
 
 
-def _eos_token_id(model_dir: str, hf_config, tokenizer) -> int | None:
+def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
+    """The tokens that end a sequence, as transformers' ``generate`` stops at them: the
+    generation config's (an id or a list), else the text config's, else the tokenizer's."""
     from transformers import GenerationConfig
 
     try:
@@ -400,4 +404,6 @@ def _eos_token_id(model_dir: str, hf_config, tokenizer) -> int | None:
         eos = None
     if eos is None:
         eos = getattr(hf_config.text_config, "eos_token_id", None) or tokenizer.eos_token_id
-    return eos[0] if isinstance(eos, list) else eos
+    if eos is None:
+        return ()
+    return tuple(dict.fromkeys(eos if isinstance(eos, (list, tuple)) else [eos]))
