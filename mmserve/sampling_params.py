@@ -288,10 +288,15 @@ class SamplingParams:
         self.adjusts_logits = bool(self.logit_bias) or self.uses_history
 
     @property
+    def penalizes(self) -> bool:
+        """Whether a presence, frequency or repetition penalty is on."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
     def uses_history(self) -> bool:
         """Whether the logits depend on the tokens before (penalties, ``min_tokens``)."""
-        return bool(self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.min_tokens)
+        return self.penalizes or bool(self.min_tokens)
 
     def with_end_tokens(self, eos_token_ids: Sequence[int]) -> SamplingParams:
         """These parameters for a request of a checkpoint whose end-of-sequence tokens are

@@ -62,9 +62,11 @@ class ScheduledRequest:
     # sample, packed 32 to an int32 word (bit j of word i: token 32 * i + j), on the CPU.
     token_bitmask: torch.Tensor | None = None
     blocks_from: int = 0  # index of block_ids[0] in the request's table
-    # For a request with a repetition_penalty, in its first step after admission: its tokens
-    # before ``start_pos`` (prefix-cache hits, which no chunk sends; the penalty counts them).
-    earlier_token_ids: list[int] = field(default_factory=list)
+    # For a request whose sampling depends on its tokens before (penalties, min_tokens), in
+    # its first step after its admission or after a failed step: every token it has, prompt
+    # first (``num_prompt_tokens`` of them), from which the runner counts them afresh.
+    known_token_ids: list[int] | None = None
+    num_prompt_tokens: int = 0
 
 
 @dataclass

@@ -53,6 +53,7 @@ def test_the_fields_vllm_reads(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     ({"repetition_penalty": -1}, "repetition_penalty must be"),
     ({"max_new_tokens": 0}, "max_tokens must be an integer >= 1"),
     ({"temperature": "hot"}, "temperature must be"),
+    ({"temperature": 3.0}, "temperature must be at most 2"),
     ("[1, 2]", "must hold a JSON object"),
     ("{not json", "cannot be read as JSON"),
 ])

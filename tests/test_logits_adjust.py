@@ -160,8 +160,8 @@ def test_min_p_keeps_the_tokens_near_the_most_likely() -> None:
 def test_penalties_equal_their_definition_bit_for_bit(sparse: bool,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows of a batch with and without penalties, histories of prompt and generated tokens
-    (recorded from step token tensors), against the penalties computed token by token in
-    float32; whole rows two at a time."""
+    (recorded from step token tensors, then counted afresh), against the penalties computed
+    token by token in float32; whole rows two at a time."""
     monkeypatch.setattr(logits_adjust, "DENSE_ROWS", 2)
     vocab = 300
     g = torch.Generator().manual_seed(3)
@@ -176,12 +176,18 @@ def test_penalties_equal_their_definition_bit_for_bit(sparse: bool,
     generated: dict[str, list[int]] = {rid: [] for rid in ids}
     for rid, p in zip(ids, params, strict=True):
         if p.uses_history:
-            history.follow(rid, prompts[rid] if p.repetition_penalty != 1.0 else [])
+            history.follow(rid, p, prompts[rid], len(prompts[rid]))
     for _ in range(30):  # steps: every request samples a token, the first two from one tensor
         step = torch.randint(vocab // 10, (4,), generator=g)  # few distinct: repeats
         history.record({rid: (step, i) for i, rid in enumerate(ids)})
         for i, rid in enumerate(ids):
             generated[rid].append(int(step[i]))
+    # A step that failed after counting its tokens: the requests are counted afresh from
+    # the tokens they have (as after a retry, or a preemption), and it leaves no trace.
+    history.record({rid: (torch.full((4,), 7), i) for i, rid in enumerate(ids)})
+    for rid, p in zip(ids, params, strict=True):
+        if p.uses_history:
+            history.follow(rid, p, prompts[rid] + generated[rid], len(prompts[rid]))
     logits = torch.randn(4, vocab, generator=g) * 4
     out = adjust_logits(logits, ids, params, history, in_place=False)
     expected = logits.clone()
@@ -218,7 +224,7 @@ def test_min_tokens_leaves_a_grammars_only_token() -> None:
     several = SamplingParams(max_tokens=8, min_tokens=2).with_end_tokens([2, 7])
     assert several.min_tokens_blocked == (2, 7)
     for rid in ("a", "b"):
-        history.follow(rid, [])
+        history.follow(rid, params, [5, 1], 2)
     inf = float("-inf")
     logits = torch.tensor([[inf, inf, 1.0, inf, inf, inf], [0.0, 1.0, 2.0, 3.0, 0.5, 0.0]])
     out = adjust_logits(logits, ["a", "b"], [params, params], history, in_place=False)
@@ -230,7 +236,7 @@ def test_min_tokens_leaves_a_grammars_only_token() -> None:
 
 def test_stop_strings_wait_for_min_tokens(llm: LLM) -> None:
     """A stop string in the text of the first ``min_tokens`` tokens does not stop; one that
-    the token reaching ``min_tokens`` completes does."""
+    the token after them completes does (vLLM's rule)."""
     tokenizer = llm.engine.processor.tokenizer
     ids = tokenizer.encode("the cat sat on the mat", add_special_tokens=False)
 
@@ -244,7 +250,8 @@ def test_stop_strings_wait_for_min_tokens(llm: LLM) -> None:
 
     assert run("cat", 0) == (True, "the ")
     assert run("cat", len(ids)) == (False, "the cat sat on the mat")
-    assert run("mat", len(ids)) == (True, "the cat sat on the ")
+    assert run("mat", len(ids)) == (False, "the cat sat on the mat")
+    assert run("mat", len(ids) - 1) == (True, "the cat sat on the ")
 
 
 def test_through_chunked_prefill_cache_hits_and_preemption_beside_others(
@@ -290,3 +297,42 @@ def test_out_of_range_values_are_refused(llm: LLM) -> None:
             SamplingParams(**fields)
         assert e.value.param == param
     assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in step", "scheduled ahead"])
+def test_a_retried_request_counts_its_tokens_afresh(clip_llama: str, ahead: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose tokens were counted fails for a request after sampling (its
+    log-probabilities, computed once the tokens reach Python, as on a GPU): the request is
+    retried, and its penalties count the tokens it has, not the failed step's too."""
+    from mmserve.worker import model_runner
+    from mmserve.worker.model_runner import CPUModelRunner
+
+    monkeypatch.setattr(CPUModelRunner, "defer_sampled_tokens", True)
+    params = [SamplingParams(max_tokens=16, temperature=0.0, frequency_penalty=2.0,
+                             presence_penalty=1.0, min_tokens=12, logprobs=3),
+              SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)]
+    real = model_runner.token_logprobs
+
+    def run(fail: bool) -> list:
+        calls = {"n": 0, "failing": False}
+
+        def flaky(logits, tokens, num_top):  # noqa: ANN202
+            if fail and 3 in num_top:
+                calls["n"] += 1
+                if calls["n"] == 5 or (calls["failing"] and num_top == [3]):
+                    calls["failing"] = len(num_top) > 1  # then the request's own, alone
+                    raise RuntimeError("transient")
+            return real(logits, tokens, num_top)
+
+        monkeypatch.setattr(model_runner, "token_logprobs", flaky)
+        with LLM(clip_llama, dtype="float32", device="cpu", max_model_len=256,
+                 async_scheduling=ahead) as llm:
+            outs = llm.generate(PROMPTS, params)
+            assert_no_leaks(llm.engine)
+            failed = llm.engine.num_failed_requests
+        assert not fail or calls["n"] >= 5
+        return [(o.token_ids, o.finish_reason, failed) for o in outs]
+
+    expected = run(False)
+    assert run(True) == expected

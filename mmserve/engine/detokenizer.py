@@ -16,8 +16,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
-        # Stop strings are looked for once this many tokens are added (``min_tokens``): in the
-        # text the token that reaches it adds, and after.
+        # Stop strings are looked for once more than this many tokens are added
+        # (``min_tokens``, as vLLM): in the text the token after those adds, and after.
         self.min_tokens = min_tokens
         self.num_tokens = 0
         self.holdback = max((len(s) for s in stop), default=1) - 1
@@ -56,7 +56,7 @@ class IncrementalDetokenizer:
             self._check_stop(start)
 
     def _check_stop(self, new_from: int) -> None:
-        if self.num_tokens < self.min_tokens:
+        if self.num_tokens <= self.min_tokens:
             return
         for s in self.stop:
             idx = self.text.find(s, max(0, new_from - len(s) + 1))

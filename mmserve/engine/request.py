@@ -74,6 +74,10 @@ class Request:
         self.images_checked_at = -1
         # Block ids the runner has of this request's (steps send the others): 0 at admission.
         self.num_blocks_sent = 0
+        # Whether the runner's counts of the request's tokens (penalties, min_tokens) are to
+        # be made afresh from its tokens: at its admission, and after a failed step (whose
+        # token the runner may have counted).
+        self.history_stale = False
         self.eos_token_ids: tuple[int, ...] = (
             () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int)
             else tuple(eos_token_id))

@@ -282,6 +282,7 @@ class Scheduler:
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_blocks_sent = 0  # new blocks (after a preemption too): send them all
+            req.history_stale = req.sampling_params.uses_history
             req.num_computed_tokens = num_computed
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_computed
@@ -297,7 +298,8 @@ class Scheduler:
             start = req.num_computed_tokens
             assert num_new > 0, f"scheduled {num_new} tokens for {req}"
             if (num_new == 1 and start + 1 == total and start >= req.num_prompt_tokens
-                    and req.grammar is None and req.images_checked_at >= req.images_end):
+                    and req.grammar is None and req.images_checked_at >= req.images_end
+                    and not req.history_stale):
                 # A decode: a row of columns. A token scheduled ahead of its sampling is
                 # the only one past the request's known tokens.
                 sent = req.num_blocks_sent
@@ -314,8 +316,9 @@ class Scheduler:
             token_ids = req.all_token_ids[start:start + num_new]
             if len(token_ids) < num_new:  # a token scheduled ahead of its sampling
                 token_ids += [PENDING_TOKEN] * (num_new - len(token_ids))
-            earlier = (req.all_token_ids[:start] if start and not req.num_blocks_sent
-                       and req.sampling_params.repetition_penalty != 1.0 else [])
+            known = None
+            if req.history_stale:  # every token is known here (none is scheduled ahead yet)
+                known, req.history_stale = list(req.all_token_ids), False
             new_blocks = self.kv_cache.block_ids(req, req.num_blocks_sent)
             out.chunks.append(ScheduledRequest(
                 request_id=req.request_id,
@@ -332,7 +335,8 @@ class Scheduler:
                     [] if req.sampling_params.prompt_logprobs is None
                     else req.all_token_ids[start + 1:min(start + num_new + 1,
                                                          req.num_prompt_tokens)]),
-                earlier_token_ids=earlier,
+                known_token_ids=known,
+                num_prompt_tokens=req.num_prompt_tokens,
             ))
             # Tokens count as computed once scheduled: steps run in the order scheduled.
             req.num_computed_tokens += num_new
@@ -396,6 +400,9 @@ class Scheduler:
         if req is not None and req.status == RequestStatus.RUNNING:
             req.num_computed_tokens = min(req.num_computed_tokens, start_pos)
             req.images_checked_at = -1
+            # The failed step's token, and one a step scheduled after it sampled, may have
+            # been counted: count its tokens afresh.
+            req.history_stale = req.sampling_params.uses_history
 
     def update(self, out: SchedulerOutput, result: ModelOutput) -> list[Request]:
         """Append sampled tokens and apply stop conditions. Returns requests that got a token.

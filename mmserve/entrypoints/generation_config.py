@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.config import EngineConfig
+from mmserve.entrypoints.openai_protocol import MAX_API_TEMPERATURE
 from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import MIN_TEMPERATURE, SamplingParams
 
@@ -58,6 +59,9 @@ def sampling_defaults(config: EngineConfig) -> dict[str, Any]:
         defaults["temperature"] = MIN_TEMPERATURE
     try:
         SamplingParams(**defaults)
+        if defaults.get("temperature", 0) > MAX_API_TEMPERATURE:  # what the server takes
+            raise InvalidInputError(f"temperature must be at most {MAX_API_TEMPERATURE:g} "
+                                    f"(OpenAI's limit), got {defaults['temperature']!r}.")
     except InvalidInputError as e:
         raise ValueError(f"{path}: {e} Fix the file, or start with generation_config='vllm' "
                          "to leave it out.") from None

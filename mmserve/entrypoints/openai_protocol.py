@@ -97,6 +97,8 @@ class CompletionRequest:
     model: str | None = None
 
 
+# The highest temperature either endpoint takes (OpenAI's).
+MAX_API_TEMPERATURE = 2.0
 # Choices one completions request may ask for (prompts x n): each an engine request of its own.
 MAX_COMPLETION_PROMPTS = 256
 # OpenAI's default for the completions endpoint (chat's is the context's room).
@@ -213,9 +215,9 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
         raise bad_request(f"max_tokens must be between 1 and the model's max_model_len "
                           f"({max_model_len}), got {_short_int(max_tokens)}", "max_tokens")
     temperature = _get(body, "temperature", float, defaults.get("temperature", 1.0))
-    if not 0 <= temperature <= 2:
-        raise bad_request(f"temperature must be between 0 and 2, got {temperature}",
-                          "temperature")
+    if not 0 <= temperature <= MAX_API_TEMPERATURE:
+        raise bad_request(f"temperature must be between 0 and {MAX_API_TEMPERATURE:g}, got "
+                          f"{temperature}", "temperature")
     top_p = _get(body, "top_p", float, defaults.get("top_p", 1.0))
     if not 0 < top_p <= 1:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")

@@ -11,7 +11,8 @@ the device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 
@@ -30,8 +31,9 @@ class TokenHistory:
     how many it generated.
 
     Rows of two ``[slots, vocab]`` tensors on the device (int32 counts, boolean seen), a slot
-    a request, reused once its request finishes, and dropped when none is in use. A preempted
-    request keeps its slot (its tokens do not change when it is recomputed)."""
+    a request with a penalty, reused once its request finishes; the memory plan counts as many
+    as requests run at once (``profiled``), and the first request with a penalty takes them
+    all. A request with ``min_tokens`` alone needs only its count."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -41,47 +43,70 @@ class TokenHistory:
         self._counts: torch.Tensor | None = None  # [slots, vocab] int32: generated tokens
         self._seen: torch.Tensor | None = None  # [slots, vocab] bool: tokens seen
         self.num_generated: dict[str, int] = {}
+        self.planned_slots = 0  # the rows the memory plan counted (``profiled``)
         # Penalize the seen tokens alone, found on the host (the CPU's way), or whole rows
         # (a GPU's, which never waits to learn how many tokens changed).
         self.sparse = device.type == "cpu"
 
     def __len__(self) -> int:
-        return len(self._slot)
+        return len(self.num_generated)
 
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._slot
+        return request_id in self.num_generated
 
     @property
     def followed(self) -> list[str]:
-        return list(self._slot)
+        return list(self.num_generated)
 
-    def follow(self, request_id: str, token_ids: list[int]) -> None:
-        """Follow the request (a no-op for one followed), and note ``token_ids`` as seen (a
-        chunk's prompt tokens, for a repetition penalty; after a preemption its recomputed
-        output too, which changes nothing: a token generated is a token seen)."""
+    def penalizes(self, request_id: str) -> bool:
+        """Whether the request has a slot (a penalty)."""
+        return request_id in self._slot
+
+    def follow(self, request_id: str, params: SamplingParams, token_ids: list[int],
+               num_prompt_tokens: int) -> None:
+        """Follow the request from its tokens so far, ``token_ids`` (the first
+        ``num_prompt_tokens`` its prompt's), counted afresh: at its admission (after a
+        preemption too), and after a failed step whose token may have been counted. Only a
+        request with a penalty takes a slot; one with ``min_tokens`` alone, a count."""
+        self.num_generated[request_id] = len(token_ids) - num_prompt_tokens
+        if not params.penalizes:
+            return
         slot = self._slot_of(request_id)
-        ids = [t for t in token_ids if 0 <= t < self.vocab_size]  # not a PENDING_TOKEN
-        if ids:
-            assert self._seen is not None
-            self._seen[slot, tensor_on(ids, torch.long, self.device)] = True
+        assert self._counts is not None and self._seen is not None
+        self._counts[slot].zero_()
+        self._seen[slot].zero_()
+        vocab, device = self.vocab_size, self.device
+        output = [t for t in token_ids[num_prompt_tokens:] if 0 <= t < vocab]
+        if output:
+            index = tensor_on(output, torch.long, device)
+            self._counts[slot].index_add_(0, index, torch.ones(len(output), dtype=torch.int32,
+                                                              device=device))
+            self._seen[slot, index] = True
+        if params.repetition_penalty != 1.0:
+            prompt = [t for t in token_ids[:num_prompt_tokens] if 0 <= t < vocab]
+            if prompt:
+                self._seen[slot, tensor_on(prompt, torch.long, device)] = True
 
     def record(self, sampled: Mapping[str, tuple[torch.Tensor, int]]) -> None:
         """Count each followed request's token of a step that has run: ``sampled`` maps a
         request to the step's token tensor on the device and its row there."""
-        if not self._slot:
+        if not self.num_generated:
             return
         by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-        for rid, slot in self._slot.items():
+        slot_of = self._slot
+        for rid in self.num_generated:
             where = sampled.get(rid)
             if where is None:
                 continue
-            tokens, row = where
-            _, rows, slots = by_tensor.setdefault(id(tokens), (tokens, [], []))
-            rows.append(row)
-            slots.append(slot)
             self.num_generated[rid] += 1
-        assert (self._counts is not None and self._seen is not None) or not by_tensor
+            slot = slot_of.get(rid)
+            if slot is not None:
+                tokens, row = where
+                _, rows, slots = by_tensor.setdefault(id(tokens), (tokens, [], []))
+                rows.append(row)
+                slots.append(slot)
         for tokens, rows, slots in by_tensor.values():
+            assert self._counts is not None and self._seen is not None
             at = (tensor_on(slots, torch.long, self.device),
                   tokens.index_select(0, tensor_on(rows, torch.long, self.device)))
             self._counts.index_put_(at, torch.ones(len(rows), dtype=torch.int32,
@@ -89,33 +114,46 @@ class TokenHistory:
             self._seen[at] = True
 
     def drop(self, request_ids: list[str]) -> None:
-        """Forget finished requests; their slots are reused."""
+        """Forget finished requests; their slots are reused, and the rows given back once
+        no request has one."""
         for rid in request_ids:
-            slot = self._slot.pop(rid, None)
-            if slot is not None:
-                self._free.append(slot)
-                del self.num_generated[rid]
-        if not self._slot:  # nobody uses them: give the memory back
+            if self.num_generated.pop(rid, None) is not None:
+                slot = self._slot.pop(rid, None)
+                if slot is not None:
+                    self._free.append(slot)
+        if not self._slot and self._counts is not None:
             self._counts = self._seen = None
             self._free.clear()
+
+    @contextmanager
+    def profiled(self, slots: int) -> Iterator[None]:
+        """The rows of ``slots`` requests (the most that run at once) held while the memory
+        plan's profile run measures its peak, and then given back: the first request with a
+        penalty takes that many at once, so what the plan counted is what they take."""
+        self.planned_slots = slots
+        held = (torch.zeros(slots, self.vocab_size, dtype=torch.int32, device=self.device),
+                torch.zeros(slots, self.vocab_size, dtype=torch.bool, device=self.device))
+        try:
+            yield
+        finally:
+            del held
+
+    @property
+    def _capacity(self) -> int:
+        return 0 if self._counts is None else self._counts.shape[0]
 
     def _slot_of(self, request_id: str) -> int:
         slot = self._slot.get(request_id)
         if slot is not None:
             return slot
-        if not self._free:
-            self._grow()
-        assert self._counts is not None and self._seen is not None
+        if not self._free:  # the planned rows, or more (a request ends as another starts)
+            self._grow(max(self.planned_slots, 2 * self._capacity, 8))
         slot = self._free.pop()
-        self._counts[slot].zero_()
-        self._seen[slot].zero_()
         self._slot[request_id] = slot
-        self.num_generated[request_id] = 0
         return slot
 
-    def _grow(self) -> None:
-        old = 0 if self._counts is None else self._counts.shape[0]
-        new = max(8, 2 * old)
+    def _grow(self, new: int) -> None:
+        old = self._capacity
         counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
         seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
         if old:
@@ -180,7 +218,7 @@ def adjust_logits(logits: torch.Tensor, ids: list[str], params: list[SamplingPar
     out = logits if in_place else logits.clone()
     _add_bias(out, rows, params)
     _hold_back_end(out, rows, ids, params, history)
-    followed = [i for i in rows if params[i].uses_history and ids[i] in history]
+    followed = [i for i in rows if params[i].penalizes and history.penalizes(ids[i])]
     if followed:
         history.penalize(out, followed, [ids[i] for i in followed],
                          [params[i] for i in followed])
@@ -223,6 +261,7 @@ def _hold_back_end(x: torch.Tensor, rows: list[int], ids: list[str],
     index = (tensor_on(at, torch.long, device), tensor_on(tokens, torch.long, device))
     kept = x[index]
     x[index] = float("-inf")
-    # A row left without a finite logit (its grammar allows only the end) keeps them.
-    dead = ~torch.isfinite(x.index_select(0, index[0])).any(-1)
-    x[index] = torch.where(dead, kept, x[index])
+    # A row left without a finite logit (its grammar allows only the end) keeps them. (A
+    # flag a logit: a quarter of the logits' bytes, whatever the rows and tokens held back.)
+    dead = ~torch.isfinite(x).any(-1)
+    x[index] = torch.where(dead[index[0]], kept, x[index])

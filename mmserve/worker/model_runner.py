@@ -450,14 +450,12 @@ class ModelRunner:
         return where
 
     def _follow_history(self, chunks: list[ScheduledRequest]) -> None:
-        """Keep the tokens before of the chunks' requests whose sampling needs them: the
-        prompt's, for a repetition penalty (the cached part's on admission, then each
-        chunk's)."""
+        """Count afresh the tokens of the chunks' requests that send them (on admission, and
+        after a failed step), whose penalties or min_tokens need them."""
         for r in chunks:
-            p = r.sampling_params
-            if p.uses_history:
-                self.token_history.follow(r.request_id, [] if p.repetition_penalty == 1.0
-                                          else r.earlier_token_ids + r.token_ids)
+            if r.known_token_ids is not None:
+                self.token_history.follow(r.request_id, r.sampling_params, r.known_token_ids,
+                                          r.num_prompt_tokens)
 
     def _sample(self, ids: list[str], params: list[SamplingParams], logits: torch.Tensor,
                 bitmasks: dict[int, torch.Tensor], keep_logits: bool) -> SampledTokens:
@@ -594,6 +592,7 @@ class ModelRunner:
         self._pixel_tables.clear()
         self.generators.clear()
         self.last_sampled.clear()
+        self.token_history.drop(self.token_history.followed)
         self.block_tables.clear()
         self.model = None
 
@@ -869,15 +868,17 @@ class ModelRunner:
         run work on the meta device).
         """
         try:
-            self._assign_images(batch)
-            self.block_tables.update(batch.chunks)
-            self.block_tables.update_decodes(batch.decodes)
-            self._run_encoder(batch, encoder_pixels)
-            input_ids, positions, meta, sample_rows, _ = self._prepare_inputs(batch.decodes,
-                                                                              batch.chunks)
-            embeds = self._embed(input_ids, batch.chunks, len(batch.decodes))
-            hidden = self._forward(positions, embeds, meta)
-            self.model.compute_logits(hidden[sample_rows])
+            # The rows the penalties of as many requests would take, held through the step.
+            with self.token_history.profiled(batch.num_requests):
+                self._assign_images(batch)
+                self.block_tables.update(batch.chunks)
+                self.block_tables.update_decodes(batch.decodes)
+                self._run_encoder(batch, encoder_pixels)
+                input_ids, positions, meta, sample_rows, _ = self._prepare_inputs(
+                    batch.decodes, batch.chunks)
+                embeds = self._embed(input_ids, batch.chunks, len(batch.decodes))
+                hidden = self._forward(positions, embeds, meta)
+                self.model.compute_logits(hidden[sample_rows])
         finally:
             for h in batch.images_to_encode:
                 self.encoder_outputs.pop(h, None)
