@@ -28,7 +28,8 @@ class RequestOutput:
     ``SamplingParams.output_kind`` ``delta``, ``text``, ``token_ids`` and ``logprobs`` hold
     only what the step added as well. ``logprobs``: for a request that asked
     (``SamplingParams.logprobs``), one entry per token of ``token_ids``; ``prompt_logprobs``
-    one per prompt token (None for the first), in the final output.
+    one per prompt token (None for the first), in the final output. ``prompt_token_ids``: the
+    prompt's tokens, each image's placeholders expanded (as vLLM's).
     ``outputs``: in what ``LLM.generate`` returns, the prompt's completions (``n`` of them, the
     first also in the fields above); empty in the engine's step outputs.
     """
@@ -46,6 +47,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
 
     def completion(self, index: int = 0) -> CompletionOutput:
         """This request's output as completion ``index`` of its prompt."""

@@ -25,7 +25,7 @@ def tokenizer(clip_llama: str):
 
 def request(rid: str, **params) -> SimpleNamespace:
     return SimpleNamespace(request_id=rid, sampling_params=SamplingParams(**params),
-                           num_prompt_tokens=7)
+                           num_prompt_tokens=7, prompt_token_ids=list(range(7)))
 
 
 def lp(token: int) -> TokenLogprobs:

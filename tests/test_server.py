@@ -333,7 +333,7 @@ def test_completions_endpoint(client: openai.OpenAI, clip_llama: str, server: Se
 
     vocab = len(tokenizer)
     image_token = llm.engine.processor.image_token
-    for extra, param in [({"prompt": "hi", "echo": True}, "echo"),
+    for extra, param in [({"prompt": "hi", "echo": 1}, "echo"),
                          ({"prompt": "hi", "suffix": "end"}, "suffix"),
                          ({"prompt": "hi", "best_of": 3}, "best_of"),
                          ({"prompt": "hi", "logprobs": 21}, "logprobs"),

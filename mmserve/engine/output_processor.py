@@ -47,6 +47,7 @@ class _Output:
     token_ids: list[int]  # generated so far (not kept for delta outputs)
     logprobs: list[TokenLogprobs] | None  # gathered so far, if asked (delta: none kept)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_token_ids: list[int] | None = None  # the request's (not a copy)
 
 
 class OutputProcessor:
@@ -69,7 +70,8 @@ class OutputProcessor:
         self._outputs[req.request_id] = _Output(
             IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens),
             params.output_kind,
-            req.num_prompt_tokens, [], None if params.logprobs is None else [])
+            req.num_prompt_tokens, [], None if params.logprobs is None else [],
+            prompt_token_ids=req.prompt_token_ids)
 
     def abort(self, request_id: str) -> None:
         """Forget a request: nothing more of it is output. Harmless for one not followed."""
@@ -146,4 +148,5 @@ class OutputProcessor:
             new_text=new_text, new_token_ids=new_token_ids,
             num_cached_tokens=core.num_cached_tokens, error=core.error if error else None,
             logprobs=logprobs,
-            prompt_logprobs=state.prompt_logprobs if finished and not error else None)
+            prompt_logprobs=state.prompt_logprobs if finished and not error else None,
+            prompt_token_ids=state.prompt_token_ids)

@@ -423,25 +423,46 @@ class OpenAIServer:
             err = _as_api_error(e)
             self.metrics.count("rejected" if err.status < 500 else "error")
             return _error_response(err)
+        echoes = ([self._prompt_text(req.prompts[i // n]) for i in range(len(streams))]
+                  if req.echo else None)
         if req.stream:
             return StreamingResponse(
-                self._completion_sse(request_id, streams, req.include_usage, n),
+                self._completion_sse(request_id, streams, req.include_usage, n, echoes,
+                                     req.prompt_only),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
             return outs
-        choices = [proto.completion_choice(
-            i, out.text, out.finish_reason,
-            None if out.logprobs is None else proto.completion_logprobs(
-                out.token_ids, out.logprobs, self._token_text)) for i, out in enumerate(outs)]
+        if req.prompt_only:
+            outs = [_without_generated(out) for out in outs]
+        choices = []
+        for i, out in enumerate(outs):
+            logprobs = None
+            if out.logprobs is not None:
+                ids, entries = out.token_ids, out.logprobs
+                if echoes is not None:  # the prompt's tokens first (the first has none)
+                    ids = [*(out.prompt_token_ids or ()), *ids]
+                    entries = [*(out.prompt_logprobs or ()), *entries]
+                logprobs = proto.completion_logprobs(ids, entries, self._token_text)
+            text = out.text if echoes is None else echoes[i] + out.text
+            choices.append(proto.completion_choice(i, text, out.finish_reason, logprobs))
         return JSONResponse(proto.text_completion(request_id, self.model, choices,
                                                   _usage_of(_per_prompt(outs, n))))
 
+    def _prompt_text(self, prompt: dict[str, Any]) -> str:
+        """What ``echo`` repeats of a completions prompt: its text, or its token ids'."""
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        return self.engine.tokenizer.decode(prompt["prompt_token_ids"])
+
     async def _completion_sse(self, rid: str, streams: list[RequestStream],
-                              include_usage: bool, n: int) -> AsyncIterator[str]:
+                              include_usage: bool, n: int, echoes: list[str] | None = None,
+                              prompt_only: bool = False) -> AsyncIterator[str]:
         """The choices' streams merged into one, each chunk one choice's new text (``index``
-        says which); the usage of them all last when asked for."""
+        says which), after a chunk of each choice's prompt where ``echoes`` has them (with
+        ``prompt_only``, nothing generated follows); the usage of them all last when asked
+        for."""
         created = int(time.time())
 
         def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
@@ -453,11 +474,15 @@ class OpenAIServer:
         offsets = [0] * len(streams)  # the text of the tokens chunks carried logprobs for
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
+            for index, text in enumerate(echoes or ()):
+                yield event(proto.completion_choice(index, text, None))
             async with contextlib.aclosing(self._merged(streams)) as merged:
                 async for index, out in merged:
                     if isinstance(out, str):  # an error event: the stream ends after it
                         yield out
                         break
+                    if prompt_only:
+                        out = _without_generated(out)
                     answers[index].add(out)
                     if not (out.new_text or out.finished):
                         continue
@@ -543,6 +568,14 @@ class _Answer:
         """The choice's final output, everything in it."""
         return replace(last, text="".join(self.pieces), token_ids=self.token_ids,
                        logprobs=self.logprobs)
+
+
+def _without_generated(out: RequestOutput) -> RequestOutput:
+    """``out`` with what the engine generated taken out: an echo of the prompt alone
+    (``max_tokens`` 0), whose one token was sampled only because a request samples one."""
+    return replace(out, text="", new_text="", token_ids=[], new_token_ids=[],
+                   logprobs=None if out.logprobs is None else [],
+                   finish_reason="length" if out.finished else None)
 
 
 def _per_prompt(outs: list[RequestOutput], n: int) -> list[list[RequestOutput]]:

@@ -7,6 +7,7 @@ what to change, and the offending parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -95,6 +96,11 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    # ``echo``: each choice's text (and log-probabilities) starts with its prompt's; with
+    # ``max_tokens`` 0 (``prompt_only``) it is the prompt's alone (the engine samples one
+    # token, which is dropped).
+    echo: bool = False
+    prompt_only: bool = False
 
 
 # The highest temperature either endpoint takes (OpenAI's).
@@ -115,9 +121,10 @@ def parse_completion_request(body: Any, max_model_len: int,
             raise bad_request(f"'{name}' is not part of /v1/completions, which takes text or "
                               "token ids only; send images (and messages) to "
                               "/v1/chat/completions as image_url parts.", name)
-    if body.get("echo"):
-        raise bad_request("'echo' is not supported by mmserve; leave it out (the prompt is "
-                          "yours already).", "echo")
+    echo = _get(body, "echo", bool, False)
+    prompt_only = echo and body.get("max_tokens") == 0 and not body.get("max_completion_tokens")
+    if prompt_only:  # the prompt scored, nothing generated (as lm-eval-harness asks)
+        body = {**body, "max_tokens": 1}
     if body.get("suffix"):
         raise bad_request("'suffix' (fill-in-the-middle) is not supported by mmserve; leave "
                           "it out.", "suffix")
@@ -128,15 +135,21 @@ def parse_completion_request(body: Any, max_model_len: int,
     logprobs = _get(body, "logprobs", int, None)
     _check_num_logprobs(logprobs, "logprobs")
     stream, include_usage = _stream_options(body)
+    if echo and stream and logprobs is not None:
+        raise bad_request("'echo' with 'logprobs' is answered whole: send 'stream': false (a "
+                          "stream echoes the prompt's text, without its log-probabilities)",
+                          "echo")
     params = _sampling_params(body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs,
                               defaults or {})
+    if echo and logprobs is not None:  # the prompt's log-probabilities too
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
     prompts = _parse_prompts(body.get("prompt"))
     if len(prompts) * params.n > MAX_COMPLETION_PROMPTS:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} make {len(prompts) * params.n} "
                           f"choices; at most {MAX_COMPLETION_PROMPTS} are allowed in one "
                           "request, send fewer prompts or a smaller n.", "n")
     return CompletionRequest(prompts, params, stream=stream, include_usage=include_usage,
-                             model=model)
+                             model=model, echo=echo, prompt_only=prompt_only)
 
 
 def _parse_prompts(prompt: Any) -> list[dict[str, Any]]:
@@ -486,21 +499,23 @@ def chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | Non
     return body
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs],
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
                         token_text: Callable[[int], str], text_offset: int = 0
                         ) -> dict[str, Any]:
     """The completions endpoint's (older) ``logprobs`` shape: parallel lists of the tokens as
     text, their log-probabilities, ``{token: logprob}`` of the top alternatives, and each
     token's offset in the completion text (the lengths of the tokens' texts added up, from
-    ``text_offset``)."""
+    ``text_offset``). An entry None (an echoed prompt's first token) is null in both."""
     tokens = [token_text(t) for t in token_ids]
     offsets = []
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
     return {"tokens": tokens,
-            "token_logprobs": [max(e.logprob, MIN_LOGPROB) for e in entries],
-            "top_logprobs": [{token_text(t): max(v, MIN_LOGPROB) for t, v in e.top}
+            "token_logprobs": [None if e is None else max(e.logprob, MIN_LOGPROB)
+                               for e in entries],
+            "top_logprobs": [None if e is None else
+                             {token_text(t): max(v, MIN_LOGPROB) for t, v in e.top}
                              for e in entries],
             "text_offset": offsets}
 
