@@ -159,7 +159,9 @@ class SamplingParams:
     ``MAX_LOGIT_BIAS_TOKENS`` of them). ``min_tokens``: the end-of-sequence token and
     ``stop_token_ids`` cannot be sampled, and stop strings do not stop, until this many tokens
     are generated (at most ``max_tokens``). All of these apply to greedy decoding as well;
-    log-probabilities stay those of the model's logits.
+    log-probabilities stay those of the model's logits. ``skip_special_tokens`` (default on)
+    leaves special tokens' text out of ``text``; ``include_stop_str_in_output`` keeps the stop
+    string that ended the text at its end (both vLLM's).
     ``output_kind`` (``OUTPUT_KINDS``, as vLLM's ``RequestOutputKind``): what the engine's
     step outputs for the request hold. ``cumulative``: everything generated so far, and in
     ``new_text`` / ``new_token_ids`` what the step added. ``delta``: only what the step added,
@@ -188,6 +190,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # Whether the logits the next token is picked from (greedily too) are the model's
     # changed: by logit_bias, a penalty or min_tokens (set from them: the sampler's test,
     # which most rows pass in one read).
@@ -230,8 +234,9 @@ class SamplingParams:
             raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are "
                       f"allowed, got {len(ids)}.")
         self.stop_token_ids = list(ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise bad("ignore_eos", f"ignore_eos must be a boolean, got {self.ignore_eos!r}.")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, f"{name} must be a boolean, got {_short(getattr(self, name))}.")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):

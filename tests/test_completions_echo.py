@@ -1,7 +1,7 @@
 """``echo`` on ``/v1/completions``, as lm-eval-harness scores text with it: the prompt's text,
 tokens and log-probabilities (the first token's null) before the generated ones, equal to the
 Python API's ``prompt_logprobs``; ``max_tokens`` 0 scores the prompt alone; streamed, the
-prompt's text comes first."""
+prompt's text comes first. And vLLM's ``include_stop_str_in_output`` through the server."""
 
 from __future__ import annotations
 
@@ -101,3 +101,14 @@ def test_what_echo_refuses(served, body: dict, fragment: str) -> None:
     _, http = served
     resp = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, **body})
     assert resp.status_code == 400 and fragment in resp.json()["error"]["message"], resp.text
+
+
+def test_the_stop_string_kept_when_asked(served) -> None:
+    _, http = served
+    plain = _post(http, prompt=PROMPT, max_tokens=12)["choices"][0]["text"]
+    stop = plain.strip()[1:3]
+    cut = _post(http, prompt=PROMPT, max_tokens=12, stop=[stop])["choices"][0]
+    kept = _post(http, prompt=PROMPT, max_tokens=12, stop=[stop],
+                 include_stop_str_in_output=True)["choices"][0]
+    assert cut["finish_reason"] == kept["finish_reason"] == "stop"
+    assert kept["text"] == cut["text"] + stop and plain.startswith(kept["text"])

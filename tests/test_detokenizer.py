@@ -54,3 +54,29 @@ def test_stream_decoder_equals_the_two_decode_algorithm(tokenizers: dict, name: 
             fast = _stream(tokenizer, ids, stop, fast=True)
             assert fast == _stream(tokenizer, ids, stop, fast=False), (ids, stop)
             assert fast[1] and stop[0] not in fast[0]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["stream decoder", "two decodes"])
+def test_special_tokens_and_the_stop_string_kept_when_asked(tokenizers: dict,
+                                                            fast: bool) -> None:
+    """vLLM's ``skip_special_tokens=False`` keeps a special token's text;
+    ``include_stop_str_in_output`` keeps the stop string at the end of the text."""
+    tokenizer = tokenizers["llama"]
+    ids = tokenizer.encode("the cat sat on the mat", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+
+    def run(**options) -> tuple[str, bool]:
+        detok = IncrementalDetokenizer(tokenizer, options.pop("stop", []), **options)
+        if not fast:
+            detok._stream = None
+        for t in [*ids, eos]:
+            detok.add(t)
+            if detok.stopped:
+                break
+        return detok.text, detok.stopped
+
+    assert run() == ("the cat sat on the mat", False)
+    text, _ = run(skip_special_tokens=False)
+    assert text.endswith(tokenizer.eos_token) and text.startswith("the cat sat on the mat")
+    assert run(stop=["sat"]) == ("the cat ", True)
+    assert run(stop=["sat"], include_stop_str=True) == ("the cat sat", True)

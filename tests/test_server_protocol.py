@@ -186,6 +186,17 @@ def test_neutral_values_leave_the_logits_alone(neutral: dict) -> None:
         assert parsed.params.min_p == 0
 
 
+def test_vllms_text_fields_reach_the_sampling_params() -> None:
+    fields = {"skip_special_tokens": False, "include_stop_str_in_output": True}
+    for parsed in (parse_chat_request(_body(**fields), max_model_len=100, max_images=4),
+                   parse_completion_request({"prompt": "hi", **fields}, max_model_len=100)):
+        assert not parsed.params.skip_special_tokens
+        assert parsed.params.include_stop_str_in_output
+    with pytest.raises(ApiError, match="'skip_special_tokens' must be a boolean"):
+        parse_completion_request({"prompt": "hi", "skip_special_tokens": "no"},
+                                 max_model_len=100)
+
+
 def test_logit_adjustments_reach_the_sampling_params() -> None:
     fields = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
               "min_p": 0.05, "min_tokens": 3, "logit_bias": {"7": -100, "12": 2.5, "9": 0},

@@ -13,9 +13,14 @@ class IncrementalDetokenizer:
     streamed partially before it is recognised.
     """
 
-    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0,
+                 skip_special_tokens: bool = True, include_stop_str: bool = False) -> None:
+        """``skip_special_tokens``: leave special tokens' text out (vLLM's default);
+        ``include_stop_str``: a stop string found stays at the end of the text."""
         self.tokenizer = tokenizer
         self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str = include_stop_str
         # Stop strings are looked for once more than this many tokens are added
         # (``min_tokens``, as vLLM): in the text the token after those adds, and after.
         self.min_tokens = min_tokens
@@ -30,10 +35,12 @@ class IncrementalDetokenizer:
         # A Rust tokenizer decodes the stream itself, one call a token (twice as fast as two
         # Python-level decodes of the last few tokens, which every step pays per request).
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._stream = DecodeStream(skip_special_tokens=True) if self._backend else None
+        self._stream = (DecodeStream(skip_special_tokens=skip_special_tokens)
+                        if self._backend else None)
 
     def add(self, token_id: int) -> None:
-        """Append one token; sets ``stopped`` when a stop string appears (text cut before it)."""
+        """Append one token; sets ``stopped`` when a stop string appears (text cut before it,
+        or after it with ``include_stop_str``)."""
         self.num_tokens += 1
         if self._stream is not None:  # the stream keeps the ids it needs itself
             piece = self._stream.step(self._backend, token_id)
@@ -45,9 +52,10 @@ class IncrementalDetokenizer:
             return
         self.token_ids.append(token_id)
         decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
         prefix = decode(self.token_ids[self._prefix_offset:self._read_offset],
-                        skip_special_tokens=True)
-        full = decode(self.token_ids[self._prefix_offset:], skip_special_tokens=True)
+                        skip_special_tokens=skip)
+        full = decode(self.token_ids[self._prefix_offset:], skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             start = len(self.text)
             self.text += full[len(prefix):]
@@ -61,7 +69,7 @@ class IncrementalDetokenizer:
         for s in self.stop:
             idx = self.text.find(s, max(0, new_from - len(s) + 1))
             if idx != -1:
-                self.text = self.text[:idx]
+                self.text = self.text[:idx + len(s) if self.include_stop_str else idx]
                 self.stopped = True
                 return
 

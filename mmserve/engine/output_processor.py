@@ -68,7 +68,9 @@ class OutputProcessor:
         """Follow a request queued in the core (before its first step)."""
         params = req.sampling_params
         self._outputs[req.request_id] = _Output(
-            IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens),
+            IncrementalDetokenizer(self.tokenizer, params.stop, params.min_tokens,
+                                   params.skip_special_tokens,
+                                   params.include_stop_str_in_output),
             params.output_kind,
             req.num_prompt_tokens, [], None if params.logprobs is None else [],
             prompt_token_ids=req.prompt_token_ids)

@@ -244,6 +244,8 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
     elif isinstance(stop, str):
         _check_text(stop, "stop")
     ignore_eos = _get(body, "ignore_eos", bool, False)  # vLLM's extension, for benchmarks
+    text_fields = {name: _get(body, name, bool, default) for name, default in (
+        ("skip_special_tokens", True), ("include_stop_str_in_output", False))}  # vLLM's too
     structured = _structured_outputs(body)
     # OpenAI's penalties and logit_bias, and vLLM's min_p, repetition_penalty and min_tokens:
     # their ranges are SamplingParams' to check.
@@ -257,7 +259,8 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
                               ignore_eos=ignore_eos, logprobs=logprobs,
                               structured_outputs=structured, output_kind="delta",
                               min_tokens=_get(body, "min_tokens", int, 0),
-                              logit_bias=_logit_bias(body.get("logit_bias")), **adjust)
+                              logit_bias=_logit_bias(body.get("logit_bias")), **adjust,
+                              **text_fields)
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
 
