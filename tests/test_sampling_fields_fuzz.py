@@ -1,0 +1,76 @@
+"""The sampling fields added for OpenAI and vLLM clients, sent with hostile values in random
+combinations: every answer is a 200 or a 400 naming a field, never a 500; the engine keeps
+serving; nothing is left behind."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from starlette.testclient import TestClient
+
+from mmserve import LLM
+from mmserve.entrypoints.api_server import OpenAIServer
+from mmserve.entrypoints.serve_args import ServerConfig
+from tests.conftest import assert_no_leaks
+
+VALUES = {
+    "presence_penalty": [0, 2, -2, 2.0001, 1e308, "NaN", "1", None, True],
+    "frequency_penalty": [0.5, -2, 3, [], None],
+    "repetition_penalty": [1, 0.01, 100, 0, -1, 1e-300, 101, None, "x"],
+    "min_p": [0, 1, 0.5, 1.5, -0.1, None],
+    "min_tokens": [0, 1, 8, 16, 17, -1, 2.5, 10**30, None],
+    "logit_bias": [{}, {"5": 100}, {"5": -100, "6": 100}, {"511": 1}, {"512": 1},
+                   {"99999999999": 1}, {"5": 101}, {"-1": 1}, {"a": 1}, {"5": None},
+                   {str(i): 1 for i in range(1025)}, {str(i): -100 for i in range(500)},
+                   [1], "x", None],
+    "stop_token_ids": [[2], [5, 6], [10**9], None],
+    "echo": [True, False, None, 1],
+    "max_tokens": [0, 1, 16, None, -1],
+    "logprobs": [None, 0, 5, 20, 21],
+    "include_stop_str_in_output": [True, False, "no"],
+    "skip_special_tokens": [True, False, 0],
+    "stop": [None, "e", ["a", "b"]],
+    "temperature": [0, 1, 2, None],
+    "n": [1, 2],
+    "stream": [False, True],
+}
+
+
+@pytest.fixture(scope="module")
+def http(clip_llama: str):
+    with LLM(clip_llama, dtype="float32", max_model_len=128, max_num_seqs=8) as llm:
+        server = OpenAIServer(llm.engine, ServerConfig("tiny"))
+        with TestClient(server.app()) as client:
+            yield llm, client
+
+
+def test_random_combinations_answer_200_or_400(http) -> None:
+    llm, client = http
+    rng = random.Random(20261207)
+    statuses: dict[int, int] = {}
+    for i in range(120):
+        body = {"model": "tiny", "prompt": rng.choice(["the cat", [5, 6, 7], ["a", "b"]])}
+        for name in rng.sample(sorted(VALUES), 4):
+            value = rng.choice(VALUES[name])
+            if value is not None:
+                body[name] = value
+        endpoint = "/v1/completions"
+        if i % 3 == 0:  # the chat endpoint takes the same sampling fields (no echo)
+            endpoint = "/v1/chat/completions"
+            body.pop("echo", None)
+            body["messages"] = [{"role": "user", "content": "hello"}]
+            del body["prompt"]
+            if body.get("logprobs") is not None:
+                body["logprobs"] = True
+        resp = client.post(endpoint, json=body)
+        statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
+        assert resp.status_code in (200, 400), (body, resp.text)
+        if resp.status_code == 400:
+            error = resp.json()["error"]
+            assert error["message"] and error["type"] == "invalid_request_error", body
+    assert statuses.get(200, 0) > 20 and statuses.get(400, 0) > 20, statuses
+    ok = client.post("/v1/completions", json={"model": "tiny", "prompt": "the cat",
+                                              "max_tokens": 4, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    assert_no_leaks(llm.engine)
