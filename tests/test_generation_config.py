@@ -45,7 +45,7 @@ def test_the_fields_vllm_reads(tmp_path: Path, caplog: pytest.LogCaptureFixture)
     assert sampling_defaults(_config(tmp_path / "none", None)) == {}  # no file: none
     other = _config(tmp_path / "o", {"top_k": 20})
     assert sampling_defaults(_config(tmp_path / "m", None, str(tmp_path / "o"))) == {"top_k": 20}
-    assert other.generation_config == "auto"
+    assert sampling_defaults(other) == {"top_k": 20}  # its own folder's, by default
 
 
 @pytest.mark.parametrize("content, fragment", [

@@ -423,8 +423,10 @@ class OpenAIServer:
             err = _as_api_error(e)
             self.metrics.count("rejected" if err.status < 500 else "error")
             return _error_response(err)
-        echoes = ([self._prompt_text(req.prompts[i // n]) for i in range(len(streams))]
-                  if req.echo else None)
+        echoes = None
+        if req.echo:  # each choice's prompt's text (choice p * n + j: prompt p's)
+            texts = [self._prompt_text(prompt) for prompt in req.prompts]
+            echoes = [texts[i // n] for i in range(len(streams))]
         if req.stream:
             return StreamingResponse(
                 self._completion_sse(request_id, streams, req.include_usage, n, echoes,

@@ -7,7 +7,6 @@ what to change, and the offending parameter.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -140,9 +139,7 @@ def parse_completion_request(body: Any, max_model_len: int,
                           "stream echoes the prompt's text, without its log-probabilities)",
                           "echo")
     params = _sampling_params(body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs,
-                              defaults or {})
-    if echo and logprobs is not None:  # the prompt's log-probabilities too
-        params = dataclasses.replace(params, prompt_logprobs=logprobs)
+                              defaults or {}, prompt_logprobs=logprobs if echo else None)
     prompts = _parse_prompts(body.get("prompt"))
     if len(prompts) * params.n > MAX_COMPLETION_PROMPTS:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} make {len(prompts) * params.n} "
@@ -210,9 +207,11 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_tokens: int,
-                     logprobs: int | None, defaults: Mapping[str, Any]) -> SamplingParams:
+                     logprobs: int | None, defaults: Mapping[str, Any],
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     """The sampling fields both endpoints share, checked; those left out from ``defaults``
-    where it has them (the checkpoint's generation config)."""
+    where it has them (the checkpoint's generation config). ``prompt_logprobs``: for an
+    echo's."""
     n = _get(body, "n", int, 1)
     # Refused, not ignored: the client would take an answer that did not follow it for one
     # that did.
@@ -257,6 +256,7 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
         return SamplingParams(max_tokens=max_tokens, n=n, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, stop=stop,
                               ignore_eos=ignore_eos, logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs,
                               structured_outputs=structured, output_kind="delta",
                               min_tokens=_get(body, "min_tokens", int, 0),
                               logit_bias=_logit_bias(body.get("logit_bias")), **adjust,

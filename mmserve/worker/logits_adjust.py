@@ -52,9 +52,6 @@ class TokenHistory:
     def __len__(self) -> int:
         return len(self.num_generated)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self.num_generated
-
     @property
     def followed(self) -> list[str]:
         return list(self.num_generated)
@@ -248,22 +245,25 @@ def _hold_back_end(x: torch.Tensor, rows: list[int], ids: list[str],
                    params: list[SamplingParams], history: TokenHistory) -> None:
     """The tokens ``min_tokens`` holds back at -inf, in place, in the rows ``rows`` of ``x``
     that have generated fewer than their ``min_tokens``."""
-    at: list[int] = []
+    held: list[int] = []  # the rows that hold tokens back
+    at: list[int] = []  # each held-back token's row, as a position in ``held``
     tokens: list[int] = []
     vocab = x.shape[-1]
     for i in rows:
         p = params[i]
         if p.min_tokens and history.num_generated.get(ids[i], 0) < p.min_tokens:
             blocked = [t for t in p.min_tokens_blocked if t < vocab]
-            at += [i] * len(blocked)
+            at += [len(held)] * len(blocked)
+            held.append(i)
             tokens += blocked
     if not at:
         return
     device = x.device
-    index = (tensor_on(at, torch.long, device), tensor_on(tokens, torch.long, device))
+    held_rows, at_held = tensor_on(held, torch.long, device), tensor_on(at, torch.long, device)
+    index = (held_rows[at_held], tensor_on(tokens, torch.long, device))
     kept = x[index]
     x[index] = float("-inf")
-    # A row left without a finite logit (its grammar allows only the end) keeps them. (A
-    # flag a logit: a quarter of the logits' bytes, whatever the rows and tokens held back.)
-    dead = ~torch.isfinite(x).any(-1)
-    x[index] = torch.where(dead[index[0]], kept, x[index])
+    # A row left without a finite logit (its grammar allows only the end) keeps them: the
+    # held rows alone are looked at, once each.
+    dead = ~torch.isfinite(x.index_select(0, held_rows)).any(-1)
+    x[index] = torch.where(dead[at_held], kept, x[index])
