@@ -21,10 +21,14 @@ PROMPT = "the red fox and the blue bird"
 @pytest.fixture(scope="module")
 def served(clip_llama: str):
     with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        # The Python API's answer, made before the server's loop steps the engine (one
+        # thread steps an engine).
+        (reference,) = llm.generate({"prompt": PROMPT}, SamplingParams(
+            max_tokens=2, temperature=0.0, logprobs=2, prompt_logprobs=2))
         server = OpenAIServer(llm.engine, ServerConfig("tiny"))
         with TestClient(server.app()) as http:
-            yield llm, http
-        assert_no_leaks(llm.engine)
+            yield llm, http, reference
+        assert_no_leaks(llm.engine)  # once the server's loop has stopped
 
 
 def _post(http: TestClient, **body) -> dict:
@@ -34,7 +38,7 @@ def _post(http: TestClient, **body) -> dict:
 
 
 def test_echo_puts_the_prompt_first(served) -> None:
-    llm, http = served
+    llm, http, _ = served
     plain = _post(http, prompt=PROMPT, max_tokens=5)["choices"][0]
     echoed = _post(http, prompt=PROMPT, max_tokens=5, echo=True)["choices"][0]
     assert echoed["text"] == PROMPT + plain["text"] and plain["text"]
@@ -44,9 +48,7 @@ def test_echo_puts_the_prompt_first(served) -> None:
 
 
 def test_echo_with_logprobs_scores_the_prompt(served) -> None:
-    llm, http = served
-    (reference,) = llm.generate({"prompt": PROMPT}, SamplingParams(
-        max_tokens=2, temperature=0.0, logprobs=2, prompt_logprobs=2))
+    llm, http, reference = served
     body = _post(http, prompt=PROMPT, max_tokens=2, echo=True, logprobs=2)
     choice = body["choices"][0]
     lp = choice["logprobs"]
@@ -71,7 +73,7 @@ def test_echo_with_logprobs_scores_the_prompt(served) -> None:
 
 
 def test_a_streamed_echo_sends_the_prompt_first(served) -> None:
-    _, http = served
+    _, http, _ = served
     whole = _post(http, prompt=[PROMPT, "a cat"], max_tokens=4, echo=True)["choices"]
     resp = http.post("/v1/completions", json={
         "model": "tiny", "prompt": [PROMPT, "a cat"], "max_tokens": 4, "temperature": 0,
@@ -98,13 +100,13 @@ def test_a_streamed_echo_sends_the_prompt_first(served) -> None:
     ({"echo": "yes"}, "must be a boolean"),
 ])
 def test_what_echo_refuses(served, body: dict, fragment: str) -> None:
-    _, http = served
+    _, http, _ = served
     resp = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, **body})
     assert resp.status_code == 400 and fragment in resp.json()["error"]["message"], resp.text
 
 
 def test_the_stop_string_kept_when_asked(served) -> None:
-    _, http = served
+    _, http, _ = served
     plain = _post(http, prompt=PROMPT, max_tokens=12)["choices"][0]["text"]
     stop = plain.strip()[1:3]
     cut = _post(http, prompt=PROMPT, max_tokens=12, stop=[stop])["choices"][0]
