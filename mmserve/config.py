@@ -186,6 +186,13 @@ class EngineConfig:
     mm_processor_kwargs: dict[str, Any] | None = flag(
         None, 'keyword arguments for the image processor, as a JSON object: \'{"do_normalize": '
         "false}' (each image's cache hash includes them)", parse=mm_processor_kwargs_text)
+    # Read and compiled when the engine starts (``processing/chat_template.py``); the config
+    # keeps the value as given, so that a front door passes it on unchanged.
+    chat_template: str | None = flag(
+        None, "the Jinja chat template that renders chat messages, in place of the "
+        "checkpoint's own: the path of a file holding it, or the template's text itself "
+        "(a value that looks like a path, with no '{' and a .jinja, .j2 or .txt suffix or a "
+        "path separator, must name an existing file)")
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "cpu_threads", "max_num_batched_tokens"):
@@ -234,6 +241,11 @@ class EngineConfig:
                              f"torch sees {torch.cuda.device_count()}.")
         object.__setattr__(self, "mm_processor_kwargs",
                            check_mm_processor_kwargs(self.mm_processor_kwargs))
+        if isinstance(self.chat_template, os.PathLike):
+            object.__setattr__(self, "chat_template", os.fspath(self.chat_template))
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ValueError(f"chat_template must be a file's path or a template's text, got "
+                             f"{type(self.chat_template).__name__}.")
         count, size = parse_mm_limit(self.limit_mm_per_prompt)
         object.__setattr__(self, "limit_mm_per_prompt", count)
         if size is not None:

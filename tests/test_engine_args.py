@@ -91,6 +91,9 @@ def test_parsed_defaults_are_the_dataclass_defaults(command: str) -> None:
     (["--scheduler-delay-factor", "0.5"], {"scheduler_delay_factor": 0.5}),
     (["--async-scheduling"], {"async_scheduling": True}),
     (["--no-async-scheduling"], {"async_scheduling": False}),
+    (["--chat-template", "chat.jinja"], {"chat_template": "chat.jinja"}),
+    (["--chat-template", "{% for m in messages %}\n{{ m['role'] }}{% endfor %}"],
+     {"chat_template": "{% for m in messages %}\n{{ m['role'] }}{% endfor %}"}),
 ])
 def test_flags_round_trip_into_the_config(argv: list[str], expected: dict) -> None:
     args = build_parser().parse_args(["serve", *argv])

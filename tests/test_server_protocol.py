@@ -142,7 +142,7 @@ def test_every_form_of_output_constraint() -> None:
     ({"logit_bias": [1, 2]}, "logit_bias", "must be an object"),
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024 tokens"),
     # A field that changes the answer and that mmserve does not implement: never ignored.
-    ({"tool_choice": "auto"}, "tool_choice", 'leave it out (or send "none")'),
+    ({"tool_choice": "auto"}, "tool_choice", "needs 'tools'"),
     ({"min_tokens": 17, "max_tokens": 16}, "min_tokens", "from 0 to max_tokens (16)"),
     ({"min_tokens": 1.5}, "min_tokens", "must be an integer"),
     ({"min_p": 1.1}, "min_p", "from 0 to 1"),
@@ -161,7 +161,7 @@ def test_every_form_of_output_constraint() -> None:
     ({"stream": True, "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage", "must be a boolean"),
     ({"messages": []}, "messages", "non-empty list"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "'tool'"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "'function'"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
      "messages[0].content[0].text", "must be a string"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -45,7 +45,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmserve.engine.async_engine import AsyncEngine, EngineClient, QueueFullError, RequestStream
 from mmserve.engine.llm_engine import LLMEngine
-from mmserve.entrypoints import chat_page
+from mmserve.entrypoints import chat_page, tool_calls
 from mmserve.entrypoints import openai_protocol as proto
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.media import MediaLoader, MediaPolicy
@@ -149,6 +149,8 @@ class OpenAIServer:
         self.sampling_defaults = (sampling_defaults(engine.config) if defaults is None
                                   else defaults)
         self.media = MediaLoader(config.media, engine.config.max_image_pixels)
+        # The parser of calls in the model's text, where "auto" tool choice is on.
+        self.tool_parser = config.tool_call_parser if config.enable_auto_tool_choice else None
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.model, self._stats)
         if isinstance(engine, EngineClient):
@@ -199,6 +201,8 @@ class OpenAIServer:
             chat = await self._parse(request)
             images = await asyncio.gather(*(self.media.load(url) for url in chat.image_urls))
             prompt = {"messages": chat.messages, "images": list(images)}
+            if chat.tools is not None:
+                prompt["tools"] = chat.tools
             streams = await self.engine.add_completions(
                 _completion_ids(request_id, chat.params.n), prompt, chat.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
@@ -207,14 +211,15 @@ class OpenAIServer:
             return _error_response(err)
         if chat.stream:
             return StreamingResponse(
-                self._sse(request_id, streams, chat.include_usage),
+                self._sse(request_id, streams, chat.include_usage, chat.tool_choice),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, request_id, streams)
+        return await self._complete(request, request_id, streams, chat.tool_choice)
 
     async def _parse(self, request: Request) -> proto.ChatRequest:
         chat = proto.parse_chat_request(await self._read_json(request), self.max_model_len,
-                                        self.max_images, self.sampling_defaults)
+                                        self.max_images, self.sampling_defaults,
+                                        self.tool_parser)
         self._check_model_and_room(chat.model)  # before fetching images
         return chat
 
@@ -306,26 +311,36 @@ class OpenAIServer:
         return outs
 
     async def _complete(self, request: Request, request_id: str,
-                        streams: list[RequestStream]) -> Response:
+                        streams: list[RequestStream], tool_choice: tool_calls.ToolChoice
+                        ) -> Response:
         """Wait for the whole answer (every choice); abort if the client goes away."""
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
             return outs
-        choices = [proto.chat_choice(
-            i, out.text, out.finish_reason,
-            None if out.logprobs is None else proto.logprobs_content(
-                out.token_ids, out.logprobs, self._token_text)) for i, out in enumerate(outs)]
+        choices = []
+        for i, out in enumerate(outs):
+            logprobs = None if out.logprobs is None else proto.logprobs_content(
+                out.token_ids, out.logprobs, self._token_text)
+            reader = tool_calls.reader_for(tool_choice, self.tool_parser)
+            if reader is None:
+                choices.append(proto.chat_choice(i, out.text, out.finish_reason, logprobs))
+                continue
+            content, calls = tool_calls.merge(reader.feed(out.text) + reader.finish())
+            choices.append(proto.chat_choice(
+                i, content, tool_calls.finish_reason(out.finish_reason, tool_choice, reader),
+                logprobs, calls))
         return JSONResponse(proto.completion(request_id, self.model, choices,
                                              _usage_of([outs])))
 
-    async def _sse(self, rid: str, streams: list[RequestStream],
-                   include_usage: bool) -> AsyncIterator[str]:
+    async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
+                   tool_choice: tool_calls.ToolChoice) -> AsyncIterator[str]:
         """A chat answer's chunks: each choice's role first, with the choice's first output
         (as OpenAI and vLLM send it: a client that times the first chunk times the first
-        token), then its text as it comes, in the order the choices produce it (``index``
-        says whose), the usage last when asked."""
+        token), then its text as it comes (or the tool calls read from it), in the order the
+        choices produce it (``index`` says whose), the usage last when asked."""
         created = int(time.time())
         answers = [_Answer() for _ in streams]
+        readers = [tool_calls.reader_for(tool_choice, self.tool_parser) for _ in streams]
 
         def event(index: int, delta: dict[str, Any] | None, reason: str | None = None,
                   usage: dict[str, Any] | None = None, out: RequestOutput | None = None) -> str:
@@ -348,10 +363,18 @@ class OpenAIServer:
                         started[index] = True
                         yield event(index, {"role": "assistant", "content": ""})
                     answers[index].add(out)
-                    if out.new_text:
-                        yield event(index, {"content": out.new_text}, out=out)
+                    reader = readers[index]
+                    if reader is None:
+                        deltas = [{"content": out.new_text}] if out.new_text else []
+                    else:
+                        deltas = reader.feed(out.new_text)
+                        deltas += reader.finish() if out.finished else []
+                    for delta in deltas:
+                        yield event(index, delta, out=out)
                     if out.finished:
-                        yield event(index, {}, out.finish_reason, out=out)
+                        reason = out.finish_reason if reader is None else (
+                            tool_calls.finish_reason(out.finish_reason, tool_choice, reader))
+                        yield event(index, {}, reason, out=out)
                         finals[index] = answers[index].whole(out)
                 else:
                     if include_usage:
@@ -667,6 +690,7 @@ def serve(args: argparse.Namespace) -> int:
     from mmserve.engine.core_process import EngineCoreClient
     from mmserve.entrypoints.engine_args import engine_kwargs
     from mmserve.entrypoints.http_protocol import with_header_timeout
+    from mmserve.processing.chat_template import load_chat_template
 
     model = args.model_path or args.model
     try:
@@ -683,6 +707,8 @@ def serve(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout,
             shutdown_timeout_s=args.shutdown_timeout,
             engine_process=args.engine_process,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"mmserve serve: {e}", file=sys.stderr)
@@ -691,6 +717,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         engine_config = EngineConfig(model=model, **engine_kwargs(args))
         defaults = sampling_defaults(engine_config)  # a bad file stops us before the weights
+        load_chat_template(engine_config.chat_template)  # and so does a bad chat template
         own_process = config.engine_process
         if own_process is None:  # on the CPU, measured no faster and slower to start
             own_process = engine_config.resolved_device == "cuda"

@@ -15,6 +15,7 @@ from mmserve.engine.memory_plan import MemoryPlan
 from mmserve.engine.prompt_feed import PromptFeed
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.outputs import RequestOutput
+from mmserve.processing.chat_template import load_chat_template
 from mmserve.processing.images import ImageLike
 from mmserve.sampling_params import SamplingParams
 
@@ -41,9 +42,10 @@ class LLM:
 
             model = str(demo_model_path())
         config = EngineConfig(model=str(model), **engine_args)
-        # The sampling defaults of the checkpoint's generation config (a bad file stops
-        # here, before the weights load).
+        # The sampling defaults of the checkpoint's generation config and the chat template
+        # (a bad file or template stops here, before the weights load).
         self._sampling_defaults = sampling_defaults(config)
+        load_chat_template(config.chat_template)
         self.engine = LLMEngine(config)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -94,10 +96,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         images: list[ImageLike] | None = None,
         use_tqdm: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+        """One conversation (a list of messages) or a list of conversations; ``tools``: the
+        functions (OpenAI's ``tools``) the chat template shows the model."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"messages": conv, "images": images or []} for conv in conversations]
+        prompts = [{"messages": conv, "images": images or [],
+                    **({} if tools is None else {"tools": tools})} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def caption(

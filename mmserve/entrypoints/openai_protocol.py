@@ -12,7 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mmserve.entrypoints import tool_calls
+from mmserve.entrypoints.tool_calls import ToolChoice
 from mmserve.errors import InvalidInputError
+from mmserve.processing.processor import template_tool_calls
 from mmserve.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
@@ -21,7 +24,7 @@ from mmserve.sampling_params import (
 )
 from mmserve.step import TokenLogprobs
 
-ROLES = ("system", "developer", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -50,7 +53,9 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 @dataclass
 class ChatRequest:
     """A validated chat request. ``messages`` hold ``{"type": "image"}`` parts in place of
-    ``image_url`` parts; ``image_urls`` lists those URLs in the same order."""
+    ``image_url`` parts; ``image_urls`` lists those URLs in the same order. ``tools``: the
+    functions the chat template shows the model (None without any); ``tool_choice``: what
+    the answer is read as (``tool_calls.py``)."""
 
     messages: list[dict[str, Any]]
     image_urls: list[str]
@@ -58,21 +63,27 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice = ToolChoice()
 
 
 def parse_chat_request(body: Any, max_model_len: int, max_images: int,
-                       defaults: Mapping[str, Any] | None = None) -> ChatRequest:
+                       defaults: Mapping[str, Any] | None = None,
+                       tool_parser: str | None = None) -> ChatRequest:
     """Validate a decoded JSON body of ``POST /v1/chat/completions``; ``defaults``: the
-    sampling fields a request that leaves them out gets (``sampling_defaults``)."""
+    sampling fields a request that leaves them out gets (``sampling_defaults``);
+    ``tool_parser``: the server's parser of calls in the model's text, when it reads them
+    (``--enable-auto-tool-choice``)."""
     model = _model(body)
     messages, image_urls = _parse_messages(body.get("messages"))
     if len(image_urls) > max_images:
         raise bad_request(
             f"the messages carry {len(image_urls)} images but at most {max_images} are allowed "
             "per prompt (--limit-mm-per-prompt); send fewer images.", "messages")
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad_request(f"'{name}' is not supported by mmserve; leave it out.", name)
+    try:
+        tools, tool_choice = tool_calls.parse_tools(body, tool_parser)
+    except InvalidInputError as e:
+        raise bad_request(str(e), e.param) from None
     logprobs = _get(body, "logprobs", bool, False)
     top_logprobs = _get(body, "top_logprobs", int, None)
     if top_logprobs is not None and not logprobs:
@@ -81,9 +92,10 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
     stream, include_usage = _stream_options(body)
     params = _sampling_params(body, max_model_len, default_max_tokens=max_model_len,
                               logprobs=(top_logprobs or 0) if logprobs else None,
-                              defaults=defaults or {})
+                              defaults=defaults or {},
+                              tool_schema=tools and tool_calls.output_schema(tools, tool_choice))
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
-                       model=model)
+                       model=model, tools=tools, tool_choice=tool_choice)
 
 
 @dataclass
@@ -115,11 +127,12 @@ def parse_completion_request(body: Any, max_model_len: int,
     """Validate a decoded JSON body of ``POST /v1/completions`` (text only: images go to the
     chat endpoint); ``defaults`` as ``parse_chat_request``'s."""
     model = _model(body)
-    for name in ("images", "image", "image_url", "multi_modal_data", "messages"):
-        if name in body:
+    for name in ("images", "image", "image_url", "multi_modal_data", "messages", "tools",
+                 "tool_choice"):
+        if name in body and not (name.startswith("tool") and body[name] in (None, [], "none")):
             raise bad_request(f"'{name}' is not part of /v1/completions, which takes text or "
-                              "token ids only; send images (and messages) to "
-                              "/v1/chat/completions as image_url parts.", name)
+                              "token ids only; send images, messages and tools to "
+                              "/v1/chat/completions.", name)
     echo = _get(body, "echo", bool, False)
     prompt_only = echo and body.get("max_tokens") == 0 and not body.get("max_completion_tokens")
     if prompt_only:  # the prompt scored, nothing generated (as lm-eval-harness asks)
@@ -208,16 +221,12 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
 
 def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_tokens: int,
                      logprobs: int | None, defaults: Mapping[str, Any],
-                     prompt_logprobs: int | None = None) -> SamplingParams:
+                     prompt_logprobs: int | None = None,
+                     tool_schema: dict[str, Any] | None = None) -> SamplingParams:
     """The sampling fields both endpoints share, checked; those left out from ``defaults``
     where it has them (the checkpoint's generation config). ``prompt_logprobs``: for an
-    echo's."""
+    echo's; ``tool_schema``: the output constraint of a forced tool choice."""
     n = _get(body, "n", int, 1)
-    # Refused, not ignored: the client would take an answer that did not follow it for one
-    # that did.
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad_request("'tool_choice' is not supported by mmserve; leave it out (or send "
-                          '"none").', "tool_choice")
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
@@ -246,6 +255,16 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
     text_fields = {name: _get(body, name, bool, default) for name, default in (
         ("skip_special_tokens", True), ("include_stop_str_in_output", False))}  # vLLM's too
     structured = _structured_outputs(body)
+    if tool_schema is not None:
+        if structured is not None:
+            raise bad_request("a named or \"required\" tool_choice constrains the output to "
+                              "the tools' parameters; leave out response_format and the other "
+                              "output constraints.", "tool_choice")
+        try:
+            structured = StructuredOutputs(json=tool_schema)
+        except InvalidInputError as e:
+            raise bad_request(str(e).replace("structured_outputs", "the tools' parameters",
+                                             1), "tools") from None
     # OpenAI's penalties and logit_bias, and vLLM's min_p, repetition_penalty and min_tokens:
     # their ranges are SamplingParams' to check.
     adjust = {name: _get(body, name, float, defaults.get(name, default))
@@ -397,12 +416,13 @@ def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
         if role not in ROLES:
             raise bad_request(f"{where}.role is {role!r}; use one of {', '.join(ROLES)}",
                               f"{where}.role")
+        extra = _tool_fields(msg, role, where)
         content = msg.get("content")
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, str):
             _check_text(content, f"{where}.content")
-            out.append({"role": role, "content": content})
+            out.append({"role": role, "content": content, **extra})
             continue
         if not isinstance(content, list):
             raise bad_request(f"{where}.content must be a string or a list of parts",
@@ -416,7 +436,7 @@ def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
                     raise bad_request(f"{pwhere}.text must be a string", f"{pwhere}.text")
                 _check_text(part["text"], f"{pwhere}.text")
                 parts.append({"type": "text", "text": part["text"]})
-            elif kind == "image_url":
+            elif kind == "image_url" and role != "tool":
                 image_url = part.get("image_url")
                 url = image_url.get("url") if isinstance(image_url, dict) else image_url
                 if not isinstance(url, str) or not url:
@@ -429,10 +449,30 @@ def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
                                   "supported yet: send images (frames as 'image_url' parts) "
                                   "or text.", f"{pwhere}.type")
             else:
-                raise bad_request(f"{pwhere} has type {kind!r}; supported: 'text', 'image_url'",
+                supported = "'text'" if role == "tool" else "'text', 'image_url'"
+                raise bad_request(f"{pwhere} has type {kind!r}; supported: {supported}",
                                   f"{pwhere}.type")
-        out.append({"role": role, "content": parts})
+        out.append({"role": role, "content": parts, **extra})
     return out, urls
+
+
+def _tool_fields(msg: dict[str, Any], role: str, where: str) -> dict[str, Any]:
+    """What a message carries about tools, as chat templates take it: an assistant's earlier
+    ``tool_calls`` (arguments as objects), a tool result's ``tool_call_id`` (and ``name``)."""
+    extra: dict[str, Any] = {}
+    if role == "assistant" and msg.get("tool_calls"):
+        try:
+            extra["tool_calls"] = template_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+        except InvalidInputError as e:
+            raise bad_request(str(e), e.param) from None
+    if role == "tool":
+        for name in ("tool_call_id", "name"):
+            value = msg.get(name)
+            if value is not None and not isinstance(value, str):
+                raise bad_request(f"{where}.{name} must be a string", f"{where}.{name}")
+            if value is not None:
+                extra[name] = value
+    return extra
 
 
 # --------------------------------------------------------------------- responses
@@ -469,10 +509,15 @@ def logprobs_content(token_ids: Sequence[int], entries: Sequence[TokenLogprobs],
                         for token, e in zip(token_ids, entries, strict=True)]}
 
 
-def chat_choice(index: int, text: str, reason: str | None,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason(reason)}
+def chat_choice(index: int, text: str | None, reason: str | None,
+                logprobs: dict[str, Any] | None = None,
+                calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A choice of a chat completion; ``calls``: its ``tool_calls``, where it made any."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason(reason)}
 
 
 def completion(request_id: str, model: str, choices: list[dict[str, Any]],

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from mmserve.entrypoints.engine_args import add_engine_args
 from mmserve.entrypoints.media import MediaPolicy
+from mmserve.entrypoints.tool_calls import TOOL_CALL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class ServerConfig:
     # The engine in a process of its own (core_process.py), else on a thread of the server's;
     # None: in a process of its own where it runs on a GPU.
     engine_process: bool | None = None
+    # Tool calls: the parser of the model's own call format, and whether "auto" tool choice
+    # (the model decides, the parser reads its calls) is on; both vLLM's settings.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -39,6 +44,13 @@ class ServerConfig:
                 f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}.")
         if self.api_key == "":
             raise ValueError("the API key must not be empty; leave it out to disable auth.")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}): the format the model writes "
+                             "its calls in.")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known; use "
+                             f"one of {', '.join(TOOL_CALL_PARSERS)}.")
         for name in ("header_timeout_s", "body_timeout_s", "shutdown_timeout_s"):
             if not getattr(self, name) > 0:
                 flag = "--" + name.removesuffix("_s").replace("_", "-")
@@ -78,6 +90,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="run the engine in a process of its own, apart from HTTP, JSON, image "
                    "decoding and the processor (--no-engine-process: on a thread of the "
                    "server's process; default: its own process on a GPU, a thread on the CPU)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the model decides whether to call a tool, and '
+                   "--tool-call-parser reads its calls (the default choice of requests with "
+                   "tools)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                   help="the format the model writes tool calls in (hermes: <tool_call> "
+                   "blocks of JSON, as Qwen2.5 and Hermes write them)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)

@@ -10,15 +10,18 @@ only the tokenizer, which is not thread-safe, runs under a lock of this class.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+import jinja2
 import numpy as np
 from PIL import Image
 
 from mmserve.inputs import PIXEL_ARITHMETIC, EncoderInput, ImageInput, encoder_input_bytes
+from mmserve.processing.chat_template import load_chat_template
 from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, load_image
 from mmserve.processing.registry import family_for
 
@@ -61,16 +64,24 @@ class InputProcessor:
 
     def __init__(self, model_dir: str, hf_config, max_image_pixels: int,
                  mm_processor_kwargs: dict[str, Any] | None = None,
-                 max_image_size: tuple[int, int] | None = None, device: str = "cpu") -> None:
+                 max_image_size: tuple[int, int] | None = None, device: str = "cpu",
+                 chat_template: str | None = None) -> None:
         """``mm_processor_kwargs`` go to the image processor on every call (the family's
         start-up probes included) and into every image's hash; a key it does not take, or a
         value it refuses, is a ``ValueError`` here, at start-up. ``device`` is the engine's:
         on a GPU the pixels' rescaling and normalization are left to it
-        (``MultiModalFamily.pixel_arithmetic_for``)."""
+        (``MultiModalFamily.pixel_arithmetic_for``). ``chat_template`` (a file's path or a
+        template's text, ``load_chat_template``) replaces the checkpoint's chat template; a
+        missing file or a template that does not parse is a ``ValueError`` here too."""
+        template = load_chat_template(chat_template)
         self.family = family_for(model_dir, hf_config, mm_processor_kwargs, max_image_size)
         self.pixel_arithmetic = self.family.pixel_arithmetic_for(device)
         self._decoded_copies = _decoded_copies(self.family.image_processor)
         self.processor = self.family.processor
+        if template is not None:
+            # The processor renders with its own template unless given one; set once here,
+            # it replaces the checkpoint's (one template, or several by name) in every chat.
+            self.processor.chat_template = template
         self.tokenizer = self.family.tokenizer
         self.image_processor = self.family.image_processor
         self.mm_processor_kwargs = self.family.mm_processor_kwargs
@@ -120,7 +131,8 @@ class InputProcessor:
             images = [images]
         max_chars = None if max_tokens is None else 2 * max_tokens * self.max_token_chars
         if "messages" in prompt:
-            text, images = self.render_chat(prompt["messages"], list(images), max_chars)
+            text, images = self.render_chat(prompt["messages"], list(images), max_chars,
+                                            prompt.get("tools"))
         elif "prompt" in prompt:
             text = prompt["prompt"]
             if not isinstance(text, str):
@@ -142,28 +154,42 @@ class InputProcessor:
         # One image at a time, so only one decoded image and its resize are alive at once.
         return self._tokenize(text, [self._preprocess_image(im) for im in images])
 
-    def render_chat(self, messages: Any, images: list[ImageLike], max_chars: int | None = None
-                    ) -> tuple[str, list[ImageLike]]:
+    def render_chat(self, messages: Any, images: list[ImageLike], max_chars: int | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ImageLike]]:
         """Render OpenAI-style messages with the chat template; returns text and images in
         placeholder order (``{"type": "image"}`` parts take from ``images`` in order,
         ``image_url`` parts carry their own). Messages whose text is over ``max_chars``
-        characters are refused before rendering."""
+        characters are refused before rendering. ``tools``: the functions (OpenAI's
+        ``tools``) the template shows the model; a message's ``tool_calls`` (an assistant's
+        earlier calls) and ``tool_call_id`` (a tool's result) reach it as they are."""
         if not isinstance(messages, list) or not messages:
             raise InvalidInputError("'messages' must be a non-empty list", param="messages")
+        if tools is not None and not (isinstance(tools, list)
+                                      and all(isinstance(t, dict) for t in tools)):
+            raise InvalidInputError("'tools' must be a list of {'type': 'function', "
+                                    "'function': {...}}", param="tools")
         pending = list(images)
         ordered: list[ImageLike] = []
         rendered = []
-        chars = 0  # of text so far
+        # Text so far: the tools' too, which the template writes into the prompt.
+        chars = 0 if tools is None else len(json.dumps(tools, ensure_ascii=False))
+        self._check_length(chars, max_chars, "tools")
         for i, msg in enumerate(messages):
             if not isinstance(msg, dict) or "role" not in msg:
                 raise InvalidInputError(f"messages[{i}] must be an object with a 'role'",
                                         param=f"messages[{i}]")
             role = msg["role"]
-            if role not in ("system", "user", "assistant", "developer"):
+            if role not in ("system", "user", "assistant", "developer", "tool"):
                 raise InvalidInputError(
-                    f"messages[{i}].role {role!r} is not one of system, user, assistant",
+                    f"messages[{i}].role {role!r} is not one of system, user, assistant, tool",
                     param=f"messages[{i}].role")
             role = "system" if role == "developer" else role
+            extra = {name: msg[name] for name in ("tool_call_id", "name")
+                     if msg.get(name) is not None}
+            if msg.get("tool_calls"):
+                extra["tool_calls"] = template_tool_calls(msg["tool_calls"],
+                                                          f"messages[{i}].tool_calls")
+            chars += len(json.dumps(extra, ensure_ascii=False, default=str)) if extra else 0
             content = msg.get("content")
             if content is None:
                 content = ""
@@ -171,7 +197,8 @@ class InputProcessor:
                 chars += len(content)
                 self._check_length(chars, max_chars, f"messages[{i}].content")
                 self._check_text(content, f"messages[{i}].content")
-                rendered.append({"role": role, "content": [{"type": "text", "text": content}]})
+                rendered.append({"role": role, "content": [{"type": "text", "text": content}],
+                                 **extra})
                 continue
             if not isinstance(content, list):
                 raise InvalidInputError(f"messages[{i}].content must be a string or a list",
@@ -218,14 +245,23 @@ class InputProcessor:
                         f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url', "
                         "'image_pil'",
                         param=where)
-            rendered.append({"role": role, "content": parts})
+            rendered.append({"role": role, "content": parts, **extra})
         if pending:
             raise InvalidInputError(
                 f"{len(pending)} image(s) in 'images' have no {{'type': 'image'}} part in the "
                 "messages; add one part per image.", param="images")
-        # Pure text rendering (jinja): no lock needed.
-        text = self.processor.apply_chat_template(
-            rendered, add_generation_prompt=rendered[-1]["role"] != "assistant", tokenize=False)
+        # Pure text rendering (jinja): no lock needed. A template refuses what it cannot
+        # render (a role it has no turn for, turns out of order) by raising.
+        try:
+            text = self.processor.apply_chat_template(
+                rendered, add_generation_prompt=rendered[-1]["role"] != "assistant",
+                tokenize=False, **({} if tools is None else {"tools": tools}))
+        except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError,
+                IndexError) as e:
+            raise InvalidInputError(
+                f"the chat template cannot render these messages: {str(e)[:300]}; change the "
+                "messages (or start the server with a --chat-template that renders them).",
+                param="messages") from None
         n = text.count(self.image_token)
         if n != len(ordered):  # e.g. the placeholder split across two text parts
             raise InvalidInputError(
@@ -407,3 +443,31 @@ def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(dict.fromkeys(eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def template_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier ``tool_calls`` (OpenAI's), checked, each call's
+    ``arguments`` (JSON text on the wire) made the object chat templates expect."""
+    if not isinstance(calls, list):
+        raise InvalidInputError(f"{where} must be a list of tool calls", param=where)
+    out = []
+    for j, call in enumerate(calls):
+        cwhere = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise InvalidInputError(f"{cwhere} must be {{'id': ..., 'type': 'function', "
+                                    "'function': {'name': ..., 'arguments': '...'}}",
+                                    param=cwhere)
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except (ValueError, RecursionError):
+                raise InvalidInputError(f"{cwhere}.function.arguments is not valid JSON",
+                                        param=f"{cwhere}.function.arguments") from None
+        call_id = call.get("id")
+        if call_id is not None and not isinstance(call_id, str):
+            raise InvalidInputError(f"{cwhere}.id must be a string", param=f"{cwhere}.id")
+        out.append({"id": call_id, "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
