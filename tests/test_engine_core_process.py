@@ -420,3 +420,22 @@ def test_a_slow_grammar_holds_up_no_message_behind_it() -> None:
     assert next_command() is STOP
     reader.join(10)
     assert not reader.is_alive() and commands.empty()
+
+
+def test_prompt_token_ids_are_those_a_request_reads(core: Core) -> None:
+    """What ``/tokenize`` answers with: the prompt's tokens, images' placeholders expanded,
+    as the front end makes a request of it (in either layout)."""
+    async def main() -> list[tuple[list[int], list[int]]]:
+        pairs = []
+        for i, prompt in enumerate(PROMPTS):
+            ids = await core.client.prompt_token_ids(prompt)
+            out = await collect(await core.client.add_request(
+                f"t{i}", prompt, SamplingParams(max_tokens=1)))
+            pairs.append((ids, out.prompt_token_ids))
+        return pairs
+
+    pairs = core.run(main())
+    for ids, read in pairs:
+        assert ids == read
+    assert len(pairs[2][0]) > len(pairs[1][0]) > len(pairs[0][0])  # 2, 1 and 0 images
+    assert_drained(core)

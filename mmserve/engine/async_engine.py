@@ -50,6 +50,7 @@ from mmserve.engine.request_maker import RequestMaker
 from mmserve.engine.step_loop import STOP, AbortRequest, QueueRequest, refuse, run_steps
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
+from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.compute_thread import ComputeThread, single_threaded
 
@@ -167,9 +168,14 @@ class EngineClient:
         raise NotImplementedError
 
     @property
+    def processor(self) -> InputProcessor:
+        """The processor requests are made with."""
+        raise NotImplementedError
+
+    @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer (what a token stands for, in logprobs)."""
-        raise NotImplementedError
+        return self.processor.tokenizer
 
     # ----------------------------------------------------------------- state
     @property
@@ -258,6 +264,17 @@ class EngineClient:
                 self._streams.pop(rid, None)
             raise
         return streams
+
+    async def prompt_token_ids(self, prompt: dict[str, Any]) -> list[int]:
+        """The token ids the model reads for ``prompt`` (its images' placeholders expanded),
+        as a request of it would be made, on the preprocessing threads; raises
+        ``InvalidInputError`` as making the request would."""
+        assert self._loop is not None
+        pool = self._preprocess if _carries_images(prompt) else self._preprocess_text
+        processed = await self._loop.run_in_executor(
+            pool, self.processor.process, prompt, self.config.limit_mm_per_prompt,
+            self.config.max_model_len)
+        return processed.token_ids
 
     def abort(self, request_id: str) -> None:
         """Stop a request and release its KV blocks and encoder-cache references. Harmless for
@@ -422,8 +439,8 @@ class AsyncEngine(EngineClient):
                 and not self._loop_done.done())
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.processor.tokenizer
+    def processor(self) -> InputProcessor:
+        return self.engine.processor
 
     # ----------------------------------------------------------------- requests
     def _make(self, prompt: dict[str, Any], params: SamplingParams, request_id: str) -> Request:

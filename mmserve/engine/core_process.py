@@ -54,6 +54,7 @@ from mmserve.engine.request import Request
 from mmserve.engine.request_maker import RequestMaker, processor_and_grammars
 from mmserve.engine.step_loop import STOP, AbortRequest, QueueRequest, run_steps
 from mmserve.errors import EngineDeadError, InvalidInputError
+from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.executor import exit_status, exit_with_parent
 
@@ -125,8 +126,8 @@ class EngineCoreClient(EngineClient):
         return self._proc.pid
 
     @property
-    def tokenizer(self) -> Any:
-        return self.request_maker.processor.tokenizer
+    def processor(self) -> InputProcessor:
+        return self.request_maker.processor
 
     def _wait_ready(self, timeout: float) -> CoreReady:
         ready = wait([self._conn, self._proc.sentinel], timeout)

@@ -5,7 +5,8 @@ Endpoints: ``POST /v1/chat/completions`` (plain or streamed as server-sent event
 ``POST /v1/completions`` (text or token-id prompts, one or several; plain or streamed),
 ``GET /v1/models``, ``GET /health`` (200 while the engine loop lives; never needs a key),
 ``GET /metrics`` (Prometheus text), ``GET /stats`` (the engine's counters as JSON, for
-operators, tests and the chat page) and ``GET /`` (the chat page, ``chat_page.py``; its page
+operators, tests and the chat page), vLLM's ``POST /tokenize`` and ``POST /detokenize``, and
+``GET /`` (the chat page, ``chat_page.py``; its page
 and assets never need a key, the API calls it makes do). Every error is OpenAI's JSON error
 body; every response carries an ``X-Request-Id`` that the server's log lines about it quote.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import functools
 import hmac
 import json
@@ -58,6 +60,10 @@ from mmserve.step import TokenLogprobs
 from mmserve.worker.compute_thread import ComputeThread
 
 logger = logging.getLogger(__name__)
+
+# /tokenize requests processed at once, and processed or waiting.
+MAX_TOKENIZING = 4
+MAX_TOKENIZE_WAITING = 64
 
 
 class ApiKeyMiddleware:
@@ -161,12 +167,20 @@ class OpenAIServer:
         else:
             self.engine = AsyncEngine(engine, config.max_queue, observer=self.metrics,
                                       on_dead=self._engine_died, compute=compute)
+        # /tokenize requests processed at once (each waits its turn): they take the
+        # preprocessing threads that requests use, and no slot in the engine bounds them.
+        self._tokenizing = asyncio.Semaphore(MAX_TOKENIZING)
+        self._num_tokenizing = 0  # processed or waiting; past MAX_TOKENIZE_WAITING, 503
         # Set by ``serve``: the uvicorn server to stop if the engine dies.
         self.http_server: Any = None
 
+        # The event loop's own tokenizer: a fast tokenizer is not safe to share between
+        # threads, and the preprocessing threads tokenize with the processor's meanwhile.
+        self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+
         @functools.lru_cache(maxsize=1 << 16)
         def token_text(token_id: int) -> str:  # what a token stands for, for logprobs
-            return self.engine.tokenizer.decode([token_id])
+            return self.tokenizer.decode([token_id])
 
         self._token_text = token_text
 
@@ -193,6 +207,40 @@ class OpenAIServer:
 
     async def stats(self, request: Request) -> Response:
         return JSONResponse({**self.engine.stats(), "num_in_flight": self.engine.num_in_flight})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /tokenize``: the tokens the model reads for a completions prompt or a
+        chat's messages (images' placeholders expanded, as each image's size makes them)."""
+        try:
+            req = proto.parse_tokenize_request(await self._read_json(request), self.max_images)
+            self._check_model(req.model)
+            if self._num_tokenizing >= MAX_TOKENIZE_WAITING:
+                raise QueueFullError(f"{MAX_TOKENIZE_WAITING} /tokenize requests are already "
+                                     "waiting; retry later.")
+            self._num_tokenizing += 1
+            try:
+                async with self._tokenizing:
+                    images = await asyncio.gather(*(self.media.load(url)
+                                                    for url in req.image_urls))
+                    ids = await self.engine.prompt_token_ids(
+                        {**req.prompt, "images": list(images)})
+            finally:
+                self._num_tokenizing -= 1
+        except (ApiError, InvalidInputError, QueueFullError) as e:
+            return _error_response(_as_api_error(e))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len,
+                             "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``POST /detokenize``: the text of token ids, special tokens' included."""
+        try:
+            ids, model = proto.parse_detokenize_request(
+                await self._read_json(request), len(self.tokenizer), self.max_model_len)
+            self._check_model(model)
+        except ApiError as e:
+            return _error_response(e)
+        return JSONResponse({"prompt": self.tokenizer.decode(ids)})
 
     # ----------------------------------------------------------------- chat
     async def chat(self, request: Request) -> Response:
@@ -236,13 +284,16 @@ class OpenAIServer:
                                     "send numbers of ordinary size.") from None
 
     def _check_model_and_room(self, model: str | None) -> None:
-        if model is not None and model != self.model:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.model!r}.", param="model", code="model_not_found")
+        self._check_model(model)
         if not self.engine.has_room():  # add_request checks again
             raise QueueFullError(
                 f"{self.engine.max_waiting} requests are already waiting for a slot "
                 f"(--max-queue {self.engine.max_waiting}); retry later.")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{self.model!r}.", param="model", code="model_not_found")
 
     async def _read_body(self, request: Request) -> bytes:
         cap = self.config.max_request_body_bytes
@@ -479,7 +530,7 @@ class OpenAIServer:
         """What ``echo`` repeats of a completions prompt: its text, or its token ids'."""
         if "prompt" in prompt:
             return prompt["prompt"]
-        return self.engine.tokenizer.decode(prompt["prompt_token_ids"])
+        return self.tokenizer.decode(prompt["prompt_token_ids"])
 
     async def _completion_sse(self, rid: str, streams: list[RequestStream],
                               include_usage: bool, n: int, echoes: list[str] | None = None,
@@ -545,6 +596,8 @@ class OpenAIServer:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             *chat_page.routes(),
         ]
         return Starlette(

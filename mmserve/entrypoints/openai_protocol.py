@@ -162,6 +162,79 @@ def parse_completion_request(body: Any, max_model_len: int,
                              model=model, echo=echo, prompt_only=prompt_only)
 
 
+@dataclass
+class TokenizeRequest:
+    """A validated ``POST /tokenize`` (vLLM's): a completions prompt (``{"prompt": text}``)
+    or a chat's messages (``{"messages": [...]}``, with ``tools`` where it has them; its
+    image URLs in ``image_urls``)."""
+
+    prompt: dict[str, Any]
+    image_urls: list[str]
+    return_token_strs: bool = False
+    model: str | None = None
+
+
+# The options of vLLM's /tokenize that change how a prompt is rendered, with the values that
+# give the tokens a generation request reads, the only ones taken (by the form they apply to).
+_TOKENIZE_RENDERING = {"prompt": {"add_special_tokens": True},
+                       "messages": {"add_generation_prompt": True,
+                                    "continue_final_message": False,
+                                    "add_special_tokens": False}}
+
+
+def parse_tokenize_request(body: Any, max_images: int) -> TokenizeRequest:
+    """Validate a decoded JSON body of ``POST /tokenize``: the tokens are those the model
+    reads for the same prompt on ``/v1/completions`` or ``/v1/chat/completions``."""
+    model = _model(body)
+    strs = _get(body, "return_token_strs", bool, False)
+    form = "messages" if "messages" in body else "prompt"
+    if form == "messages" and "prompt" in body:
+        raise bad_request("send 'prompt' or 'messages', not both", "prompt")
+    for name, value in _TOKENIZE_RENDERING[form].items():
+        given = _get(body, name, bool, value)
+        if given != value:
+            raise bad_request(f"{name}={str(given).lower()} is not supported: /tokenize gives "
+                              f"the tokens a generation request of this {form} reads; leave "
+                              "it out.", name)
+    if form == "prompt":
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise bad_request("'prompt' must be a non-empty string (or send 'messages')",
+                              "prompt")
+        _check_text(prompt, "prompt")
+        return TokenizeRequest({"prompt": prompt}, [], strs, model)
+    messages, urls = _parse_messages(body.get("messages"))
+    if len(urls) > max_images:
+        raise bad_request(f"the messages carry {len(urls)} images but at most {max_images} are "
+                          "allowed per prompt (--limit-mm-per-prompt); send fewer images.",
+                          "messages")
+    try:
+        tools, _ = tool_calls.parse_tools({"tools": body.get("tools")}, None)
+    except InvalidInputError as e:
+        raise bad_request(str(e), e.param) from None
+    chat = {"messages": messages, **({} if tools is None else {"tools": tools})}
+    return TokenizeRequest(chat, urls, strs, model)
+
+
+def parse_detokenize_request(body: Any, vocab_size: int, max_tokens: int
+                             ) -> tuple[list[int], str | None]:
+    """Validate a decoded JSON body of ``POST /detokenize``: its token ids (each in the
+    vocabulary, at most ``max_tokens`` of them) and ``model``."""
+    model = _model(body)
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+        raise bad_request("'tokens' must be a list of token ids", "tokens")
+    if len(tokens) > max_tokens:
+        raise bad_request(f"'tokens' has {len(tokens)} ids; at most {max_tokens} (the model's "
+                          "max_model_len) are taken", "tokens")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {_short_int(bad)} is not in the vocabulary (0 to "
+                          f"{vocab_size - 1})", "tokens")
+    return tokens, model
+
+
 def _parse_prompts(prompt: Any) -> list[dict[str, Any]]:
     """OpenAI's prompt forms: a string, a list of token ids, or a list of either."""
     def one(item: Any, where: str) -> dict[str, Any]:
