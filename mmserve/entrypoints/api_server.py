@@ -259,7 +259,8 @@ class OpenAIServer:
             return _error_response(err)
         if chat.stream:
             return StreamingResponse(
-                self._sse(request_id, streams, chat.include_usage, chat.tool_choice),
+                self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
+                          chat.continuous_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, request_id, streams, chat.tool_choice)
@@ -384,11 +385,13 @@ class OpenAIServer:
                                              _usage_of([outs])))
 
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
-                   tool_choice: tool_calls.ToolChoice) -> AsyncIterator[str]:
+                   tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False
+                   ) -> AsyncIterator[str]:
         """A chat answer's chunks: each choice's role first, with the choice's first output
         (as OpenAI and vLLM send it: a client that times the first chunk times the first
         token), then its text as it comes (or the tool calls read from it), in the order the
-        choices produce it (``index`` says whose), the usage last when asked."""
+        choices produce it (``index`` says whose), the usage last when asked (and in every
+        chunk, that choice's so far, with ``continuous_usage``)."""
         created = int(time.time())
         answers = [_Answer() for _ in streams]
         readers = [tool_calls.reader_for(tool_choice, self.tool_parser) for _ in streams]
@@ -398,6 +401,8 @@ class OpenAIServer:
             logprobs = None
             if out is not None and out.logprobs is not None:  # the tokens since the last chunk
                 logprobs = proto.logprobs_content(*answers[index].unsent(), self._token_text)
+            if continuous_usage and delta is not None:
+                usage = answers[index].usage_so_far()
             body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage,
                                logprobs, index)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
@@ -410,10 +415,10 @@ class OpenAIServer:
                     if isinstance(out, str):  # an error event: the stream ends after it
                         yield out
                         break
+                    answers[index].add(out)
                     if not started[index]:
                         started[index] = True
                         yield event(index, {"role": "assistant", "content": ""})
-                    answers[index].add(out)
                     reader = readers[index]
                     if reader is None:
                         deltas = [{"content": out.new_text}] if out.new_text else []
@@ -504,7 +509,7 @@ class OpenAIServer:
         if req.stream:
             return StreamingResponse(
                 self._completion_sse(request_id, streams, req.include_usage, n, echoes,
-                                     req.prompt_only),
+                                     req.prompt_only, req.continuous_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         outs = await self._final_outputs(request, streams)
@@ -534,11 +539,13 @@ class OpenAIServer:
 
     async def _completion_sse(self, rid: str, streams: list[RequestStream],
                               include_usage: bool, n: int, echoes: list[str] | None = None,
-                              prompt_only: bool = False) -> AsyncIterator[str]:
+                              prompt_only: bool = False, continuous_usage: bool = False
+                              ) -> AsyncIterator[str]:
         """The choices' streams merged into one, each chunk one choice's new text (``index``
         says which), after a chunk of each choice's prompt where ``echoes`` has them (with
         ``prompt_only``, nothing generated follows); the usage of them all last when asked
-        for."""
+        for (and in each chunk of new text, its choice's so far, with
+        ``continuous_usage``)."""
         created = int(time.time())
 
         def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
@@ -568,7 +575,8 @@ class OpenAIServer:
                             *answers[index].unsent(), self._token_text, offsets[index])
                         offsets[index] += sum(len(t) for t in logprobs["tokens"])
                     reason = out.finish_reason if out.finished else None
-                    yield event(proto.completion_choice(index, out.new_text, reason, logprobs))
+                    yield event(proto.completion_choice(index, out.new_text, reason, logprobs),
+                                answers[index].usage_so_far() if continuous_usage else None)
                     if out.finished:
                         finals[index] = answers[index].whole(out)
                 else:
@@ -628,14 +636,22 @@ class _Answer:
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprobs] | None = None
         self.sent = 0  # tokens whose log-probabilities went out with an earlier chunk
+        self.last: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
+        self.last = out
         self.pieces.append(out.text)
         self.token_ids += out.token_ids
         if out.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs += out.logprobs
+
+    def usage_so_far(self) -> dict[str, Any]:
+        """The choice's usage as of its last output (vLLM's ``continuous_usage_stats``)."""
+        last = self.last
+        assert last is not None
+        return proto.usage(last.num_prompt_tokens, len(self.token_ids), last.num_cached_tokens)
 
     def unsent(self) -> tuple[list[int], list[TokenLogprobs]]:
         """The tokens since the last call, and their log-probabilities."""

@@ -62,6 +62,7 @@ class ChatRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's: the usage so far in every chunk too
     model: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice = ToolChoice()
@@ -89,13 +90,14 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
     if top_logprobs is not None and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     _check_num_logprobs(top_logprobs, "top_logprobs")
-    stream, include_usage = _stream_options(body)
+    stream, include_usage, continuous_usage = _stream_options(body)
     params = _sampling_params(body, max_model_len, default_max_tokens=max_model_len,
                               logprobs=(top_logprobs or 0) if logprobs else None,
                               defaults=defaults or {},
                               tool_schema=tools and tool_calls.output_schema(tools, tool_choice))
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
-                       model=model, tools=tools, tool_choice=tool_choice)
+                       continuous_usage=continuous_usage, model=model, tools=tools,
+                       tool_choice=tool_choice)
 
 
 @dataclass
@@ -106,6 +108,7 @@ class CompletionRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     model: str | None = None
     # ``echo``: each choice's text (and log-probabilities) starts with its prompt's; with
     # ``max_tokens`` 0 (``prompt_only``) it is the prompt's alone (the engine samples one
@@ -146,7 +149,7 @@ def parse_completion_request(body: Any, max_model_len: int,
                           "send 1.", "best_of")
     logprobs = _get(body, "logprobs", int, None)
     _check_num_logprobs(logprobs, "logprobs")
-    stream, include_usage = _stream_options(body)
+    stream, include_usage, continuous_usage = _stream_options(body)
     if echo and stream and logprobs is not None:
         raise bad_request("'echo' with 'logprobs' is answered whole: send 'stream': false (a "
                           "stream echoes the prompt's text, without its log-probabilities)",
@@ -159,7 +162,8 @@ def parse_completion_request(body: Any, max_model_len: int,
                           f"choices; at most {MAX_COMPLETION_PROMPTS} are allowed in one "
                           "request, send fewer prompts or a smaller n.", "n")
     return CompletionRequest(prompts, params, stream=stream, include_usage=include_usage,
-                             model=model, echo=echo, prompt_only=prompt_only)
+                             continuous_usage=continuous_usage, model=model, echo=echo,
+                             prompt_only=prompt_only)
 
 
 @dataclass
@@ -277,11 +281,12 @@ def _check_num_logprobs(value: int | None, name: str) -> None:
                           f"{_short_int(value)}", name)
 
 
-def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
-    """``stream`` and ``stream_options.include_usage``."""
+def _stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """``stream``, ``stream_options.include_usage`` and vLLM's
+    ``stream_options.continuous_usage_stats`` (which takes effect with ``include_usage``)."""
     stream = _get(body, "stream", bool, False)
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if not stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true",
@@ -289,7 +294,8 @@ def _stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
         if not isinstance(options, dict):
             raise bad_request("'stream_options' must be an object", "stream_options")
         include_usage = _get(options, "include_usage", bool, False, "stream_options.")
-    return stream, include_usage
+        continuous = _get(options, "continuous_usage_stats", bool, False, "stream_options.")
+    return stream, include_usage, include_usage and continuous
 
 
 def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_tokens: int,
