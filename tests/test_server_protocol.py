@@ -143,6 +143,11 @@ def test_every_form_of_output_constraint() -> None:
     ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024 tokens"),
     # A field that changes the answer and that mmserve does not implement: never ignored.
     ({"tool_choice": "auto"}, "tool_choice", "needs 'tools'"),
+    ({"modalities": ["text", "audio"]}, "modalities", "text only"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported"),
+    ({"web_search_options": {}}, "web_search_options", "not supported"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": 1}},
+     "stream_options.continuous_usage_stats", "must be a boolean"),
     ({"min_tokens": 17, "max_tokens": 16}, "min_tokens", "from 0 to max_tokens (16)"),
     ({"min_tokens": 1.5}, "min_tokens", "must be an integer"),
     ({"min_p": 1.1}, "min_p", "from 0 to 1"),

@@ -56,3 +56,9 @@ def test_every_chunk_carries_its_choices_usage_so_far(http: TestClient, path: st
     assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"] == whole
     alone = _events(http, path, {**body, "stream_options": {"continuous_usage_stats": True}})
     assert all("usage" not in e for e in alone)
+
+
+def test_version(http: TestClient) -> None:
+    import mmserve
+
+    assert http.get("/version").json() == {"version": mmserve.__version__}

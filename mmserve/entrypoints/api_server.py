@@ -3,8 +3,8 @@
 
 Endpoints: ``POST /v1/chat/completions`` (plain or streamed as server-sent events),
 ``POST /v1/completions`` (text or token-id prompts, one or several; plain or streamed),
-``GET /v1/models``, ``GET /health`` (200 while the engine loop lives; never needs a key),
-``GET /metrics`` (Prometheus text), ``GET /stats`` (the engine's counters as JSON, for
+``GET /v1/models``, ``GET /version``, ``GET /health`` (200 while the engine loop lives; never
+needs a key), ``GET /metrics`` (Prometheus text), ``GET /stats`` (the engine's counters as JSON, for
 operators, tests and the chat page), vLLM's ``POST /tokenize`` and ``POST /detokenize``, and
 ``GET /`` (the chat page, ``chat_page.py``; its page
 and assets never need a key, the API calls it makes do). Every error is OpenAI's JSON error
@@ -45,6 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import mmserve
 from mmserve.engine.async_engine import AsyncEngine, EngineClient, QueueFullError, RequestStream
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints import chat_page, tool_calls
@@ -201,6 +202,9 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(proto.model_list(self.model, self.created, self.max_model_len))
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": mmserve.__version__})
 
     async def metrics_endpoint(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -601,6 +605,7 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),

@@ -81,6 +81,13 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
         raise bad_request(
             f"the messages carry {len(image_urls)} images but at most {max_images} are allowed "
             "per prompt (--limit-mm-per-prompt); send fewer images.", "messages")
+    modalities = body.get("modalities")
+    if modalities not in (None, ["text"]):
+        raise bad_request("mmserve answers in text only: send 'modalities': ['text'] or leave "
+                          "it out", "modalities")
+    for name in ("audio", "web_search_options"):
+        if body.get(name) is not None:
+            raise bad_request(f"'{name}' is not supported by mmserve; leave it out.", name)
     try:
         tools, tool_choice = tool_calls.parse_tools(body, tool_parser)
     except InvalidInputError as e:
