@@ -83,6 +83,10 @@ def check_mm_processor_kwargs(value: Any) -> dict[str, Any] | None:
     return copy.deepcopy(value) or None
 
 
+# How a chat template takes each message's content (``chat_template_content_format``).
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every setting of one engine. Fields left as ``None`` are decided at start-up.
@@ -191,8 +195,13 @@ class EngineConfig:
     chat_template: str | None = flag(
         None, "the Jinja chat template that renders chat messages, in place of the "
         "checkpoint's own: the path of a file holding it, or the template's text itself "
-        "(a value that looks like a path, with no '{' and a .jinja, .j2 or .txt suffix or a "
-        "path separator, must name an existing file)")
+        "(a value with no '{', '}' or line break must name an existing file)")
+    # ``processing/chat_template.py``'s ``content_format``.
+    chat_template_content_format: str = flag(
+        "auto", "how the chat template takes each message's content: openai, a list of parts "
+        "(text and images), as vision-language templates do; string, the text alone, as text "
+        "models' templates (Qwen2.5's, with its tools) do; auto: openai where the template "
+        "loops over a message's content", choices=CONTENT_FORMATS)
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "cpu_threads", "max_num_batched_tokens"):

@@ -88,7 +88,7 @@ class StructuredOutputs:
                     raise bad(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(self.json, dict):
                 raise bad("the JSON schema must be a JSON object (a dict).")
-            if _nesting(self.json, MAX_SCHEMA_DEPTH + 1) > MAX_SCHEMA_DEPTH:
+            if json_nesting(self.json, MAX_SCHEMA_DEPTH + 1) > MAX_SCHEMA_DEPTH:
                 raise bad(f"the JSON schema nests objects and arrays more than "
                           f"{MAX_SCHEMA_DEPTH} levels deep; flatten it (a definition under "
                           "$defs, referenced with $ref, can be used at any depth).")
@@ -352,7 +352,7 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
 
-def _nesting(value: object, limit: int) -> int:
+def json_nesting(value: object, limit: int) -> int:
     """Levels of dicts and lists in ``value`` (a JSON document), counted up to ``limit``: one
     level at a time, without recursion (a client's document may nest past Python's stack)."""
     depth, level = 0, [value]

@@ -146,7 +146,8 @@ def test_a_file_is_read_whatever_its_name(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("value", ["missing.jinja", "missing.j2", "Missing.TXT", "dir/missing",
-                                   "./missing"])
+                                   "./missing", "mytemplate", "tool_template.jinja2",
+                                   "Answer:"])
 def test_a_value_that_looks_like_a_path_must_be_a_file(value: str, tmp_path,
                                                        monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -155,7 +156,7 @@ def test_a_value_that_looks_like_a_path_must_be_a_file(value: str, tmp_path,
     assert repr(value) in str(e.value) and "no template file" in str(e.value)
 
 
-@pytest.mark.parametrize("value", ["Answer:", "{{ messages[0]['content'] }}/x.jinja",
+@pytest.mark.parametrize("value", ["{{ messages[0]['content'] }}/x.jinja", "Answer: }",
                                    "line one\nline two.txt"])
 def test_any_other_value_is_the_template(value: str, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)

@@ -16,10 +16,17 @@ from starlette.testclient import TestClient
 
 from mmserve import LLM, SamplingParams
 from mmserve.entrypoints import openai_protocol as proto
-from mmserve.entrypoints import tool_calls
 from mmserve.entrypoints.api_server import OpenAIServer
 from mmserve.entrypoints.serve_args import ServerConfig
-from mmserve.entrypoints.tool_calls import HermesCalls, NamedCall, RequiredCalls, ToolChoice
+from mmserve.entrypoints.tool_call_readers import (
+    CallReader,
+    HermesCalls,
+    NamedCall,
+    RequiredCalls,
+    merge,
+)
+from mmserve.entrypoints.tool_calls import ToolChoice
+from mmserve.processing.chat_tools import template_tool_calls
 from mmserve.sampling_params import StructuredOutputs
 from tests.conftest import assert_no_leaks, make_image
 from tests.test_server import data_url
@@ -50,7 +57,7 @@ HERMES = ('<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "(Pari
 
 
 # ----------------------------------------------------------------- the readers
-def _read(reader: tool_calls.CallReader, text: str, cuts: list[int]) -> list[dict]:
+def _read(reader: CallReader, text: str, cuts: list[int]) -> list[dict]:
     deltas, start = [], 0
     for cut in [*cuts, len(text)]:
         deltas += reader.feed(text[start:cut])
@@ -79,6 +86,18 @@ CASES = [
     (lambda: HermesCalls(False, _ids()),
      '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>',
      (None, [("a", "{}")])),
+    # Content on both sides of a call stays apart; NaN is no JSON, so no call.
+    (lambda: HermesCalls(True, _ids()),
+     'A \n<tool_call>{"name": "f", "arguments": {}}</tool_call>\n B\n',
+     ("A\nB", [("f", "{}")])),
+    (lambda: HermesCalls(True, _ids()), '<tool_call>{"name": "f", "arguments": {"x": NaN}}',
+     ('<tool_call>{"name": "f", "arguments": {"x": NaN}}', [])),
+    # Cut off inside the closing tag: still the call.
+    (lambda: HermesCalls(True, _ids()), '<tool_call>{"name": "f", "arguments": {}}</tool_c',
+     (None, [("f", "{}")])),
+    # Whitespace anywhere JSON allows it.
+    (lambda: RequiredCalls(_ids()), '[ { "name" : "f" ,\n "parameters" : { "a" : 1 } } ]',
+     (None, [("f", '{ "a" : 1 }')])),
     # No call: the text exactly, whitespace, a tag's prefix and all.
     (lambda: HermesCalls(True, _ids()), "  plain <tool answer\n\n",
      ("  plain <tool answer\n\n", [])),
@@ -95,7 +114,7 @@ def test_readers_agree_however_the_text_is_cut(make, text, expected) -> None:
     cuttings = [[], list(range(1, len(text)))] + [
         sorted(rng.sample(range(1, len(text)), k)) for k in (1, 3, 8, 20) if k < len(text)]
     for cuts in cuttings:
-        content, calls = tool_calls.merge(_read(make(), text, cuts))
+        content, calls = merge(_read(make(), text, cuts))
         assert (content, [(c["function"]["name"], c["function"]["arguments"])
                           for c in calls]) == expected, cuts
         assert [c["id"] for c in calls] == [f"call-{i}" for i in range(len(calls))]
@@ -175,14 +194,19 @@ def test_the_choices_constraints() -> None:
     assert proto.parse_completion_request({"prompt": "hi", "tool_choice": "none"}, 256)
 
 
-def test_tool_messages_reach_the_template_as_templates_take_them() -> None:
+def test_tool_messages_pass_the_door_as_sent() -> None:
+    """Checked at the door, made the template's by the processor (once: arguments that are
+    JSON text of a string stay that string)."""
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     chat = proto.parse_chat_request({"messages": [
         {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}]}, 256, 4)
-    assert chat.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert chat.messages[1]["tool_calls"] == [call]
     assert chat.messages[2] == {"role": "tool", "content": "-3 C", "tool_call_id": "c1"}
+    quoted = {"function": {"name": "echo", "arguments": json.dumps(json.dumps({"a": 1}))}}
+    assert template_tool_calls([quoted], "x")[0]["function"]["arguments"] == '{"a": 1}'
 
 
 # ----------------------------------------------------------------- over HTTP
@@ -256,7 +280,7 @@ def _without_ids(calls: list[dict]) -> list[dict]:
 
 def _assert_streamed_as_whole(http: TestClient, whole: dict, **body) -> None:
     deltas, reason = _stream(http, **body)
-    content, calls = tool_calls.merge(deltas)
+    content, calls = merge(deltas)
     message = whole["choices"][0]["message"]
     assert content == message["content"]
     assert _without_ids(calls) == _without_ids(message.get("tool_calls", []))
@@ -449,3 +473,86 @@ def test_a_template_that_refuses_a_conversation_is_a_400(clip_llama: str) -> Non
                        "Unsupported role: tool") as err:
         processor.process({"messages": CALLED})
     assert err.value.param == "messages"
+
+
+def test_deep_nesting_is_a_400_not_a_crash(served: TestClient) -> None:
+    deep = json.loads('{"a": ' * 600 + "1" + "}" * 600)
+    called = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "c", "type": "function", "function": {"name": "f", "arguments": json.dumps(deep)}}]}
+    for body, param in (
+            ({"tools": [{"type": "function", "function": {"name": "f", "parameters": deep}}],
+              "tool_choice": "none"}, "tools[0].function.parameters"),
+            ({"messages": [{"role": "user", "content": "hi"}, called]},
+             "messages[1].tool_calls[0].function.arguments")):
+        resp = served.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                         "messages": _messages(), **body})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param
+        assert "levels deep" in resp.json()["error"]["message"]
+    assert _chat(served, max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+def test_each_of_n_choices_makes_its_own_calls(served: TestClient) -> None:
+    body = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "n": 3,
+            "temperature": 1.0, "seed": 11}
+    whole = _chat(served, **body)["choices"]
+    assert len(whole) == 3 and len({c["message"]["tool_calls"][0]["id"] for c in whole}) == 3
+    with served.stream("POST", "/v1/chat/completions", json={
+            "model": "tiny", "messages": _messages(), "max_tokens": 60, "stream": True,
+            **body}) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: {")]
+    for choice in whole:
+        deltas = [e["choices"][0]["delta"] for e in events
+                  if e["choices"] and e["choices"][0]["index"] == choice["index"]]
+        _, calls = merge([d for d in deltas[1:] if d])
+        assert _without_ids(calls) == _without_ids(choice["message"]["tool_calls"])
+
+
+# A text model's template, as Qwen2.5's and Hermes' are: content as a string, tools and calls
+# written as JSON.
+STRING_TEMPLATE = (
+    "{%- if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
+    "{{ '\\n' }}{% endif %}"
+    "{%- for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}{{ '\\n' }}"
+    "{% endfor %}{%- if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.mark.parametrize("template, expected", [
+    (STRING_TEMPLATE, "string"), (TEMPLATE, "openai"),
+    ("{% for m in messages %}{% set c = m['content'] %}{% for p in c %}{{ p.text }}"
+     "{% endfor %}{% endfor %}", "openai"),
+    ("{% for m in messages %}{% for p in m.content | selectattr('type', 'equalto', 'text') %}"
+     "{{ p.text }}{% endfor %}{% endfor %}", "openai"),
+])
+def test_the_content_format_is_read_off_the_template(template: str, expected: str) -> None:
+    from mmserve.processing.chat_template import content_format
+    from mmserve.testing.llava import CHAT_TEMPLATE as LLAVA
+    from mmserve.testing.qwen2_vl import CHAT_TEMPLATE as QWEN2_VL
+
+    assert content_format(template) == expected
+    assert content_format(template, "openai") == "openai"
+    assert content_format(LLAVA) == content_format(QWEN2_VL) == "openai"
+
+
+def test_a_text_models_template_gets_text_content(clip_llama: str) -> None:
+    with LLM(clip_llama, dtype="float32", max_model_len=512,
+             chat_template=STRING_TEMPLATE) as llm:
+        processor = llm.engine.processor
+        assert processor.content_format == "string"
+        messages = [*CALLED[:2], {"role": "tool", "tool_call_id": "c1", "content": [
+            {"type": "text", "text": "-3 C"}, {"type": "text", "text": "snow"}]}]
+        text, _ = processor.render_chat(messages, [], tools=TOOLS)
+        assert text == ("<tools>get_weather;get_time;</tools>\n<|user|>weather?\n"
+                        '<|assistant|><tool_call>{"name": "get_weather", "arguments": '
+                        '{"city": "Oslo"}}</tool_call>\n<|tool|>-3 C\nsnow\n<|assistant|>')
+        with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as http:
+            resp = http.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": _messages(), "max_tokens": 2})
+            assert resp.status_code == 400
+            assert "cannot place it" in resp.json()["error"]["message"]
+            ok = http.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": CALLED, "tools": TOOLS, "max_tokens": 2})
+            assert ok.status_code == 200, ok.text

@@ -112,7 +112,8 @@ def processor_and_grammars(config: EngineConfig,
     them (and a front end apart from it)."""
     processor = InputProcessor(config.model, hf_config, config.max_image_pixels,
                                config.mm_processor_kwargs, config.max_image_size,
-                               config.resolved_device, config.chat_template)
+                               config.resolved_device, config.chat_template,
+                               config.chat_template_content_format)
     grammars = GrammarCompiler(processor.tokenizer, hf_config.get_text_config().vocab_size,
                                list(processor.eos_token_ids))
     return processor, grammars

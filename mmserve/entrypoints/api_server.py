@@ -55,6 +55,7 @@ from mmserve.entrypoints.media import MediaLoader, MediaPolicy
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
 from mmserve.entrypoints.serve_args import ServerConfig
+from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
 from mmserve.step import TokenLogprobs
@@ -381,7 +382,7 @@ class OpenAIServer:
             if reader is None:
                 choices.append(proto.chat_choice(i, out.text, out.finish_reason, logprobs))
                 continue
-            content, calls = tool_calls.merge(reader.feed(out.text) + reader.finish())
+            content, calls = merge(reader.feed(out.text) + reader.finish())
             choices.append(proto.chat_choice(
                 i, content, tool_calls.finish_reason(out.finish_reason, tool_choice, reader),
                 logprobs, calls))

@@ -15,7 +15,7 @@ from typing import Any
 from mmserve.entrypoints import tool_calls
 from mmserve.entrypoints.tool_calls import ToolChoice
 from mmserve.errors import InvalidInputError
-from mmserve.processing.processor import template_tool_calls
+from mmserve.processing.chat_tools import template_tool_calls
 from mmserve.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
@@ -547,10 +547,11 @@ def _tool_fields(msg: dict[str, Any], role: str, where: str) -> dict[str, Any]:
     ``tool_calls`` (arguments as objects), a tool result's ``tool_call_id`` (and ``name``)."""
     extra: dict[str, Any] = {}
     if role == "assistant" and msg.get("tool_calls"):
-        try:
-            extra["tool_calls"] = template_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
+        try:  # checked here; made the template's by the processor
+            template_tool_calls(msg["tool_calls"], f"{where}.tool_calls")
         except InvalidInputError as e:
             raise bad_request(str(e), e.param) from None
+        extra["tool_calls"] = msg["tool_calls"]
     if role == "tool":
         for name in ("tool_call_id", "name"):
             value = msg.get(name)

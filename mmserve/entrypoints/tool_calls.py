@@ -11,21 +11,18 @@ constraint a forced choice needs, and the calls read out of the generated text.
 - ``"auto"``: the model decides, and a parser of the model's own call format
   (``--tool-call-parser``) finds the calls in its text.
 
-Each reader turns the generated text into OpenAI's stream deltas as it comes
-(``feed`` / ``finish``); a whole answer is the same deltas merged (``merge``), so a streamed
-answer and a whole one always agree.
+The calls are read out of the text by ``tool_call_readers.py``.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mmserve.entrypoints.tool_call_readers import CallReader, HermesCalls, NamedCall, RequiredCalls
 from mmserve.errors import InvalidInputError
+from mmserve.processing.chat_tools import check_nesting
 
 # OpenAI's bounds: at most 128 tools a request, names of at most 64 letters, digits, _ or -.
 MAX_TOOLS = 128
@@ -45,10 +42,6 @@ class ToolChoice:
     mode: str = "none"
     name: str | None = None
     parallel: bool = True
-
-    @property
-    def reads_calls(self) -> bool:
-        return self.mode != "none"
 
 
 def parse_tools(body: dict[str, Any], parser: str | None
@@ -129,6 +122,7 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
         if parameters is not None and not isinstance(parameters, dict):
             raise _bad(f"{where}.function.parameters must be a JSON schema (an object)",
                        f"{where}.function.parameters")
+        check_nesting(parameters, f"{where}.function.parameters")
         checked: dict[str, Any] = {"name": name}
         if description is not None:
             checked["description"] = description
@@ -159,275 +153,6 @@ def output_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, 
     return array
 
 
-# --------------------------------------------------------------------- reading the calls
-def new_call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
-
-
-class CallReader:
-    """Generated text -> OpenAI stream deltas (``{"content": ...}`` or ``{"tool_calls":
-    [...]}``), piece by piece. ``called``: whether a call came out."""
-
-    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
-        self._new_id = new_id
-        self.num_calls = 0
-        self.out: list[dict[str, Any]] = []
-
-    @property
-    def called(self) -> bool:
-        return self.num_calls > 0
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        raise NotImplementedError
-
-    def finish(self) -> list[dict[str, Any]]:
-        return []
-
-    def _take(self) -> list[dict[str, Any]]:
-        out, self.out = self.out, []
-        return out
-
-    def _call(self, name: str) -> int:
-        index = self.num_calls
-        self.num_calls += 1
-        self.out.append({"tool_calls": [{"index": index, "id": self._new_id(),
-                                         "type": "function",
-                                         "function": {"name": name, "arguments": ""}}]})
-        return index
-
-    def _arguments(self, index: int, text: str) -> None:
-        """More of call ``index``'s arguments: one delta however many pieces a feed reads."""
-        if not text:
-            return
-        last = self.out[-1]["tool_calls"][0] if self.out and "tool_calls" in self.out[-1] else {}
-        if last.get("index") == index and "id" not in last:
-            last["function"]["arguments"] += text
-        else:
-            self.out.append({"tool_calls": [{"index": index, "function": {"arguments": text}}]})
-
-
-class NamedCall(CallReader):
-    """A named ``tool_choice``: the whole output is that function's arguments."""
-
-    def __init__(self, name: str, new_id: Callable[[], str] = new_call_id) -> None:
-        super().__init__(new_id)
-        self.name = name
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        if not self.called:
-            self._call(self.name)
-        self._arguments(0, text)
-        return self._take()
-
-    def finish(self) -> list[dict[str, Any]]:
-        return self.feed("")
-
-
-class RequiredCalls(CallReader):
-    """``tool_choice`` "required": the output is ``[{"name": ..., "parameters": ...}, ...]``
-    (the grammar sees to it); each call is announced once its name is read, and its
-    parameters' text streams as its arguments."""
-
-    def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
-        super().__init__(new_id)
-        self.depth = 0  # of arrays and objects open
-        self.in_string = False
-        self.escape = False
-        self.key: list[str] | None = None  # a call's key being read
-        self.value_of: str | None = None  # the key whose value is being read
-        self.value: list[str] = []
-        self.call: int | None = None  # the announced call's index
-        self.held: list[str] = []  # parameters read before the call's name
-        self.blank = ""  # whitespace inside parameters, sent once more follows
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        for ch in text:
-            self._char(ch)
-        return self._take()
-
-    def _char(self, ch: str) -> None:
-        if self.value_of is not None:
-            self._value_char(ch)
-        elif self.key is not None:  # a key's string, in a call object
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.value_of, self.key = _json_string(self.key), None
-                self.value = []
-                return
-            self.key.append(ch)
-        elif ch == '"' and self.depth == 2:
-            self.key = []
-        elif ch in "[{":
-            self.depth += 1
-            if self.depth == 2:  # a call starts
-                self.call, self.held = None, []
-        elif ch in "]}":
-            self.depth -= 1
-            if self.depth == 1:
-                self._end_call()
-
-    def _value_char(self, ch: str) -> None:
-        """A character of a call's value: its end at this call's level is a comma or the
-        call's closing brace."""
-        if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
-        elif ch == '"':
-            self.in_string = True
-        elif ch in "[{":
-            self.depth += 1
-        elif ch in "]}" and self.depth > 2:
-            self.depth -= 1
-        elif ch in ",}" and self.depth == 2:
-            self._end_value()
-            if ch == "}":
-                self.depth = 1
-                self._end_call()
-            return
-        elif ch == ":" and self.depth == 2 and not self.value:
-            return  # the colon after the key
-        if self.value_of == "parameters":
-            self._parameters_char(ch)
-        else:
-            self.value.append(ch)
-
-    def _parameters_char(self, ch: str) -> None:
-        if not self.in_string and ch.isspace() and self.depth == 2:
-            self.blank += ch  # between the colon and the value, or after it
-            return
-        text = self.blank + ch if self.value else ch
-        self.blank = ""
-        self.value.append(ch)
-        if self.call is None:
-            self.held.append(text)
-        else:
-            self._arguments(self.call, text)
-
-    def _end_value(self) -> None:
-        if self.value_of == "name" and self.call is None:
-            name = "".join(self.value).strip()
-            try:
-                name = json.loads(name)
-            except ValueError:
-                pass
-            self.call = self._call(str(name))
-            self._arguments(self.call, "".join(self.held))
-            self.held = []
-        self.value_of, self.value, self.blank = None, [], ""
-
-    def _end_call(self) -> None:
-        if self.call is None and self.held:  # parameters without a name: cannot happen
-            self.call = self._call("")      # under the grammar, but keep what was read
-            self._arguments(self.call, "".join(self.held))
-        self.call, self.held = None, []
-
-
-def _json_string(chars: list[str]) -> str:
-    try:
-        return json.loads('"' + "".join(chars) + '"')
-    except ValueError:
-        return "".join(chars)
-
-
-class HermesCalls(CallReader):
-    """``--tool-call-parser hermes`` (Hermes 2 Pro, Qwen2.5 and later): calls are
-    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in the text; what is
-    outside them is content. A block is sent whole once it closes (or the output ends); one
-    that is not such a call is sent as content, as written. Whitespace around calls is not
-    content; an answer with no call is its text exactly."""
-
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-    def __init__(self, parallel: bool = True, new_id: Callable[[], str] = new_call_id) -> None:
-        super().__init__(new_id)
-        self.parallel = parallel
-        self.buffer = ""  # text not yet sent: a block, or what may start one
-        self.in_block = False
-        self.blank = ""  # whitespace outside blocks, sent with the content that follows
-        self.after_call = False  # the whitespace that starts the next content is not sent
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        self.buffer += text
-        while self.buffer:
-            if self.in_block:
-                end = self.buffer.find(self.CLOSE)
-                if end < 0:
-                    break
-                self._block(self.buffer[:end], closed=True)
-                self.buffer = self.buffer[end + len(self.CLOSE):]
-                self.in_block = False
-                continue
-            start = self.buffer.find(self.OPEN)
-            if start >= 0:
-                self._content(self.buffer[:start])
-                self.buffer = self.buffer[start + len(self.OPEN):]
-                self.in_block = True
-                continue
-            keep = _partial_suffix(self.buffer, self.OPEN)
-            self._content(self.buffer[:len(self.buffer) - keep])
-            self.buffer = self.buffer[len(self.buffer) - keep:]
-            break
-        return self._take()
-
-    def finish(self) -> list[dict[str, Any]]:
-        if self.in_block:
-            self._block(self.buffer, closed=False)
-        else:
-            self._content(self.buffer)
-        self.buffer, self.in_block = "", False
-        if self.blank and not self.called:
-            self.out.append({"content": self.blank})
-        self.blank = ""
-        return self._take()
-
-    def _content(self, text: str) -> None:
-        text = self.blank + text
-        stripped = text.rstrip()
-        self.blank = text[len(stripped):]  # held: it may be followed by a call
-        if not stripped:
-            return
-        if self.after_call:
-            stripped, self.after_call = stripped.lstrip(), False
-        self.out.append({"content": stripped})
-
-    def _block(self, body: str, closed: bool) -> None:
-        call = _hermes_call(body)
-        if call is None:
-            self._content(self.OPEN + body + (self.CLOSE if closed else ""))
-            return
-        self.blank, self.after_call = "", True
-        if self.called and not self.parallel:
-            return  # parallel_tool_calls false: the first call only
-        name, arguments = call
-        self._arguments(self._call(name), arguments)
-
-
-def _hermes_call(body: str) -> tuple[str, str] | None:
-    try:
-        call = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-        return None
-    arguments = call.get("arguments", call.get("parameters", {}))
-    return call["name"], json.dumps(arguments, ensure_ascii=False)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many of ``text``'s last characters could begin ``tag``."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 def reader_for(choice: ToolChoice, parser: str | None) -> CallReader | None:
     """The reader of a choice's output (None where the output is plain text)."""
     if choice.mode == "named":
@@ -447,20 +172,3 @@ def finish_reason(reason: str | None, choice: ToolChoice, reader: CallReader) ->
         return "tool_calls"
     return reason
 
-
-def merge(deltas: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
-    """A whole answer from its deltas: the content (None where there is none) and the calls
-    (OpenAI's ``message.tool_calls``)."""
-    content: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for delta in deltas:
-        if "content" in delta:
-            content.append(delta["content"])
-        for call in delta.get("tool_calls", ()):
-            if "id" in call:
-                calls.append({"id": call["id"], "type": "function",
-                              "function": dict(call["function"])})
-            else:
-                calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
-    text = "".join(content)
-    return (text or None) if calls else text, calls

@@ -11,16 +11,14 @@ from __future__ import annotations
 import os
 
 SETTING = "chat_template (--chat-template)"
-# Suffixes that make a value that is no file a missing template file rather than a template.
-TEMPLATE_SUFFIXES = (".jinja", ".j2", ".txt")
 
 
 def load_chat_template(setting: str | None) -> str | None:
     """The template text ``setting`` stands for; None (the checkpoint's own) for None.
 
-    A value naming an existing file is read from it. Otherwise a value that looks like a path
-    (no ``{`` and no line break, and a template file's suffix or a path separator) is a
-    ``ValueError`` naming the missing file; any other value is the template itself. Either
+    A value naming an existing file is read from it. Otherwise a value with none of ``{``,
+    ``}`` and a line break, which no useful template lacks, is a ``ValueError`` naming the
+    missing file (vLLM's rule); any other value is the template itself. Either
     way the template is compiled as transformers renders it, and one that does not parse is a
     ``ValueError`` saying where."""
     if setting is None:
@@ -47,11 +45,7 @@ def load_chat_template(setting: str | None) -> str | None:
 
 
 def _looks_like_path(value: str) -> bool:
-    if "{" in value or "\n" in value:
-        return False
-    separators = {"/", os.sep, os.altsep} - {None}
-    return (value.lower().endswith(TEMPLATE_SUFFIXES)
-            or any(sep in value for sep in separators))
+    return not any(c in value for c in "{}\n")
 
 
 def _check_compiles(text: str, where: str) -> None:
@@ -59,8 +53,11 @@ def _check_compiles(text: str, where: str) -> None:
     such as ``{% generation %}``, and filters that plain Jinja lacks); its compiled templates
     are cached, so rendering does not compile it again."""
     import jinja2
-    from transformers.utils.chat_template_utils import _compile_jinja_template
 
+    try:  # transformers' own (private) compiler: its environment, its cache
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: the first chat finds what does not parse
+        return
     try:
         _compile_jinja_template(text)
     except jinja2.TemplateError as e:
@@ -68,3 +65,43 @@ def _check_compiles(text: str, where: str) -> None:
         at = f" (line {line})" if line else ""
         raise ValueError(f"{SETTING}: {where} does not parse as a Jinja template{at}: "
                          f"{e.message or e}") from None
+
+
+def content_format(template: str | None, setting: str = "auto") -> str:
+    """How a template takes each message's content, vLLM's two forms: "openai", a list of
+    parts (``{"type": "text", "text": ...}``, ``{"type": "image"}``), as the templates of
+    vision-language checkpoints take it; or "string", the text alone, as text models'
+    templates (Qwen2.5's, Hermes') do. ``setting`` "auto" tells them apart by whether the
+    template loops over a message's content anywhere (directly, or through a variable set
+    to it)."""
+    if setting != "auto":
+        return setting
+    if template is None:
+        return "openai"
+    try:
+        import jinja2.nodes as nodes
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except Exception:  # noqa: BLE001 (a template we cannot read: leave it the parts)
+        return "openai"
+    aliases = {node.target.name for node in tree.find_all(nodes.Assign)
+               if isinstance(node.target, nodes.Name) and _is_content(node.node)}
+    for loop in tree.find_all(nodes.For):
+        if _is_content(loop.iter) or (isinstance(loop.iter, nodes.Name)
+                                      and loop.iter.name in aliases):
+            return "openai"
+    return "string"
+
+
+def _is_content(node: object) -> bool:
+    """Whether ``node`` reads a message's ``content`` (``m.content``, ``m['content']``, under
+    any filters)."""
+    import jinja2.nodes as nodes
+
+    while isinstance(node, nodes.Filter) and node.node is not None:
+        node = node.node
+    if isinstance(node, nodes.Getattr):
+        return node.attr == "content"
+    return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
+            and node.arg.value == "content")

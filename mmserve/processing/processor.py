@@ -21,7 +21,8 @@ import numpy as np
 from PIL import Image
 
 from mmserve.inputs import PIXEL_ARITHMETIC, EncoderInput, ImageInput, encoder_input_bytes
-from mmserve.processing.chat_template import load_chat_template
+from mmserve.processing.chat_template import content_format, load_chat_template
+from mmserve.processing.chat_tools import template_tool_calls, template_tools
 from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, load_image
 from mmserve.processing.registry import family_for
 
@@ -65,14 +66,17 @@ class InputProcessor:
     def __init__(self, model_dir: str, hf_config, max_image_pixels: int,
                  mm_processor_kwargs: dict[str, Any] | None = None,
                  max_image_size: tuple[int, int] | None = None, device: str = "cpu",
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None,
+                 chat_template_content_format: str = "auto") -> None:
         """``mm_processor_kwargs`` go to the image processor on every call (the family's
         start-up probes included) and into every image's hash; a key it does not take, or a
         value it refuses, is a ``ValueError`` here, at start-up. ``device`` is the engine's:
         on a GPU the pixels' rescaling and normalization are left to it
         (``MultiModalFamily.pixel_arithmetic_for``). ``chat_template`` (a file's path or a
         template's text, ``load_chat_template``) replaces the checkpoint's chat template; a
-        missing file or a template that does not parse is a ``ValueError`` here too."""
+        missing file or a template that does not parse is a ``ValueError`` here too;
+        ``chat_template_content_format`` says how it takes each message's content
+        (``content_format``)."""
         template = load_chat_template(chat_template)
         self.family = family_for(model_dir, hf_config, mm_processor_kwargs, max_image_size)
         self.pixel_arithmetic = self.family.pixel_arithmetic_for(device)
@@ -82,6 +86,8 @@ class InputProcessor:
             # The processor renders with its own template unless given one; set once here,
             # it replaces the checkpoint's (one template, or several by name) in every chat.
             self.processor.chat_template = template
+        self.content_format = content_format(self.processor.chat_template,
+                                             chat_template_content_format)
         self.tokenizer = self.family.tokenizer
         self.image_processor = self.family.image_processor
         self.mm_processor_kwargs = self.family.mm_processor_kwargs
@@ -164,10 +170,8 @@ class InputProcessor:
         earlier calls) and ``tool_call_id`` (a tool's result) reach it as they are."""
         if not isinstance(messages, list) or not messages:
             raise InvalidInputError("'messages' must be a non-empty list", param="messages")
-        if tools is not None and not (isinstance(tools, list)
-                                      and all(isinstance(t, dict) for t in tools)):
-            raise InvalidInputError("'tools' must be a list of {'type': 'function', "
-                                    "'function': {...}}", param="tools")
+        if tools is not None:
+            tools = template_tools(tools)
         pending = list(images)
         ordered: list[ImageLike] = []
         rendered = []
@@ -250,6 +254,8 @@ class InputProcessor:
             raise InvalidInputError(
                 f"{len(pending)} image(s) in 'images' have no {{'type': 'image'}} part in the "
                 "messages; add one part per image.", param="images")
+        if self.content_format == "string":
+            rendered = [_as_string_content(msg, i) for i, msg in enumerate(rendered)]
         # Pure text rendering (jinja): no lock needed. A template refuses what it cannot
         # render (a role it has no turn for, turns out of order) by raising.
         try:
@@ -257,7 +263,7 @@ class InputProcessor:
                 rendered, add_generation_prompt=rendered[-1]["role"] != "assistant",
                 tokenize=False, **({} if tools is None else {"tools": tools}))
         except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError,
-                IndexError) as e:
+                IndexError, RecursionError) as e:
             raise InvalidInputError(
                 f"the chat template cannot render these messages: {str(e)[:300]}; change the "
                 "messages (or start the server with a --chat-template that renders them).",
@@ -445,29 +451,13 @@ def _eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
-def template_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant message's earlier ``tool_calls`` (OpenAI's), checked, each call's
-    ``arguments`` (JSON text on the wire) made the object chat templates expect."""
-    if not isinstance(calls, list):
-        raise InvalidInputError(f"{where} must be a list of tool calls", param=where)
-    out = []
-    for j, call in enumerate(calls):
-        cwhere = f"{where}[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
-            raise InvalidInputError(f"{cwhere} must be {{'id': ..., 'type': 'function', "
-                                    "'function': {'name': ..., 'arguments': '...'}}",
-                                    param=cwhere)
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments or "{}")
-            except (ValueError, RecursionError):
-                raise InvalidInputError(f"{cwhere}.function.arguments is not valid JSON",
-                                        param=f"{cwhere}.function.arguments") from None
-        call_id = call.get("id")
-        if call_id is not None and not isinstance(call_id, str):
-            raise InvalidInputError(f"{cwhere}.id must be a string", param=f"{cwhere}.id")
-        out.append({"id": call_id, "type": "function",
-                    "function": {"name": function["name"], "arguments": arguments}})
-    return out
+def _as_string_content(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """A rendered message for a template that takes content as text: its text parts joined
+    by line breaks (vLLM's rule). Such a template has nowhere to put an image."""
+    parts = message["content"]
+    if any(part["type"] != "text" for part in parts):
+        raise InvalidInputError(
+            f"messages[{index}] has an image, but the chat template takes each message's "
+            "content as text alone (chat_template_content_format string) and cannot place it; "
+            "use a template that loops over the content's parts.", param=f"messages[{index}]")
+    return {**message, "content": "\n".join(part["text"] for part in parts)}
