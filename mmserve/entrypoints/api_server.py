@@ -176,15 +176,18 @@ class OpenAIServer:
         # Set by ``serve``: the uvicorn server to stop if the engine dies.
         self.http_server: Any = None
 
-        # The event loop's own tokenizer: a fast tokenizer is not safe to share between
-        # threads, and the preprocessing threads tokenize with the processor's meanwhile.
-        self.tokenizer = copy.deepcopy(self.engine.tokenizer)
-
         @functools.lru_cache(maxsize=1 << 16)
         def token_text(token_id: int) -> str:  # what a token stands for, for logprobs
             return self.tokenizer.decode([token_id])
 
         self._token_text = token_text
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The event loop's own tokenizer, made when first needed: a fast tokenizer is not
+        safe to share between threads, and the preprocessing threads tokenize with the
+        processor's meanwhile."""
+        return copy.deepcopy(self.engine.tokenizer)
 
     def _engine_died(self, error: BaseException) -> None:
         logger.critical("the engine is broken (%s); stopping the server so that it can be "
