@@ -3,6 +3,7 @@
 
 Endpoints: ``POST /v1/chat/completions`` (plain or streamed as server-sent events),
 ``POST /v1/completions`` (text or token-id prompts, one or several; plain or streamed),
+``POST /v1/responses`` (OpenAI's Responses API, stateless: ``responses_protocol.py``),
 ``GET /v1/models``, ``GET /version``, ``GET /health`` (200 while the engine loop lives; never
 needs a key), ``GET /metrics`` (Prometheus text), ``GET /stats`` (the engine's counters as JSON, for
 operators, tests and the chat page), vLLM's ``POST /tokenize`` and ``POST /detokenize``, and
@@ -50,6 +51,7 @@ from mmserve.engine.async_engine import AsyncEngine, EngineClient, QueueFullErro
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints import chat_page, tool_calls
 from mmserve.entrypoints import openai_protocol as proto
+from mmserve.entrypoints import responses_protocol as responses
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.media import MediaLoader, MediaPolicy
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
@@ -273,6 +275,72 @@ class OpenAIServer:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await self._complete(request, request_id, streams, chat.tool_choice)
 
+    # ----------------------------------------------------------------- responses
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's ``POST /v1/responses``, stateless (``responses_protocol.py``): the chat
+        request it amounts to, answered as a response object or its stream of events."""
+        response_id = responses.new_id("resp")
+        try:
+            req = responses.parse_responses_request(
+                await self._read_json(request), self.max_model_len, self.max_images,
+                self.sampling_defaults, self.tool_parser)
+            chat = req.chat
+            self._check_model_and_room(chat.model)
+            images = await asyncio.gather(*(self.media.load(url) for url in chat.image_urls))
+            prompt = {"messages": chat.messages, "images": list(images),
+                      **({} if chat.tools is None else {"tools": chat.tools})}
+            (stream,) = await self.engine.add_completions([response_id], prompt, chat.params)
+        except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
+            err = _as_api_error(e)
+            self.metrics.count("rejected" if err.status < 500 else "error")
+            return _error_response(err)
+        reader = tool_calls.reader_for(chat.tool_choice, self.tool_parser,
+                                       lambda: responses.new_id("call"))
+        if chat.stream:
+            return StreamingResponse(
+                self._response_events(response_id, stream, req, reader),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outs = await self._final_outputs(request, [stream])
+        if isinstance(outs, Response):
+            return outs
+        (out,) = outs
+        if reader is None:
+            content, calls = out.text, []
+        else:
+            content, calls = merge(reader.feed(out.text) + reader.finish())
+        status = "incomplete" if out.finish_reason == "length" else "completed"
+        return JSONResponse(responses.response_object(
+            response_id, self.model, int(time.time()), req.echo,
+            responses.output_items(content, calls), status, _responses_usage(out)))
+
+    async def _response_events(self, response_id: str, stream: RequestStream,
+                               req: responses.ResponsesRequest,
+                               reader: tool_calls.CallReader | None) -> AsyncIterator[str]:
+        """A response's events as its answer comes (``ResponseEvents``); a failure ends them
+        with ``response.failed``."""
+        events = responses.ResponseEvents(response_id, self.model, req.echo)
+        answer = _Answer()
+        try:
+            for event in events.start():
+                yield event
+            async with contextlib.aclosing(self._merged([stream])) as merged:
+                async for _, out in merged:
+                    if isinstance(out, ApiError):
+                        for event in events.fail(out):
+                            yield event
+                        break
+                    answer.add(out)
+                    for delta in _deltas(reader, out):
+                        for event in events.delta(delta):
+                            yield event
+                    if out.finished:
+                        for event in events.finish(out.finish_reason,
+                                                   _responses_usage(answer.whole(out))):
+                            yield event
+        finally:
+            self._abort([stream])
+
     async def _parse(self, request: Request) -> proto.ChatRequest:
         chat = proto.parse_chat_request(await self._read_json(request), self.max_model_len,
                                         self.max_images, self.sampling_defaults,
@@ -420,20 +488,15 @@ class OpenAIServer:
         try:
             async with contextlib.aclosing(self._merged(streams)) as merged:
                 async for index, out in merged:
-                    if isinstance(out, str):  # an error event: the stream ends after it
-                        yield out
+                    if isinstance(out, ApiError):  # the stream ends with its error event
+                        yield f"data: {json.dumps(out.body())}\n\n"
                         break
                     answers[index].add(out)
                     if not started[index]:
                         started[index] = True
                         yield event(index, {"role": "assistant", "content": ""})
                     reader = readers[index]
-                    if reader is None:
-                        deltas = [{"content": out.new_text}] if out.new_text else []
-                    else:
-                        deltas = reader.feed(out.new_text)
-                        deltas += reader.finish() if out.finished else []
-                    for delta in deltas:
+                    for delta in _deltas(reader, out):
                         yield event(index, delta, out=out)
                     if out.finished:
                         reason = out.finish_reason if reader is None else (
@@ -448,10 +511,10 @@ class OpenAIServer:
             self._abort(streams)
 
     async def _merged(self, streams: list[RequestStream]
-                      ) -> AsyncIterator[tuple[int, RequestOutput | str]]:
+                      ) -> AsyncIterator[tuple[int, RequestOutput | ApiError]]:
         """The outputs of several streams as they come, each with its stream's index. A
-        failure (a request the engine failed, an engine that stopped) comes as the text of its
-        SSE error event (OpenAI's error body: the openai client raises it), and nothing comes
+        failure (a request the engine failed, an engine that stopped) comes as its error (an
+        SSE stream sends OpenAI's error body: the openai client raises it), and nothing comes
         after it. Leaving (the client went away, a failure, the end) aborts every stream's
         request; aborting a finished one does nothing."""
         merged: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = (
@@ -474,10 +537,10 @@ class OpenAIServer:
                     running -= 1
                 elif isinstance(item, BaseException):
                     self.metrics.count("error")
-                    yield index, f"data: {json.dumps(_as_api_error(item).body())}\n\n"
+                    yield index, _as_api_error(item)
                     return
                 elif item.finish_reason == "error":
-                    yield index, f"data: {json.dumps(_failed(item).body())}\n\n"
+                    yield index, _failed(item)
                     return
                 else:
                     yield index, item
@@ -569,8 +632,8 @@ class OpenAIServer:
                 yield event(proto.completion_choice(index, text, None))
             async with contextlib.aclosing(self._merged(streams)) as merged:
                 async for index, out in merged:
-                    if isinstance(out, str):  # an error event: the stream ends after it
-                        yield out
+                    if isinstance(out, ApiError):  # the stream ends with its error event
+                        yield f"data: {json.dumps(out.body())}\n\n"
                         break
                     if prompt_only:
                         out = _without_generated(out)
@@ -608,6 +671,7 @@ class OpenAIServer:
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -679,6 +743,17 @@ def _without_generated(out: RequestOutput) -> RequestOutput:
     return replace(out, text="", new_text="", token_ids=[], new_token_ids=[],
                    logprobs=None if out.logprobs is None else [],
                    finish_reason="length" if out.finished else None)
+
+
+def _deltas(reader: tool_calls.CallReader | None, out: RequestOutput) -> list[dict[str, Any]]:
+    """A streamed chat delta's pieces: its new text, or what ``reader`` reads of it."""
+    if reader is None:
+        return [{"content": out.new_text}] if out.new_text else []
+    return reader.feed(out.new_text) + (reader.finish() if out.finished else [])
+
+
+def _responses_usage(out: RequestOutput) -> dict[str, Any]:
+    return responses.usage(out.num_prompt_tokens, len(out.token_ids), out.num_cached_tokens)
 
 
 def _per_prompt(outs: list[RequestOutput], n: int) -> list[list[RequestOutput]]:

@@ -17,10 +17,17 @@ The calls are read out of the text by ``tool_call_readers.py``.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mmserve.entrypoints.tool_call_readers import CallReader, HermesCalls, NamedCall, RequiredCalls
+from mmserve.entrypoints.tool_call_readers import (
+    CallReader,
+    HermesCalls,
+    NamedCall,
+    RequiredCalls,
+    new_call_id,
+)
 from mmserve.errors import InvalidInputError
 from mmserve.processing.chat_tools import check_nesting
 
@@ -153,14 +160,16 @@ def output_schema(tools: list[dict[str, Any]], choice: ToolChoice) -> dict[str, 
     return array
 
 
-def reader_for(choice: ToolChoice, parser: str | None) -> CallReader | None:
-    """The reader of a choice's output (None where the output is plain text)."""
+def reader_for(choice: ToolChoice, parser: str | None,
+               new_id: Callable[[], str] = new_call_id) -> CallReader | None:
+    """The reader of a choice's output (None where the output is plain text); ``new_id``
+    names each call."""
     if choice.mode == "named":
-        return NamedCall(choice.name or "")
+        return NamedCall(choice.name or "", new_id)
     if choice.mode == "required":
-        return RequiredCalls()
+        return RequiredCalls(new_id)
     if choice.mode == "auto" and parser == "hermes":
-        return HermesCalls(choice.parallel)
+        return HermesCalls(choice.parallel, new_id)
     return None
 
 

@@ -1,0 +1,366 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless: a request is translated into a
+chat request (``openai_protocol.parse_chat_request`` checks it) and its answer, text and
+function calls, into a response object or its stream of semantic events.
+
+What it takes: ``input`` as a string or a list of items (messages whose content holds
+``input_text``, ``input_image`` and, for earlier answers, ``output_text`` parts; earlier
+``function_call`` items and their ``function_call_output``), ``instructions``,
+``max_output_tokens``, ``temperature``, ``top_p``, function ``tools`` with ``tool_choice`` and
+``parallel_tool_calls``, ``text.format`` (``json_schema`` or ``json_object``) and ``stream``.
+Nothing is stored: ``previous_response_id``, ``conversation`` and ``background`` are refused
+with a 400 saying so, as are tools other than functions.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmserve.entrypoints.openai_protocol import (
+    ApiError,
+    ChatRequest,
+    bad_request,
+    parse_chat_request,
+)
+
+# Fields that need state or machinery mmserve does not keep: refused, never ignored.
+_REFUSED = {
+    "previous_response_id": "nothing is stored: send the whole conversation in 'input'",
+    "conversation": "nothing is stored: send the whole conversation in 'input'",
+    "prompt": "stored prompts are not supported: send the text in 'input'",
+}
+
+
+@dataclass
+class ResponsesRequest:
+    """A validated ``POST /v1/responses``: the chat request it amounts to, and what the
+    response object repeats of it."""
+
+    chat: ChatRequest
+    echo: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_responses_request(body: Any, max_model_len: int, max_images: int,
+                            defaults: Mapping[str, Any] | None = None,
+                            tool_parser: str | None = None) -> ResponsesRequest:
+    """Check a decoded JSON body of ``POST /v1/responses``; a 400 names the Responses API's
+    field (``input[2].content[0]``, ``max_output_tokens``), not the chat request's."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    for name, why in _REFUSED.items():
+        if body.get(name) is not None:
+            raise bad_request(f"'{name}' is not supported: {why}.", name)
+    if body.get("background"):
+        raise bad_request("'background' is not supported: send the request and wait for it "
+                          "(or stream it).", "background")
+    if body.get("top_logprobs"):
+        raise bad_request("'top_logprobs' is not supported on /v1/responses; use "
+                          "/v1/chat/completions for log-probabilities.", "top_logprobs")
+    messages, where = _messages(body.get("input"), body.get("instructions"))
+    chat: dict[str, Any] = {"messages": messages}
+    for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
+                         ("top_p", "top_p"), ("stream", "stream"), ("model", "model"),
+                         ("parallel_tool_calls", "parallel_tool_calls")):
+        if body.get(ours) is not None:
+            chat[theirs] = body[ours]
+    if body.get("tools"):
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    response_format = _text_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
+    try:
+        parsed = parse_chat_request(chat, max_model_len, max_images, defaults, tool_parser)
+    except ApiError as e:
+        raise _renamed(e, where) from None
+    echo = {"instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "temperature": parsed.params.temperature, "top_p": parsed.params.top_p,
+            "tools": body.get("tools") or [], "tool_choice": _echoed_choice(parsed),
+            "parallel_tool_calls": parsed.tool_choice.parallel,
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
+            "metadata": body.get("metadata") or {}}
+    return ResponsesRequest(parsed, echo)
+
+
+def _messages(items: Any, instructions: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """``input`` (and ``instructions``) as chat messages, and each message's field in the
+    request (for errors)."""
+    messages: list[dict[str, Any]] = []
+    where: list[str] = []
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad_request("'instructions' must be a string", "instructions")
+        messages.append({"role": "system", "content": instructions})
+        where.append("instructions")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+        where.append("input")
+        return messages, where
+    if not isinstance(items, list) or not items:
+        raise bad_request("'input' must be a string or a non-empty list of items", "input")
+    for i, item in enumerate(items):
+        at = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            messages.append({"role": item.get("role"), "content": _content(item, at)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if not (isinstance(call["id"], str) and isinstance(item.get("name"), str)
+                    and isinstance(item.get("arguments"), str)):
+                raise bad_request(f"{at} must have 'call_id', 'name' and 'arguments' (JSON "
+                                  "text) as strings", at)
+            if messages and messages[-1]["role"] == "assistant" and where[-1] != "instructions":
+                # The same answer's text and calls: one assistant turn.
+                messages[-1].setdefault("tool_calls", []).append(call)
+                continue
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or not isinstance(output, str):
+                raise bad_request(f"{at} must have 'call_id' and 'output' as strings", at)
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": output})
+        else:
+            raise bad_request(f"{at} has type {kind!r}; supported: 'message', 'function_call', "
+                              "'function_call_output'", f"{at}.type")
+        where.append(at)
+    return messages, where
+
+
+def _content(item: dict[str, Any], at: str) -> Any:
+    """A message item's content as chat content: ``input_text`` and ``output_text`` parts as
+    text, ``input_image`` as an ``image_url`` part."""
+    content = item.get("content")
+    if isinstance(content, str) or not isinstance(content, list):
+        return content  # the chat checks say what is wrong with anything else
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text")})
+        elif kind == "input_image":
+            if part.get("file_id") is not None or not part.get("image_url"):
+                raise bad_request(f"{at}.content[{j}] needs 'image_url' (an http(s) or data: "
+                                  "URL); uploaded files ('file_id') are not supported",
+                                  f"{at}.content[{j}]")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise bad_request(f"{at}.content[{j}] has type {kind!r}; supported: 'input_text', "
+                              "'input_image', 'output_text'", f"{at}.content[{j}].type")
+    return parts
+
+
+def _tools(tools: Any) -> Any:
+    """Function tools in the chat's form; any other kind is refused."""
+    if not isinstance(tools, list):
+        return tools  # the chat checks refuse it
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise bad_request(f"tools[{i}] has type {kind!r}; only 'function' tools are "
+                              "supported (no built-in tools)", f"tools[{i}].type")
+        out.append({"type": "function", "function": {
+            name: tool[name] for name in ("name", "description", "parameters", "strict")
+            if tool.get(name) is not None}})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _echoed_choice(chat: ChatRequest) -> Any:
+    """The tool choice the answer followed, in the Responses API's form."""
+    choice = chat.tool_choice
+    if choice.mode == "named":
+        return {"type": "function", "name": choice.name}
+    return choice.mode
+
+
+def _text_format(text: Any) -> dict[str, Any] | None:
+    """``text.format`` as the chat's ``response_format``."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
+                                                       "schema": fmt.get("schema")}}
+    return fmt
+
+
+def _renamed(err: ApiError, where: list[str]) -> ApiError:
+    """A chat request's error in the Responses API's names."""
+    names = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+    param = err.param or ""
+    message = err.message
+    for i in range(len(where) - 1, -1, -1):  # longest index first
+        old = f"messages[{i}]"
+        if param.startswith(old):
+            param = where[i] + param[len(old):]
+        message = message.replace(old, where[i])
+    for old, new in names.items():
+        if param == old or param.startswith(old + "."):
+            param = new + param[len(old):]
+        message = message.replace(old, new)
+    return ApiError(err.status, message, param or None, err.type, err.code, err.headers)
+
+
+# --------------------------------------------------------------------- the answer
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+def response_object(response_id: str, model: str, created: int, echo: dict[str, Any],
+                    output: list[dict[str, Any]], status: str = "completed",
+                    usage_counts: dict[str, Any] | None = None,
+                    error: dict[str, Any] | None = None) -> dict[str, Any]:
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    return {"id": response_id, "object": "response", "created_at": created, "status": status,
+            "error": error, "incomplete_details": incomplete, "model": model,
+            "output": output, "usage": usage_counts, **echo}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [] if status == "in_progress" else [_text_part(text)]}
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str,
+              status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def output_items(content: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A whole answer's output: its text as a message (where it has text, or made no call),
+    then its calls."""
+    items = []
+    if content or not calls:
+        items.append(message_item(new_id("msg"), content or ""))
+    items += [call_item(new_id("fc"), call["id"], call["function"]["name"],
+                        call["function"]["arguments"]) for call in calls]
+    return items
+
+
+class ResponseEvents:
+    """A streamed response's events, from the chat stream deltas of its answer: the response
+    created and in progress, each output item added, its text or arguments as they come, the
+    item done, and the response completed (or incomplete). Items follow one another: an item
+    is done before the next is added. Every event has its ``sequence_number``."""
+
+    def __init__(self, response_id: str, model: str, echo: dict[str, Any]) -> None:
+        self.response_id, self.model, self.echo = response_id, model, echo
+        self.created = int(time.time())
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []  # done
+        self.open: dict[str, Any] | None = None  # the item being written
+        self.pieces: list[str] = []  # its text or arguments so far
+
+    def start(self) -> list[str]:
+        response = self._response("in_progress")
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]
+
+    def delta(self, delta: dict[str, Any]) -> list[str]:
+        """Events for one chat delta: text, a call announced, or more of its arguments."""
+        events = []
+        if "content" in delta:
+            if self.open is None or self.open["type"] != "message":
+                events += self._close()
+                events += self._add(message_item(new_id("msg"), "", "in_progress"))
+                events.append(self._event("response.content_part.added", **self._where(),
+                                          content_index=0, part=_text_part("")))
+            self.pieces.append(delta["content"])
+            events.append(self._event("response.output_text.delta", **self._where(),
+                                      content_index=0, delta=delta["content"], logprobs=[]))
+        for call in delta.get("tool_calls", ()):
+            if "id" in call:
+                events += self._close()
+                events += self._add(call_item(new_id("fc"), call["id"],
+                                              call["function"]["name"], "", "in_progress"))
+            elif call["function"]["arguments"]:
+                self.pieces.append(call["function"]["arguments"])
+                events.append(self._event("response.function_call_arguments.delta",
+                                          **self._where(),
+                                          delta=call["function"]["arguments"]))
+        return events
+
+    def finish(self, reason: str | None, usage_counts: dict[str, Any]) -> list[str]:
+        """The last item done, and the response completed, or incomplete when it reached
+        ``max_output_tokens``."""
+        events = self._close()
+        if not self.items:  # nothing was written: an empty message, as a whole answer has
+            events += self._add(message_item(new_id("msg"), "", "in_progress"))
+            events.append(self._event("response.content_part.added", **self._where(),
+                                      content_index=0, part=_text_part("")))
+            events += self._close()
+        status = "incomplete" if reason == "length" else "completed"
+        return [*events, self._event(f"response.{status}",
+                                     response=self._response(status, usage_counts))]
+
+    def fail(self, error: ApiError) -> list[str]:
+        return [self._event("response.failed", response=self._response(
+            "failed", error={"code": error.code or "server_error", "message": error.message}))]
+
+    # ----------------------------------------------------------------- pieces
+    def _add(self, item: dict[str, Any]) -> list[str]:
+        self.open, self.pieces = item, []
+        return [self._event("response.output_item.added", output_index=len(self.items),
+                            item=item)]
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        item, text = self.open, "".join(self.pieces)
+        events = []
+        if item["type"] == "message":
+            done = message_item(item["id"], text)
+            events.append(self._event("response.output_text.done", **self._where(),
+                                      content_index=0, text=text, logprobs=[]))
+            events.append(self._event("response.content_part.done", **self._where(),
+                                      content_index=0, part=_text_part(text)))
+        else:
+            done = {**item, "arguments": text, "status": "completed"}
+            events.append(self._event("response.function_call_arguments.done",
+                                      **self._where(), arguments=text))
+        events.append(self._event("response.output_item.done", output_index=len(self.items),
+                                  item=done))
+        self.items.append(done)
+        self.open, self.pieces = None, []
+        return events
+
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.items)}
+
+    def _response(self, status: str, usage_counts: dict[str, Any] | None = None,
+                  error: dict[str, Any] | None = None) -> dict[str, Any]:
+        return response_object(self.response_id, self.model, self.created, self.echo,
+                               list(self.items), status, usage_counts, error)
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"

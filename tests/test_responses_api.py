@@ -1,0 +1,150 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless, through the openai client: text
+and images in, the same tokens as the chat endpoint gives for the same conversation; function
+tools and earlier calls; a JSON schema; the stream's events add up to the whole response; what
+it does not do is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from mmserve import LLM
+from mmserve.entrypoints.api_server import OpenAIServer
+from mmserve.entrypoints.serve_args import ServerConfig
+from tests.conftest import assert_no_leaks, make_image
+from tests.test_server import data_url
+from tests.test_tool_calls import CITY, TEMPLATE, TOOLS
+
+IMAGE = data_url(make_image(4, (48, 40)))
+
+
+@pytest.fixture(scope="module")
+def http(clip_llama: str):
+    with LLM(clip_llama, dtype="float32", max_model_len=512, chat_template=TEMPLATE) as llm:
+        with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as client:
+            yield client
+        assert_no_leaks(llm.engine)  # once the server's loop has stopped
+
+
+@pytest.fixture(scope="module")
+def client(http: TestClient) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0,
+                         http_client=http)
+
+
+def _chat(http: TestClient, messages: list, **body) -> dict:
+    resp = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages,
+                                                   "temperature": 0, **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_text_and_images_answer_as_the_chat_does(http: TestClient,
+                                                 client: openai.OpenAI) -> None:
+    resp = client.responses.create(
+        model="tiny", instructions="Be brief.", temperature=0, max_output_tokens=12,
+        input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "what is this?"},
+            {"type": "input_image", "image_url": IMAGE}]}])
+    chat = _chat(http, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": IMAGE}}]}], max_tokens=12)
+    assert resp.output_text == chat["choices"][0]["message"]["content"]
+    assert resp.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert resp.usage.output_tokens == chat["usage"]["completion_tokens"]
+    assert resp.id.startswith("resp_") and resp.object == "response"
+    assert resp.output[0].type == "message" and resp.output[0].id.startswith("msg_")
+    # A string input is one user message; the token limit makes it incomplete.
+    short = client.responses.create(model="tiny", input="hello", temperature=0,
+                                    max_output_tokens=2)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    assert short.output_text == _chat(http, [{"role": "user", "content": "hello"}],
+                                      max_tokens=2)["choices"][0]["message"]["content"]
+
+
+def test_a_stream_adds_up_to_the_whole_response(client: openai.OpenAI) -> None:
+    body = {"model": "tiny", "input": "tell me about the cat", "temperature": 0,
+            "max_output_tokens": 8}
+    whole = client.responses.create(**body)
+    events = list(client.responses.create(**body, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    assert events[-1].response.usage.output_tokens == 8
+
+
+def test_function_tools_and_earlier_calls(http: TestClient, client: openai.OpenAI) -> None:
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    resp = client.responses.create(model="tiny", input="weather in a city?", tools=tools,
+                                   tool_choice={"type": "function", "name": "get_weather"},
+                                   temperature=0, max_output_tokens=60)
+    (call,) = resp.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert set(json.loads(call.arguments)) == set(CITY["required"])
+    events = list(client.responses.create(
+        model="tiny", input="weather in a city?", tools=tools, stream=True,
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+        max_output_tokens=60))
+    streamed = "".join(e.delta for e in events
+                       if e.type == "response.function_call_arguments.delta")
+    assert streamed == call.arguments
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == call.arguments
+    # The call and its output go back in: the prompt is the chat endpoint's.
+    turn = client.responses.create(model="tiny", tools=tools, max_output_tokens=2, input=[
+        {"role": "user", "content": "weather in a city?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "-3 C"}])
+    chat = _chat(http, [
+        {"role": "user", "content": "weather in a city?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": call.call_id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "-3 C"}],
+        tools=TOOLS, max_tokens=2)
+    assert turn.usage.input_tokens == chat["usage"]["prompt_tokens"]
+
+
+def test_a_json_schema_shapes_the_text(client: openai.OpenAI) -> None:
+    resp = client.responses.create(model="tiny", input="a city", temperature=0,
+                                   max_output_tokens=60, text={"format": {
+                                       "type": "json_schema", "name": "city", "schema": CITY}})
+    assert resp.status == "completed"
+    assert set(json.loads(resp.output_text)) == {"city", "unit"}
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "nothing is stored"),
+    ({"background": True}, "background", "not supported"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only 'function' tools"),
+    ({"input": [{"type": "reasoning"}]}, "input[0].type", "supported: 'message'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "input[0].content[0]", "'file_id'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+     "input[0].content[0].type", "supported: 'input_text'"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]},
+     "input[1].role", "use one of"),
+    ({"instructions": "x", "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                    "text": 5}]}]},
+     "input[0].content[0].text", "must be a string"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be between"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
+    ({"input": []}, "input", "non-empty list"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]", "'call_id'"),
+])
+def test_what_it_does_not_do_is_a_400(http: TestClient, body: dict, param: str,
+                                      fragment: str) -> None:
+    resp = http.post("/v1/responses", json={"model": "tiny", "input": "hi", **body})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
