@@ -115,6 +115,45 @@ def test_function_tools_and_earlier_calls(http: TestClient, client: openai.OpenA
     assert turn.usage.input_tokens == chat["usage"]["prompt_tokens"]
 
 
+def test_the_response_id_is_the_request_id(http: TestClient) -> None:
+    resp = http.post("/v1/responses", json={"model": "tiny", "input": "hi",
+                                            "max_output_tokens": 1})
+    assert resp.json()["id"] == f"resp_{resp.headers['x-request-id']}"
+
+
+def test_a_stream_and_a_whole_answer_have_the_same_items() -> None:
+    """Text on both sides of two calls: four items, alike in both forms; cut off, the last
+    item is incomplete too."""
+    from mmserve.entrypoints.responses_protocol import ResponseEvents
+    from mmserve.entrypoints.tool_call_readers import HermesCalls
+
+    text = ('Sure. <tool_call>{"name": "a", "arguments": {}}</tool_call>\nthen '
+            '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>')
+    ids = iter(range(100))
+
+    def read(pieces: list[str]) -> list[dict]:
+        reader = HermesCalls(True, lambda: f"call_{next(ids)}")
+        return [d for piece in pieces for d in reader.feed(piece)] + reader.finish()
+
+    usage = {"input_tokens": 1}
+    whole = ResponseEvents("resp_1", "tiny", {}, 0).whole(read([text]), "stop", usage)
+    events = ResponseEvents("resp_1", "tiny", {}, 0)
+    sent = [event for delta in read(list(text)) for event in events.delta(delta)]
+    sent += events.finish("stop", usage)
+    streamed = json.loads(sent[-1].split("data: ", 1)[1])["response"]
+
+    def shape(response: dict) -> list:
+        return [(i["type"], i.get("content", [{}])[0].get("text") if i["type"] == "message"
+                 else (i["name"], i["arguments"]), i["status"]) for i in response["output"]]
+
+    assert shape(whole) == shape(streamed) == [
+        ("message", "Sure.", "completed"), ("function_call", ("a", "{}"), "completed"),
+        ("message", "then", "completed"), ("function_call", ("b", '{"x": 1}'), "completed")]
+    cut = ResponseEvents("resp_2", "tiny", {}, 0).whole([{"content": "abc"}], "length", usage)
+    assert cut["status"] == "incomplete" and cut["output"][0]["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
 def test_a_json_schema_shapes_the_text(client: openai.OpenAI) -> None:
     resp = client.responses.create(model="tiny", input="a city", temperature=0,
                                    max_output_tokens=60, text={"format": {
@@ -138,7 +177,18 @@ def test_a_json_schema_shapes_the_text(client: openai.OpenAI) -> None:
                                                                     "text": 5}]}]},
      "input[0].content[0].text", "must be a string"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be between"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "schema"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "'schema'"),
+    ({"text": "x"}, "text", "must be an object"),
+    ({"text": {"format": {"type": "xml"}}}, "text.format", "must be {'type': 'text'}"),
+    ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", "1 to 64 letters"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function"}},
+     "tool_choice", '{"type": "function", "name": ...}'),
+    ({"input": [{"role": "user", "content": "a"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "nope"}]},
+     "input[1].arguments", "not valid JSON"),
+    ({"metadata": {"k": 5}}, "metadata", "at most 16 strings"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE}] * 5}]},
+     "input", "the input carries 5 images"),
     ({"input": []}, "input", "non-empty list"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]", "'call_id'"),
 ])

@@ -51,6 +51,8 @@ def test_every_chunk_carries_its_choices_usage_so_far(http: TestClient, path: st
     assert sorted(seen) == [0, 1]
     for counts in seen.values():
         assert counts == sorted(counts) and counts[-1] == 6
+        if path == "/v1/chat/completions":  # the role's chunk, before any token
+            assert counts[0] == 0
     # Without it, usage is null until the last chunk; without include_usage, never there.
     plain = _events(http, path, {**body, "stream_options": {"include_usage": True}})
     assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"] == whole

@@ -186,10 +186,16 @@ class OpenAIServer:
 
     @functools.cached_property
     def tokenizer(self) -> Any:
-        """The event loop's own tokenizer, made when first needed: a fast tokenizer is not
-        safe to share between threads, and the preprocessing threads tokenize with the
-        processor's meanwhile."""
+        """The event loop's own tokenizer, copied at start-up off the loop (a large
+        vocabulary takes a few tenths of a second): a fast tokenizer is not safe to share
+        between threads, and the preprocessing threads tokenize with the processor's."""
         return copy.deepcopy(self.engine.tokenizer)
+
+    def _copy_tokenizer(self) -> None:
+        try:
+            self.tokenizer  # noqa: B018 (made and cached)
+        except AttributeError:  # a stand-in engine without a processor (tests)
+            pass
 
     def _engine_died(self, error: BaseException) -> None:
         logger.critical("the engine is broken (%s); stopping the server so that it can be "
@@ -279,7 +285,9 @@ class OpenAIServer:
     async def responses(self, request: Request) -> Response:
         """OpenAI's ``POST /v1/responses``, stateless (``responses_protocol.py``): the chat
         request it amounts to, answered as a response object or its stream of events."""
-        response_id = responses.new_id("resp")
+        response_id = f"resp_{_request_id(request)}"
+        created = int(time.time())
+        req = None
         try:
             req = responses.parse_responses_request(
                 await self._read_json(request), self.max_model_len, self.max_images,
@@ -292,34 +300,30 @@ class OpenAIServer:
             (stream,) = await self.engine.add_completions([response_id], prompt, chat.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             err = _as_api_error(e)
+            if req is not None:  # about the chat it amounts to: in the Responses API's names
+                err = req.renamed(err)
             self.metrics.count("rejected" if err.status < 500 else "error")
             return _error_response(err)
         reader = tool_calls.reader_for(chat.tool_choice, self.tool_parser,
                                        lambda: responses.new_id("call"))
+        events = responses.ResponseEvents(response_id, self.model, req.echo, created)
         if chat.stream:
             return StreamingResponse(
-                self._response_events(response_id, stream, req, reader),
+                self._response_events(events, stream, reader),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         outs = await self._final_outputs(request, [stream])
         if isinstance(outs, Response):
             return outs
         (out,) = outs
-        if reader is None:
-            content, calls = out.text, []
-        else:
-            content, calls = merge(reader.feed(out.text) + reader.finish())
-        status = "incomplete" if out.finish_reason == "length" else "completed"
-        return JSONResponse(responses.response_object(
-            response_id, self.model, int(time.time()), req.echo,
-            responses.output_items(content, calls), status, _responses_usage(out)))
+        deltas = ([{"content": out.text}] if reader is None
+                  else reader.feed(out.text) + reader.finish())
+        return JSONResponse(events.whole(deltas, out.finish_reason, _responses_usage(out)))
 
-    async def _response_events(self, response_id: str, stream: RequestStream,
-                               req: responses.ResponsesRequest,
+    async def _response_events(self, events: responses.ResponseEvents, stream: RequestStream,
                                reader: tool_calls.CallReader | None) -> AsyncIterator[str]:
-        """A response's events as its answer comes (``ResponseEvents``); a failure ends them
-        with ``response.failed``."""
-        events = responses.ResponseEvents(response_id, self.model, req.echo)
+        """A response's events as its answer comes; a failure ends them with
+        ``response.failed``."""
         answer = _Answer()
         try:
             for event in events.start():
@@ -477,7 +481,7 @@ class OpenAIServer:
             logprobs = None
             if out is not None and out.logprobs is not None:  # the tokens since the last chunk
                 logprobs = proto.logprobs_content(*answers[index].unsent(), self._token_text)
-            if continuous_usage and delta is not None:
+            if continuous_usage and delta is not None and usage is None:
                 usage = answers[index].usage_so_far()
             body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage,
                                logprobs, index)
@@ -491,10 +495,12 @@ class OpenAIServer:
                     if isinstance(out, ApiError):  # the stream ends with its error event
                         yield f"data: {json.dumps(out.body())}\n\n"
                         break
-                    answers[index].add(out)
                     if not started[index]:
                         started[index] = True
-                        yield event(index, {"role": "assistant", "content": ""})
+                        yield event(index, {"role": "assistant", "content": ""}, usage=(
+                            proto.usage(out.num_prompt_tokens, 0, out.num_cached_tokens)
+                            if continuous_usage else None))
+                    answers[index].add(out)
                     reader = readers[index]
                     for delta in _deltas(reader, out):
                         yield event(index, delta, out=out)
@@ -662,6 +668,8 @@ class OpenAIServer:
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
             self.engine.start()
+            # The event loop's tokenizer, copied off the loop before requests need it.
+            await asyncio.get_running_loop().run_in_executor(None, self._copy_tokenizer)
             logger.info("serving %r", self.model)
             yield
             # uvicorn has drained in-flight requests (SIGTERM) before this point.

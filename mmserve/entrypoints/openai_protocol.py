@@ -198,8 +198,8 @@ def parse_tokenize_request(body: Any, max_images: int) -> TokenizeRequest:
     reads for the same prompt on ``/v1/completions`` or ``/v1/chat/completions``."""
     model = _model(body)
     strs = _get(body, "return_token_strs", bool, False)
-    form = "messages" if "messages" in body else "prompt"
-    if form == "messages" and "prompt" in body:
+    form = "messages" if body.get("messages") is not None else "prompt"
+    if form == "messages" and body.get("prompt") is not None:
         raise bad_request("send 'prompt' or 'messages', not both", "prompt")
     for name, value in _TOKENIZE_RENDERING[form].items():
         given = _get(body, name, bool, value)

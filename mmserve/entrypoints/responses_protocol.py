@@ -14,6 +14,7 @@ with a 400 saying so, as are tools other than functions.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -26,6 +27,8 @@ from mmserve.entrypoints.openai_protocol import (
     bad_request,
     parse_chat_request,
 )
+from mmserve.errors import InvalidInputError
+from mmserve.processing.chat_tools import template_tool_calls
 
 # Fields that need state or machinery mmserve does not keep: refused, never ignored.
 _REFUSED = {
@@ -42,6 +45,12 @@ class ResponsesRequest:
 
     chat: ChatRequest
     echo: dict[str, Any] = field(default_factory=dict)
+    where: list[str] = field(default_factory=list)  # each chat message's field in the body
+
+    def renamed(self, err: ApiError) -> ApiError:
+        """An error about the chat request (an image that cannot be fetched, a template that
+        refuses the conversation) in the Responses API's names."""
+        return _renamed(err, self.where)
 
 
 def parse_responses_request(body: Any, max_model_len: int, max_images: int,
@@ -61,6 +70,7 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
         raise bad_request("'top_logprobs' is not supported on /v1/responses; use "
                           "/v1/chat/completions for log-probabilities.", "top_logprobs")
     messages, where = _messages(body.get("input"), body.get("instructions"))
+    metadata = _metadata(body.get("metadata"))
     chat: dict[str, Any] = {"messages": messages}
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("stream", "stream"), ("model", "model"),
@@ -81,11 +91,23 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
     echo = {"instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"),
             "temperature": parsed.params.temperature, "top_p": parsed.params.top_p,
-            "tools": body.get("tools") or [], "tool_choice": _echoed_choice(parsed),
+            "tools": body.get("tools") or [], "tool_choice": _echoed_choice(body, parsed),
             "parallel_tool_calls": parsed.tool_choice.parallel,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "metadata": body.get("metadata") or {}}
-    return ResponsesRequest(parsed, echo)
+            "metadata": metadata}
+    return ResponsesRequest(parsed, echo, where)
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """OpenAI's ``metadata``: at most 16 string keys (64 characters) and values (512)."""
+    if value is None:
+        return {}
+    if not (isinstance(value, dict) and len(value) <= 16
+            and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                    for k, v in value.items())):
+        raise bad_request("'metadata' must be an object of at most 16 strings (keys of at most "
+                          "64 characters, values of at most 512)", "metadata")
+    return value
 
 
 def _messages(items: Any, instructions: Any) -> tuple[list[dict[str, Any]], list[str]]:
@@ -116,6 +138,11 @@ def _messages(items: Any, instructions: Any) -> tuple[list[dict[str, Any]], list
                     and isinstance(item.get("arguments"), str)):
                 raise bad_request(f"{at} must have 'call_id', 'name' and 'arguments' (JSON "
                                   "text) as strings", at)
+            try:  # checked here, so that an error names this item
+                template_tool_calls([call], at)
+            except InvalidInputError as e:
+                raise bad_request(str(e).replace(f"{at}[0].function.", f"{at}."),
+                                  f"{at}.arguments") from None
             if messages and messages[-1]["role"] == "assistant" and where[-1] != "instructions":
                 # The same answer's text and calls: one assistant turn.
                 messages[-1].setdefault("tool_calls", []).append(call)
@@ -179,11 +206,14 @@ def _tool_choice(choice: Any) -> Any:
     return choice
 
 
-def _echoed_choice(chat: ChatRequest) -> Any:
-    """The tool choice the answer followed, in the Responses API's form."""
+def _echoed_choice(body: dict[str, Any], chat: ChatRequest) -> Any:
+    """The tool choice the answer followed, in the Responses API's form ("auto", OpenAI's
+    default, where there was nothing to choose from)."""
     choice = chat.tool_choice
     if choice.mode == "named":
         return {"type": "function", "name": choice.name}
+    if not body.get("tools") and body.get("tool_choice") is None:
+        return "auto"
     return choice.mode
 
 
@@ -191,30 +221,50 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     """``text.format`` as the chat's ``response_format``."""
     if text is None:
         return None
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise bad_request("'text' must be an object such as {'format': {'type': 'text'}}",
+                          "text")
+    fmt = text.get("format")
     if fmt is None:
         return None
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format json_schema needs 'schema': {...}, the JSON schema "
+                              "as an object (and a 'name')", "text.format")
         return {"type": "json_schema", "json_schema": {"name": fmt.get("name"),
-                                                       "schema": fmt.get("schema")}}
+                                                       "schema": fmt["schema"]}}
+    if not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object")):
+        raise bad_request("text.format must be {'type': 'text'}, {'type': 'json_object'} or "
+                          "{'type': 'json_schema', 'name': ..., 'schema': {...}}", "text.format")
     return fmt
 
 
 def _renamed(err: ApiError, where: list[str]) -> ApiError:
     """A chat request's error in the Responses API's names."""
-    names = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
     param = err.param or ""
-    message = err.message
-    for i in range(len(where) - 1, -1, -1):  # longest index first
-        old = f"messages[{i}]"
-        if param.startswith(old):
-            param = where[i] + param[len(old):]
-        message = message.replace(old, where[i])
-    for old, new in names.items():
-        if param == old or param.startswith(old + "."):
+
+    def item(match: re.Match) -> str:
+        index = int(match.group(1))
+        return where[index] if index < len(where) else match.group(0)
+
+    param = _MESSAGE.sub(item, param, count=1)
+    message = _MESSAGE.sub(item, err.message)
+    param = _TOOL.sub(r"tools[\1].", param, count=1)
+    message = _TOOL.sub(r"tools[\1].", message)
+    for old, new in _NAMES.items():
+        if param == old or param.startswith((old + ".", old + "[")):
             param = new + param[len(old):]
         message = message.replace(old, new)
     return ApiError(err.status, message, param or None, err.type, err.code, err.headers)
+
+
+_MESSAGE = re.compile(r"messages\[(\d+)\]")
+_TOOL = re.compile(r"tools\[(\d+)\]\.function\.")
+# The chat request's names of fields and forms, and the Responses API's.
+_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
+          "structured_outputs": "text.format", "tool_call_id": "call_id",
+          '{"type": "function", "function": {"name": ...}}': '{"type": "function", "name": ...}',
+          "the messages carry": "the input carries", "messages": "input"}
 
 
 # --------------------------------------------------------------------- the answer
@@ -223,7 +273,8 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + output_tokens}
 
@@ -239,6 +290,7 @@ def response_object(response_id: str, model: str, created: int, echo: dict[str, 
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A message item; in progress, it has no content part yet."""
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [] if status == "in_progress" else [_text_part(text)]}
 
@@ -253,48 +305,51 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str,
             "arguments": arguments, "status": status}
 
 
-def output_items(content: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A whole answer's output: its text as a message (where it has text, or made no call),
-    then its calls."""
-    items = []
-    if content or not calls:
-        items.append(message_item(new_id("msg"), content or ""))
-    items += [call_item(new_id("fc"), call["id"], call["function"]["name"],
-                        call["function"]["arguments"]) for call in calls]
-    return items
-
-
 class ResponseEvents:
     """A streamed response's events, from the chat stream deltas of its answer: the response
     created and in progress, each output item added, its text or arguments as they come, the
     item done, and the response completed (or incomplete). Items follow one another: an item
-    is done before the next is added. Every event has its ``sequence_number``."""
+    is done before the next is added. Every event has its ``sequence_number``. A whole
+    answer is the last event's response (``whole``), so the two always agree."""
 
-    def __init__(self, response_id: str, model: str, echo: dict[str, Any]) -> None:
+    def __init__(self, response_id: str, model: str, echo: dict[str, Any],
+                 created: int | None = None) -> None:
         self.response_id, self.model, self.echo = response_id, model, echo
-        self.created = int(time.time())
+        self.created = int(time.time()) if created is None else created
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # done
         self.open: dict[str, Any] | None = None  # the item being written
         self.pieces: list[str] = []  # its text or arguments so far
+        self.final: dict[str, Any] = {}  # the response, once finished
 
     def start(self) -> list[str]:
         response = self._response("in_progress")
         return [self._event("response.created", response=response),
                 self._event("response.in_progress", response=response)]
 
+    def whole(self, deltas: list[dict[str, Any]], reason: str | None,
+              usage_counts: dict[str, Any]) -> dict[str, Any]:
+        """The response object of a whole answer: its deltas' events' last response."""
+        for delta in deltas:
+            self.delta(delta)
+        self.finish(reason, usage_counts)
+        return self.final
+
     def delta(self, delta: dict[str, Any]) -> list[str]:
         """Events for one chat delta: text, a call announced, or more of its arguments."""
         events = []
-        if "content" in delta:
+        text = delta.get("content")
+        if text is not None:
             if self.open is None or self.open["type"] != "message":
                 events += self._close()
+                if self.items:  # a new message after a call: no line break to start it
+                    text = text.lstrip("\n")
                 events += self._add(message_item(new_id("msg"), "", "in_progress"))
                 events.append(self._event("response.content_part.added", **self._where(),
                                           content_index=0, part=_text_part("")))
-            self.pieces.append(delta["content"])
+            self.pieces.append(text)
             events.append(self._event("response.output_text.delta", **self._where(),
-                                      content_index=0, delta=delta["content"], logprobs=[]))
+                                      content_index=0, delta=text, logprobs=[]))
         for call in delta.get("tool_calls", ()):
             if "id" in call:
                 events += self._close()
@@ -308,21 +363,23 @@ class ResponseEvents:
         return events
 
     def finish(self, reason: str | None, usage_counts: dict[str, Any]) -> list[str]:
-        """The last item done, and the response completed, or incomplete when it reached
-        ``max_output_tokens``."""
-        events = self._close()
-        if not self.items:  # nothing was written: an empty message, as a whole answer has
-            events += self._add(message_item(new_id("msg"), "", "in_progress"))
+        """The last item done, and the response completed, or incomplete (the last item
+        too) when it reached ``max_output_tokens``."""
+        status = "incomplete" if reason == "length" else "completed"
+        if self.open is None and not self.items:  # nothing written: an empty message
+            events = self._add(message_item(new_id("msg"), "", "in_progress"))
             events.append(self._event("response.content_part.added", **self._where(),
                                       content_index=0, part=_text_part("")))
-            events += self._close()
-        status = "incomplete" if reason == "length" else "completed"
-        return [*events, self._event(f"response.{status}",
-                                     response=self._response(status, usage_counts))]
+        else:
+            events = []
+        events += self._close(status)
+        self.final = self._response(status, usage_counts)
+        return [*events, self._event(f"response.{status}", response=self.final)]
 
     def fail(self, error: ApiError) -> list[str]:
+        """The response failed: the SDK knows ``server_error``; the message says why."""
         return [self._event("response.failed", response=self._response(
-            "failed", error={"code": error.code or "server_error", "message": error.message}))]
+            "failed", error={"code": "server_error", "message": error.message}))]
 
     # ----------------------------------------------------------------- pieces
     def _add(self, item: dict[str, Any]) -> list[str]:
@@ -330,19 +387,19 @@ class ResponseEvents:
         return [self._event("response.output_item.added", output_index=len(self.items),
                             item=item)]
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         if self.open is None:
             return []
         item, text = self.open, "".join(self.pieces)
         events = []
         if item["type"] == "message":
-            done = message_item(item["id"], text)
+            done = message_item(item["id"], text, status)
             events.append(self._event("response.output_text.done", **self._where(),
                                       content_index=0, text=text, logprobs=[]))
             events.append(self._event("response.content_part.done", **self._where(),
                                       content_index=0, part=_text_part(text)))
         else:
-            done = {**item, "arguments": text, "status": "completed"}
+            done = {**item, "arguments": text, "status": status}
             events.append(self._event("response.function_call_arguments.done",
                                       **self._where(), arguments=text))
         events.append(self._event("response.output_item.done", output_index=len(self.items),
