@@ -198,3 +198,50 @@ def test_what_it_does_not_do_is_a_400(http: TestClient, body: dict, param: str,
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and fragment in error["message"], error
+
+
+RESPONSES_VALUES = {
+    "input": ["hi", [], 5, [{"type": "message", "role": "user", "content": "hi"}],
+              [{"role": "user", "content": [{"type": "input_text", "text": "hi"},
+                                            {"type": "input_image", "image_url": IMAGE}]}],
+              [{"role": "user", "content": [{"type": "input_image", "image_url": 5}]}],
+              [{"role": "assistant", "content": [{"type": "output_text", "text": "x"}]},
+               {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+               {"type": "function_call_output", "call_id": "c", "output": "ok"}],
+              [{"type": "function_call_output", "call_id": 5, "output": "ok"}],
+              [{"type": "function_call", "call_id": "c", "name": "f",
+                "arguments": "[" * 300 + "]" * 300}]],
+    "instructions": [None, "be brief", 5, ""],
+    "max_output_tokens": [None, 1, 4, 0, -1, 10**20, "4"],
+    "temperature": [None, 0, 1.5, 3, "x"],
+    "tools": [None, [], [{"type": "function", "name": "f"}], "x", [{"type": "file_search"}],
+              [{"type": "function", "name": "g", "parameters": {"type": "object", "properties": {
+                  "z": {"enum": ["a", "b"]}}, "required": ["z"]}}]],
+    "tool_choice": [None, "auto", "none", "required", {"type": "function", "name": "g"}, 7],
+    "text": [None, {"format": {"type": "json_object"}}, {"format": None}, [], {"format": 5}],
+    "metadata": [None, {"a": "b"}, {"a": 1}, {str(i): "v" for i in range(17)}],
+    "stream": [None, True, False, "yes"],
+    "store": [None, True, False],
+}
+
+
+def test_random_responses_requests_answer_200_or_400(http: TestClient) -> None:
+    import random
+
+    rng = random.Random(20261207)
+    statuses: dict[int, int] = {}
+    for _ in range(80):
+        body = {"model": "tiny", "max_output_tokens": 4}
+        for name in rng.sample(sorted(RESPONSES_VALUES), 2):  # hostile, or not
+            value = rng.choice(RESPONSES_VALUES[name])
+            if value is not None:
+                body[name] = value
+        body.setdefault("input", "hi")
+        resp = http.post("/v1/responses", json=body)
+        statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
+        assert resp.status_code in (200, 400), (body, resp.text)
+        if resp.status_code == 400:
+            assert resp.json()["error"]["type"] == "invalid_request_error", body
+    assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 10, statuses
+    ok = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 3
