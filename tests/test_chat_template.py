@@ -16,7 +16,7 @@ from starlette.testclient import TestClient
 from transformers import AutoConfig
 
 from mmserve import LLM, EngineConfig, SamplingParams
-from mmserve.entrypoints import api_server
+from mmserve.entrypoints import api_server, serve_command
 from mmserve.entrypoints.cli import build_parser
 from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.processing.chat_template import load_chat_template
@@ -231,11 +231,11 @@ def test_serve_refuses_a_bad_template_before_the_engine_starts(bad: str, clip_ll
     def no_engine(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("the engine was started")
 
-    monkeypatch.setattr(api_server, "LLMEngine", no_engine)
+    monkeypatch.setattr(serve_command, "LLMEngine", no_engine)
     monkeypatch.setattr("mmserve.engine.core_process.EngineCoreClient", no_engine)
     args: argparse.Namespace = build_parser().parse_args(
         ["serve", clip_llama, "--device", "cpu", "--chat-template", BAD[bad]])
-    assert api_server.serve(args) == 2
+    assert serve_command.serve(args) == 2
     err = capsys.readouterr().err
     assert "mmserve serve: chat_template (--chat-template)" in err
     if bad == "missing":

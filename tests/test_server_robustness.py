@@ -173,7 +173,7 @@ def test_unexpected_exception_is_a_json_500_without_internals(caplog) -> None:
     has the traceback under the same id; the response is counted by status."""
     import asyncio
 
-    from mmserve.entrypoints.api_server import RequestIdMiddleware
+    from mmserve.entrypoints.http_middleware import RequestIdMiddleware
 
     counted = []
 

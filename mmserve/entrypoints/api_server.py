@@ -1,15 +1,17 @@
-"""The OpenAI-compatible HTTP server: a Starlette app over one shared engine loop, and
-``mmserve serve``.
+"""The OpenAI-compatible HTTP server: a Starlette app over one shared engine loop (run by
+``mmserve serve``, ``serve_command.py``).
 
 Endpoints: ``POST /v1/chat/completions`` (plain or streamed as server-sent events),
 ``POST /v1/completions`` (text or token-id prompts, one or several; plain or streamed),
 ``POST /v1/responses`` (OpenAI's Responses API, stateless: ``responses_protocol.py``),
 ``GET /v1/models``, ``GET /version``, ``GET /health`` (200 while the engine loop lives; never
-needs a key), ``GET /metrics`` (Prometheus text), ``GET /stats`` (the engine's counters as JSON, for
-operators, tests and the chat page), vLLM's ``POST /tokenize`` and ``POST /detokenize``, and
-``GET /`` (the chat page, ``chat_page.py``; its page
-and assets never need a key, the API calls it makes do). Every error is OpenAI's JSON error
-body; every response carries an ``X-Request-Id`` that the server's log lines about it quote.
+needs a key), ``GET /metrics`` (Prometheus text), ``GET /stats`` (the engine's counters as
+JSON, for operators, tests and the chat page), vLLM's ``POST /tokenize`` and
+``POST /detokenize``, and ``GET /`` (the chat page, ``chat_page.py``; its page and assets
+never need a key, the API calls it makes do). Every error is OpenAI's JSON error body; every
+response carries an ``X-Request-Id`` that the server's log lines about it quote
+(``http_middleware.py``); answers are put together from the engine's outputs by
+``answers.py``.
 
 No single client can stall the service: request headers and bodies have deadlines, image
 fetches have a total deadline on a pool of their own, a request the engine fails on is
@@ -21,21 +23,14 @@ restarts it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import copy
 import functools
-import hmac
 import json
 import logging
-import signal
-import sys
-import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import replace
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.applications import Starlette
@@ -44,7 +39,6 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import mmserve
 from mmserve.engine.async_engine import AsyncEngine, EngineClient, QueueFullError, RequestStream
@@ -52,15 +46,30 @@ from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints import chat_page, tool_calls
 from mmserve.entrypoints import openai_protocol as proto
 from mmserve.entrypoints import responses_protocol as responses
+from mmserve.entrypoints.answers import (
+    Answer,
+    completion_ids,
+    deltas,
+    per_prompt,
+    responses_usage,
+    usage_of,
+    without_generated,
+)
 from mmserve.entrypoints.generation_config import sampling_defaults
-from mmserve.entrypoints.media import MediaLoader, MediaPolicy
+from mmserve.entrypoints.http_middleware import (
+    ApiKeyMiddleware,
+    RequestIdMiddleware,
+    error_response,
+    http_exception,
+    request_id_of,
+)
+from mmserve.entrypoints.media import MediaLoader
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
 from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
-from mmserve.step import TokenLogprobs
 from mmserve.worker.compute_thread import ComputeThread
 
 logger = logging.getLogger(__name__)
@@ -68,76 +77,6 @@ logger = logging.getLogger(__name__)
 # /tokenize requests processed at once, and processed or waiting.
 MAX_TOKENIZING = 4
 MAX_TOKENIZE_WAITING = 64
-
-
-class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every path but /health and the chat page (which asks
-    for the key and sends it on its API calls), compared in constant time."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.expected is None or scope["type"] != "http" or scope["path"] == "/health"
-                or chat_page.is_public(scope["path"])):
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
-            await self.app(scope, receive, send)
-            return
-        err = ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'.",
-                       code="invalid_api_key")
-        await _error_response(err)(scope, receive, send)
-
-
-class RequestIdMiddleware:
-    """Gives every HTTP request an id (``scope["state"]["request_id"]``, echoed in the
-    ``X-Request-Id`` response header), counts every response by status code, and answers an
-    exception that escapes a handler (a bug) with a JSON 500 that quotes the id and tells no
-    internals; the log gets the traceback under the same id."""
-
-    def __init__(self, app: ASGIApp, count: Any) -> None:
-        self.app = app
-        self.count = count
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        request_id = uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        started = False
-
-        async def send_with_id(message: dict[str, Any]) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                message["headers"] = [*message.get("headers", []),
-                                      (b"x-request-id", request_id.encode())]
-                self.count(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception as exc:  # noqa: BLE001 (answered and logged)
-            logger.error("internal error on %s %s (request id %s)", scope.get("method"),
-                         scope.get("path"), request_id, exc_info=exc)
-            if started:  # a stream already under way: all we can do is end it
-                return
-            err = ApiError(500, f"internal server error (request id {request_id}); the server "
-                           "log has the details.", type="server_error", code="internal_error")
-            await _error_response(err)(scope, receive, send_with_id)
-
-
-def _request_id(request: Request) -> str:
-    return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
-
-
-def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 class OpenAIServer:
@@ -243,7 +182,7 @@ class OpenAIServer:
             finally:
                 self._num_tokenizing -= 1
         except (ApiError, InvalidInputError, QueueFullError) as e:
-            return _error_response(_as_api_error(e))
+            return error_response(_as_api_error(e))
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len,
                              "tokens": ids, "token_strs": strs})
@@ -255,12 +194,12 @@ class OpenAIServer:
                 await self._read_json(request), len(self.tokenizer), self.max_model_len)
             self._check_model(model)
         except ApiError as e:
-            return _error_response(e)
+            return error_response(e)
         return JSONResponse({"prompt": self.tokenizer.decode(ids)})
 
     # ----------------------------------------------------------------- chat
     async def chat(self, request: Request) -> Response:
-        request_id = f"chatcmpl-{_request_id(request)}"
+        request_id = f"chatcmpl-{request_id_of(request)}"
         try:
             chat = await self._parse(request)
             images = await asyncio.gather(*(self.media.load(url) for url in chat.image_urls))
@@ -268,11 +207,11 @@ class OpenAIServer:
             if chat.tools is not None:
                 prompt["tools"] = chat.tools
             streams = await self.engine.add_completions(
-                _completion_ids(request_id, chat.params.n), prompt, chat.params)
+                completion_ids(request_id, chat.params.n), prompt, chat.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             err = _as_api_error(e)
             self.metrics.count("rejected" if err.status < 500 else "error")
-            return _error_response(err)
+            return error_response(err)
         if chat.stream:
             return StreamingResponse(
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
@@ -285,7 +224,7 @@ class OpenAIServer:
     async def responses(self, request: Request) -> Response:
         """OpenAI's ``POST /v1/responses``, stateless (``responses_protocol.py``): the chat
         request it amounts to, answered as a response object or its stream of events."""
-        response_id = f"resp_{_request_id(request)}"
+        response_id = f"resp_{request_id_of(request)}"
         created = int(time.time())
         req = None
         try:
@@ -303,7 +242,7 @@ class OpenAIServer:
             if req is not None:  # about the chat it amounts to: in the Responses API's names
                 err = req.renamed(err)
             self.metrics.count("rejected" if err.status < 500 else "error")
-            return _error_response(err)
+            return error_response(err)
         reader = tool_calls.reader_for(chat.tool_choice, self.tool_parser,
                                        lambda: responses.new_id("call"))
         events = responses.ResponseEvents(response_id, self.model, req.echo, created)
@@ -318,13 +257,13 @@ class OpenAIServer:
         (out,) = outs
         deltas = ([{"content": out.text}] if reader is None
                   else reader.feed(out.text) + reader.finish())
-        return JSONResponse(events.whole(deltas, out.finish_reason, _responses_usage(out)))
+        return JSONResponse(events.whole(deltas, out.finish_reason, responses_usage(out)))
 
     async def _response_events(self, events: responses.ResponseEvents, stream: RequestStream,
                                reader: tool_calls.CallReader | None) -> AsyncIterator[str]:
         """A response's events as its answer comes; a failure ends them with
         ``response.failed``."""
-        answer = _Answer()
+        answer = Answer()
         try:
             for event in events.start():
                 yield event
@@ -335,12 +274,12 @@ class OpenAIServer:
                             yield event
                         break
                     answer.add(out)
-                    for delta in _deltas(reader, out):
+                    for delta in deltas(reader, out):
                         for event in events.delta(delta):
                             yield event
                     if out.finished:
                         for event in events.finish(out.finish_reason,
-                                                   _responses_usage(answer.whole(out))):
+                                                   responses_usage(answer.whole(out))):
                             yield event
         finally:
             self._abort([stream])
@@ -411,7 +350,7 @@ class OpenAIServer:
         the engine died, a request failed)."""
 
         async def final_output(stream: RequestStream) -> RequestOutput | None:
-            answer, last = _Answer(), None
+            answer, last = Answer(), None
             async for out in stream:
                 answer.add(out)
                 last = out
@@ -436,10 +375,10 @@ class OpenAIServer:
             outs = answers.result()
         except EngineDeadError as e:
             self.metrics.count("error")
-            return _error_response(_as_api_error(e))
+            return error_response(_as_api_error(e))
         for out in outs:
             if out.finish_reason == "error":
-                return _error_response(_failed(out))
+                return error_response(_failed(out))
         return outs
 
     async def _complete(self, request: Request, request_id: str,
@@ -462,7 +401,7 @@ class OpenAIServer:
                 i, content, tool_calls.finish_reason(out.finish_reason, tool_choice, reader),
                 logprobs, calls))
         return JSONResponse(proto.completion(request_id, self.model, choices,
-                                             _usage_of([outs])))
+                                             usage_of([outs])))
 
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
                    tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False
@@ -473,7 +412,7 @@ class OpenAIServer:
         choices produce it (``index`` says whose), the usage last when asked (and in every
         chunk, that choice's so far, with ``continuous_usage``)."""
         created = int(time.time())
-        answers = [_Answer() for _ in streams]
+        answers = [Answer() for _ in streams]
         readers = [tool_calls.reader_for(tool_choice, self.tool_parser) for _ in streams]
 
         def event(index: int, delta: dict[str, Any] | None, reason: str | None = None,
@@ -502,7 +441,7 @@ class OpenAIServer:
                             if continuous_usage else None))
                     answers[index].add(out)
                     reader = readers[index]
-                    for delta in _deltas(reader, out):
+                    for delta in deltas(reader, out):
                         yield event(index, delta, out=out)
                     if out.finished:
                         reason = out.finish_reason if reader is None else (
@@ -511,7 +450,7 @@ class OpenAIServer:
                         finals[index] = answers[index].whole(out)
                 else:
                     if include_usage:
-                        yield event(0, None, usage=_usage_of([[o for o in finals if o]]))
+                        yield event(0, None, usage=usage_of([[o for o in finals if o]]))
             yield "data: [DONE]\n\n"
         finally:  # the client went away, or we are done: aborting a finished one does nothing
             self._abort(streams)
@@ -563,7 +502,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``: text or token-id prompts (images go to the chat endpoint),
         each prompt an engine request of its own and a choice of the answer."""
-        request_id = f"cmpl-{_request_id(request)}"
+        request_id = f"cmpl-{request_id_of(request)}"
         streams: list[RequestStream] = []
         try:
             req = proto.parse_completion_request(await self._read_json(request),
@@ -578,7 +517,7 @@ class OpenAIServer:
                 self.engine.abort(stream.request_id)
             err = _as_api_error(e)
             self.metrics.count("rejected" if err.status < 500 else "error")
-            return _error_response(err)
+            return error_response(err)
         echoes = None
         if req.echo:  # each choice's prompt's text (choice p * n + j: prompt p's)
             texts = [self._prompt_text(prompt) for prompt in req.prompts]
@@ -593,7 +532,7 @@ class OpenAIServer:
         if isinstance(outs, Response):
             return outs
         if req.prompt_only:
-            outs = [_without_generated(out) for out in outs]
+            outs = [without_generated(out) for out in outs]
         choices = []
         for i, out in enumerate(outs):
             logprobs = None
@@ -606,7 +545,7 @@ class OpenAIServer:
             text = out.text if echoes is None else echoes[i] + out.text
             choices.append(proto.completion_choice(i, text, out.finish_reason, logprobs))
         return JSONResponse(proto.text_completion(request_id, self.model, choices,
-                                                  _usage_of(_per_prompt(outs, n))))
+                                                  usage_of(per_prompt(outs, n))))
 
     def _prompt_text(self, prompt: dict[str, Any]) -> str:
         """What ``echo`` repeats of a completions prompt: its text, or its token ids'."""
@@ -630,7 +569,7 @@ class OpenAIServer:
                                           usage)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
-        answers = [_Answer() for _ in streams]
+        answers = [Answer() for _ in streams]
         offsets = [0] * len(streams)  # the text of the tokens chunks carried logprobs for
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
@@ -642,7 +581,7 @@ class OpenAIServer:
                         yield f"data: {json.dumps(out.body())}\n\n"
                         break
                     if prompt_only:
-                        out = _without_generated(out)
+                        out = without_generated(out)
                     answers[index].add(out)
                     if not (out.new_text or out.finished):
                         continue
@@ -658,7 +597,7 @@ class OpenAIServer:
                         finals[index] = answers[index].whole(out)
                 else:
                     if include_usage:
-                        yield event(None, _usage_of(_per_prompt([o for o in finals if o], n)))
+                        yield event(None, usage_of(per_prompt([o for o in finals if o], n)))
             yield "data: [DONE]\n\n"
         finally:
             self._abort(streams)
@@ -693,88 +632,12 @@ class OpenAIServer:
             routes=routes, lifespan=lifespan,
             middleware=[Middleware(RequestIdMiddleware, count=self.metrics.count_response),
                         Middleware(ApiKeyMiddleware, api_key=self.config.api_key)],
-            exception_handlers={HTTPException: _http_exception})
+            exception_handlers={HTTPException: http_exception})
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     """The Starlette app serving ``engine``; the engine loop starts with the app's lifespan."""
     return OpenAIServer(engine, config).app()
-
-
-def _completion_ids(request_id: str, n: int) -> list[str]:
-    """The engine request ids of a chat answer's ``n`` choices."""
-    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-
-
-class _Answer:
-    """One choice put back together from the engine's outputs, which hold only what each
-    step added (the server's requests run with ``output_kind`` ``delta``, so that a step
-    costs the engine the same however long the answers grow): its text, tokens and
-    log-probabilities so far, and which of them a stream's chunks have carried."""
-
-    def __init__(self) -> None:
-        self.pieces: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] | None = None
-        self.sent = 0  # tokens whose log-probabilities went out with an earlier chunk
-        self.last: RequestOutput | None = None
-
-    def add(self, out: RequestOutput) -> None:
-        self.last = out
-        self.pieces.append(out.text)
-        self.token_ids += out.token_ids
-        if out.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs += out.logprobs
-
-    def usage_so_far(self) -> dict[str, Any]:
-        """The choice's usage as of its last output (vLLM's ``continuous_usage_stats``)."""
-        last = self.last
-        assert last is not None
-        return proto.usage(last.num_prompt_tokens, len(self.token_ids), last.num_cached_tokens)
-
-    def unsent(self) -> tuple[list[int], list[TokenLogprobs]]:
-        """The tokens since the last call, and their log-probabilities."""
-        start, self.sent = self.sent, len(self.token_ids)
-        return self.token_ids[start:], (self.logprobs or [])[start:]
-
-    def whole(self, last: RequestOutput) -> RequestOutput:
-        """The choice's final output, everything in it."""
-        return replace(last, text="".join(self.pieces), token_ids=self.token_ids,
-                       logprobs=self.logprobs)
-
-
-def _without_generated(out: RequestOutput) -> RequestOutput:
-    """``out`` with what the engine generated taken out: an echo of the prompt alone
-    (``max_tokens`` 0), whose one token was sampled only because a request samples one."""
-    return replace(out, text="", new_text="", token_ids=[], new_token_ids=[],
-                   logprobs=None if out.logprobs is None else [],
-                   finish_reason="length" if out.finished else None)
-
-
-def _deltas(reader: tool_calls.CallReader | None, out: RequestOutput) -> list[dict[str, Any]]:
-    """A streamed chat delta's pieces: its new text, or what ``reader`` reads of it."""
-    if reader is None:
-        return [{"content": out.new_text}] if out.new_text else []
-    return reader.feed(out.new_text) + (reader.finish() if out.finished else [])
-
-
-def _responses_usage(out: RequestOutput) -> dict[str, Any]:
-    return responses.usage(out.num_prompt_tokens, len(out.token_ids), out.num_cached_tokens)
-
-
-def _per_prompt(outs: list[RequestOutput], n: int) -> list[list[RequestOutput]]:
-    """Outputs in choice order (``n`` per prompt) grouped by prompt."""
-    return [outs[i:i + n] for i in range(0, len(outs), n)]
-
-
-def _usage_of(prompts: list[list[RequestOutput]]) -> dict[str, Any]:
-    """The usage of several prompts' completions together, as OpenAI counts it: each
-    prompt's tokens (and those of it the prefix cache served) once, every completion's."""
-    return proto.usage(sum(outs[0].num_prompt_tokens for outs in prompts if outs),
-                       sum(len(o.token_ids) for outs in prompts for o in outs),
-                       sum(outs[0].num_cached_tokens for outs in prompts if outs))
 
 
 def _as_api_error(e: Exception) -> ApiError:
@@ -793,12 +656,6 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def _http_exception(request: Request, exc: HTTPException) -> Response:
-    return _error_response(ApiError(exc.status_code, f"{exc.detail}: {request.method} "
-                                    f"{request.url.path}", code="not_found"
-                                    if exc.status_code == 404 else None))
-
-
 def _read_outcome(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
@@ -809,114 +666,3 @@ def _failed(out: RequestOutput) -> ApiError:
     return ApiError(500, f"the engine failed while generating this request's answer "
                     f"({out.error}); other requests are unaffected, retrying may work.",
                     type="server_error", code="generation_failed")
-
-
-# --------------------------------------------------------------------- mmserve serve
-class _StopSignal(Exception):
-    """SIGINT or SIGTERM arrived; the server has shut down."""
-
-
-def _raise_stop_signal(signum: int, frame: object) -> None:
-    raise _StopSignal(signum)
-
-
-@contextlib.contextmanager
-def _stop_signals_end_run() -> Iterator[None]:
-    """Around ``uvicorn.Server.run``: a SIGINT or SIGTERM ends it quietly. uvicorn catches
-    the signal, shuts down gracefully, then raises it again with the handler that was there
-    before: by default a KeyboardInterrupt traceback on Ctrl-C, and on SIGTERM death on the
-    spot, before ``serve`` releases the engine. This handler turns it into an exception
-    caught here instead."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers belong to the main thread; uvicorn installs none either
-        return
-    stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {sig: signal.signal(sig, _raise_stop_signal) for sig in stops}
-    try:
-        yield
-    except _StopSignal as e:
-        logger.info("stopped by %s", signal.Signals(e.args[0]).name)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def serve(args: argparse.Namespace) -> int:
-    """Run the server until SIGTERM/SIGINT (status 0) or until the engine breaks (status 1,
-    for a supervisor to restart it)."""
-    import uvicorn
-
-    from mmserve.config import EngineConfig
-    from mmserve.demo.checkpoint import demo_model_path
-    from mmserve.engine.core_process import EngineCoreClient
-    from mmserve.entrypoints.engine_args import engine_kwargs
-    from mmserve.entrypoints.http_protocol import with_header_timeout
-    from mmserve.processing.chat_template import load_chat_template
-
-    model = args.model_path or args.model
-    try:
-        if model is None:
-            model = str(demo_model_path())
-        config = ServerConfig(
-            served_model_name=args.served_model_name or model,
-            api_key=args.api_key,
-            max_queue=args.max_queue,
-            max_request_body_bytes=args.max_request_body_bytes,
-            media=MediaPolicy(tuple(args.allowed_media_domains), args.allowed_local_media_path,
-                              args.max_image_bytes, args.media_fetch_timeout),
-            header_timeout_s=args.header_timeout,
-            body_timeout_s=args.body_timeout,
-            shutdown_timeout_s=args.shutdown_timeout,
-            engine_process=args.engine_process,
-            tool_call_parser=args.tool_call_parser,
-            enable_auto_tool_choice=args.enable_auto_tool_choice,
-        )
-    except (FileNotFoundError, ValueError) as e:
-        print(f"mmserve serve: {e}", file=sys.stderr)
-        return 2
-    compute = None
-    try:
-        engine_config = EngineConfig(model=model, **engine_kwargs(args))
-        defaults = sampling_defaults(engine_config)  # a bad file stops us before the weights
-        load_chat_template(engine_config.chat_template)  # and so does a bad chat template
-        own_process = config.engine_process
-        if own_process is None:  # on the CPU, measured no faster and slower to start
-            own_process = engine_config.resolved_device == "cuda"
-        if own_process:
-            engine: LLMEngine | EngineClient = EngineCoreClient(engine_config)
-        else:
-            # Built on the thread that will step it: torch's parallel regions run slower once
-            # a second thread has started some (worker/compute_thread.py). Its requests' text
-            # and outputs are made on the event loop, as with an engine process.
-            compute = ComputeThread("mmserve-engine")
-            engine = compute.call(LLMEngine, engine_config, detokenize=False)
-    except (FileNotFoundError, ValueError) as e:
-        if compute is not None:
-            compute.close()
-        print(f"mmserve serve: {e}", file=sys.stderr)
-        return 2
-    server = None
-    try:
-        server = OpenAIServer(engine, config, compute, defaults)
-        # On SIGTERM uvicorn stops accepting connections and lets the requests in flight
-        # finish for up to --shutdown-timeout seconds, cancels what is left, then runs the
-        # lifespan shutdown that stops the engine loop (failing any request still in it).
-        http = uvicorn.Server(uvicorn.Config(
-            server.app(), host=args.host, port=args.port, log_level=args.log_level,
-            timeout_keep_alive=5, http=with_header_timeout(config.header_timeout_s),
-            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s))))
-        server.http_server = http
-        with _stop_signals_end_run():
-            http.run()
-    finally:
-        if server is not None:
-            server.engine.stop()  # normally stopped by the lifespan's shutdown already
-        if compute is None:
-            engine.close()
-        else:
-            compute.call(engine.close)
-            compute.close()
-    if server.engine.error is not None:
-        print(f"mmserve serve: the engine stopped: {server.engine.error}", file=sys.stderr)
-        return 1
-    return 0

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from mmserve.entrypoints.api_server import serve
+    from mmserve.entrypoints.serve_command import serve
 
     return serve(args)
 

@@ -1,0 +1,96 @@
+"""The server's HTTP plumbing, apart from its endpoints: the API key check, request ids (and
+the JSON 500 a handler's bug gets), and OpenAI's error body for every error response."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mmserve.entrypoints import chat_page
+from mmserve.entrypoints.openai_protocol import ApiError
+
+logger = logging.getLogger(__name__)
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every path but /health and the chat page (which asks
+    for the key and sends it on its API calls), compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.expected is None or scope["type"] != "http" or scope["path"] == "/health"
+                or chat_page.is_public(scope["path"])):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        err = ApiError(401, "missing or wrong API key; send 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key")
+        await error_response(err)(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """Gives every HTTP request an id (``scope["state"]["request_id"]``, echoed in the
+    ``X-Request-Id`` response header), counts every response by status code, and answers an
+    exception that escapes a handler (a bug) with a JSON 500 that quotes the id and tells no
+    internals; the log gets the traceback under the same id."""
+
+    def __init__(self, app: ASGIApp, count: Any) -> None:
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        started = False
+
+        async def send_with_id(message: dict[str, Any]) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-request-id", request_id.encode())]
+                self.count(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:  # noqa: BLE001 (answered and logged)
+            logger.error("internal error on %s %s (request id %s)", scope.get("method"),
+                         scope.get("path"), request_id, exc_info=exc)
+            if started:  # a stream already under way: all we can do is end it
+                return
+            err = ApiError(500, f"internal server error (request id {request_id}); the server "
+                           "log has the details.", type="server_error", code="internal_error")
+            await error_response(err)(scope, receive, send_with_id)
+
+
+def request_id_of(request: Request) -> str:
+    """The id ``RequestIdMiddleware`` gave the request (a fresh one outside it)."""
+    return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
+
+
+def error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def http_exception(request: Request, exc: HTTPException) -> Response:
+    return error_response(ApiError(exc.status_code, f"{exc.detail}: {request.method} "
+                                    f"{request.url.path}", code="not_found"
+                                    if exc.status_code == 404 else None))

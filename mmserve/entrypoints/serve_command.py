@@ -1,0 +1,133 @@
+"""``mmserve serve``: the engine built (on a thread of this process, or in a process of its
+own), the OpenAI-compatible server over it, run by uvicorn until SIGTERM or SIGINT (status 0)
+or until the engine breaks (status 1, for a supervisor to restart it)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+
+from mmserve.engine.async_engine import EngineClient
+from mmserve.engine.llm_engine import LLMEngine
+from mmserve.entrypoints.api_server import OpenAIServer
+from mmserve.entrypoints.generation_config import sampling_defaults
+from mmserve.entrypoints.media import MediaPolicy
+from mmserve.entrypoints.serve_args import ServerConfig
+from mmserve.worker.compute_thread import ComputeThread
+
+logger = logging.getLogger(__name__)
+
+
+class _StopSignal(Exception):
+    """SIGINT or SIGTERM arrived; the server has shut down."""
+
+
+def _raise_stop_signal(signum: int, frame: object) -> None:
+    raise _StopSignal(signum)
+
+
+@contextlib.contextmanager
+def _stop_signals_end_run() -> Iterator[None]:
+    """Around ``uvicorn.Server.run``: a SIGINT or SIGTERM ends it quietly. uvicorn catches
+    the signal, shuts down gracefully, then raises it again with the handler that was there
+    before: by default a KeyboardInterrupt traceback on Ctrl-C, and on SIGTERM death on the
+    spot, before ``serve`` releases the engine. This handler turns it into an exception
+    caught here instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread; uvicorn installs none either
+        return
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _raise_stop_signal) for sig in stops}
+    try:
+        yield
+    except _StopSignal as e:
+        logger.info("stopped by %s", signal.Signals(e.args[0]).name)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until SIGTERM/SIGINT (status 0) or until the engine breaks (status 1,
+    for a supervisor to restart it)."""
+    import uvicorn
+
+    from mmserve.config import EngineConfig
+    from mmserve.demo.checkpoint import demo_model_path
+    from mmserve.engine.core_process import EngineCoreClient
+    from mmserve.entrypoints.engine_args import engine_kwargs
+    from mmserve.entrypoints.http_protocol import with_header_timeout
+    from mmserve.processing.chat_template import load_chat_template
+
+    model = args.model_path or args.model
+    try:
+        if model is None:
+            model = str(demo_model_path())
+        config = ServerConfig(
+            served_model_name=args.served_model_name or model,
+            api_key=args.api_key,
+            max_queue=args.max_queue,
+            max_request_body_bytes=args.max_request_body_bytes,
+            media=MediaPolicy(tuple(args.allowed_media_domains), args.allowed_local_media_path,
+                              args.max_image_bytes, args.media_fetch_timeout),
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            shutdown_timeout_s=args.shutdown_timeout,
+            engine_process=args.engine_process,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+        )
+    except (FileNotFoundError, ValueError) as e:
+        print(f"mmserve serve: {e}", file=sys.stderr)
+        return 2
+    compute = None
+    try:
+        engine_config = EngineConfig(model=model, **engine_kwargs(args))
+        defaults = sampling_defaults(engine_config)  # a bad file stops us before the weights
+        load_chat_template(engine_config.chat_template)  # and so does a bad chat template
+        own_process = config.engine_process
+        if own_process is None:  # on the CPU, measured no faster and slower to start
+            own_process = engine_config.resolved_device == "cuda"
+        if own_process:
+            engine: LLMEngine | EngineClient = EngineCoreClient(engine_config)
+        else:
+            # Built on the thread that will step it: torch's parallel regions run slower once
+            # a second thread has started some (worker/compute_thread.py). Its requests' text
+            # and outputs are made on the event loop, as with an engine process.
+            compute = ComputeThread("mmserve-engine")
+            engine = compute.call(LLMEngine, engine_config, detokenize=False)
+    except (FileNotFoundError, ValueError) as e:
+        if compute is not None:
+            compute.close()
+        print(f"mmserve serve: {e}", file=sys.stderr)
+        return 2
+    server = None
+    try:
+        server = OpenAIServer(engine, config, compute, defaults)
+        # On SIGTERM uvicorn stops accepting connections and lets the requests in flight
+        # finish for up to --shutdown-timeout seconds, cancels what is left, then runs the
+        # lifespan shutdown that stops the engine loop (failing any request still in it).
+        http = uvicorn.Server(uvicorn.Config(
+            server.app(), host=args.host, port=args.port, log_level=args.log_level,
+            timeout_keep_alive=5, http=with_header_timeout(config.header_timeout_s),
+            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s))))
+        server.http_server = http
+        with _stop_signals_end_run():
+            http.run()
+    finally:
+        if server is not None:
+            server.engine.stop()  # normally stopped by the lifespan's shutdown already
+        if compute is None:
+            engine.close()
+        else:
+            compute.call(engine.close)
+            compute.close()
+    if server.engine.error is not None:
+        print(f"mmserve serve: the engine stopped: {server.engine.error}", file=sys.stderr)
+        return 1
+    return 0
