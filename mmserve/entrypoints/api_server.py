@@ -203,7 +203,7 @@ class OpenAIServer:
         try:
             chat = await self._parse(request)
             images = await asyncio.gather(*(self.media.load(url) for url in chat.image_urls))
-            prompt = {"messages": chat.messages, "images": list(images)}
+            prompt = {"messages": chat.messages, "images": list(images), **chat.turn}
             if chat.tools is not None:
                 prompt["tools"] = chat.tools
             streams = await self.engine.add_completions(

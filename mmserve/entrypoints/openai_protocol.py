@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.entrypoints import tool_calls
@@ -66,6 +66,9 @@ class ChatRequest:
     model: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice = ToolChoice()
+    # vLLM's add_generation_prompt and continue_final_message where a request sets them (the
+    # processor takes them from the prompt).
+    turn: dict[str, bool] = field(default_factory=dict)
 
 
 def parse_chat_request(body: Any, max_model_len: int, max_images: int,
@@ -104,7 +107,15 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
                               tool_schema=tools and tool_calls.output_schema(tools, tool_choice))
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
                        continuous_usage=continuous_usage, model=model, tools=tools,
-                       tool_choice=tool_choice)
+                       tool_choice=tool_choice, turn=_turn(body))
+
+
+def _turn(body: dict[str, Any]) -> dict[str, bool]:
+    """vLLM's ``add_generation_prompt`` (default true) and ``continue_final_message`` (the
+    model goes on writing the last message, an assistant's), where given; the processor
+    checks that they agree."""
+    return {name: _get(body, name, bool, None) for name in
+            ("add_generation_prompt", "continue_final_message") if body.get(name) is not None}
 
 
 @dataclass
@@ -188,9 +199,7 @@ class TokenizeRequest:
 # The options of vLLM's /tokenize that change how a prompt is rendered, with the values that
 # give the tokens a generation request reads, the only ones taken (by the form they apply to).
 _TOKENIZE_RENDERING = {"prompt": {"add_special_tokens": True},
-                       "messages": {"add_generation_prompt": True,
-                                    "continue_final_message": False,
-                                    "add_special_tokens": False}}
+                       "messages": {"add_special_tokens": False}}
 
 
 def parse_tokenize_request(body: Any, max_images: int) -> TokenizeRequest:
@@ -223,7 +232,7 @@ def parse_tokenize_request(body: Any, max_images: int) -> TokenizeRequest:
         tools, _ = tool_calls.parse_tools({"tools": body.get("tools")}, None)
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
-    chat = {"messages": messages, **({} if tools is None else {"tools": tools})}
+    chat = {"messages": messages, **({} if tools is None else {"tools": tools}), **_turn(body)}
     return TokenizeRequest(chat, urls, strs, model)
 
 

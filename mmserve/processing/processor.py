@@ -137,8 +137,10 @@ class InputProcessor:
             images = [images]
         max_chars = None if max_tokens is None else 2 * max_tokens * self.max_token_chars
         if "messages" in prompt:
-            text, images = self.render_chat(prompt["messages"], list(images), max_chars,
-                                            prompt.get("tools"))
+            text, images = self.render_chat(
+                prompt["messages"], list(images), max_chars, prompt.get("tools"),
+                prompt.get("add_generation_prompt", True),
+                prompt.get("continue_final_message", False))
         elif "prompt" in prompt:
             text = prompt["prompt"]
             if not isinstance(text, str):
@@ -161,15 +163,21 @@ class InputProcessor:
         return self._tokenize(text, [self._preprocess_image(im) for im in images])
 
     def render_chat(self, messages: Any, images: list[ImageLike], max_chars: int | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> tuple[str, list[ImageLike]]:
+                    tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False
+                    ) -> tuple[str, list[ImageLike]]:
         """Render OpenAI-style messages with the chat template; returns text and images in
         placeholder order (``{"type": "image"}`` parts take from ``images`` in order,
         ``image_url`` parts carry their own). Messages whose text is over ``max_chars``
         characters are refused before rendering. ``tools``: the functions (OpenAI's
         ``tools``) the template shows the model; a message's ``tool_calls`` (an assistant's
-        earlier calls) and ``tool_call_id`` (a tool's result) reach it as they are."""
+        earlier calls) and ``tool_call_id`` (a tool's result) reach it as they are. As in
+        vLLM, the prompt ends with the template's start of a new assistant turn
+        (``add_generation_prompt``), or, with ``continue_final_message``, inside the last
+        message, an assistant's, which the model then goes on writing."""
         if not isinstance(messages, list) or not messages:
             raise InvalidInputError("'messages' must be a non-empty list", param="messages")
+        _check_turn_ending(messages, add_generation_prompt, continue_final_message)
         if tools is not None:
             tools = template_tools(tools)
         pending = list(images)
@@ -260,8 +268,9 @@ class InputProcessor:
         # render (a role it has no turn for, turns out of order) by raising.
         try:
             text = self.processor.apply_chat_template(
-                rendered, add_generation_prompt=rendered[-1]["role"] != "assistant",
-                tokenize=False, **({} if tools is None else {"tools": tools}))
+                rendered, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False,
+                **({} if tools is None else {"tools": tools}))
         except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError,
                 IndexError, RecursionError) as e:
             raise InvalidInputError(
@@ -461,3 +470,22 @@ def _as_string_content(message: dict[str, Any], index: int) -> dict[str, Any]:
             "content as text alone (chat_template_content_format string) and cannot place it; "
             "use a template that loops over the content's parts.", param=f"messages[{index}]")
     return {**message, "content": "\n".join(part["text"] for part in parts)}
+
+
+def _check_turn_ending(messages: list[Any], add_generation_prompt: Any,
+                       continue_final_message: Any) -> None:
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):
+            raise InvalidInputError(f"'{name}' must be a boolean", param=name)
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise InvalidInputError("'continue_final_message' goes on writing the last message, "
+                                "'add_generation_prompt' starts a new one: send "
+                                "'add_generation_prompt': false with it.",
+                                param="continue_final_message")
+    last = messages[-1]
+    if not (isinstance(last, dict) and last.get("role") == "assistant"):
+        raise InvalidInputError("'continue_final_message' goes on writing the last message, "
+                                "which must be the assistant's.", param="continue_final_message")
