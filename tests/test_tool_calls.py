@@ -556,3 +556,30 @@ def test_a_text_models_template_gets_text_content(clip_llama: str) -> None:
             ok = http.post("/v1/chat/completions", json={
                 "model": "tiny", "messages": CALLED, "tools": TOOLS, "max_tokens": 2})
             assert ok.status_code == 200, ok.text
+
+
+def test_tools_and_calls_with_an_engine_process(clip_llama: str, served: TestClient) -> None:
+    """The front end renders the tools and reads the calls; the core only steps: the same
+    answers as the engine on a thread of the server (``served``)."""
+    from mmserve.config import EngineConfig
+    from mmserve.engine.core_process import EngineCoreClient
+
+    config = EngineConfig(model=clip_llama, dtype="float32", max_model_len=512,
+                          chat_template=TEMPLATE)
+    server = OpenAIServer(EngineCoreClient(config), ServerConfig(
+        "tiny", tool_call_parser="hermes", enable_auto_tool_choice=True))
+    try:
+        with TestClient(server.app()) as http:
+            for body in ({"tools": TOOLS, "tool_choice": {"type": "function",
+                                                          "function": {"name": "get_weather"}}},
+                         {"tools": TOOLS, "structured_outputs": {"regex": HERMES},
+                          "max_tokens": 200},
+                         {"messages": CALLED, "tools": TOOLS, "tool_choice": "none",
+                          "max_tokens": 2}):
+                got, want = _chat(http, **body), _chat(served, **body)
+                assert _without_ids(got["choices"][0]["message"].get("tool_calls", [])) == \
+                    _without_ids(want["choices"][0]["message"].get("tool_calls", []))
+                for name in ("prompt_tokens", "completion_tokens"):  # (cache hits differ)
+                    assert got["usage"][name] == want["usage"][name]
+    finally:
+        server.engine.close()
