@@ -5,6 +5,8 @@ writing (a prefilled answer)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from starlette.testclient import TestClient
 from transformers import AutoConfig
@@ -96,3 +98,34 @@ def test_fields_that_disagree_are_400s(served, fields: dict, param: str) -> None
     resp = http.post("/v1/chat/completions", json={"model": "tiny", "messages": PREFILLED,
                                                    "max_tokens": 2, **fields})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_chat_template_kwargs_reach_the_template(clip_llama: str) -> None:
+    from mmserve.entrypoints.openai_protocol import parse_chat_request
+
+    template = ("{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")  # (string content)
+    processor = InputProcessor(clip_llama, AutoConfig.from_pretrained(
+        clip_llama, local_files_only=True), 1_000_000, chat_template=template)
+    messages = [{"role": "user", "content": "hi"}]
+    assert processor.render_chat(messages, [])[0] == "hi"
+    body = {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+    turn = parse_chat_request(body, 256, 4).turn
+    assert turn == {"chat_template_kwargs": {"enable_thinking": False}}
+    assert processor.process({"messages": messages, **turn}).token_ids == \
+        processor.tokenizer(["/no_think hi"])["input_ids"][0]
+    for bad in ({"messages": []}, {"add_generation_prompt": False}, {"1x": 1}, [1],
+                {"deep": json.loads("[" * 70 + "]" * 70)}):
+        with pytest.raises(InvalidInputError, match="chat_template_kwargs"):
+            processor.render_chat(messages, [], chat_template_kwargs=bad)
+
+
+def test_reserved_template_kwargs_are_a_400(served) -> None:
+    http, _ = served
+    resp = http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": PREFILLED, "max_tokens": 2,
+        "chat_template_kwargs": {"tools": []}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template_kwargs"
+    ok = http.post("/tokenize", json={"messages": PREFILLED,
+                                      "chat_template_kwargs": {"enable_thinking": False}})
+    assert ok.status_code == 200, ok.text

@@ -99,16 +99,19 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations; ``tools``: the
         functions (OpenAI's ``tools``) the chat template shows the model. As vLLM's: the
         prompt ends with the start of a new assistant turn (``add_generation_prompt``), or
         inside the last message, an assistant's, for the model to go on writing it
-        (``continue_final_message``, with ``add_generation_prompt=False``)."""
+        (``continue_final_message``, with ``add_generation_prompt=False``);
+        ``chat_template_kwargs``: more variables for the template."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [{"messages": conv, "images": images or [],
                     "add_generation_prompt": add_generation_prompt,
                     "continue_final_message": continue_final_message,
+                    "chat_template_kwargs": chat_template_kwargs,
                     **({} if tools is None else {"tools": tools})} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -15,6 +15,7 @@ from typing import Any
 from mmserve.entrypoints import tool_calls
 from mmserve.entrypoints.tool_calls import ToolChoice
 from mmserve.errors import InvalidInputError
+from mmserve.processing.chat_template import template_kwargs
 from mmserve.processing.chat_tools import template_tool_calls
 from mmserve.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
@@ -66,9 +67,9 @@ class ChatRequest:
     model: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice = ToolChoice()
-    # vLLM's add_generation_prompt and continue_final_message where a request sets them (the
-    # processor takes them from the prompt).
-    turn: dict[str, bool] = field(default_factory=dict)
+    # vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs where a
+    # request sets them (the processor takes them from the prompt).
+    turn: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_chat_request(body: Any, max_model_len: int, max_images: int,
@@ -110,12 +111,20 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
                        tool_choice=tool_choice, turn=_turn(body))
 
 
-def _turn(body: dict[str, Any]) -> dict[str, bool]:
-    """vLLM's ``add_generation_prompt`` (default true) and ``continue_final_message`` (the
-    model goes on writing the last message, an assistant's), where given; the processor
-    checks that they agree."""
-    return {name: _get(body, name, bool, None) for name in
-            ("add_generation_prompt", "continue_final_message") if body.get(name) is not None}
+def _turn(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``add_generation_prompt`` (default true), ``continue_final_message`` (the
+    model goes on writing the last message, an assistant's) and ``chat_template_kwargs``
+    (more variables for the template), where given; the processor checks that the first two
+    agree."""
+    turn: dict[str, Any] = {
+        name: _get(body, name, bool, None) for name in
+        ("add_generation_prompt", "continue_final_message") if body.get(name) is not None}
+    if body.get("chat_template_kwargs") is not None:
+        try:
+            turn["chat_template_kwargs"] = template_kwargs(body["chat_template_kwargs"])
+        except InvalidInputError as e:
+            raise bad_request(str(e), e.param) from None
+    return turn
 
 
 @dataclass

@@ -8,7 +8,11 @@ parse stops the engine before its weights load, not at the first chat request.
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
+
+from mmserve.errors import InvalidInputError
 
 SETTING = "chat_template (--chat-template)"
 
@@ -105,3 +109,40 @@ def _is_content(node: object) -> bool:
         return node.attr == "content"
     return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
             and node.arg.value == "content")
+
+
+# Names a request's chat_template_kwargs may not use: the renderer's own arguments and the
+# processor's (which transformers would take for itself), and the template's built-ins.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "chat_template", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs", "images", "videos", "audio", "text", "padding",
+    "truncation", "max_length", "return_tensors", "add_special_tokens", "bos_token",
+    "eos_token", "pad_token", "unk_token", "raise_exception", "strftime_now", "sampling_rate",
+    "num_frames", "video_fps", "do_sample_frames", "load_audio_from_video"})
+MAX_TEMPLATE_KWARGS_CHARS = 65_536
+
+
+def template_kwargs(value: Any) -> dict[str, Any]:
+    """vLLM's ``chat_template_kwargs``: more variables for the template (Qwen3's
+    ``enable_thinking``, say), checked: an object of names that are identifiers and none of
+    the renderer's own, at most 64 KiB as JSON, nested at most 64 levels."""
+    from mmserve.processing.chat_tools import check_nesting
+
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInputError("'chat_template_kwargs' must be an object of the template's "
+                                "variables", param="chat_template_kwargs")
+    for name in value:
+        if not (isinstance(name, str) and name.isidentifier()) or name in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidInputError(
+                f"chat_template_kwargs may not set {str(name)[:40]!r}: names must be "
+                "identifiers, and not the renderer's own (messages, tools, "
+                "add_generation_prompt, ...: those have fields of their own)",
+                param="chat_template_kwargs")
+    check_nesting(value, "chat_template_kwargs")
+    if len(json.dumps(value, default=str)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise InvalidInputError(f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_CHARS} "
+                                "characters as JSON", param="chat_template_kwargs")
+    return value

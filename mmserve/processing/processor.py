@@ -21,7 +21,11 @@ import numpy as np
 from PIL import Image
 
 from mmserve.inputs import PIXEL_ARITHMETIC, EncoderInput, ImageInput, encoder_input_bytes
-from mmserve.processing.chat_template import content_format, load_chat_template
+from mmserve.processing.chat_template import (
+    content_format,
+    load_chat_template,
+    template_kwargs,
+)
 from mmserve.processing.chat_tools import template_tool_calls, template_tools
 from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, load_image
 from mmserve.processing.registry import family_for
@@ -140,7 +144,8 @@ class InputProcessor:
             text, images = self.render_chat(
                 prompt["messages"], list(images), max_chars, prompt.get("tools"),
                 prompt.get("add_generation_prompt", True),
-                prompt.get("continue_final_message", False))
+                prompt.get("continue_final_message", False),
+                prompt.get("chat_template_kwargs"))
         elif "prompt" in prompt:
             text = prompt["prompt"]
             if not isinstance(text, str):
@@ -164,7 +169,8 @@ class InputProcessor:
 
     def render_chat(self, messages: Any, images: list[ImageLike], max_chars: int | None = None,
                     tools: list[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, continue_final_message: bool = False
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None
                     ) -> tuple[str, list[ImageLike]]:
         """Render OpenAI-style messages with the chat template; returns text and images in
         placeholder order (``{"type": "image"}`` parts take from ``images`` in order,
@@ -174,10 +180,12 @@ class InputProcessor:
         earlier calls) and ``tool_call_id`` (a tool's result) reach it as they are. As in
         vLLM, the prompt ends with the template's start of a new assistant turn
         (``add_generation_prompt``), or, with ``continue_final_message``, inside the last
-        message, an assistant's, which the model then goes on writing."""
+        message, an assistant's, which the model then goes on writing.
+        ``chat_template_kwargs``: more variables for the template (``template_kwargs``)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidInputError("'messages' must be a non-empty list", param="messages")
         _check_turn_ending(messages, add_generation_prompt, continue_final_message)
+        variables = template_kwargs(chat_template_kwargs)
         if tools is not None:
             tools = template_tools(tools)
         pending = list(images)
@@ -270,7 +278,7 @@ class InputProcessor:
             text = self.processor.apply_chat_template(
                 rendered, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=False,
-                **({} if tools is None else {"tools": tools}))
+                **({} if tools is None else {"tools": tools}), **variables)
         except (jinja2.TemplateError, TypeError, ValueError, AttributeError, KeyError,
                 IndexError, RecursionError) as e:
             raise InvalidInputError(
