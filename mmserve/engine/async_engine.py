@@ -236,9 +236,8 @@ class EngineClient:
             self._streams[stream.request_id] = stream
         added = [self._loop.create_future() for _ in request_ids]
         try:
-            pool = self._preprocess if _carries_images(prompt) else self._preprocess_text
             request = await self._loop.run_in_executor(
-                pool, self._make, prompt, params, request_ids[0])
+                self._pool_for(prompt), self._make, prompt, params, request_ids[0])
             children = [request] if params.n == 1 else self._fork(request, request_ids)
             resolvers = [self._resolver(future) for future in added]
             if self._outputs is not None:
@@ -270,11 +269,14 @@ class EngineClient:
         as a request of it would be made, on the preprocessing threads; raises
         ``InvalidInputError`` as making the request would."""
         assert self._loop is not None
-        pool = self._preprocess if _carries_images(prompt) else self._preprocess_text
         processed = await self._loop.run_in_executor(
-            pool, self.processor.process, prompt, self.config.limit_mm_per_prompt,
-            self.config.max_model_len)
+            self._pool_for(prompt), self.processor.process, prompt,
+            self.config.limit_mm_per_prompt, self.config.max_model_len)
         return processed.token_ids
+
+    def _pool_for(self, prompt: dict[str, Any]) -> ThreadPoolExecutor:
+        """The preprocessing threads of prompts with images, or of those without."""
+        return self._preprocess if _carries_images(prompt) else self._preprocess_text
 
     def abort(self, request_id: str) -> None:
         """Stop a request and release its KV blocks and encoder-cache references. Harmless for

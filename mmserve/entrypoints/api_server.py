@@ -202,10 +202,7 @@ class OpenAIServer:
         request_id = f"chatcmpl-{request_id_of(request)}"
         try:
             chat = await self._parse(request)
-            images = await asyncio.gather(*(self.media.load(url) for url in chat.image_urls))
-            prompt = {"messages": chat.messages, "images": list(images), **chat.turn}
-            if chat.tools is not None:
-                prompt["tools"] = chat.tools
+            prompt = await self._prompt_of(chat)
             streams = await self.engine.add_completions(
                 completion_ids(request_id, chat.params.n), prompt, chat.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
@@ -233,10 +230,8 @@ class OpenAIServer:
                 self.sampling_defaults, self.tool_parser)
             chat = req.chat
             self._check_model_and_room(chat.model)
-            images = await asyncio.gather(*(self.media.load(url) for url in chat.image_urls))
-            prompt = {"messages": chat.messages, "images": list(images),
-                      **({} if chat.tools is None else {"tools": chat.tools})}
-            (stream,) = await self.engine.add_completions([response_id], prompt, chat.params)
+            (stream,) = await self.engine.add_completions(
+                [response_id], await self._prompt_of(chat), chat.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             err = _as_api_error(e)
             if req is not None:  # about the chat it amounts to: in the Responses API's names
@@ -283,6 +278,15 @@ class OpenAIServer:
                             yield event
         finally:
             self._abort([stream])
+
+    async def _prompt_of(self, chat: proto.ChatRequest) -> dict[str, Any]:
+        """The engine's prompt of a chat request: its messages, its images fetched, and what
+        else the template takes (tools, how the prompt ends, more variables)."""
+        images = await asyncio.gather(*(self.media.load(url) for url in chat.image_urls))
+        prompt = {"messages": chat.messages, "images": list(images), **chat.turn}
+        if chat.tools is not None:
+            prompt["tools"] = chat.tools
+        return prompt
 
     async def _parse(self, request: Request) -> proto.ChatRequest:
         chat = proto.parse_chat_request(await self._read_json(request), self.max_model_len,

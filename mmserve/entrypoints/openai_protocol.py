@@ -80,11 +80,7 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
     ``tool_parser``: the server's parser of calls in the model's text, when it reads them
     (``--enable-auto-tool-choice``)."""
     model = _model(body)
-    messages, image_urls = _parse_messages(body.get("messages"))
-    if len(image_urls) > max_images:
-        raise bad_request(
-            f"the messages carry {len(image_urls)} images but at most {max_images} are allowed "
-            "per prompt (--limit-mm-per-prompt); send fewer images.", "messages")
+    messages, image_urls = _parse_messages(body.get("messages"), max_images)
     modalities = body.get("modalities")
     if modalities not in (None, ["text"]):
         raise bad_request("mmserve answers in text only: send 'modalities': ['text'] or leave "
@@ -232,11 +228,7 @@ def parse_tokenize_request(body: Any, max_images: int) -> TokenizeRequest:
                               "prompt")
         _check_text(prompt, "prompt")
         return TokenizeRequest({"prompt": prompt}, [], strs, model)
-    messages, urls = _parse_messages(body.get("messages"))
-    if len(urls) > max_images:
-        raise bad_request(f"the messages carry {len(urls)} images but at most {max_images} are "
-                          "allowed per prompt (--limit-mm-per-prompt); send fewer images.",
-                          "messages")
+    messages, urls = _parse_messages(body.get("messages"), max_images)
     try:
         tools, _ = tool_calls.parse_tools({"tools": body.get("tools")}, None)
     except InvalidInputError as e:
@@ -507,7 +499,8 @@ def _check_text(text: str, where: str) -> None:
                           f"at position {e.start}); send valid Unicode text.", where) from None
 
 
-def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
+def _parse_messages(messages: Any, max_images: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """Chat messages checked, with the URLs of their images (at most ``max_images``)."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of messages", "messages")
     out: list[dict[str, Any]] = []
@@ -557,6 +550,10 @@ def _parse_messages(messages: Any) -> tuple[list[dict[str, Any]], list[str]]:
                 raise bad_request(f"{pwhere} has type {kind!r}; supported: {supported}",
                                   f"{pwhere}.type")
         out.append({"role": role, "content": parts, **extra})
+    if len(urls) > max_images:
+        raise bad_request(f"the messages carry {len(urls)} images but at most {max_images} are "
+                          "allowed per prompt (--limit-mm-per-prompt); send fewer images.",
+                          "messages")
     return out, urls
 
 
