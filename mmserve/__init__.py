@@ -10,19 +10,23 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from mmserve.beam_search import BeamSearchOutput, BeamSearchParams
     from mmserve.config import EngineConfig
     from mmserve.entrypoints.llm import LLM
     from mmserve.outputs import RequestOutput
     from mmserve.sampling_params import SamplingParams
 
 _EXPORTS = {
+    "BeamSearchOutput": "mmserve.beam_search",
+    "BeamSearchParams": "mmserve.beam_search",
     "EngineConfig": "mmserve.config",
     "LLM": "mmserve.entrypoints.llm",
     "RequestOutput": "mmserve.outputs",
     "SamplingParams": "mmserve.sampling_params",
 }
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "EngineConfig", "RequestOutput",
+           "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -9,7 +9,10 @@ processor's work never takes the core's interpreter lock.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from mmserve.config import EngineConfig
 from mmserve.engine.request import Request
@@ -99,6 +102,23 @@ class RequestMaker:
             child.grammar = req.grammar
             children.append(child)
         return children
+
+    @staticmethod
+    def extend(req: Request, tokens: Sequence[int], params: SamplingParams,
+               request_id: str) -> Request:
+        """A request whose prompt is ``req``'s followed by ``tokens``, as if ``req`` had
+        generated them (their positions are generated tokens'), sampled with ``params``: a
+        beam search's step of one beam. Its images are ``req``'s (encoded once: the encoder
+        and prefix caches find them)."""
+        positions = req.prompt_positions
+        if tokens:
+            start = req.num_prompt_tokens + req.decode_offset
+            added = np.arange(start, start + len(tokens), dtype=positions.dtype)
+            positions = np.concatenate(
+                [positions, np.broadcast_to(added, (positions.shape[0], len(tokens)))], axis=1)
+        return Request(request_id, [*req.prompt_token_ids, *tokens], params, req.images,
+                       eos_token_id=req.eos_token_ids, arrival_time=req.arrival_time,
+                       prompt_positions=positions, decode_offset=req.decode_offset)
 
     def _note_preprocessing(self, peak_bytes: int) -> None:
         self.preprocess_peak_bytes = max(self.preprocess_peak_bytes, peak_bytes)

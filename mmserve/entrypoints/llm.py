@@ -9,7 +9,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from mmserve.beam_search import BeamSearchOutput, BeamSearchParams
 from mmserve.config import EngineConfig
+from mmserve.engine.beam_driver import run_beam_search
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.memory_plan import MemoryPlan
 from mmserve.engine.prompt_feed import PromptFeed
@@ -128,6 +130,21 @@ class LLM:
             {"type": "image"}, {"type": "text", "text": prompt}]}], "images": [image]}
             for image in images]
         return [out.text for out in self.generate(prompts, params, use_tqdm=use_tqdm)]
+
+    def beam_search(
+        self,
+        prompts: dict[str, Any] | str | Sequence[dict[str, Any] | str],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search every prompt (the same prompts as ``generate``'s); outputs come back
+        in input order, each with ``params.beam_width`` sequences, best first. The search is
+        transformers' ``generate(num_beams=..., do_sample=False)``, step for step
+        (``mmserve.beam_search``): each step runs one request of one token per running
+        beam, whose shared prefix, images included, the prefix cache keeps computed."""
+        if isinstance(prompts, (dict, str)):
+            prompts = [prompts]
+        return run_beam_search(self.engine, list(prompts), params, use_tqdm)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -20,7 +20,7 @@ import torch
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["hf_greedy_generate", "hf_token_logprobs", "load_hf_processor"]
+__all__ = ["hf_beam_search", "hf_greedy_generate", "hf_token_logprobs", "load_hf_processor"]
 
 _HF_CACHE: dict[str, tuple[Any, Any]] = {}
 _QWEN2_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -88,6 +88,40 @@ def hf_greedy_generate(
     )
     prompt_len = inputs["input_ids"].shape[1]
     return [int(token) for token in output[0, prompt_len:].tolist()]
+
+
+@torch.no_grad()
+def hf_beam_search(
+    path: str | os.PathLike[str],
+    prompt_text: str,
+    images: list[Image.Image],
+    num_beams: int,
+    max_new_tokens: int,
+    **generate_kwargs: Any,
+) -> list[tuple[list[int], float | None]]:
+    """transformers' beam search (``generate(num_beams=..., do_sample=False)``) of a
+    templated prompt, as `hf_greedy_generate` takes it: every one of the ``num_beams``
+    sequences, best first, as its new token ids (up to and including the end-of-sequence
+    token that ended it, without the padding after) and its score (None for
+    ``num_beams=1``, which transformers runs as greedy search). ``generate_kwargs``:
+    ``length_penalty``, ``early_stopping``..."""
+    model, processor = _load_hf(path)
+    inputs = processor(text=prompt_text, images=images or None, return_tensors="pt")
+    out = model.generate(**inputs, do_sample=False, num_beams=num_beams,
+                         num_return_sequences=num_beams, max_new_tokens=max_new_tokens,
+                         output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=processor.tokenizer.pad_token_id, **generate_kwargs)
+    eos = model.generation_config.eos_token_id
+    ends = set(eos if isinstance(eos, list) else [eos])
+    prompt_len = inputs["input_ids"].shape[1]
+    scores = getattr(out, "sequences_scores", None)
+    found = []
+    for tokens, score in zip(out.sequences[:, prompt_len:].tolist(),
+                             [None] * num_beams if scores is None else scores.tolist(),
+                             strict=True):
+        length = next((i + 1 for i, t in enumerate(tokens) if t in ends), len(tokens))
+        found.append((tokens[:length], score))
+    return found
 
 
 @torch.no_grad()
