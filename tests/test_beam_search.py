@@ -272,3 +272,190 @@ def test_an_end_outside_the_best_beams_is_dropped() -> None:
     search = BeamSearch(BeamSearchParams(beam_width=2, max_tokens=5), end_token_ids=[9])
     search.advance([[(4, -0.1), (5, -0.2), (9, -0.3), (6, -3.0)]])
     assert search.running == [(4,), (5,)] and search.sequences() == []
+
+
+# ----------------------------------------------------------------- the server
+def _messages(text: str, images: list) -> list[dict]:
+    """``chat(text, images)``'s messages as the server takes them: images as data URLs."""
+    from tests.test_server import data_url
+
+    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+TEXT_PROMPTS = ["a story about a fox", "the river"]
+TEXT_PARAMS = BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=0.5,
+                               early_stopping="never")
+
+
+@pytest.fixture(scope="module")
+def searched(llm: LLM) -> list:
+    """The Python API's searches (made before a server's loop steps the engine: one thread
+    steps an engine): PROMPTS[:2] at width 3 for 8 tokens, then TEXT_PROMPTS."""
+    return [*llm.beam_search(PROMPTS[:2], BeamSearchParams(beam_width=3, max_tokens=8)),
+            *llm.beam_search([{"prompt": p} for p in TEXT_PROMPTS], TEXT_PARAMS)]
+
+
+@pytest.fixture(scope="module")
+def served(llm: LLM, searched: list):
+    from starlette.testclient import TestClient
+
+    from mmserve.entrypoints.api_server import OpenAIServer
+    from mmserve.entrypoints.serve_args import ServerConfig
+
+    with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as http:
+        yield http
+    assert_no_leaks(llm.engine)  # once the server's loop has stopped
+
+
+def _beam_chat(http, messages: list[dict], **fields) -> dict:
+    resp = http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": messages, "use_beam_search": True, "n": 3,
+        "max_tokens": 8, **fields})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _generated_tokens(http) -> float:
+    """The server's count of generated tokens (``/metrics``)."""
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("mmserve_generation_tokens_total"):
+            return float(line.split()[-1])
+    raise AssertionError("no mmserve_generation_tokens_total in /metrics")
+
+
+def test_server_chat_equals_the_python_api(served, searched: list) -> None:
+    for messages, out in zip([_messages("what is in this picture?", IMAGES[:1]),
+                              _messages("compare these two", IMAGES[1:])],
+                             searched[:2], strict=True):
+        before = _generated_tokens(served)
+        body = _beam_chat(served, messages, temperature=0, top_p=1, logprobs=False)
+        # The metrics count the answer's sequences, not the rounds' one-token requests.
+        assert _generated_tokens(served) - before == body["usage"]["completion_tokens"]
+        assert [c["message"]["content"] for c in body["choices"]] == \
+            [seq.text for seq in out.sequences]
+        assert [c["finish_reason"] for c in body["choices"]] == \
+            [seq.finish_reason for seq in out.sequences]
+        assert body["usage"]["prompt_tokens"] == len(out.prompt_token_ids)
+        assert body["usage"]["completion_tokens"] == sum(len(s.token_ids)
+                                                         for s in out.sequences)
+
+
+def test_server_stream_carries_each_sequence(served, searched: list) -> None:
+    messages = _messages("what is in this picture?", IMAGES[:1])
+    texts, reasons = ["", "", ""], [None, None, None]
+    usage = None
+    with served.stream("POST", "/v1/chat/completions", json={
+            "model": "tiny", "messages": messages, "use_beam_search": True, "n": 3,
+            "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+            ) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                texts[choice["index"]] += choice["delta"].get("content") or ""
+                reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    assert texts == [seq.text for seq in searched[0].sequences]
+    assert reasons == [seq.finish_reason for seq in searched[0].sequences]
+    assert usage["completion_tokens"] == sum(len(s.token_ids) for s in searched[0].sequences)
+
+
+def test_server_completions_search_each_prompt(served, searched: list) -> None:
+    resp = served.post("/v1/completions", json={
+        "model": "tiny", "prompt": TEXT_PROMPTS, "use_beam_search": True, "n": 2,
+        "max_tokens": 6, "length_penalty": 0.5, "early_stopping": "never"})
+    assert resp.status_code == 200, resp.text
+    # Choice p * n + j: prompt p's j-th sequence.
+    assert [c["text"] for c in resp.json()["choices"]] == \
+        [seq.text for out in searched[2:] for seq in out.sequences]
+    assert resp.json()["usage"]["prompt_tokens"] == \
+        sum(len(out.prompt_token_ids) for out in searched[2:])
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"temperature": 0.7}, "temperature"), ({"logprobs": True}, "logprobs"),
+    ({"stop": ["."]}, "stop"), ({"top_k": 5}, "top_k"), ({"n": 11}, "n"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"early_stopping": "sometimes"}, "early_stopping"),
+    ({"length_penalty": "long"}, "length_penalty"),
+    ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
+    ({"use_beam_search": "yes"}, "use_beam_search"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+      "tool_choice": "required"}, "use_beam_search")])
+def test_server_refuses_what_a_search_does_not_take(served, fields: dict, param: str) -> None:
+    resp = served.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "use_beam_search": True, "n": 2, "max_tokens": 4, **fields})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+def test_server_search_with_an_engine_process(clip_llama: str, searched: list) -> None:
+    """The front end runs the rounds; the core steps them: the same sequences."""
+    from starlette.testclient import TestClient
+
+    from mmserve.config import EngineConfig
+    from mmserve.engine.core_process import EngineCoreClient
+    from mmserve.entrypoints.api_server import OpenAIServer
+    from mmserve.entrypoints.serve_args import ServerConfig
+
+    config = EngineConfig(model=clip_llama, dtype="float32", max_model_len=256,
+                          block_size=16)
+    server = OpenAIServer(EngineCoreClient(config), ServerConfig("tiny"))
+    try:
+        with TestClient(server.app()) as http:
+            messages = _messages("what is in this picture?", IMAGES[:1])
+            body = _beam_chat(http, messages)
+            assert [c["message"]["content"] for c in body["choices"]] == \
+                [seq.text for seq in searched[0].sequences]
+            assert http.get("/stats").json()["kv_blocks_free"] == \
+                http.get("/stats").json()["kv_blocks_total"]
+    finally:
+        server.engine.close()
+
+
+def test_an_aborted_search_leaves_nothing_behind(clip_llama: str) -> None:
+    """Aborting a search's sequence while a round runs stops the search and aborts the
+    round's requests; the engine then answers others as before."""
+    import asyncio
+
+    from mmserve.engine.async_engine import AsyncEngine
+
+    params = BeamSearchParams(beam_width=3, max_tokens=40)
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        expected = llm.beam_search(PROMPTS[1], BeamSearchParams(beam_width=2, max_tokens=4))
+
+        async def run() -> list:
+            engine = AsyncEngine(llm.engine)
+            engine.start()
+            streams = await engine.add_beam_search(["a-0", "a-1", "a-2"], PROMPTS[1], params,
+                                                   llm.engine.processor.decode)
+            for _ in range(2000):  # until a later round runs
+                if any(rid.startswith("a-0-beam3") for rid in engine._streams):
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError("the search's rounds never reached round 3")
+            for stream in streams:
+                engine.abort(stream.request_id)
+            again = await engine.add_beam_search(["b-0", "b-1"], PROMPTS[1], BeamSearchParams(
+                beam_width=2, max_tokens=4), llm.engine.processor.decode)
+            outs = []
+            for stream in again:
+                async for out in stream:
+                    last = out
+                outs.append(last)
+            for _ in range(400):
+                if not engine._streams and not engine._searches:
+                    break
+                await asyncio.sleep(0.005)
+            await engine.shutdown()
+            return outs
+
+        outs = asyncio.run(asyncio.wait_for(run(), timeout=60))
+        assert [o.token_ids for o in outs] == [s.token_ids for s in expected[0].sequences]
+        assert [o.text for o in outs] == [s.text for s in expected[0].sequences]
+        assert_no_leaks(llm.engine)

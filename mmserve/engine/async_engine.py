@@ -37,12 +37,14 @@ import logging
 import os
 import queue
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mmserve.beam_search import BeamSearchParams
 from mmserve.config import EngineConfig
+from mmserve.engine.beam_driver import BeamRounds
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.output_processor import CoreOutput, OutputProcessor
 from mmserve.engine.request import Request
@@ -86,6 +88,7 @@ class RequestStream:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished: bool = False
+    observed: bool = True  # counted in the server's metrics (a beam search's rounds are not)
     _queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
@@ -130,6 +133,7 @@ class EngineClient:
         self.observer = observer
         self.on_dead = on_dead
         self._streams: dict[str, RequestStream] = {}
+        self._searches: dict[str, asyncio.Task[None]] = {}  # beam searches, by each stream
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         workers = preprocess_workers or max(2, min(4, os.cpu_count() or 2))
@@ -216,9 +220,76 @@ class EngineClient:
         prompt is processed once and its completions queued together (``fork_request``)."""
         if len(request_ids) != params.n:
             raise ValueError(f"{len(request_ids)} request ids for n={params.n} completions")
+        streams = self._open(request_ids, delta=params.output_kind == "delta")
+
+        async def made() -> list[Request]:
+            request = await self._loop.run_in_executor(
+                self._pool_for(prompt), self._make, prompt, params, request_ids[0])
+            return [request] if params.n == 1 else self._fork(request, request_ids)
+
+        await self._submit(streams, made())
+        return streams
+
+    async def add_beam_search(self, request_ids: list[str], prompt: dict[str, Any],
+                              params: BeamSearchParams, decode: Callable[[list[int]], str]
+                              ) -> list[RequestStream]:
+        """A beam search of ``prompt`` (``mmserve.beam_search``): one stream per sequence it
+        returns (``params.beam_width``, best first), each given one final output once the
+        search ends (its text made with ``decode``). Its rounds are requests of their own
+        (``run_requests``), on the same engine; ``abort`` of any of its ids stops it. The
+        prompt is processed here, so bad input raises ``InvalidInputError`` as
+        ``add_completions`` does."""
+        if len(request_ids) != params.beam_width:
+            raise ValueError(f"{len(request_ids)} request ids for beam_width="
+                             f"{params.beam_width}")
+        streams = self._open(request_ids, delta=True)
+        try:
+            search = await BeamRounds.start(self, prompt, params, request_ids)
+        except BaseException:
+            for request_id in request_ids:
+                self._streams.pop(request_id, None)
+            raise
+        task = self._loop.create_task(self._search(search, streams, decode))
+        for request_id in request_ids:
+            self._searches[request_id] = task
+        return streams
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    async def make_request(self, prompt: dict[str, Any], params: SamplingParams,
+                           request_id: str) -> Request:
+        """``prompt`` made into a request on the preprocessing threads, not queued."""
+        return await self._loop.run_in_executor(self._pool_for(prompt), self._make, prompt,
+                                                params, request_id)
+
+    async def run_requests(self, requests: list[Request]) -> list[RequestOutput]:
+        """Queue requests made already (``make_request``, and ``RequestMaker.extend`` of one)
+        and return their final outputs, in order: requests a caller admitted already (a beam
+        search's rounds), so the waiting bound and the server's metrics leave them out.
+        Cancelled, it aborts them."""
+        streams = self._open([req.request_id for req in requests],
+                             delta=requests[0].sampling_params.output_kind == "delta",
+                             admitted=True)
+
+        async def made() -> list[Request]:
+            return requests
+
+        await self._submit(streams, made())
+        try:
+            return await asyncio.gather(*(_final(stream) for stream in streams))
+        finally:
+            for stream in streams:
+                self.abort(stream.request_id)
+
+    def _open(self, request_ids: list[str], delta: bool,
+              admitted: bool = False) -> list[RequestStream]:
+        """The streams of requests about to be made: refused unless the engine runs, there
+        is room (unless ``admitted``) and every id is new."""
         if not self.is_alive:
             raise EngineDeadError("the engine loop is not running")
-        if not self.has_room():
+        if not admitted and not self.has_room():
             raise QueueFullError(
                 f"{self.max_waiting} requests are already waiting for a slot "
                 f"(--max-queue {self.max_waiting}); retry later.")
@@ -230,15 +301,20 @@ class EngineClient:
                                         param="request_id")
             seen.add(rid)
         now = time.monotonic()
-        streams = [RequestStream(rid, arrival_time=now, delta=params.output_kind == "delta")
+        streams = [RequestStream(rid, arrival_time=now, delta=delta, observed=not admitted)
                    for rid in request_ids]
         for stream in streams:
             self._streams[stream.request_id] = stream
+        return streams
+
+    async def _submit(self, streams: list[RequestStream],
+                      made: Awaitable[list[Request]]) -> None:
+        """Queue the requests ``made`` gives, one per stream, once it gives them; if it
+        raises or this is cancelled, none of them is left behind."""
+        request_ids = [stream.request_id for stream in streams]
         added = [self._loop.create_future() for _ in request_ids]
         try:
-            request = await self._loop.run_in_executor(
-                self._pool_for(prompt), self._make, prompt, params, request_ids[0])
-            children = [request] if params.n == 1 else self._fork(request, request_ids)
+            children = await made
             resolvers = [self._resolver(future) for future in added]
             if self._outputs is not None:
                 for child in children:
@@ -262,7 +338,34 @@ class EngineClient:
                     self.abort(rid)  # queued before another completion was refused
                 self._streams.pop(rid, None)
             raise
-        return streams
+
+    async def _search(self, search: BeamRounds, streams: list[RequestStream],
+                      decode: Callable[[list[int]], str]) -> None:
+        """Run a beam search to its end and hand each stream its sequence; a stream no
+        longer here was aborted, or failed with the engine."""
+        try:
+            outputs = await search.run()
+        except EngineDeadError:
+            return  # every stream failed with the engine (``_fail_all``)
+        except Exception as e:  # noqa: BLE001 (a bug: it fails this search, nothing else)
+            logger.exception("a beam search failed")
+            outputs = search.failed(f"the beam search failed: {e!r}")
+        finally:
+            for stream in streams:
+                self._searches.pop(stream.request_id, None)
+        for stream, out in zip(streams, outputs, strict=True):
+            if self._streams.get(stream.request_id) is not stream:
+                continue
+            if out.token_ids:
+                out.text = out.new_text = decode(out.token_ids)
+            del self._streams[stream.request_id]
+            stream.finished = True
+            stream.num_prompt_tokens = out.num_prompt_tokens
+            stream.num_generation_tokens = len(out.token_ids)
+            if self.observer is not None:
+                self.observer.on_finished(out.finish_reason or "stop", out.num_prompt_tokens,
+                                          len(out.token_ids))
+            stream._queue.put_nowait(out)
 
     async def prompt_token_ids(self, prompt: dict[str, Any]) -> list[int]:
         """The token ids the model reads for ``prompt`` (its images' placeholders expanded),
@@ -281,10 +384,13 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         """Stop a request and release its KV blocks and encoder-cache references. Harmless for
         requests that already finished."""
+        search = self._searches.pop(request_id, None)
+        if search is not None:
+            search.cancel()  # its rounds' requests are aborted as it stops
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
             self._abort_in_engine(request_id)
-            if self.observer is not None:
+            if self.observer is not None and stream.observed:
                 self.observer.on_finished("abort", stream.num_prompt_tokens,
                                           stream.num_generation_tokens)
 
@@ -340,7 +446,7 @@ class EngineClient:
             stream = self._streams.get(out.request_id)
             if stream is None:  # aborted: the engine drops it at its next command drain
                 continue
-            if self.observer is not None:
+            if self.observer is not None and stream.observed:
                 if stream.first_token_time is None:
                     self.observer.on_first_token(now - stream.arrival_time)
                 else:
@@ -356,7 +462,7 @@ class EngineClient:
             if out.finished:
                 stream.finished = True
                 del self._streams[out.request_id]
-                if self.observer is not None:
+                if self.observer is not None and stream.observed:
                     self.observer.on_finished(out.finish_reason or "stop", out.num_prompt_tokens,
                                               stream.num_generation_tokens)
             stream._queue.put_nowait(out)
@@ -486,6 +592,15 @@ class AsyncEngine(EngineClient):
         if outputs:
             self._post(self._dispatch if self._outputs is None else self._dispatch_core,
                        outputs, now)
+
+
+async def _final(stream: RequestStream) -> RequestOutput:
+    """A stream's last output (a request of ``output_kind`` final_only has only that)."""
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None
+    return last
 
 
 def _carries_images(prompt: Any) -> bool:

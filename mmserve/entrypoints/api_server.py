@@ -41,6 +41,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 import mmserve
+from mmserve.beam_search import BeamSearchParams
 from mmserve.engine.async_engine import AsyncEngine, EngineClient, QueueFullError, RequestStream
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints import chat_page, tool_calls
@@ -70,6 +71,7 @@ from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
+from mmserve.sampling_params import SamplingParams
 from mmserve.worker.compute_thread import ComputeThread
 
 logger = logging.getLogger(__name__)
@@ -203,8 +205,8 @@ class OpenAIServer:
         try:
             chat = await self._parse(request)
             prompt = await self._prompt_of(chat)
-            streams = await self.engine.add_completions(
-                completion_ids(request_id, chat.params.n), prompt, chat.params)
+            streams = await self._add(completion_ids(request_id, chat.params.n), prompt,
+                                      chat.params, chat.beam)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             err = _as_api_error(e)
             self.metrics.count("rejected" if err.status < 500 else "error")
@@ -278,6 +280,18 @@ class OpenAIServer:
                             yield event
         finally:
             self._abort([stream])
+
+    async def _add(self, request_ids: list[str], prompt: dict[str, Any],
+                   params: SamplingParams, beam: BeamSearchParams | None
+                   ) -> list[RequestStream]:
+        """A prompt's choices: its ``n`` completions, or the sequences of its beam search
+        (``use_beam_search``), each a stream of outputs."""
+        if beam is None:
+            return await self.engine.add_completions(request_ids, prompt, params)
+        return await self.engine.add_beam_search(request_ids, prompt, beam, self._decode)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     async def _prompt_of(self, chat: proto.ChatRequest) -> dict[str, Any]:
         """The engine's prompt of a chat request: its messages, its images fetched, and what
@@ -514,8 +528,8 @@ class OpenAIServer:
             self._check_model_and_room(req.model)
             n = req.params.n
             for i, prompt in enumerate(req.prompts):  # choice p * n + j: prompt p's j-th
-                streams += await self.engine.add_completions(
-                    [f"{request_id}-{i * n + j}" for j in range(n)], prompt, req.params)
+                streams += await self._add([f"{request_id}-{i * n + j}" for j in range(n)],
+                                           prompt, req.params, req.beam)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             for stream in streams:  # the prompts added before the one refused
                 self.engine.abort(stream.request_id)

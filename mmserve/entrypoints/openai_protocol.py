@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmserve.beam_search import BeamSearchParams
 from mmserve.entrypoints import tool_calls
 from mmserve.entrypoints.tool_calls import ToolChoice
 from mmserve.errors import InvalidInputError
@@ -70,6 +71,7 @@ class ChatRequest:
     # vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs where a
     # request sets them (the processor takes them from the prompt).
     turn: dict[str, Any] = field(default_factory=dict)
+    beam: BeamSearchParams | None = None  # vLLM's use_beam_search: params then unused
 
 
 def parse_chat_request(body: Any, max_model_len: int, max_images: int,
@@ -102,9 +104,13 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
                               logprobs=(top_logprobs or 0) if logprobs else None,
                               defaults=defaults or {},
                               tool_schema=tools and tool_calls.output_schema(tools, tool_choice))
+    beam = _beam_search(body, params)
+    if beam is not None and tools and tool_choice.mode != "none":
+        raise bad_request("a beam search writes text: send 'tool_choice': \"none\" with "
+                          "'use_beam_search' or leave the tools out.", "use_beam_search")
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
                        continuous_usage=continuous_usage, model=model, tools=tools,
-                       tool_choice=tool_choice, turn=_turn(body))
+                       tool_choice=tool_choice, turn=_turn(body), beam=beam)
 
 
 def _turn(body: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +144,7 @@ class CompletionRequest:
     # token, which is dropped).
     echo: bool = False
     prompt_only: bool = False
+    beam: BeamSearchParams | None = None  # vLLM's use_beam_search: params then unused
 
 
 # The highest temperature either endpoint takes (OpenAI's).
@@ -184,9 +191,12 @@ def parse_completion_request(body: Any, max_model_len: int,
         raise bad_request(f"{len(prompts)} prompts x n={params.n} make {len(prompts) * params.n} "
                           f"choices; at most {MAX_COMPLETION_PROMPTS} are allowed in one "
                           "request, send fewer prompts or a smaller n.", "n")
+    beam = _beam_search(body, params)
+    if beam is not None and echo:
+        raise bad_request("'echo' is not taken with 'use_beam_search'; leave one out.", "echo")
     return CompletionRequest(prompts, params, stream=stream, include_usage=include_usage,
                              continuous_usage=continuous_usage, model=model, echo=echo,
-                             prompt_only=prompt_only)
+                             prompt_only=prompt_only, beam=beam)
 
 
 @dataclass
@@ -378,6 +388,45 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
                               **text_fields)
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
+
+
+# What a beam search (vLLM's ``use_beam_search``) does not take, and the values of each that
+# change nothing: it ranks beams by the model's own log-probabilities.
+BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "temperature": (0,), "top_p": (1,), "top_k": (0, -1), "min_p": (0,),
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "min_tokens": (0,), "logit_bias": ({},), "stop": ("", []), "stop_token_ids": ([],),
+    "logprobs": (False, 0), "top_logprobs": (0,), "response_format": ({"type": "text"},),
+    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": ()}
+
+
+def _beam_search(body: dict[str, Any], params: SamplingParams) -> BeamSearchParams | None:
+    """vLLM's ``use_beam_search``: ``n`` beams, ``max_tokens``, ``length_penalty``,
+    ``early_stopping`` (transformers') and ``ignore_eos``; the sampling fields it does not
+    take are refused unless they say what it does anyway."""
+    if not _get(body, "use_beam_search", bool, False):
+        for name in ("length_penalty", "early_stopping"):
+            if body.get(name) is not None:
+                raise bad_request(f"'{name}' is a beam search's: send 'use_beam_search': "
+                                  "true with it, or leave it out.", name)
+        return None
+    for name, neutral in BEAM_SEARCH_NEUTRAL.items():
+        value = body.get(name)
+        if value is not None and not any(
+                value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
+            raise bad_request(f"'{name}' is not taken with 'use_beam_search' (a beam search "
+                              "ranks beams by the model's own log-probabilities); leave it "
+                              "out.", name)
+    try:
+        return BeamSearchParams(
+            beam_width=params.n, max_tokens=params.max_tokens,
+            length_penalty=_get(body, "length_penalty", float, 1.0),
+            early_stopping=body.get("early_stopping", False), ignore_eos=params.ignore_eos)
+    except InvalidInputError as e:
+        param = "n" if e.param == "beam_width" else e.param
+        raise bad_request(str(e).replace("beam_width", "n (the beam width)", 1),
+                          param) from None
 
 
 def _logit_bias(value: Any) -> dict[int, Any] | None:
