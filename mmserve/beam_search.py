@@ -42,7 +42,12 @@ class BeamSearchParams:
     current length, beats the worst of them; "never" the same, scoring running beams at
     ``max_tokens`` where ``length_penalty`` is positive. ``ignore_eos``: the end-of-sequence
     token ends nothing. Greedy only: log-probabilities are the model's, untouched by
-    temperature or penalties. A value out of range raises ``InvalidInputError`` naming it.
+    temperature or penalties (transformers applies a generation config's
+    ``repetition_penalty`` in its beam search too: compare with ``repetition_penalty=1.0``).
+    Where transformers' order is not defined, the two may part: continuations of equal
+    scores (mmserve takes them in beam, then rank order), and scores below its -1e9 marker of
+    an empty slot (a ``length_penalty`` far below 0 on long sequences). A value out of range
+    raises ``InvalidInputError`` naming it.
     """
 
     beam_width: int
@@ -81,7 +86,7 @@ class BeamSearchParams:
             raise InvalidInputError(
                 f"beam_width={self.beam_width} needs the {k} most likely tokens of every beam "
                 f"each step, more than {MAX_LOGPROBS}: with this checkpoint's {ends} "
-                f"end-of-sequence tokens, use a beam_width of at most {widest}.",
+                f"end-of-sequence tokens, a beam search takes at most {widest} beams.",
                 param="beam_width")
         return k
 
@@ -155,8 +160,8 @@ class BeamSearch:
     def advance(self, candidates: Sequence[Sequence[tuple[int, float]]]) -> None:
         params, width = self.params, self.params.beam_width
         if self.done or len(candidates) != len(self._beams):
-            raise ValueError(f"{len(candidates)} candidate lists for {len(self.running)} "
-                             "running beams")
+            raise ValueError(f"{len(candidates)} candidate lists for {len(self._beams)} "
+                             f"running beams (done: {self.done})")
         length = len(self._beams[0].tokens) + 1  # of every continuation
         scored = []  # (cumulative log-probability, beam, rank, token)
         for b, (beam, top) in enumerate(zip(self._beams, candidates, strict=True)):

@@ -161,6 +161,18 @@ def test_two_end_tokens(qwen: str, tmp_path: pathlib.Path) -> None:
             llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=7))
         assert e.value.param == "beam_width"
         assert_no_leaks(llm.engine)
+        # The server names its own field, before the prompt is processed.
+        from starlette.testclient import TestClient
+
+        from mmserve.entrypoints.api_server import OpenAIServer
+        from mmserve.entrypoints.serve_args import ServerConfig
+
+        with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as http:
+            resp = http.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                "use_beam_search": True, "n": 7, "max_tokens": 4})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+        assert "n=7" in resp.json()["error"]["message"]
 
 
 def test_searches_at_once_equal_each_alone(clip_llama: str) -> None:
@@ -382,6 +394,8 @@ def test_server_completions_search_each_prompt(served, searched: list) -> None:
     ({"early_stopping": "sometimes"}, "early_stopping"),
     ({"length_penalty": "long"}, "length_penalty"),
     ({"use_beam_search": False, "length_penalty": 2.0}, "length_penalty"),
+    ({"use_beam_search": False, "early_stopping": True}, "early_stopping"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"use_beam_search": "yes"}, "use_beam_search"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
       "tool_choice": "required"}, "use_beam_search")])
@@ -391,6 +405,18 @@ def test_server_refuses_what_a_search_does_not_take(served, fields: dict, param:
         "use_beam_search": True, "n": 2, "max_tokens": 4, **fields})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+def test_server_takes_vllms_defaults_without_a_search(served) -> None:
+    """Clients that send every field of vLLM's request send these on every request."""
+    resp = served.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False})
+    assert resp.status_code == 200, resp.text
+    resp = served.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "use_beam_search": True, "n": 2, "early_stopping": None})
+    assert resp.status_code == 200, resp.text
 
 
 def test_server_search_with_an_engine_process(clip_llama: str, searched: list) -> None:
@@ -417,6 +443,13 @@ def test_server_search_with_an_engine_process(clip_llama: str, searched: list) -
         server.engine.close()
 
 
+async def _last(stream):
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
 def test_an_aborted_search_leaves_nothing_behind(clip_llama: str) -> None:
     """Aborting a search's sequence while a round runs stops the search and aborts the
     round's requests; the engine then answers others as before."""
@@ -439,15 +472,28 @@ def test_an_aborted_search_leaves_nothing_behind(clip_llama: str) -> None:
                 await asyncio.sleep(0.005)
             else:
                 raise AssertionError("the search's rounds never reached round 3")
-            for stream in streams:
-                engine.abort(stream.request_id)
+            engine.abort(streams[0].request_id)  # one of its sequences: it ends them all
+            assert not engine._searches and not {"a-0", "a-1", "a-2"} & set(engine._streams)
+            for _ in range(200):  # the round in flight, once the cancelled task runs again
+                if not any(rid.startswith("a-") for rid in engine._streams):
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError(f"the round's streams stayed: {list(engine._streams)}")
+            assert engine._num_round_streams == 0  # the waiting bound counts them no more
             again = await engine.add_beam_search(["b-0", "b-1"], PROMPTS[1], BeamSearchParams(
                 beam_width=2, max_tokens=4), llm.engine.processor.decode)
-            outs = []
-            for stream in again:
-                async for out in stream:
-                    last = out
-                outs.append(last)
+            outs = [await _last(stream) for stream in again]
+
+            def broken(token_ids: list[int]) -> str:
+                raise RuntimeError("no text today")
+
+            # A failure in the search's own work: each sequence's stream says so.
+            failed = await engine.add_beam_search(["c-0", "c-1"], PROMPTS[1], BeamSearchParams(
+                beam_width=2, max_tokens=2), broken)
+            for stream in failed:
+                out = await _last(stream)
+                assert out.finish_reason == "error" and "no text today" in out.error
             for _ in range(400):
                 if not engine._streams and not engine._searches:
                     break

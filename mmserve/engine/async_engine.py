@@ -133,7 +133,10 @@ class EngineClient:
         self.observer = observer
         self.on_dead = on_dead
         self._streams: dict[str, RequestStream] = {}
-        self._searches: dict[str, asyncio.Task[None]] = {}  # beam searches, by each stream
+        # Beam searches (their task and streams' ids), by each of their streams' ids, and
+        # the streams of their rounds' requests (which the waiting bound leaves out).
+        self._searches: dict[str, tuple[asyncio.Task[None], list[str]]] = {}
+        self._num_round_streams = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._error: BaseException | None = None
         workers = preprocess_workers or max(2, min(4, os.cpu_count() or 2))
@@ -198,7 +201,7 @@ class EngineClient:
     def has_room(self) -> bool:
         """Whether one more request may queue: those beyond the ``max_num_seqs`` that run at
         once count as waiting."""
-        waiting = len(self._streams) - self.config.max_num_seqs
+        waiting = len(self._streams) - self._num_round_streams - self.config.max_num_seqs
         return self.max_waiting is None or waiting < self.max_waiting
 
     def stats(self) -> dict[str, Any]:
@@ -236,12 +239,13 @@ class EngineClient:
         """A beam search of ``prompt`` (``mmserve.beam_search``): one stream per sequence it
         returns (``params.beam_width``, best first), each given one final output once the
         search ends (its text made with ``decode``). Its rounds are requests of their own
-        (``run_requests``), on the same engine; ``abort`` of any of its ids stops it. The
-        prompt is processed here, so bad input raises ``InvalidInputError`` as
+        (``run_requests``), on the same engine; ``abort`` of any of its ids stops it and ends
+        them all. The prompt is processed here, so bad input raises ``InvalidInputError`` as
         ``add_completions`` does."""
         if len(request_ids) != params.beam_width:
             raise ValueError(f"{len(request_ids)} request ids for beam_width="
                              f"{params.beam_width}")
+        params.num_candidates(self.processor.eos_token_ids)  # before any processing
         streams = self._open(request_ids, delta=True)
         try:
             search = await BeamRounds.start(self, prompt, params, request_ids)
@@ -249,9 +253,14 @@ class EngineClient:
             for request_id in request_ids:
                 self._streams.pop(request_id, None)
             raise
+        if any(self._streams.get(s.request_id) is not s for s in streams):
+            for request_id in request_ids:  # aborted while it was processed
+                self.abort(request_id)
+            return streams
         task = self._loop.create_task(self._search(search, streams, decode))
+        task.add_done_callback(_log_failure)
         for request_id in request_ids:
-            self._searches[request_id] = task
+            self._searches[request_id] = (task, request_ids)
         return streams
 
     @property
@@ -276,10 +285,12 @@ class EngineClient:
         async def made() -> list[Request]:
             return requests
 
-        await self._submit(streams, made())
+        self._num_round_streams += len(streams)
         try:
+            await self._submit(streams, made())
             return await asyncio.gather(*(_final(stream) for stream in streams))
         finally:
+            self._num_round_streams -= len(streams)
             for stream in streams:
                 self.abort(stream.request_id)
 
@@ -345,6 +356,9 @@ class EngineClient:
         longer here was aborted, or failed with the engine."""
         try:
             outputs = await search.run()
+            for out in outputs:
+                if out.token_ids:
+                    out.text = out.new_text = decode(out.token_ids)
         except EngineDeadError:
             return  # every stream failed with the engine (``_fail_all``)
         except Exception as e:  # noqa: BLE001 (a bug: it fails this search, nothing else)
@@ -353,19 +367,20 @@ class EngineClient:
         finally:
             for stream in streams:
                 self._searches.pop(stream.request_id, None)
+        now = time.monotonic()
         for stream, out in zip(streams, outputs, strict=True):
             if self._streams.get(stream.request_id) is not stream:
                 continue
-            if out.token_ids:
-                out.text = out.new_text = decode(out.token_ids)
             del self._streams[stream.request_id]
             stream.finished = True
+            stream.first_token_time = stream.last_token_time = now
             stream.num_prompt_tokens = out.num_prompt_tokens
             stream.num_generation_tokens = len(out.token_ids)
+            stream._queue.put_nowait(out)
             if self.observer is not None:
+                self.observer.on_first_token(now - stream.arrival_time)
                 self.observer.on_finished(out.finish_reason or "stop", out.num_prompt_tokens,
                                           len(out.token_ids))
-            stream._queue.put_nowait(out)
 
     async def prompt_token_ids(self, prompt: dict[str, Any]) -> list[int]:
         """The token ids the model reads for ``prompt`` (its images' placeholders expanded),
@@ -385,8 +400,14 @@ class EngineClient:
         """Stop a request and release its KV blocks and encoder-cache references. Harmless for
         requests that already finished."""
         search = self._searches.pop(request_id, None)
-        if search is not None:
-            search.cancel()  # its rounds' requests are aborted as it stops
+        if search is not None:  # a beam search's: the search stops, and all its streams
+            task, request_ids = search
+            task.cancel()  # its rounds' requests are aborted as it stops
+            for other in request_ids:
+                self._searches.pop(other, None)
+            for other in request_ids:
+                if other != request_id:
+                    self.abort(other)
         stream = self._streams.pop(request_id, None)
         if stream is not None and not stream.finished:
             self._abort_in_engine(request_id)
@@ -592,6 +613,13 @@ class AsyncEngine(EngineClient):
         if outputs:
             self._post(self._dispatch if self._outputs is None else self._dispatch_core,
                        outputs, now)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A beam search's task ended by something other than cancellation: say what (it hands
+    its streams an error itself; this is for what escaped that)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("a beam search's task failed", exc_info=task.exception())
 
 
 async def _final(stream: RequestStream) -> RequestOutput:

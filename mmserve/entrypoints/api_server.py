@@ -288,7 +288,12 @@ class OpenAIServer:
         (``use_beam_search``), each a stream of outputs."""
         if beam is None:
             return await self.engine.add_completions(request_ids, prompt, params)
-        return await self.engine.add_beam_search(request_ids, prompt, beam, self._decode)
+        try:
+            return await self.engine.add_beam_search(request_ids, prompt, beam, self._decode)
+        except InvalidInputError as e:
+            if e.param != "beam_width":
+                raise
+            raise InvalidInputError(str(e).replace("beam_width", "n"), param="n") from None
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

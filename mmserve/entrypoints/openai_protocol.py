@@ -398,16 +398,21 @@ BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "min_tokens": (0,), "logit_bias": ({},), "stop": ("", []), "stop_token_ids": ([],),
     "logprobs": (False, 0), "top_logprobs": (0,), "response_format": ({"type": "text"},),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": ()}
+    "guided_grammar": (), "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,)}
 
 
 def _beam_search(body: dict[str, Any], params: SamplingParams) -> BeamSearchParams | None:
     """vLLM's ``use_beam_search``: ``n`` beams, ``max_tokens``, ``length_penalty``,
     ``early_stopping`` (transformers') and ``ignore_eos``; the sampling fields it does not
     take are refused unless they say what it does anyway."""
+    length_penalty = _get(body, "length_penalty", float, 1.0)
+    early_stopping = body.get("early_stopping")
+    early_stopping = False if early_stopping is None else early_stopping
     if not _get(body, "use_beam_search", bool, False):
-        for name in ("length_penalty", "early_stopping"):
-            if body.get(name) is not None:
+        for name, value, default in (("length_penalty", length_penalty, 1.0),
+                                     ("early_stopping", early_stopping, False)):
+            if value != default or isinstance(value, bool) != isinstance(default, bool):
                 raise bad_request(f"'{name}' is a beam search's: send 'use_beam_search': "
                                   "true with it, or leave it out.", name)
         return None
@@ -421,8 +426,8 @@ def _beam_search(body: dict[str, Any], params: SamplingParams) -> BeamSearchPara
     try:
         return BeamSearchParams(
             beam_width=params.n, max_tokens=params.max_tokens,
-            length_penalty=_get(body, "length_penalty", float, 1.0),
-            early_stopping=body.get("early_stopping", False), ignore_eos=params.ignore_eos)
+            length_penalty=length_penalty, early_stopping=early_stopping,
+            ignore_eos=params.ignore_eos)
     except InvalidInputError as e:
         param = "n" if e.param == "beam_width" else e.param
         raise bad_request(str(e).replace("beam_width", "n (the beam width)", 1),
