@@ -505,3 +505,29 @@ def test_an_aborted_search_leaves_nothing_behind(clip_llama: str) -> None:
         assert [o.token_ids for o in outs] == [s.token_ids for s in expected[0].sequences]
         assert [o.text for o in outs] == [s.text for s in expected[0].sequences]
         assert_no_leaks(llm.engine)
+
+
+def test_caption_with_a_beam_search(llm: LLM, clip_llama: str,
+                                    capsys: pytest.CaptureFixture) -> None:
+    """``caption(beam_width=...)`` and ``mmserve caption --beam-width``: each image's best
+    sequence."""
+    from mmserve.entrypoints.cli import main as cli_main
+
+    prompts = [chat("Describe this image.", [image]) for image in IMAGES[:2]]
+    best = [out.sequences[0].text for out in
+            llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=7))]
+    from mmserve import SamplingParams
+
+    assert llm.caption(IMAGES[:2], sampling_params=SamplingParams(max_tokens=7),
+                       use_tqdm=False, beam_width=3) == best
+    assert_no_leaks(llm.engine)
+    paths = []
+    for i, image in enumerate(IMAGES[:2]):
+        paths.append(pathlib.Path(clip_llama).parent / f"beam-caption-{i}.png")
+        image.save(paths[-1])
+    assert cli_main(["caption", *map(str, paths), "--model", clip_llama, "--dtype", "float32",
+                     "--max-model-len", "256", "--max-tokens", "7", "--beam-width", "3",
+                     "--json"]) == 0
+    assert [entry["caption"] for entry in json.loads(capsys.readouterr().out)] == best
+    assert cli_main(["caption", str(paths[0]), "--beam-width", "11"]) == 2
+    assert "beam_width must be" in capsys.readouterr().err

@@ -16,17 +16,20 @@ from mmserve.entrypoints.serve_args import add_serve_parser
 
 
 def _caption(args: argparse.Namespace) -> int:
-    from mmserve import LLM, SamplingParams
+    from mmserve import LLM, BeamSearchParams, SamplingParams
 
     # No --model: LLM() falls back to the bundled demo model, which describes shape scenes.
     try:
+        if args.beam_width is not None:  # checked before the weights load
+            BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens)
         llm = LLM(args.model, **engine_kwargs(args))
     except (FileNotFoundError, ValueError) as exc:  # no model, settings that cannot work
         print(f"mmserve caption: {exc}", file=sys.stderr)
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     with llm:
-        captions = llm.caption(args.images, prompt=args.prompt, sampling_params=params)
+        captions = llm.caption(args.images, prompt=args.prompt, sampling_params=params,
+                               beam_width=args.beam_width)
     if args.json:
         print(json.dumps([{"image": str(p), "caption": c}
                           for p, c in zip(args.images, captions, strict=True)], indent=2))
@@ -41,6 +44,8 @@ def add_caption_parser(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("images", nargs="+", type=Path)
     cap.add_argument("--prompt", default="Describe this image.")
     cap.add_argument("--max-tokens", type=int, default=32)
+    cap.add_argument("--beam-width", type=int, metavar="N",
+                     help="each caption the best of a beam search N wide (default: greedy)")
     cap.add_argument("--json", action="store_true", help="print a JSON list")
     add_engine_args(cap)
     cap.set_defaults(func=_caption)

@@ -123,12 +123,22 @@ class LLM:
         prompt: str = "Describe this image.",
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
+        beam_width: int | None = None,
     ) -> list[str]:
-        """Caption any number of images as one batch, with a progress bar."""
+        """Caption any number of images as one batch, with a progress bar. ``beam_width``:
+        each caption the best sequence of a beam search that wide (``beam_search``), of at
+        most ``sampling_params.max_tokens`` tokens."""
         params = sampling_params or SamplingParams(max_tokens=64, temperature=0.0)
         prompts = [{"messages": [{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": prompt}]}], "images": [image]}
             for image in images]
+        if beam_width is not None:
+            searched = self.beam_search(prompts, BeamSearchParams(
+                beam_width=beam_width, max_tokens=params.max_tokens), use_tqdm=use_tqdm)
+            for out in searched:
+                if out.error is not None:
+                    raise RuntimeError(f"a caption's beam search failed: {out.error}")
+            return [out.sequences[0].text for out in searched]
         return [out.text for out in self.generate(prompts, params, use_tqdm=use_tqdm)]
 
     def beam_search(
