@@ -162,8 +162,41 @@ def test_a_json_schema_shapes_the_text(client: openai.OpenAI) -> None:
     assert set(json.loads(resp.output_text)) == {"city", "unit"}
 
 
+def test_output_text_logprobs_are_the_chat_endpoints(http: TestClient,
+                                                     client: openai.OpenAI) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: each output token
+    with its log-probability and alternatives, as the chat endpoint gives them; a stream's
+    deltas carry their tokens', adding up to the whole; without ``include``, none."""
+    body = {"model": "tiny", "input": "tell me about the cat", "temperature": 0,
+            "max_output_tokens": 6, "top_logprobs": 3,
+            "include": ["message.output_text.logprobs"]}
+    whole = client.responses.create(**body)
+    chat = _chat(http, [{"role": "user", "content": "tell me about the cat"}], max_tokens=6,
+                 logprobs=True, top_logprobs=3)
+    want = chat["choices"][0]["logprobs"]["content"]
+    got = [lp.model_dump() for lp in whole.output[0].content[0].logprobs]
+    assert len(got) == 6 and got == want
+    assert whole.top_logprobs == 3
+    events = list(client.responses.create(**body, stream=True))
+    streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta"
+                for lp in e.logprobs]
+    assert streamed == want
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.model_dump() for lp in done.logprobs] == want
+    plain = client.responses.create(**{k: v for k, v in body.items() if k != "include"})
+    assert plain.output[0].content[0].logprobs == []
+    # A client that asks for encrypted reasoning on every request: there is none to include.
+    assert client.responses.create(**{**body, "include": ["reasoning.encrypted_content"]}
+                                   ).output_text == whole.output_text
+
+
 @pytest.mark.parametrize("body, param, fragment", [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "nothing is stored"),
+    ({"include": ["file_search_call.results"]}, "include[0]", "no 'file_search_call"),
+    ({"include": "message.output_text.logprobs"}, "include", "list of strings"),
+    ({"top_logprobs": 21}, "top_logprobs", "from 0 to 20"),
+    ({"include": ["message.output_text.logprobs"], "tool_choice": "required",
+      "tools": [{"type": "function", "name": "f"}]}, "include", "call tools"),
     ({"background": True}, "background", "not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only 'function' tools"),
     ({"input": [{"type": "reasoning"}]}, "input[0].type", "supported: 'message'"),
@@ -222,6 +255,8 @@ RESPONSES_VALUES = {
     "metadata": [None, {"a": "b"}, {"a": 1}, {str(i): "v" for i in range(17)}],
     "stream": [None, True, False, "yes"],
     "store": [None, True, False],
+    "include": [None, [], ["message.output_text.logprobs"], ["x"], "x", [5]],
+    "top_logprobs": [None, 0, 5, 20, 21, -1, "2", True],
 }
 
 

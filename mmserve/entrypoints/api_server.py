@@ -252,9 +252,9 @@ class OpenAIServer:
         if isinstance(outs, Response):
             return outs
         (out,) = outs
-        deltas = ([{"content": out.text}] if reader is None
-                  else reader.feed(out.text) + reader.finish())
-        return JSONResponse(events.whole(deltas, out.finish_reason, responses_usage(out)))
+        whole = (self._text_delta(out.text, out) if reader is None
+                 else reader.feed(out.text) + reader.finish())
+        return JSONResponse(events.whole(whole, out.finish_reason, responses_usage(out)))
 
     async def _response_events(self, events: responses.ResponseEvents, stream: RequestStream,
                                reader: tool_calls.CallReader | None) -> AsyncIterator[str]:
@@ -271,7 +271,8 @@ class OpenAIServer:
                             yield event
                         break
                     answer.add(out)
-                    for delta in deltas(reader, out):
+                    for delta in (self._text_delta(out.new_text, out) if reader is None
+                                  else deltas(reader, out)):
                         for event in events.delta(delta):
                             yield event
                     if out.finished:
@@ -280,6 +281,14 @@ class OpenAIServer:
                             yield event
         finally:
             self._abort([stream])
+
+    def _text_delta(self, text: str, out: RequestOutput) -> list[dict[str, Any]]:
+        """A response's text delta, with its tokens' log-probabilities where the request
+        asked for them (a token that completes no character yet has no text of its own)."""
+        if out.logprobs is None:
+            return [{"content": text}] if text else []
+        return [{"content": text, "logprobs": proto.logprobs_content(
+            out.token_ids, out.logprobs, self._token_text)["content"]}]
 
     async def _add(self, request_ids: list[str], prompt: dict[str, Any],
                    params: SamplingParams, beam: BeamSearchParams | None

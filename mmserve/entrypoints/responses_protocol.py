@@ -29,6 +29,7 @@ from mmserve.entrypoints.openai_protocol import (
 )
 from mmserve.errors import InvalidInputError
 from mmserve.processing.chat_tools import template_tool_calls
+from mmserve.sampling_params import MAX_LOGPROBS
 
 # Fields that need state or machinery mmserve does not keep: refused, never ignored.
 _REFUSED = {
@@ -46,6 +47,7 @@ class ResponsesRequest:
     chat: ChatRequest
     echo: dict[str, Any] = field(default_factory=dict)
     where: list[str] = field(default_factory=list)  # each chat message's field in the body
+    logprobs: bool = False  # the output text's, with its tokens' (``include``)
 
     def renamed(self, err: ApiError) -> ApiError:
         """An error about the chat request (an image that cannot be fetched, a template that
@@ -66,9 +68,7 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
     if body.get("background"):
         raise bad_request("'background' is not supported: send the request and wait for it "
                           "(or stream it).", "background")
-    if body.get("top_logprobs"):
-        raise bad_request("'top_logprobs' is not supported on /v1/responses; use "
-                          "/v1/chat/completions for log-probabilities.", "top_logprobs")
+    logprobs = _logprobs(body)
     messages, where = _messages(body.get("input"), body.get("instructions"))
     metadata = _metadata(body.get("metadata"))
     chat: dict[str, Any] = {"messages": messages}
@@ -84,18 +84,50 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
     response_format = _text_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
+    if logprobs is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, logprobs
     try:
         parsed = parse_chat_request(chat, max_model_len, max_images, defaults, tool_parser)
     except ApiError as e:
         raise _renamed(e, where) from None
+    if logprobs is not None and parsed.tools and parsed.tool_choice.mode != "none":
+        raise bad_request("log-probabilities come with a message's text: leave "
+                          "'message.output_text.logprobs' out of 'include' when the model "
+                          "may call tools, or send 'tool_choice': \"none\".", "include")
     echo = {"instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"),
             "temperature": parsed.params.temperature, "top_p": parsed.params.top_p,
             "tools": body.get("tools") or [], "tool_choice": _echoed_choice(body, parsed),
             "parallel_tool_calls": parsed.tool_choice.parallel,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "metadata": metadata}
-    return ResponsesRequest(parsed, echo, where)
+            "top_logprobs": body.get("top_logprobs") or 0, "metadata": metadata}
+    return ResponsesRequest(parsed, echo, where, logprobs is not None)
+
+
+# What ``include`` may ask for: the output text's log-probabilities, and the encrypted
+# reasoning a stateless client asks for on every request (there is none to include).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_INCLUDABLE = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
+
+
+def _logprobs(body: dict[str, Any]) -> int | None:
+    """How many alternatives each output token's log-probability comes with (``top_logprobs``,
+    0 to 20), where ``include`` asks for them; None where it does not."""
+    include = body.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+        raise bad_request("'include' must be a list of strings", "include")
+    for i, name in enumerate(include):
+        if name not in _INCLUDABLE:
+            raise bad_request(f"'include' may name {', '.join(_INCLUDABLE)}; mmserve has no "
+                              f"{name!r} to include.", f"include[{i}]")
+    top = body.get("top_logprobs")
+    if top is not None and (not isinstance(top, int) or isinstance(top, bool)
+                            or not 0 <= top <= MAX_LOGPROBS):
+        raise bad_request(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}",
+                          "top_logprobs")
+    return (top or 0) if LOGPROBS_INCLUDE in include else None
 
 
 def _metadata(value: Any) -> dict[str, str]:
@@ -289,14 +321,16 @@ def response_object(response_id: str, model: str, created: int, echo: dict[str, 
             "output": output, "usage": usage_counts, **echo}
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    """A message item; in progress, it has no content part yet."""
+def message_item(item_id: str, text: str, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A message item; in progress, it has no content part yet. ``logprobs``: its text's
+    tokens', as OpenAI's chat ``logprobs.content`` entries."""
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [] if status == "in_progress" else [_text_part(text)]}
+            "content": [] if status == "in_progress" else [_text_part(text, logprobs)]}
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str,
@@ -320,6 +354,7 @@ class ResponseEvents:
         self.items: list[dict[str, Any]] = []  # done
         self.open: dict[str, Any] | None = None  # the item being written
         self.pieces: list[str] = []  # its text or arguments so far
+        self.logprobs: list[dict[str, Any]] = []  # its text's tokens', where asked for
         self.final: dict[str, Any] = {}  # the response, once finished
 
     def start(self) -> list[str]:
@@ -336,7 +371,8 @@ class ResponseEvents:
         return self.final
 
     def delta(self, delta: dict[str, Any]) -> list[str]:
-        """Events for one chat delta: text, a call announced, or more of its arguments."""
+        """Events for one chat delta: text (and its tokens' ``logprobs``, where it has
+        them), a call announced, or more of its arguments."""
         events = []
         text = delta.get("content")
         if text is not None:
@@ -348,8 +384,10 @@ class ResponseEvents:
                 events.append(self._event("response.content_part.added", **self._where(),
                                           content_index=0, part=_text_part("")))
             self.pieces.append(text)
+            logprobs = delta.get("logprobs") or []
+            self.logprobs += logprobs
             events.append(self._event("response.output_text.delta", **self._where(),
-                                      content_index=0, delta=text, logprobs=[]))
+                                      content_index=0, delta=text, logprobs=logprobs))
         for call in delta.get("tool_calls", ()):
             if "id" in call:
                 events += self._close()
@@ -383,7 +421,7 @@ class ResponseEvents:
 
     # ----------------------------------------------------------------- pieces
     def _add(self, item: dict[str, Any]) -> list[str]:
-        self.open, self.pieces = item, []
+        self.open, self.pieces, self.logprobs = item, [], []
         return [self._event("response.output_item.added", output_index=len(self.items),
                             item=item)]
 
@@ -393,11 +431,12 @@ class ResponseEvents:
         item, text = self.open, "".join(self.pieces)
         events = []
         if item["type"] == "message":
-            done = message_item(item["id"], text, status)
+            done = message_item(item["id"], text, status, self.logprobs)
             events.append(self._event("response.output_text.done", **self._where(),
-                                      content_index=0, text=text, logprobs=[]))
+                                      content_index=0, text=text, logprobs=self.logprobs))
             events.append(self._event("response.content_part.done", **self._where(),
-                                      content_index=0, part=_text_part(text)))
+                                      content_index=0,
+                                      part=_text_part(text, self.logprobs)))
         else:
             done = {**item, "arguments": text, "status": status}
             events.append(self._event("response.function_call_arguments.done",
@@ -405,7 +444,7 @@ class ResponseEvents:
         events.append(self._event("response.output_item.done", output_index=len(self.items),
                                   item=done))
         self.items.append(done)
-        self.open, self.pieces = None, []
+        self.open, self.pieces, self.logprobs = None, [], []
         return events
 
     def _where(self) -> dict[str, Any]:
