@@ -32,6 +32,8 @@ MAX_N = 128
 # and 100 in effect ban and force a token).
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_LOGIT_BIAS = 100.0
+# Tokens ``allowed_token_ids`` may name (the tokens of a choice, a label set, a digit set).
+MAX_ALLOWED_TOKEN_IDS = 16384
 # presence_penalty and frequency_penalty: OpenAI's range.
 MAX_PENALTY = 2.0
 # repetition_penalty divides or multiplies a logit: bounded so that neither overflows nor
@@ -156,7 +158,8 @@ class SamplingParams:
     100, 1 is off; as transformers' and vLLM's): a token of the prompt or of the output so far
     has its logit divided by it where positive, multiplied where negative. ``logit_bias``:
     token id -> a number from -100 to 100 added to its logit (at most
-    ``MAX_LOGIT_BIAS_TOKENS`` of them). ``min_tokens``: the end-of-sequence token and
+    ``MAX_LOGIT_BIAS_TOKENS`` of them). ``allowed_token_ids`` (vLLM's): only these tokens
+    may be picked (at most ``MAX_ALLOWED_TOKEN_IDS``). ``min_tokens``: the end-of-sequence token and
     ``stop_token_ids`` cannot be sampled, and stop strings do not stop, until this many tokens
     are generated (at most ``max_tokens``). All of these apply to greedy decoding as well;
     log-probabilities stay those of the model's logits. ``skip_special_tokens`` (default on)
@@ -189,6 +192,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -287,10 +291,21 @@ class SamplingParams:
                               f"{-MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}, got "
                               f"{_short(value)} for token {token}.")
             self.logit_bias = {t: float(v) for t, v in bias.items() if v} or None
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if (not isinstance(allowed, (list, tuple)) or not allowed
+                    or not all(_is_int(t) and t >= 0 for t in allowed)):
+                raise bad("allowed_token_ids", "allowed_token_ids must be a non-empty list of "
+                          "token ids (integers >= 0), or None.")
+            if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                raise bad("allowed_token_ids", f"allowed_token_ids may name at most "
+                          f"{MAX_ALLOWED_TOKEN_IDS} tokens, got {len(allowed)}.")
+            self.allowed_token_ids = sorted(set(allowed))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"min_tokens must be an integer from 0 to max_tokens "
                       f"({self.max_tokens}), got {_short(self.min_tokens)}.")
-        self.adjusts_logits = bool(self.logit_bias) or self.uses_history
+        self.adjusts_logits = (bool(self.logit_bias) or self.allowed_token_ids is not None
+                               or self.uses_history)
 
     @property
     def penalizes(self) -> bool:

@@ -1,9 +1,9 @@
-"""What requests ask of the logits before a token is picked (``logit_bias``, the presence,
-frequency and repetition penalties, ``min_tokens``, ``min_p``): greedy float32 output equal to
-transformers' ``generate`` with its own processors for the same (a processor written here for
-OpenAI's presence and frequency penalties, which transformers lacks), kept through chunked
-prefill, prefix-cache hits, preemption and other requests in the batch, and nothing kept
-once requests finish.
+"""What requests ask of the logits before a token is picked (``allowed_token_ids``,
+``logit_bias``, the presence, frequency and repetition penalties, ``min_tokens``, ``min_p``):
+greedy float32 output equal to transformers' ``generate`` with its own processors for the same
+(a processor written here for OpenAI's presence and frequency penalties, which transformers
+lacks), kept through chunked prefill, prefix-cache hits, preemption and other requests in the
+batch, and nothing kept once requests finish.
 """
 
 from __future__ import annotations
@@ -89,6 +89,28 @@ def test_logit_bias_equals_transformers_sequence_bias(llm: LLM, clip_llama: str)
     assert ours == _reference(clip_llama, PROMPTS[0],
                               sequence_bias={(t,): b for t, b in bias.items()})
     assert ours[0] != plain[0]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["image", "text"])
+def test_allowed_token_ids_equal_transformers_prefix_allowed_tokens(
+        llm: LLM, clip_llama: str, which: int) -> None:
+    """vLLM's ``allowed_token_ids`` against transformers' ``prefix_allowed_tokens_fn`` (the
+    same set every step): some of the tokens the model picks unconstrained, some it never
+    would, and a bias on top."""
+    plain = _greedy(llm, PROMPTS[which])
+    allowed = sorted({*plain[1:8:2], 3, 90, 250, 401})
+    ours = _greedy(llm, PROMPTS[which], allowed_token_ids=[*allowed, allowed[0]])
+    assert ours == _reference(clip_llama, PROMPTS[which],
+                              prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+    assert set(ours) <= set(allowed) and ours != plain
+    # Beside requests without it, and with a bias: the bias applies within the set.
+    biased = llm.generate([PROMPTS[which], PROMPTS[1 - which]], [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, allowed_token_ids=allowed,
+                       logit_bias={90: 100.0}),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)])
+    assert set(biased[0].token_ids) == {90}
+    assert biased[1].token_ids == _greedy(llm, PROMPTS[1 - which])
+    assert_no_leaks(llm.engine)
 
 
 @pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (0.0, 0.8), (-0.5, 2.0)])
@@ -288,7 +310,17 @@ def test_out_of_range_values_are_refused(llm: LLM) -> None:
     with pytest.raises(InvalidInputError, match=f"vocabulary has {vocab} tokens") as e:
         llm.generate(PROMPTS[1], SamplingParams(logit_bias={vocab: 1.0}))
     assert e.value.param == "logit_bias"
+    with pytest.raises(InvalidInputError, match=f"vocabulary has {vocab} tokens") as e:
+        llm.generate(PROMPTS[1], SamplingParams(allowed_token_ids=[1, vocab]))
+    assert e.value.param == "allowed_token_ids"
+    with pytest.raises(InvalidInputError, match="send one of them") as e:
+        llm.generate(PROMPTS[1], SamplingParams(allowed_token_ids=[1], structured_outputs={
+            "regex": "a+"}))
     for fields, param in (({"min_p": -0.1}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
+                          ({"allowed_token_ids": []}, "allowed_token_ids"),
+                          ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
+                          ({"allowed_token_ids": "1,2"}, "allowed_token_ids"),
+                          ({"allowed_token_ids": list(range(16385))}, "allowed_token_ids"),
                           ({"repetition_penalty": float("inf")}, "repetition_penalty"),
                           ({"logit_bias": {"5": 1.0}}, "logit_bias"),
                           ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),

@@ -150,6 +150,8 @@ def test_every_form_of_output_constraint() -> None:
      "stream_options.continuous_usage_stats", "must be a boolean"),
     ({"min_tokens": 17, "max_tokens": 16}, "min_tokens", "from 0 to max_tokens (16)"),
     ({"min_tokens": 1.5}, "min_tokens", "must be an integer"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty list"),
+    ({"allowed_token_ids": [1, "2"]}, "allowed_token_ids", "integers >= 0"),
     ({"min_p": 1.1}, "min_p", "from 0 to 1"),
     ({"repetition_penalty": 0}, "repetition_penalty", "from 0.01 to 100 (1 is off)"),
     ({"response_format": {"type": "xml"}}, "response_format", "must be {'type': 'text'}"),

@@ -1,5 +1,5 @@
-"""The changes requests ask of the logits before a token is picked: ``logit_bias``, the
-presence, frequency and repetition penalties, and ``min_tokens``.
+"""The changes requests ask of the logits before a token is picked: ``allowed_token_ids``,
+``logit_bias``, the presence, frequency and repetition penalties, and ``min_tokens``.
 
 The penalties and ``min_tokens`` depend on the tokens before, which the runner keeps on the
 device for the requests that use them (``TokenHistory``): each sampled token is counted there
@@ -206,7 +206,8 @@ class TokenHistory:
 def adjust_logits(logits: torch.Tensor, ids: list[str], params: list[SamplingParams],
                   history: TokenHistory, in_place: bool) -> torch.Tensor:
     """``logits`` (float32) as the rows' parameters change them: changed in place with
-    ``in_place``, else a copy where any row asks for a change. ``logit_bias`` added,
+    ``in_place``, else a copy where any row asks for a change. Only ``allowed_token_ids``
+    left finite, ``logit_bias`` added,
     ``min_tokens``'s tokens at -inf while too few tokens are generated, then the repetition
     penalty, then the frequency and presence penalties (vLLM's order). A grammar's bitmask is
     applied before: a row that ``min_tokens`` would leave no token (its grammar allows only
@@ -215,6 +216,7 @@ def adjust_logits(logits: torch.Tensor, ids: list[str], params: list[SamplingPar
     if not rows:
         return logits
     out = logits if in_place else logits.clone()
+    _keep_allowed(out, rows, params)
     _add_bias(out, rows, params)
     _hold_back_end(out, rows, ids, params, history)
     followed = [i for i in rows if params[i].penalizes and history.penalizes(ids[i])]
@@ -222,6 +224,27 @@ def adjust_logits(logits: torch.Tensor, ids: list[str], params: list[SamplingPar
         history.penalize(out, followed, [ids[i] for i in followed],
                          [params[i] for i in followed])
     return out
+
+
+def _keep_allowed(x: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
+    """Every token but a row's ``allowed_token_ids`` at -inf, in place, in the rows ``rows``
+    of ``x`` that name some."""
+    held: list[int] = []
+    at: list[int] = []
+    tokens: list[int] = []
+    for i in rows:
+        allowed = params[i].allowed_token_ids
+        if allowed is not None:
+            held.append(i)
+            at += [i] * len(allowed)
+            tokens += allowed
+    if not held:
+        return
+    device = x.device
+    index = (tensor_on(at, torch.long, device), tensor_on(tokens, torch.long, device))
+    kept = x[index]
+    x[tensor_on(held, torch.long, device)] = float("-inf")
+    x[index] = kept
 
 
 def _add_bias(x: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
