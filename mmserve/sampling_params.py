@@ -32,8 +32,9 @@ MAX_N = 128
 # and 100 in effect ban and force a token).
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_LOGIT_BIAS = 100.0
-# Tokens ``allowed_token_ids`` may name (the tokens of a choice, a label set, a digit set).
-MAX_ALLOWED_TOKEN_IDS = 16384
+# Tokens ``allowed_token_ids`` may name (a label set, digits, the tokens of some choices): as
+# ``logit_bias``'s, each step sends them to the device for each row that names them.
+MAX_ALLOWED_TOKEN_IDS = 1024
 # presence_penalty and frequency_penalty: OpenAI's range.
 MAX_PENALTY = 2.0
 # repetition_penalty divides or multiplies a logit: bounded so that neither overflows nor

@@ -173,6 +173,12 @@ def test_two_end_tokens(qwen: str, tmp_path: pathlib.Path) -> None:
                 "use_beam_search": True, "n": 7, "max_tokens": 4})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
         assert "n=7" in resp.json()["error"]["message"]
+    # The command line says so too, after the checkpoint told it its end tokens.
+    from mmserve.entrypoints.cli import main as cli_main
+
+    IMAGES[0].save(tmp_path / "image.png")
+    assert cli_main(["caption", str(tmp_path / "image.png"), "--model", path, "--dtype",
+                     "float32", "--max-model-len", "512", "--beam-width", "7"]) == 2
 
 
 def test_searches_at_once_equal_each_alone(clip_llama: str) -> None:

@@ -316,11 +316,15 @@ def test_out_of_range_values_are_refused(llm: LLM) -> None:
     with pytest.raises(InvalidInputError, match="send one of them") as e:
         llm.generate(PROMPTS[1], SamplingParams(allowed_token_ids=[1], structured_outputs={
             "regex": "a+"}))
+    end = llm.engine.processor.eos_token_ids[0]
+    with pytest.raises(InvalidInputError, match="min_tokens holds back") as e:
+        llm.generate(PROMPTS[1], SamplingParams(allowed_token_ids=[end], min_tokens=2))
+    assert e.value.param == "allowed_token_ids"
     for fields, param in (({"min_p": -0.1}, "min_p"), ({"presence_penalty": 3}, "presence_penalty"),
                           ({"allowed_token_ids": []}, "allowed_token_ids"),
                           ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
                           ({"allowed_token_ids": "1,2"}, "allowed_token_ids"),
-                          ({"allowed_token_ids": list(range(16385))}, "allowed_token_ids"),
+                          ({"allowed_token_ids": list(range(1025))}, "allowed_token_ids"),
                           ({"repetition_penalty": float("inf")}, "repetition_penalty"),
                           ({"logit_bias": {"5": 1.0}}, "logit_bias"),
                           ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),

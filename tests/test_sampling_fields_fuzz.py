@@ -26,7 +26,7 @@ VALUES = {
                    [1], "x", None],
     "stop_token_ids": [[2], [5, 6], [10**9], None],
     "allowed_token_ids": [None, [5], [2, 5, 6], [], [511], [512], [-1], "5", [5.0],
-                          list(range(16385)), [True]],
+                          list(range(1025)), [True]],
     "echo": [True, False, None, 1],
     "max_tokens": [0, 1, 16, None, -1],
     "logprobs": [None, 0, 5, 20, 21],

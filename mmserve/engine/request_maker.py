@@ -72,16 +72,23 @@ class RequestMaker:
                 f"logit_bias names token {max(params.logit_bias)}, but the model's vocabulary "
                 f"has {self.grammars.vocab_size} tokens (ids 0 to "
                 f"{self.grammars.vocab_size - 1}).", param="logit_bias")
-        if params.allowed_token_ids and params.allowed_token_ids[-1] >= self.grammars.vocab_size:
+        allowed = params.allowed_token_ids
+        if allowed and max(allowed) >= self.grammars.vocab_size:
             raise InvalidInputError(
-                f"allowed_token_ids names token {params.allowed_token_ids[-1]}, but the "
-                f"model's vocabulary has {self.grammars.vocab_size} tokens (ids 0 to "
+                f"allowed_token_ids names token {max(allowed)}, but the model's vocabulary has "
+                f"{self.grammars.vocab_size} tokens (ids 0 to "
                 f"{self.grammars.vocab_size - 1}).", param="allowed_token_ids")
-        if params.allowed_token_ids and params.structured_outputs is not None:
-            raise InvalidInputError("allowed_token_ids and an output constraint "
-                                    "(structured_outputs, response_format) may leave no token "
-                                    "to pick; send one of them.", param="allowed_token_ids")
+        if allowed and params.structured_outputs is not None:
+            raise InvalidInputError(
+                "allowed_token_ids and an output constraint (structured_outputs, "
+                "response_format, or a tool_choice that forces a call) may leave no token to "
+                "pick; send one of them.", param="allowed_token_ids")
         params = params.with_end_tokens(self.processor.eos_token_ids)
+        if allowed and set(allowed) <= set(params.min_tokens_blocked):
+            raise InvalidInputError(
+                "allowed_token_ids names only tokens that min_tokens holds back (the end of "
+                "the sequence, stop_token_ids): allow others, or leave min_tokens out.",
+                param="allowed_token_ids")
         grammar = None
         if params.structured_outputs is not None:  # compiled here, off the stepping thread
             grammar = self.grammars.compile(params.structured_outputs)

@@ -13,6 +13,7 @@ from mmserve.bench.cli import add_bench_parser
 from mmserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 from mmserve.entrypoints.plan import add_plan_parser
 from mmserve.entrypoints.serve_args import add_serve_parser
+from mmserve.errors import InvalidInputError
 
 
 def _caption(args: argparse.Namespace) -> int:
@@ -28,8 +29,12 @@ def _caption(args: argparse.Namespace) -> int:
         return 2
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     with llm:
-        captions = llm.caption(args.images, prompt=args.prompt, sampling_params=params,
-                               beam_width=args.beam_width)
+        try:
+            captions = llm.caption(args.images, prompt=args.prompt, sampling_params=params,
+                                   beam_width=args.beam_width)
+        except InvalidInputError as exc:  # an image, or a beam too wide for this checkpoint
+            print(f"mmserve caption: {exc}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps([{"image": str(p), "caption": c}
                           for p, c in zip(args.images, captions, strict=True)], indent=2))
