@@ -85,6 +85,7 @@ def check_mm_processor_kwargs(value: Any) -> dict[str, Any] | None:
 
 # How a chat template takes each message's content (``chat_template_content_format``).
 CONTENT_FORMATS = ("auto", "string", "openai")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,11 @@ class EngineConfig:
         0.0, "while requests decode, admit waiting ones only once the oldest has waited this "
         "many times the last prompt step's duration (as vLLM's option of that name): fewer, "
         "larger prompt steps interrupt the decodes; 0 admits them at once")
+    scheduling_policy: str = flag(
+        "fcfs", "which waiting request is admitted first and which running one is preempted "
+        "first: fcfs (arrival order; the newest is preempted) or priority (a request's "
+        "priority, lower first, then arrival; the lowest priority is preempted), as vLLM's",
+        choices=SCHEDULING_POLICIES)
     # KV cache.
     block_size: int = flag(16, "tokens per KV-cache block")
     enable_prefix_caching: bool = flag(
@@ -239,6 +245,9 @@ class EngineConfig:
         if self.mm_encoder_tp_mode not in ("data", "weights"):
             raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'weights', got "
                              f"{self.mm_encoder_tp_mode!r}.")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", got {self.scheduling_policy!r}.")
         if not (self.scheduler_delay_factor >= 0 and math.isfinite(self.scheduler_delay_factor)):
             raise ValueError("scheduler_delay_factor must be a finite number >= 0, got "
                              f"{self.scheduler_delay_factor!r}.")

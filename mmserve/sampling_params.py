@@ -152,20 +152,21 @@ class SamplingParams:
     request's final output); such a request computes its whole prompt, never taking blocks from
     the prefix cache. ``structured_outputs``: constrain the text to a JSON schema, a regex, a
     choice or a grammar (``StructuredOutputs``, or a dict of its fields).
-    ``min_p`` (0 to 1, 0 is off): drop the tokens whose probability (after temperature)
-    is below ``min_p`` times the most likely token's. ``presence_penalty`` and
-    ``frequency_penalty`` (-2 to 2, OpenAI's): subtract from a token's logit this much if it
-    was generated before, and this much for each time it was. ``repetition_penalty`` (0.01 to
-    100, 1 is off; as transformers' and vLLM's): a token of the prompt or of the output so far
-    has its logit divided by it where positive, multiplied where negative. ``logit_bias``:
-    token id -> a number from -100 to 100 added to its logit (at most
-    ``MAX_LOGIT_BIAS_TOKENS`` of them). ``allowed_token_ids`` (vLLM's): only these tokens
-    may be picked (at most ``MAX_ALLOWED_TOKEN_IDS``). ``min_tokens``: the end-of-sequence token and
-    ``stop_token_ids`` cannot be sampled, and stop strings do not stop, until this many tokens
-    are generated (at most ``max_tokens``). All of these apply to greedy decoding as well;
-    log-probabilities stay those of the model's logits. ``skip_special_tokens`` (default on)
-    leaves special tokens' text out of ``text``; ``include_stop_str_in_output`` keeps the stop
-    string that ended the text at its end (both vLLM's).
+    ``min_p`` (0 to 1, 0 is off): drop the tokens whose probability (after temperature) is below
+    ``min_p`` times the most likely token's. ``presence_penalty`` and ``frequency_penalty`` (-2
+    to 2, OpenAI's): subtract from a token's logit this much if it was generated before, and
+    this much for each time it was. ``repetition_penalty`` (0.01 to 100, 1 is off; as
+    transformers' and vLLM's): a token of the prompt or of the output so far has its logit
+    divided by it where positive, multiplied where negative. ``logit_bias``: token id -> a
+    number from -100 to 100 added to its logit (at most ``MAX_LOGIT_BIAS_TOKENS`` of them).
+    ``allowed_token_ids`` (vLLM's): only these tokens may be picked (at most
+    ``MAX_ALLOWED_TOKEN_IDS``). ``priority`` (vLLM's, for an engine scheduling by priority
+    only): lower is admitted first, and preempted last. ``min_tokens``: the end-of-sequence
+    token and ``stop_token_ids`` cannot be sampled, and stop strings do not stop, until this
+    many tokens are generated (at most ``max_tokens``). All of these apply to greedy decoding as
+    well; log-probabilities stay those of the model's logits. ``skip_special_tokens`` (default
+    on) leaves special tokens' text out of ``text``; ``include_stop_str_in_output`` keeps the
+    stop string that ended the text at its end (both vLLM's).
     ``output_kind`` (``OUTPUT_KINDS``, as vLLM's ``RequestOutputKind``): what the engine's
     step outputs for the request hold. ``cumulative``: everything generated so far, and in
     ``new_text`` / ``new_token_ids`` what the step added. ``delta``: only what the step added,
@@ -194,6 +195,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    priority: int = 0
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -302,6 +304,9 @@ class SamplingParams:
                 raise bad("allowed_token_ids", f"allowed_token_ids may name at most "
                           f"{MAX_ALLOWED_TOKEN_IDS} tokens, got {len(allowed)}.")
             self.allowed_token_ids = sorted(set(allowed))
+        if not _is_int(self.priority) or not MIN_SEED <= self.priority < 2**63:
+            raise bad("priority", f"priority must be a 64-bit integer (lower runs first under "
+                      f"--scheduling-policy priority), got {_short(self.priority)}.")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"min_tokens must be an integer from 0 to max_tokens "
                       f"({self.max_tokens}), got {_short(self.min_tokens)}.")

@@ -173,6 +173,7 @@ class LLMEngine:
                 max_model_len=self.plan.max_model_len,
                 block_size=config.block_size,
                 delay_factor=config.scheduler_delay_factor,
+                policy=config.scheduling_policy,
             ),
             kv_cache,
             self.encoder_budget,
@@ -197,7 +198,8 @@ class LLMEngine:
         # Preprocessing above this (and the step's peak activations) gives memory back.
         self.request_maker = RequestMaker(
             self.processor, self.grammars, self.plan.max_model_len, config.limit_mm_per_prompt,
-            self.encoder_budget.cache_tokens, max(64 << 20, self.plan.activation_bytes))
+            self.encoder_budget.cache_tokens, max(64 << 20, self.plan.activation_bytes),
+            config.scheduling_policy)
         self._failed_steps_in_a_row = 0
         self._failing: set[str] = set()  # requests whose num_failed_steps is not 0
         self._dead: str | None = None

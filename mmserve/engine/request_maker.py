@@ -25,7 +25,8 @@ from mmserve.worker.cpu_allocator import release_free_memory
 
 class RequestMaker:
     """Makes requests for an engine whose limits are ``max_model_len`` tokens a request,
-    ``limit_mm_per_prompt`` and ``encoder_cache_tokens`` (the largest image it can hold).
+    ``limit_mm_per_prompt`` and ``encoder_cache_tokens`` (the largest image it can hold), and
+    which takes a request's ``priority`` only under ``scheduling_policy`` "priority".
     Thread-safe: a server calls it from several threads at once.
 
     Preprocessing whose memory peak exceeds ``release_threshold`` bytes gives the heap's free
@@ -35,8 +36,9 @@ class RequestMaker:
 
     def __init__(self, processor: InputProcessor, grammars: GrammarCompiler, max_model_len: int,
                  limit_mm_per_prompt: dict[str, int], encoder_cache_tokens: int,
-                 release_threshold: int) -> None:
+                 release_threshold: int, scheduling_policy: str = "fcfs") -> None:
         self.processor = processor
+        self.scheduling_policy = scheduling_policy
         self.grammars = grammars
         self.max_model_len = max_model_len
         self.limit_mm_per_prompt = limit_mm_per_prompt
@@ -72,6 +74,10 @@ class RequestMaker:
                 f"logit_bias names token {max(params.logit_bias)}, but the model's vocabulary "
                 f"has {self.grammars.vocab_size} tokens (ids 0 to "
                 f"{self.grammars.vocab_size - 1}).", param="logit_bias")
+        if params.priority and self.scheduling_policy != "priority":
+            raise InvalidInputError(
+                f"priority={params.priority} needs an engine that schedules by priority "
+                "(--scheduling-policy priority); leave it out or send 0.", param="priority")
         allowed = params.allowed_token_ids
         if allowed and max(allowed) >= self.grammars.vocab_size:
             raise InvalidInputError(

@@ -38,6 +38,8 @@ class SchedulerConfig:
     # While requests run, admit waiting ones only once the oldest has waited this many times
     # the last prompt step's duration (0: at once).
     delay_factor: float = 0.0
+    # "fcfs" or "priority": the order of the waiting queue and of preemption.
+    policy: str = "fcfs"
 
 
 class Scheduler:
@@ -63,6 +65,7 @@ class Scheduler:
             self._waiting_image_hashes if queue_aware_eviction else None)
         self.encoder_compute_budget = encoder_budget.compute_tokens
         self.delay_factor = config.delay_factor
+        self.by_priority = config.policy == "priority"
         self._clock = clock
         self._last_schedule: float | None = None  # when the step before was scheduled
         self._admitted_last = False  # whether that step admitted waiting requests
@@ -79,7 +82,33 @@ class Scheduler:
     # ----------------------------------------------------------------- queue
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request, preempted: bool = False) -> None:
+        """Into the waiting queue: at its end, or a preempted request at its front; by
+        priority, after every request of a lower or equal (priority, arrival)."""
+        if not self.by_priority:
+            if preempted:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+            return
+        key = _priority_key(req)
+        for i, other in enumerate(self.waiting):
+            if _priority_key(other) > key:
+                self.waiting.insert(i, req)
+                return
         self.waiting.append(req)
+
+    def _victim(self, start: int) -> Request:
+        """The running request to preempt, of those not scheduled yet this step (from
+        ``start``): the newest, or by priority the lowest priority (the latest arrival of
+        those), taken out of ``running``."""
+        if not self.by_priority:
+            return self.running.pop()
+        victim = max(self.running[start:], key=_priority_key)
+        self.running.remove(victim)
+        return victim
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -111,7 +140,7 @@ class Scheduler:
         req.images_checked_at = -1
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, preempted=True)
         logger.warning(
             "Request %s was preempted (recomputed later) because the KV cache is full; "
             "give the KV cache more memory or lower max_num_seqs. Preemptions so far: %d.",
@@ -223,7 +252,8 @@ class Scheduler:
                     out.images_to_encode[image.hash] = image.length
             scheduled.append((req, num_new, total))
 
-        # Running requests first, in admission order; the newest is preempted first.
+        # Running requests first, in admission order; the newest is preempted first (by
+        # priority: the lowest priority).
         i = 0
         while i < len(self.running) and token_budget > 0:
             req = self.running[i]
@@ -246,7 +276,7 @@ class Scheduler:
                     break
             else:
                 while self.kv_cache.allocate_slots(req, num_new) is None:
-                    victim = self.running.pop()
+                    victim = self._victim(i)
                     self._preempt(victim)
                     short = True
                     if victim is req:
@@ -261,7 +291,8 @@ class Scheduler:
             token_budget -= num_new
             i += 1
 
-        # Then waiting requests, first come first served; none once a running one lacked room.
+        # Then waiting requests in queue order (first come first served, or by priority);
+        # none once a running one lacked room.
         admit = self._admission_due()
         admitted = len(self.running)
         while (admit and self.waiting and token_budget > 0 and not short
@@ -440,3 +471,7 @@ class Scheduler:
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+def _priority_key(req: Request) -> tuple[int, float]:
+    return req.sampling_params.priority, req.arrival_time

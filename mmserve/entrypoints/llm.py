@@ -61,8 +61,11 @@ class LLM:
         prompts: dict[str, Any] | str | Sequence[dict[str, Any] | str],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order.
+        """Run every prompt to completion; outputs come back in input order. ``priority``:
+        each prompt's, as vLLM's (lower first; an engine of ``scheduling_policy="priority"``
+        only), in place of its parameters' ``priority``.
 
         A prompt is ``{"prompt": str, "images": [...]}`` (text in the model's own format, one
         image token per image) or ``{"messages": [...], "images": [...]}`` in OpenAI chat form;
@@ -90,6 +93,11 @@ class LLM:
             params = [_final_only(p) for p in sampling_params]
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+            params = [replace(p, priority=level) for p, level in zip(params, priority,
+                                                                     strict=True)]
         return self._run(prompts, params, use_tqdm)
 
     def chat(
