@@ -128,3 +128,75 @@ def test_priority_over_http_and_the_python_api(clip_llama: str) -> None:
                                                       "max_tokens": 3, "priority": 1})
             assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority"
             assert "--scheduling-policy priority" in resp.json()["error"]["message"]
+            resp = http.post("/v1/responses", json={"model": "tiny", "input": "hi",
+                                                    "max_output_tokens": 3, "priority": 1})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority"
+
+
+def _scheduler(policy: str, delay_factor: float = 0.0, clock=None):
+    """A scheduler over 6 KV blocks of 4 tokens, 4 requests at once."""
+    from mmserve.engine.encoder_cache import compute_encoder_budget
+    from mmserve.engine.kv_cache_manager import KVCacheManager
+    from mmserve.engine.scheduler import Scheduler, SchedulerConfig
+
+    extra = {} if clock is None else {"clock": clock}
+    return Scheduler(SchedulerConfig(4, 64, 4096, 4, delay_factor=delay_factor, policy=policy),
+                     KVCacheManager(6, 4, False), compute_encoder_budget(32, 64, 4, 2, None),
+                     **extra)
+
+
+def _request(name: str, prompt_len: int, priority: int, arrival: float):
+    from mmserve.engine.request import Request
+
+    return Request(name, list(range(100, 100 + prompt_len)), SamplingParams(
+        max_tokens=12, ignore_eos=True, priority=priority), eos_token_id=2,
+        arrival_time=arrival)
+
+
+def _drive(scheduler, arrivals: dict[int, list]) -> None:
+    """Schedule and complete steps (every sampled token 5), adding ``arrivals[step]``."""
+    from mmserve.step import ModelOutput
+
+    for step in range(100):
+        for req in arrivals.get(step, ()):
+            scheduler.add_request(req)
+        out = scheduler.schedule()
+        scheduler.update(out, ModelOutput({rid: 5 for rid in out.sampling_ids()}))
+        if not scheduler.has_unfinished() and step >= max(arrivals):
+            return
+    raise AssertionError("the requests did not finish")
+
+
+def test_a_later_higher_priority_request_never_gives_way_to_a_lower_one() -> None:
+    """The high-priority request is admitted after the low one, and whichever needs a new
+    block first, the low one gives way (running stays in priority order, so the last is the
+    one to preempt)."""
+    for high_len in (3, 7):
+        low, high = _request("low", 5, 9, 1.0), _request("high", high_len, 0, 2.0)
+        _drive(_scheduler("priority"), {0: [low], 1: [high]})
+        assert low.num_preemptions > 0 and high.num_preemptions == 0, high_len
+
+
+def test_delay_factor_waits_on_the_oldest_waiting_request() -> None:
+    """With a delay factor, admission waits on the request that has waited longest, not on
+    the highest priority one, which may have just come."""
+    from mmserve.step import ModelOutput
+
+    now = [0.0]
+    scheduler = _scheduler("priority", delay_factor=1.0, clock=lambda: now[0])
+
+    def step_at(t: float) -> None:
+        now[0] = t
+        out = scheduler.schedule()
+        scheduler.update(out, ModelOutput({rid: 5 for rid in out.sampling_ids()}))
+
+    scheduler.add_request(_request("running", 3, 0, 0.0))
+    step_at(0.0)  # admitted: a prompt step, which the next step times (1.5 s)
+    scheduler.add_request(_request("old", 3, 5, 1.0))
+    scheduler.add_request(_request("new", 3, 0, 1.5))
+    step_at(1.5)
+    step_at(2.0)  # the oldest has waited 1.0 s of the 1.5 s due: nobody is admitted
+    assert [r.request_id for r in scheduler.waiting] == ["new", "old"]
+    step_at(2.6)  # the oldest has waited 1.6 s (the newest only 1.1 s): both admitted
+    assert not scheduler.waiting
+    assert [r.request_id for r in scheduler.running] == ["running", "new", "old"]

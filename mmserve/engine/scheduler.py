@@ -6,6 +6,7 @@ There is no prefill or decode phase. Every request has ``num_computed_tokens`` c
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
@@ -93,22 +94,17 @@ class Scheduler:
             else:
                 self.waiting.append(req)
             return
-        key = _priority_key(req)
-        for i, other in enumerate(self.waiting):
-            if _priority_key(other) > key:
-                self.waiting.insert(i, req)
-                return
-        self.waiting.append(req)
+        self.waiting.insert(bisect.bisect_right(self.waiting, _priority_key(req),
+                                                key=_priority_key), req)
 
-    def _victim(self, start: int) -> Request:
-        """The running request to preempt, of those not scheduled yet this step (from
-        ``start``): the newest, or by priority the lowest priority (the latest arrival of
-        those), taken out of ``running``."""
-        if not self.by_priority:
-            return self.running.pop()
-        victim = max(self.running[start:], key=_priority_key)
-        self.running.remove(victim)
-        return victim
+    def _start_running(self, req: Request) -> None:
+        """Into ``running``: at its end (admission order), or by priority after every
+        request of a lower or equal (priority, arrival), so that the last one is always the
+        one to preempt and the requests scheduled before it in a step never are."""
+        if self.by_priority:
+            bisect.insort_right(self.running, req, key=_priority_key)
+        else:
+            self.running.append(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -252,8 +248,8 @@ class Scheduler:
                     out.images_to_encode[image.hash] = image.length
             scheduled.append((req, num_new, total))
 
-        # Running requests first, in admission order; the newest is preempted first (by
-        # priority: the lowest priority).
+        # Running requests first, in admission order (by priority: priority, then arrival);
+        # the last is preempted first.
         i = 0
         while i < len(self.running) and token_budget > 0:
             req = self.running[i]
@@ -276,7 +272,7 @@ class Scheduler:
                     break
             else:
                 while self.kv_cache.allocate_slots(req, num_new) is None:
-                    victim = self._victim(i)
+                    victim = self.running.pop()
                     self._preempt(victim)
                     short = True
                     if victim is req:
@@ -310,7 +306,7 @@ class Scheduler:
                     self.encoder_cache.release(req, idx)
                 break
             self.waiting.popleft()
-            self.running.append(req)
+            self._start_running(req)
             req.status = RequestStatus.RUNNING
             req.num_blocks_sent = 0  # new blocks (after a preemption too): send them all
             req.history_stale = req.sampling_params.uses_history
@@ -383,7 +379,7 @@ class Scheduler:
 
     def _admission_due(self) -> bool:
         """Whether waiting requests may be admitted in the step being scheduled: at once
-        without ``delay_factor`` or with nothing running; else once the first in the queue
+        without ``delay_factor`` or with nothing running; else once the oldest in the queue
         has waited ``delay_factor`` times the duration of the last step that admitted some
         (from its scheduling to the next step's), so that arrivals are prefilled together
         instead of each in a long step of its own between the running requests' decodes."""
@@ -393,7 +389,9 @@ class Scheduler:
         self._last_schedule = now
         if self.delay_factor <= 0 or not self.running or not self.waiting:
             return True
-        return now - self.waiting[0].arrival_time >= self.delay_factor * self._prompt_step_s
+        oldest = (min(r.arrival_time for r in self.waiting) if self.by_priority
+                  else self.waiting[0].arrival_time)
+        return now - oldest >= self.delay_factor * self._prompt_step_s
 
     def _num_tokens(self, req: Request, pending: frozenset[str]) -> int:
         """The tokens ``req`` will have once the step in flight ends: one more when it samples

@@ -423,9 +423,10 @@ def _beam_search(body: dict[str, Any], params: SamplingParams) -> BeamSearchPara
         value = body.get(name)
         if value is not None and not any(
                 value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral):
-            raise bad_request(f"'{name}' is not taken with 'use_beam_search' (a beam search "
-                              "ranks beams by the model's own log-probabilities); leave it "
-                              "out.", name)
+            why = ("its rounds run at priority 0" if name == "priority" else
+                   "a beam search ranks beams by the model's own log-probabilities")
+            raise bad_request(f"'{name}' is not taken with 'use_beam_search' ({why}); leave "
+                              "it out.", name)
     try:
         return BeamSearchParams(
             beam_width=params.n, max_tokens=params.max_tokens,

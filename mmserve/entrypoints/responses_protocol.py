@@ -74,7 +74,8 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
     chat: dict[str, Any] = {"messages": messages}
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("stream", "stream"), ("model", "model"),
-                         ("parallel_tool_calls", "parallel_tool_calls")):
+                         ("parallel_tool_calls", "parallel_tool_calls"),
+                         ("priority", "priority")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     if body.get("tools"):
