@@ -76,3 +76,47 @@ def test_random_combinations_answer_200_or_400(http) -> None:
     ok = client.post("/v1/completions", json={"model": "tiny", "prompt": "the cat",
                                               "max_tokens": 4, "temperature": 0})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+
+# A beam search's fields, and the sampling fields it refuses or takes, hostile or not.
+BEAM_VALUES = {
+    "n": [1, 2, 3, 10, 11, 0, "2"],
+    "max_tokens": [1, 4, 8, 0, None],
+    "length_penalty": [1.0, 0, -2.5, -11, 1e308, "x", None],
+    "early_stopping": [True, False, "never", "x", 0, None],
+    "ignore_eos": [True, False, None],
+    "temperature": [0, 0.0, 0.7, None],
+    "logprobs": [None, 0, 2],
+    "stop": [None, [], ["a"]],
+    "priority": [None, 0, 1],
+    "allowed_token_ids": [None, [5, 6]],
+}
+
+
+def test_random_beam_searches_answer_200_or_400(http) -> None:
+    """``use_beam_search`` with random fields on both endpoints: a 200 whose choices are
+    the sequences, or a 400 naming a field; the engine keeps serving, nothing is left."""
+    _, client = http
+    rng = random.Random(20261207)
+    statuses: dict[int, int] = {}
+    for i in range(60):
+        body = {"model": "tiny", "use_beam_search": True, "prompt": "the cat"}
+        for name in rng.sample(sorted(BEAM_VALUES), 3):
+            value = rng.choice(BEAM_VALUES[name])
+            if value is not None:
+                body[name] = value
+        endpoint = "/v1/completions"
+        if i % 2:
+            endpoint = "/v1/chat/completions"
+            body["messages"] = [{"role": "user", "content": "hello"}]
+            del body["prompt"]
+            if body.get("logprobs") is not None:
+                body["logprobs"] = bool(body["logprobs"])
+        resp = client.post(endpoint, json=body)
+        statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
+        assert resp.status_code in (200, 400), (body, resp.text)
+        if resp.status_code == 200:
+            assert len(resp.json()["choices"]) == body.get("n", 1), body
+        else:
+            assert resp.json()["error"]["param"], body
+    assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 10, statuses
