@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json as _json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from mmserve.errors import InvalidInputError
 
@@ -35,6 +36,12 @@ MAX_LOGIT_BIAS = 100.0
 # Tokens ``allowed_token_ids`` may name (a label set, digits, the tokens of some choices): as
 # ``logit_bias``'s, each step sends them to the device for each row that names them.
 MAX_ALLOWED_TOKEN_IDS = 1024
+# ``bad_words`` (vLLM's): each step looks for every word's tokens but the last at the end of
+# the output, on the device. Bound their number, their text, and their tokens (the output's
+# last ``MAX_BAD_WORD_TOKENS - 1`` tokens are what the device keeps to look at).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_CHARS = 4096  # all words together
+MAX_BAD_WORD_TOKENS = 16
 # presence_penalty and frequency_penalty: OpenAI's range.
 MAX_PENALTY = 2.0
 # repetition_penalty divides or multiplies a logit: bounded so that neither overflows nor
@@ -160,10 +167,15 @@ class SamplingParams:
     divided by it where positive, multiplied where negative. ``logit_bias``: token id -> a
     number from -100 to 100 added to its logit (at most ``MAX_LOGIT_BIAS_TOKENS`` of them).
     ``allowed_token_ids`` (vLLM's): only these tokens may be picked (at most
-    ``MAX_ALLOWED_TOKEN_IDS``). ``priority`` (vLLM's, for an engine scheduling by priority
-    only): lower is admitted first, and preempted last. ``min_tokens``: the end-of-sequence
-    token and ``stop_token_ids`` cannot be sampled, and stop strings do not stop, until this
-    many tokens are generated (at most ``max_tokens``). All of these apply to greedy decoding as
+    ``MAX_ALLOWED_TOKEN_IDS``). ``bad_words`` (vLLM's): words the output may not contain: a
+    word's last token cannot be picked where the output ends with its other tokens (a word
+    of one token, never), each word as written and after a space (up to ``MAX_BAD_WORDS``
+    words of at most ``MAX_BAD_WORD_TOKENS`` tokens); a ban that would leave no token
+    (beside ``allowed_token_ids``, or an output constraint) is lifted for that step.
+    ``priority`` (vLLM's, for an engine scheduling by priority only): lower is admitted
+    first, and preempted last. ``min_tokens``: the end-of-sequence token and
+    ``stop_token_ids`` cannot be sampled, and stop strings do not stop, until this many
+    tokens are generated (at most ``max_tokens``). All of these apply to greedy decoding as
     well; log-probabilities stay those of the model's logits. ``skip_special_tokens`` (default
     on) leaves special tokens' text out of ``text``; ``include_stop_str_in_output`` keeps the
     stop string that ended the text at its end (both vLLM's).
@@ -195,6 +207,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     priority: int = 0
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -208,6 +221,10 @@ class SamplingParams:
     # (``with_end_tokens``): the end token is the checkpoint's.
     min_tokens_blocked: tuple[int, ...] = field(default=(), init=False, repr=False,
                                                 compare=False)
+    # ``bad_words`` as token sequences (``bad_words_token_ids``), set when a request is made
+    # (``with_bad_words``): the tokenizer is the checkpoint's.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False,
+                                                             repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(param: str, message: str) -> InvalidInputError:
@@ -304,6 +321,7 @@ class SamplingParams:
                 raise bad("allowed_token_ids", f"allowed_token_ids may name at most "
                           f"{MAX_ALLOWED_TOKEN_IDS} tokens, got {len(allowed)}.")
             self.allowed_token_ids = sorted(set(allowed))
+        self.bad_words = self._check_bad_words(self.bad_words)
         if not _is_int(self.priority) or not MIN_SEED <= self.priority < 2**63:
             raise bad("priority", f"priority must be a 64-bit integer (lower runs first under "
                       f"--scheduling-policy priority), got {_short(self.priority)}.")
@@ -320,9 +338,16 @@ class SamplingParams:
                     or self.repetition_penalty != 1.0)
 
     @property
+    def follows_tokens(self) -> bool:
+        """Whether the device keeps this request's tokens before: for a penalty, or to find
+        where the output ends with the first tokens of a bad word."""
+        return self.penalizes or bool(self.bad_words)
+
+    @property
     def uses_history(self) -> bool:
-        """Whether the logits depend on the tokens before (penalties, ``min_tokens``)."""
-        return self.penalizes or bool(self.min_tokens)
+        """Whether the logits depend on the tokens before (penalties, ``min_tokens``,
+        ``bad_words``)."""
+        return self.follows_tokens or bool(self.min_tokens)
 
     def with_end_tokens(self, eos_token_ids: Sequence[int]) -> SamplingParams:
         """These parameters for a request of a checkpoint whose end-of-sequence tokens are
@@ -333,8 +358,42 @@ class SamplingParams:
             + self.stop_token_ids)) if self.min_tokens else ()
         if blocked == self.min_tokens_blocked:
             return self
-        params = replace(self)
+        params = self._copy()
         params.min_tokens_blocked = blocked
+        return params
+
+    def with_bad_words(self, encode: Callable[[str], list[int]],
+                       vocab_size: int) -> SamplingParams:
+        """These parameters with ``bad_words`` as the token sequences ``encode`` (the
+        checkpoint's tokenizer, without special tokens) gives (a copy where there are
+        some). As vLLM, each word is banned as written (leading spaces dropped) and after a
+        space, where the space makes a different first token and as many tokens (a word
+        that starts a line, and one inside a sentence). A sequence with a token outside the
+        model's ``vocab_size`` (which it cannot generate) needs no ban."""
+        if not self.bad_words:
+            return self
+        found: dict[tuple[int, ...], None] = {}
+        for i, word in enumerate(self.bad_words):
+            plain = tuple(encode(word.lstrip()))
+            spaced = tuple(encode(" " + word.lstrip()))
+            for tokens in (plain, spaced):
+                if len(tokens) > MAX_BAD_WORD_TOKENS:
+                    raise InvalidInputError(
+                        f"bad_words[{i}] is {len(tokens)} tokens; a bad word may be at most "
+                        f"{MAX_BAD_WORD_TOKENS}: ban a shorter part of it.", param="bad_words")
+            if plain:
+                found[plain] = None
+            if spaced and (not plain or spaced[0] != plain[0] and len(spaced) == len(plain)):
+                found[spaced] = None
+        params = self._copy()
+        params.bad_words_token_ids = tuple(w for w in found if max(w) < vocab_size)
+        return params
+
+    def _copy(self, **changes: Any) -> SamplingParams:
+        """A copy with ``changes``, and with what was set when its request was made."""
+        params = replace(self, **changes)
+        params.min_tokens_blocked = self.min_tokens_blocked
+        params.bad_words_token_ids = self.bad_words_token_ids
         return params
 
     @staticmethod
@@ -355,6 +414,31 @@ class SamplingParams:
                 f"{MAX_STOP_CHARS} are allowed.", param="stop")
         return [s for s in stop if s]
 
+    @staticmethod
+    def _check_bad_words(words: object) -> list[str] | None:
+        if words is None:
+            return None
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            raise InvalidInputError("bad_words must be a list of strings.", param="bad_words")
+        if len(words) > MAX_BAD_WORDS:
+            raise InvalidInputError(f"at most {MAX_BAD_WORDS} bad_words are allowed, got "
+                                    f"{len(words)}.", param="bad_words")
+        if sum(len(w) for w in words) > MAX_BAD_WORDS_CHARS:
+            raise InvalidInputError(
+                f"the bad_words have {sum(len(w) for w in words)} characters in all; at most "
+                f"{MAX_BAD_WORDS_CHARS} are allowed.", param="bad_words")
+        for i, word in enumerate(words):
+            if not word.strip():
+                raise InvalidInputError(f"bad_words[{i}] is {'empty' if not word else 'blank'}"
+                                        "; send words with some text.", param="bad_words")
+            try:
+                word.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidInputError(
+                    f"bad_words[{i}] has an invalid character (a lone UTF-16 surrogate at "
+                    f"position {e.start}); send valid Unicode text.", param="bad_words") from None
+        return list(words) or None
+
     def child(self, index: int) -> SamplingParams:
         """The parameters of completion ``index`` of ``n``: one completion, and with a seed,
         a stream of its own (``seed + index``, wrapped into the 64-bit range), so that the
@@ -364,9 +448,7 @@ class SamplingParams:
             seed += index
             if seed > MAX_SEED:
                 seed -= 2**64
-        params = replace(self, n=1, seed=seed)
-        params.min_tokens_blocked = self.min_tokens_blocked
-        return params
+        return self._copy(n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

@@ -27,6 +27,8 @@ VALUES = {
     "stop_token_ids": [[2], [5, 6], [10**9], None],
     "allowed_token_ids": [None, [5], [2, 5, 6], [], [511], [512], [-1], "5", [5.0],
                           list(range(1025)), [True]],
+    "bad_words": [None, [], ["a"], ["the", " cat sat"], [""], ["  "], "a", [5], ["x" * 5000],
+                  ["a"] * 129, ["\u00e9t\u00e9"]],
     "echo": [True, False, None, 1],
     "max_tokens": [0, 1, 16, None, -1],
     "logprobs": [None, 0, 5, 20, 21],
@@ -90,6 +92,7 @@ BEAM_VALUES = {
     "stop": [None, [], ["a"]],
     "priority": [None, 0, 1],
     "allowed_token_ids": [None, [5, 6]],
+    "bad_words": [None, [], ["a"]],
 }
 
 

@@ -90,6 +90,7 @@ class RequestMaker:
                 "response_format, or a tool_choice that forces a call) may leave no token to "
                 "pick; send one of them.", param="allowed_token_ids")
         params = params.with_end_tokens(self.processor.eos_token_ids)
+        params = params.with_bad_words(self.processor.encode, self.grammars.vocab_size)
         if allowed and set(allowed) <= set(params.min_tokens_blocked):
             raise InvalidInputError(
                 "allowed_token_ids names only tokens that min_tokens holds back (the end of "

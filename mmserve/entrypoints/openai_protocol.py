@@ -386,6 +386,7 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
                               min_tokens=_get(body, "min_tokens", int, 0),
                               logit_bias=_logit_bias(body.get("logit_bias")),
                               allowed_token_ids=body.get("allowed_token_ids"),
+                              bad_words=body.get("bad_words"),
                               priority=_get(body, "priority", int, 0), **adjust,
                               **text_fields)
     except InvalidInputError as e:
@@ -400,7 +401,7 @@ BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "min_tokens": (0,), "logit_bias": ({},), "stop": ("", []), "stop_token_ids": ([],),
     "logprobs": (False, 0), "top_logprobs": (0,), "response_format": ({"type": "text"},),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
-    "guided_grammar": (), "allowed_token_ids": (), "priority": (0,),
+    "guided_grammar": (), "allowed_token_ids": (), "bad_words": ([],), "priority": (0,),
     "skip_special_tokens": (True,),
     "include_stop_str_in_output": (False,)}
 

@@ -313,6 +313,11 @@ class InputProcessor:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def encode(self, text: str) -> list[int]:
+        """``text``'s tokens, without special tokens (as a piece of a prompt's text)."""
+        with self._tokenizer_lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     # ----------------------------------------------------------------- steps
     def _check_length(self, chars: int, max_chars: int | None, where: str) -> None:
         """Refuse a prompt whose text (``chars`` characters so far) cannot fit."""

@@ -1,8 +1,10 @@
 """The changes requests ask of the logits before a token is picked: ``allowed_token_ids``,
-``logit_bias``, the presence, frequency and repetition penalties, and ``min_tokens``.
+``bad_words``, ``logit_bias``, the presence, frequency and repetition penalties, and
+``min_tokens``.
 
-The penalties and ``min_tokens`` depend on the tokens before, which the runner keeps on the
-device for the requests that use them (``TokenHistory``): each sampled token is counted there
+The penalties, bad words and ``min_tokens`` depend on the tokens before, which the runner
+keeps on the device for the requests that use them (``TokenHistory``): each sampled token is
+counted there
 from the step's token tensor, so a step scheduled ahead of its sampling (asynchronous
 scheduling) adjusts its logits without waiting for the tokens to reach Python. Requests that
 ask for none of this cost a read of ``SamplingParams.adjusts_logits`` a row, and nothing on
@@ -18,8 +20,13 @@ import numpy as np
 import torch
 
 from mmserve.kernels.transfer import tensor_on
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
+# The generated tokens before the last that the device keeps of a request with bad words:
+# enough to find where the output ends with a bad word's tokens but its last.
+TAIL = MAX_BAD_WORD_TOKENS - 1
+# A position of a bad word's pattern that any token matches (left of its tokens).
+ANY = -2
 # Rows a GPU penalizes at once: a dozen [rows, vocab] temporaries of up to 4 bytes an entry,
 # 200 MB at a time for a vocabulary of 152,064 tokens.
 DENSE_ROWS = 32
@@ -28,13 +35,16 @@ DENSE_ROWS = 32
 class TokenHistory:
     """For each running request whose sampling depends on its tokens before
     (``SamplingParams.uses_history``): how many times it generated each token, which tokens
-    it has seen (generated, or in its prompt where a repetition penalty counts those), and
-    how many it generated.
+    it has seen (generated, or in its prompt where a repetition penalty counts those), its
+    last ``TAIL`` generated tokens (where a bad word may have begun), and how many it
+    generated.
 
-    Rows of two ``[slots, vocab]`` tensors on the device (int32 counts, boolean seen), a slot
-    a request with a penalty, reused once its request finishes; the memory plan counts as many
-    as requests run at once (``profiled``), and the first request with a penalty takes them
-    all. A request with ``min_tokens`` alone needs only its count."""
+    Rows of two ``[slots, vocab]`` tensors on the device (int32 counts, boolean seen) and a
+    ``[slots, TAIL]`` one (the last tokens, -1 before the first), a slot a request with a
+    penalty or bad words (``SamplingParams.follows_tokens``), reused once its request
+    finishes; the memory plan counts as many as requests run at once (``profiled``), and the
+    first such request takes them all. A request with ``min_tokens`` alone needs only its
+    count."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
@@ -43,6 +53,7 @@ class TokenHistory:
         self._free: list[int] = []
         self._counts: torch.Tensor | None = None  # [slots, vocab] int32: generated tokens
         self._seen: torch.Tensor | None = None  # [slots, vocab] bool: tokens seen
+        self._tail: torch.Tensor | None = None  # [slots, TAIL] long: the last tokens
         self.num_generated: dict[str, int] = {}
         self.planned_slots = 0  # the rows the memory plan counted (``profiled``)
         # Penalize the seen tokens alone, found on the host (the CPU's way), or whole rows
@@ -56,8 +67,8 @@ class TokenHistory:
     def followed(self) -> list[str]:
         return list(self.num_generated)
 
-    def penalizes(self, request_id: str) -> bool:
-        """Whether the request has a slot (a penalty)."""
+    def has_slot(self, request_id: str) -> bool:
+        """Whether the request has a slot (a penalty, or bad words)."""
         return request_id in self._slot
 
     def follow(self, request_id: str, params: SamplingParams, token_ids: list[int],
@@ -65,15 +76,18 @@ class TokenHistory:
         """Follow the request from its tokens so far, ``token_ids`` (the first
         ``num_prompt_tokens`` its prompt's), counted afresh: at its admission (after a
         preemption too), and after a failed step whose token may have been counted. Only a
-        request with a penalty takes a slot; one with ``min_tokens`` alone, a count."""
+        request with a penalty or bad words takes a slot; one with ``min_tokens`` alone, a
+        count."""
         self.num_generated[request_id] = len(token_ids) - num_prompt_tokens
-        if not params.penalizes:
+        if not params.follows_tokens:
             return
         slot = self._slot_of(request_id)
-        assert self._counts is not None and self._seen is not None
+        assert self._counts is not None and self._seen is not None and self._tail is not None
         self._counts[slot].zero_()
         self._seen[slot].zero_()
         vocab, device = self.vocab_size, self.device
+        last = token_ids[num_prompt_tokens:][-TAIL:]
+        self._tail[slot] = tensor_on([-1] * (TAIL - len(last)) + last, torch.long, device)
         output = [t for t in token_ids[num_prompt_tokens:] if 0 <= t < vocab]
         if output:
             index = tensor_on(output, torch.long, device)
@@ -104,12 +118,15 @@ class TokenHistory:
                 rows.append(row)
                 slots.append(slot)
         for tokens, rows, slots in by_tensor.values():
-            assert self._counts is not None and self._seen is not None
+            assert self._counts is not None and self._seen is not None and self._tail is not None
             at = (tensor_on(slots, torch.long, self.device),
                   tokens.index_select(0, tensor_on(rows, torch.long, self.device)))
             self._counts.index_put_(at, torch.ones(len(rows), dtype=torch.int32,
                                                    device=self.device), accumulate=True)
             self._seen[at] = True
+            shifted = self._tail.index_select(0, at[0]).roll(-1, 1)
+            shifted[:, -1] = at[1]
+            self._tail[at[0]] = shifted
 
     def drop(self, request_ids: list[str]) -> None:
         """Forget finished requests; their slots are reused, and the rows given back once
@@ -120,7 +137,7 @@ class TokenHistory:
                 if slot is not None:
                     self._free.append(slot)
         if not self._slot and self._counts is not None:
-            self._counts = self._seen = None
+            self._counts = self._seen = self._tail = None
             self._free.clear()
 
     @contextmanager
@@ -130,11 +147,22 @@ class TokenHistory:
         penalty takes that many at once, so what the plan counted is what they take."""
         self.planned_slots = slots
         held = (torch.zeros(slots, self.vocab_size, dtype=torch.int32, device=self.device),
-                torch.zeros(slots, self.vocab_size, dtype=torch.bool, device=self.device))
+                torch.zeros(slots, self.vocab_size, dtype=torch.bool, device=self.device),
+                torch.zeros(slots, TAIL, dtype=torch.long, device=self.device))
         try:
             yield
         finally:
             del held
+
+    def slot(self, request_id: str) -> int:
+        """The request's slot (it has one: ``has_slot``)."""
+        return self._slot[request_id]
+
+    def tail(self, slots: torch.Tensor) -> torch.Tensor:
+        """The last ``TAIL`` generated tokens of the requests in ``slots`` (a device tensor),
+        oldest first, -1 where fewer were generated: ``[len(slots), TAIL]``."""
+        assert self._tail is not None
+        return self._tail.index_select(0, slots)
 
     @property
     def _capacity(self) -> int:
@@ -154,10 +182,12 @@ class TokenHistory:
         old = self._capacity
         counts = torch.zeros(new, self.vocab_size, dtype=torch.int32, device=self.device)
         seen = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=self.device)
+        tail = torch.full((new, TAIL), -1, dtype=torch.long, device=self.device)
         if old:
             counts[:old] = self._counts
             seen[:old] = self._seen
-        self._counts, self._seen = counts, seen
+            tail[:old] = self._tail
+        self._counts, self._seen, self._tail = counts, seen, tail
         self._free.extend(range(new - 1, old - 1, -1))
 
     def penalize(self, logits: torch.Tensor, rows: list[int], request_ids: list[str],
@@ -207,7 +237,8 @@ def adjust_logits(logits: torch.Tensor, ids: list[str], params: list[SamplingPar
                   history: TokenHistory, in_place: bool) -> torch.Tensor:
     """``logits`` (float32) as the rows' parameters change them: changed in place with
     ``in_place``, else a copy where any row asks for a change. Only ``allowed_token_ids``
-    left finite, ``logit_bias`` added,
+    left finite, then ``bad_words``'s last tokens at -inf where the output ends with their
+    others, then ``logit_bias`` added,
     ``min_tokens``'s tokens at -inf while too few tokens are generated, then the repetition
     penalty, then the frequency and presence penalties (vLLM's order). A grammar's bitmask is
     applied before: a row that ``min_tokens`` would leave no token (its grammar allows only
@@ -217,9 +248,10 @@ def adjust_logits(logits: torch.Tensor, ids: list[str], params: list[SamplingPar
         return logits
     out = logits if in_place else logits.clone()
     _keep_allowed(out, rows, params)
+    _ban_bad_words(out, rows, ids, params, history)
     _add_bias(out, rows, params)
     _hold_back_end(out, rows, ids, params, history)
-    followed = [i for i in rows if params[i].penalizes and history.penalizes(ids[i])]
+    followed = [i for i in rows if params[i].penalizes and history.has_slot(ids[i])]
     if followed:
         history.penalize(out, followed, [ids[i] for i in followed],
                          [params[i] for i in followed])
@@ -245,6 +277,49 @@ def _keep_allowed(x: torch.Tensor, rows: list[int], params: list[SamplingParams]
     kept = x[index]
     x[tensor_on(held, torch.long, device)] = float("-inf")
     x[index] = kept
+
+
+def _ban_bad_words(x: torch.Tensor, rows: list[int], ids: list[str],
+                   params: list[SamplingParams], history: TokenHistory) -> None:
+    """In place, in the rows ``rows`` of ``x`` that have bad words: each word's last token at
+    -inf where the row's output ends with the word's other tokens (a word of one token,
+    always), as ``history`` keeps them on the device (no wait for the last step's tokens).
+    A row the bans would leave without a finite logit keeps what they took."""
+    at: list[int] = []  # each word's row
+    last: list[int] = []  # its last token
+    begun: list[list[int]] = []  # [slot, then the word's other tokens, right-aligned in TAIL]
+    begun_at: list[int] = []  # positions in ``at`` of the words of more than one token
+    for i in rows:
+        words = params[i].bad_words_token_ids
+        if not words:
+            continue
+        slot = history.slot(ids[i]) if any(len(w) > 1 for w in words) else -1
+        for word in words:
+            if len(word) > 1:
+                begun_at.append(len(at))
+                begun.append([slot] + [ANY] * (TAIL + 1 - len(word)) + list(word[:-1]))
+            at.append(i)
+            last.append(word[-1])
+    if not at:
+        return
+    device = x.device
+    ban = torch.full((len(at),), float("-inf"), device=device)
+    if begun:
+        pattern = tensor_on(begun, torch.long, device)
+        tails = history.tail(pattern[:, 0])
+        ended = ((tails == pattern[:, 1:]) | (pattern[:, 1:] == ANY)).all(-1)
+        ban[tensor_on(begun_at, torch.long, device)] = torch.where(
+            ended, float("-inf"), 0.0)
+    index = (tensor_on(at, torch.long, device), tensor_on(last, torch.long, device))
+    kept = x[index]
+    x.index_put_(index, ban, accumulate=True)  # (-inf, or 0: a token may be in two words)
+    # A row left without a finite logit keeps its tokens: the rows with bans alone are looked
+    # at, once each.
+    held = list(dict.fromkeys(at))
+    position = {row: k for k, row in enumerate(held)}
+    dead = ~torch.isfinite(x.index_select(0, tensor_on(held, torch.long, device))).any(-1)
+    dead_at = dead[tensor_on([position[row] for row in at], torch.long, device)]
+    x[index] = torch.where(dead_at, kept, x[index])
 
 
 def _add_bias(x: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
