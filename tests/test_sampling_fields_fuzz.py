@@ -30,6 +30,8 @@ VALUES = {
     "bad_words": [None, [], ["a"], ["the", " cat sat"], [""], ["  "], "a", [5], ["x" * 5000],
                   ["a"] * 129, ["\u00e9t\u00e9"]],
     "echo": [True, False, None, 1],
+    "prompt_logprobs": [None, 0, 3, 20, 21, -1, True, "2"],
+    "return_tokens_as_token_ids": [True, False, None, 1],
     "max_tokens": [0, 1, 16, None, -1],
     "logprobs": [None, 0, 5, 20, 21],
     "include_stop_str_in_output": [True, False, "no"],
@@ -93,6 +95,7 @@ BEAM_VALUES = {
     "priority": [None, 0, 1],
     "allowed_token_ids": [None, [5, 6]],
     "bad_words": [None, [], ["a"]],
+    "prompt_logprobs": [None, 1],
 }
 
 

@@ -214,10 +214,10 @@ class OpenAIServer:
         if chat.stream:
             return StreamingResponse(
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
-                          chat.continuous_usage),
+                          chat.continuous_usage, self._as_ids(chat.tokens_as_ids)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await self._complete(request, request_id, streams, chat.tool_choice)
+        return await self._complete(request, request_id, streams, chat)
 
     # ----------------------------------------------------------------- responses
     async def responses(self, request: Request) -> Response:
@@ -288,7 +288,8 @@ class OpenAIServer:
         if out.logprobs is None:
             return [{"content": text}] if text else []
         return [{"content": text, "logprobs": proto.logprobs_content(
-            out.token_ids, out.logprobs, self._token_text)["content"]}]
+            out.token_ids, out.logprobs, self._token_text,
+            self.config.return_tokens_as_token_ids)["content"]}]
 
     async def _add(self, request_ids: list[str], prompt: dict[str, Any],
                    params: SamplingParams, beam: BeamSearchParams | None
@@ -414,16 +415,16 @@ class OpenAIServer:
         return outs
 
     async def _complete(self, request: Request, request_id: str,
-                        streams: list[RequestStream], tool_choice: tool_calls.ToolChoice
-                        ) -> Response:
+                        streams: list[RequestStream], chat: proto.ChatRequest) -> Response:
         """Wait for the whole answer (every choice); abort if the client goes away."""
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
             return outs
         choices = []
+        tool_choice, as_ids = chat.tool_choice, self._as_ids(chat.tokens_as_ids)
         for i, out in enumerate(outs):
             logprobs = None if out.logprobs is None else proto.logprobs_content(
-                out.token_ids, out.logprobs, self._token_text)
+                out.token_ids, out.logprobs, self._token_text, as_ids)
             reader = tool_calls.reader_for(tool_choice, self.tool_parser)
             if reader is None:
                 choices.append(proto.chat_choice(i, out.text, out.finish_reason, logprobs))
@@ -432,12 +433,23 @@ class OpenAIServer:
             choices.append(proto.chat_choice(
                 i, content, tool_calls.finish_reason(out.finish_reason, tool_choice, reader),
                 logprobs, calls))
-        return JSONResponse(proto.completion(request_id, self.model, choices,
-                                             usage_of([outs])))
+        body = proto.completion(request_id, self.model, choices, usage_of([outs]))
+        if chat.prompt_logprobs:  # vLLM's: the prompt's, once (every choice's is the same)
+            body["prompt_logprobs"] = self._prompt_logprobs(outs[0])
+        return JSONResponse(body)
+
+    def _as_ids(self, tokens_as_ids: bool | None) -> bool:
+        """Whether a request's log-probabilities name tokens "token_id:N"."""
+        return (self.config.return_tokens_as_token_ids if tokens_as_ids is None
+                else tokens_as_ids)
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None]:
+        return proto.prompt_logprobs(out.prompt_token_ids or [], out.prompt_logprobs or [],
+                                     self._token_text)
 
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
-                   tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False
-                   ) -> AsyncIterator[str]:
+                   tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False,
+                   as_ids: bool = False) -> AsyncIterator[str]:
         """A chat answer's chunks: each choice's role first, with the choice's first output
         (as OpenAI and vLLM send it: a client that times the first chunk times the first
         token), then its text as it comes (or the tool calls read from it), in the order the
@@ -451,7 +463,8 @@ class OpenAIServer:
                   usage: dict[str, Any] | None = None, out: RequestOutput | None = None) -> str:
             logprobs = None
             if out is not None and out.logprobs is not None:  # the tokens since the last chunk
-                logprobs = proto.logprobs_content(*answers[index].unsent(), self._token_text)
+                logprobs = proto.logprobs_content(*answers[index].unsent(), self._token_text,
+                                                  as_ids)
             if continuous_usage and delta is not None and usage is None:
                 usage = answers[index].usage_so_far()
             body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage,
@@ -557,7 +570,8 @@ class OpenAIServer:
         if req.stream:
             return StreamingResponse(
                 self._completion_sse(request_id, streams, req.include_usage, n, echoes,
-                                     req.prompt_only, req.continuous_usage),
+                                     req.prompt_only, req.continuous_usage,
+                                     self._as_ids(req.tokens_as_ids)),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         outs = await self._final_outputs(request, streams)
@@ -566,6 +580,7 @@ class OpenAIServer:
         if req.prompt_only:
             outs = [without_generated(out) for out in outs]
         choices = []
+        as_ids = self._as_ids(req.tokens_as_ids)
         for i, out in enumerate(outs):
             logprobs = None
             if out.logprobs is not None:
@@ -573,9 +588,12 @@ class OpenAIServer:
                 if echoes is not None:  # the prompt's tokens first (the first has none)
                     ids = [*(out.prompt_token_ids or ()), *ids]
                     entries = [*(out.prompt_logprobs or ()), *entries]
-                logprobs = proto.completion_logprobs(ids, entries, self._token_text)
+                logprobs = proto.completion_logprobs(ids, entries, self._token_text,
+                                                     as_ids=as_ids)
             text = out.text if echoes is None else echoes[i] + out.text
             choices.append(proto.completion_choice(i, text, out.finish_reason, logprobs))
+            if req.prompt_logprobs:
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(out)
         return JSONResponse(proto.text_completion(request_id, self.model, choices,
                                                   usage_of(per_prompt(outs, n))))
 
@@ -587,8 +605,8 @@ class OpenAIServer:
 
     async def _completion_sse(self, rid: str, streams: list[RequestStream],
                               include_usage: bool, n: int, echoes: list[str] | None = None,
-                              prompt_only: bool = False, continuous_usage: bool = False
-                              ) -> AsyncIterator[str]:
+                              prompt_only: bool = False, continuous_usage: bool = False,
+                              as_ids: bool = False) -> AsyncIterator[str]:
         """The choices' streams merged into one, each chunk one choice's new text (``index``
         says which), after a chunk of each choice's prompt where ``echoes`` has them (with
         ``prompt_only``, nothing generated follows); the usage of them all last when asked
@@ -619,9 +637,10 @@ class OpenAIServer:
                         continue
                     logprobs = None
                     if out.logprobs is not None:
+                        ids, entries = answers[index].unsent()
                         logprobs = proto.completion_logprobs(
-                            *answers[index].unsent(), self._token_text, offsets[index])
-                        offsets[index] += sum(len(t) for t in logprobs["tokens"])
+                            ids, entries, self._token_text, offsets[index], as_ids)
+                        offsets[index] += sum(len(self._token_text(t)) for t in ids)
                     reason = out.finish_reason if out.finished else None
                     yield event(proto.completion_choice(index, out.new_text, reason, logprobs),
                                 answers[index].usage_so_far() if continuous_usage else None)

@@ -72,6 +72,10 @@ class ChatRequest:
     # request sets them (the processor takes them from the prompt).
     turn: dict[str, Any] = field(default_factory=dict)
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: params then unused
+    # vLLM's: log-probabilities of the prompt's tokens in the answer (``params`` computes
+    # them), and tokens in log-probabilities as "token_id:N" (None: the server's default).
+    prompt_logprobs: bool = False
+    tokens_as_ids: bool | None = None
 
 
 def parse_chat_request(body: Any, max_model_len: int, max_images: int,
@@ -100,9 +104,10 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     _check_num_logprobs(top_logprobs, "top_logprobs")
     stream, include_usage, continuous_usage = _stream_options(body)
+    prompt_logprobs = _prompt_logprobs(body, stream)
     params = _sampling_params(body, max_model_len, default_max_tokens=max_model_len,
                               logprobs=(top_logprobs or 0) if logprobs else None,
-                              defaults=defaults or {},
+                              defaults=defaults or {}, prompt_logprobs=prompt_logprobs,
                               tool_schema=tools and tool_calls.output_schema(tools, tool_choice))
     beam = _beam_search(body, params)
     if beam is not None and tools and tool_choice.mode != "none":
@@ -110,7 +115,9 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
                           "'use_beam_search' or leave the tools out.", "use_beam_search")
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
                        continuous_usage=continuous_usage, model=model, tools=tools,
-                       tool_choice=tool_choice, turn=_turn(body), beam=beam)
+                       tool_choice=tool_choice, turn=_turn(body), beam=beam,
+                       prompt_logprobs=prompt_logprobs is not None,
+                       tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None))
 
 
 def _turn(body: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +152,8 @@ class CompletionRequest:
     echo: bool = False
     prompt_only: bool = False
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: params then unused
+    prompt_logprobs: bool = False  # as ``ChatRequest``'s, in each choice
+    tokens_as_ids: bool | None = None
 
 
 # The highest temperature either endpoint takes (OpenAI's).
@@ -184,8 +193,10 @@ def parse_completion_request(body: Any, max_model_len: int,
         raise bad_request("'echo' with 'logprobs' is answered whole: send 'stream': false (a "
                           "stream echoes the prompt's text, without its log-probabilities)",
                           "echo")
-    params = _sampling_params(body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs,
-                              defaults or {}, prompt_logprobs=logprobs if echo else None)
+    prompt_logprobs = _prompt_logprobs(body, stream)
+    params = _sampling_params(
+        body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs, defaults or {},
+        prompt_logprobs=logprobs if prompt_logprobs is None and echo else prompt_logprobs)
     prompts = _parse_prompts(body.get("prompt"))
     if len(prompts) * params.n > MAX_COMPLETION_PROMPTS:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} make {len(prompts) * params.n} "
@@ -196,7 +207,9 @@ def parse_completion_request(body: Any, max_model_len: int,
         raise bad_request("'echo' is not taken with 'use_beam_search'; leave one out.", "echo")
     return CompletionRequest(prompts, params, stream=stream, include_usage=include_usage,
                              continuous_usage=continuous_usage, model=model, echo=echo,
-                             prompt_only=prompt_only, beam=beam)
+                             prompt_only=prompt_only, beam=beam,
+                             prompt_logprobs=prompt_logprobs is not None,
+                             tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None))
 
 
 @dataclass
@@ -308,6 +321,17 @@ def _check_num_logprobs(value: int | None, name: str) -> None:
                           f"{_short_int(value)}", name)
 
 
+def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs``: alternatives for each prompt token (0 to ``MAX_LOGPROBS``),
+    given in a whole answer (the engine has them once the request ends)."""
+    value = _get(body, "prompt_logprobs", int, None)
+    _check_num_logprobs(value, "prompt_logprobs")
+    if value is not None and stream:
+        raise bad_request("'prompt_logprobs' are given in a whole answer: send 'stream': false "
+                          "with them, or leave them out.", "prompt_logprobs")
+    return value
+
+
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
     """``stream``, ``stream_options.include_usage`` and vLLM's
     ``stream_options.continuous_usage_stats`` (which takes effect with ``include_usage``)."""
@@ -402,6 +426,7 @@ BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logprobs": (False, 0), "top_logprobs": (0,), "response_format": ({"type": "text"},),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "allowed_token_ids": (), "bad_words": ([],), "priority": (0,),
+    "prompt_logprobs": (),
     "skip_special_tokens": (True,),
     "include_stop_str_in_output": (False,)}
 
@@ -656,13 +681,16 @@ MIN_LOGPROB = -9999.0
 
 
 def logprobs_content(token_ids: Sequence[int], entries: Sequence[TokenLogprobs],
-                     token_text: Callable[[int], str]) -> dict[str, Any]:
+                     token_text: Callable[[int], str], as_ids: bool = False
+                     ) -> dict[str, Any]:
     """OpenAI's ``logprobs`` of a choice (or of a chunk's tokens): each token as text with its
     UTF-8 bytes and log-probability, and its ``top_logprobs`` alternatives. ``token_text`` is
-    the text a token id stands for on its own."""
+    the text a token id stands for on its own; with ``as_ids`` (vLLM's
+    ``return_tokens_as_token_ids``) a token is named "token_id:N" instead (its bytes stay its
+    text's)."""
     def item(token: int, logprob: float) -> dict[str, Any]:
         text = token_text(token)
-        return {"token": text, "logprob": max(logprob, MIN_LOGPROB),
+        return {"token": token_label(token, text, as_ids), "logprob": max(logprob, MIN_LOGPROB),
                 "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**item(token, e.logprob),
@@ -709,24 +737,52 @@ def chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | Non
 
 
 def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
-                        token_text: Callable[[int], str], text_offset: int = 0
-                        ) -> dict[str, Any]:
+                        token_text: Callable[[int], str], text_offset: int = 0,
+                        as_ids: bool = False) -> dict[str, Any]:
     """The completions endpoint's (older) ``logprobs`` shape: parallel lists of the tokens as
     text, their log-probabilities, ``{token: logprob}`` of the top alternatives, and each
     token's offset in the completion text (the lengths of the tokens' texts added up, from
-    ``text_offset``). An entry None (an echoed prompt's first token) is null in both."""
-    tokens = [token_text(t) for t in token_ids]
+    ``text_offset``). An entry None (an echoed prompt's first token) is null in both. With
+    ``as_ids``, tokens are named "token_id:N" (the offsets stay the text's)."""
+    texts = [token_text(t) for t in token_ids]
     offsets = []
-    for token in tokens:
+    for text in texts:
         offsets.append(text_offset)
-        text_offset += len(token)
-    return {"tokens": tokens,
+        text_offset += len(text)
+    return {"tokens": [token_label(t, text, as_ids) for t, text in zip(token_ids, texts,
+                                                                        strict=True)],
             "token_logprobs": [None if e is None else max(e.logprob, MIN_LOGPROB)
                                for e in entries],
             "top_logprobs": [None if e is None else
-                             {token_text(t): max(v, MIN_LOGPROB) for t, v in e.top}
+                             {token_label(t, token_text(t), as_ids): max(v, MIN_LOGPROB)
+                              for t, v in e.top}
                              for e in entries],
             "text_offset": offsets}
+
+
+def token_label(token: int, text: str, as_ids: bool) -> str:
+    """How log-probabilities name a token: its text, or "token_id:N" (vLLM's
+    ``return_tokens_as_token_ids``, for clients that want the ids the model picked)."""
+    return f"token_id:{token}" if as_ids else text
+
+
+def prompt_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
+                    token_text: Callable[[int], str]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` of an answer: for each prompt token (None for the first,
+    which nothing predicts), an object from token ids (as strings) to ``{"logprob", "rank",
+    "decoded_token"}``: the prompt's token and the most likely alternatives."""
+    out: list[dict[str, Any] | None] = []
+    for token, e in zip(token_ids, entries, strict=True):
+        if e is None:
+            out.append(None)
+            continue
+        found = {str(token): {"logprob": max(e.logprob, MIN_LOGPROB), "rank": e.rank,
+                              "decoded_token": token_text(token)}}
+        for rank, (t, v) in enumerate(e.top, 1):
+            found.setdefault(str(t), {"logprob": max(v, MIN_LOGPROB), "rank": rank,
+                                      "decoded_token": token_text(t)})
+        out.append(found)
+    return out
 
 
 def text_completion(request_id: str, model: str, choices: list[dict[str, Any]],

@@ -33,6 +33,8 @@ class ServerConfig:
     # (the model decides, the parser reads its calls) is on; both vLLM's settings.
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # vLLM's: log-probabilities name tokens "token_id:N" unless a request says otherwise.
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -97,6 +99,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                    help="the format the model writes tool calls in (hermes: <tool_call> "
                    "blocks of JSON, as Qwen2.5 and Hermes write them)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='name tokens "token_id:N" in log-probabilities, for clients that '
+                   "want the ids the model picked (a request's return_tokens_as_token_ids "
+                   "overrides it)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)

@@ -81,6 +81,7 @@ def serve(args: argparse.Namespace) -> int:
             engine_process=args.engine_process,
             tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"mmserve serve: {e}", file=sys.stderr)

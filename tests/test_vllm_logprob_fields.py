@@ -1,0 +1,181 @@
+"""vLLM's two log-probability fields on both endpoints: ``prompt_logprobs`` (each prompt
+token's log-probability, rank and most likely alternatives, as vLLM shapes them, equal to the
+Python API's, images' placeholders included) and ``return_tokens_as_token_ids`` (tokens named
+"token_id:N", per request or by the server's ``--return-tokens-as-token-ids``), whole and
+streamed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from mmserve import LLM, SamplingParams
+from mmserve.entrypoints.api_server import OpenAIServer
+from mmserve.entrypoints.serve_args import ServerConfig
+from tests.conftest import assert_no_leaks, make_image
+from tests.test_server import data_url
+
+PROMPT = "the red fox and the blue bird"
+MESSAGES = [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": data_url(make_image(2, (40, 30)))}},
+    {"type": "text", "text": "what is this?"}]}]
+
+
+@pytest.fixture(scope="module")
+def served(clip_llama: str):
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        # The Python API's answers, made before the server's loop steps the engine.
+        image = make_image(2, (40, 30))
+        chat = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": "what is this?"}]}]
+        params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, prompt_logprobs=3)
+        references = {"chat": llm.generate({"messages": chat, "images": [image]}, params)[0],
+                      "text": llm.generate({"prompt": PROMPT}, params)[0]}
+        with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as http:
+            yield llm, http, references
+        assert_no_leaks(llm.engine)  # once the server's loop has stopped
+
+
+def _post(http: TestClient, path: str, **body) -> dict:
+    resp = http.post(path, json={"model": "tiny", "temperature": 0, **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _expected(llm: LLM, reference) -> list:
+    text = llm.engine.processor.tokenizer.decode
+    out: list = [None]
+    for token, e in zip(reference.prompt_token_ids[1:], reference.prompt_logprobs[1:],
+                        strict=True):
+        found = {str(token): (e.rank, e.logprob, text([token]))}
+        for rank, (t, v) in enumerate(e.top, 1):
+            found.setdefault(str(t), (rank, v, text([t])))
+        out.append(found)
+    return out
+
+
+def _shown(entries: list) -> list:
+    return [None if e is None else {t: (v["rank"], pytest.approx(v["logprob"], abs=1e-5),
+                                        v["decoded_token"]) for t, v in e.items()}
+            for e in entries]
+
+
+def test_prompt_logprobs_on_both_endpoints_equal_the_python_apis(served) -> None:
+    llm, http, references = served
+    chat = _post(http, "/v1/chat/completions", messages=MESSAGES, max_tokens=4,
+                 prompt_logprobs=3, n=2)
+    expected = _expected(llm, references["chat"])
+    assert _shown(chat["prompt_logprobs"]) == expected
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    image_token = str(llm.engine.processor.image_token_id)
+    assert any(image_token in e for e in chat["prompt_logprobs"][1:])  # placeholders too
+    assert chat["choices"][0]["message"]["content"] == references["chat"].text
+    assert all(3 <= len(e) <= 4 for e in chat["prompt_logprobs"][1:])
+    completion = _post(http, "/v1/completions", prompt=PROMPT, max_tokens=4,
+                       prompt_logprobs=3)
+    choice = completion["choices"][0]
+    assert _shown(choice["prompt_logprobs"]) == _expected(llm, references["text"])
+    assert choice["text"] == references["text"].text and choice["logprobs"] is None
+    # Without the field, none; with echo, the echo's alternatives are prompt_logprobs'.
+    assert "prompt_logprobs" not in _post(http, "/v1/chat/completions", messages=MESSAGES,
+                                          max_tokens=2)
+    echoed = _post(http, "/v1/completions", prompt=PROMPT, max_tokens=2, echo=True,
+                   logprobs=2, prompt_logprobs=1)["choices"][0]
+    num_prompt = len(references["text"].prompt_token_ids)
+    assert all(len(top) == 1 for top in echoed["logprobs"]["top_logprobs"][1:num_prompt])
+    assert all(len(top) == 2 for top in echoed["logprobs"]["top_logprobs"][num_prompt:])
+    assert [len(e) for e in echoed["prompt_logprobs"][1:]] == [
+        1 if e.rank == 1 else 2 for e in references["text"].prompt_logprobs[1:]]
+    assert_no_leaks(llm.engine)
+
+
+def test_prompt_logprobs_refusals(served) -> None:
+    _, http, _ = served
+    for path, body, message in (
+            ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": 21},
+             "between 0 and 20"),
+            ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": -1}, "between 0 and 20"),
+            ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True},
+             "whole answer"),
+            ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": True},
+             "must be an integer"),
+            ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": 1, "n": 2,
+                                      "use_beam_search": True}, "use_beam_search"),
+            ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True,
+                                      "return_tokens_as_token_ids": "yes"},
+             "must be a boolean")):
+        resp = http.post(path, json={"model": "tiny", "max_tokens": 2, **body})
+        assert resp.status_code == 400, (body, resp.text)
+        error = resp.json()["error"]
+        assert message in error["message"]
+        assert error["param"] in ("prompt_logprobs", "return_tokens_as_token_ids")
+
+
+def _sse(http: TestClient, path: str, **body) -> list[dict]:
+    resp = http.post(path, json={"model": "tiny", "temperature": 0, "stream": True, **body})
+    assert resp.status_code == 200, resp.text
+    return [json.loads(line[6:]) for line in resp.text.splitlines()
+            if line.startswith("data: {")]
+
+
+def test_tokens_as_token_ids_whole_and_streamed(served) -> None:
+    """Every token and alternative named by its id, the text, bytes and offsets as without;
+    a request's field overrides the server's default either way."""
+    llm, http, references = served
+    ref = references["text"]
+    text = llm.engine.processor.tokenizer.decode
+
+    def chat_tokens(content: list[dict]) -> list:
+        return [(c["token"], c["bytes"], [t["token"] for t in c["top_logprobs"]])
+                for c in content]
+
+    plain = _post(http, "/v1/completions", prompt=PROMPT, max_tokens=4, logprobs=2)
+    as_ids = _post(http, "/v1/completions", prompt=PROMPT, max_tokens=4, logprobs=2,
+                   return_tokens_as_token_ids=True)
+    lp, lp_ids = plain["choices"][0]["logprobs"], as_ids["choices"][0]["logprobs"]
+    assert lp_ids["tokens"] == [f"token_id:{t}" for t in ref.token_ids]
+    assert lp_ids["text_offset"] == lp["text_offset"]
+    assert lp_ids["token_logprobs"] == lp["token_logprobs"]
+    assert [list(top) for top in lp_ids["top_logprobs"]] == [
+        [f"token_id:{t}" for t, _ in e.top] for e in ref.logprobs]
+    assert as_ids["choices"][0]["text"] == plain["choices"][0]["text"]
+    streamed = _sse(http, "/v1/completions", prompt=PROMPT, max_tokens=4, logprobs=2,
+                    return_tokens_as_token_ids=True)
+    pieces = [c["choices"][0]["logprobs"] for c in streamed if c["choices"]
+              and c["choices"][0]["logprobs"]]
+    assert sum((p["tokens"] for p in pieces), []) == lp_ids["tokens"]
+    assert sum((p["text_offset"] for p in pieces), []) == lp["text_offset"]
+
+    chat = _post(http, "/v1/chat/completions", messages=MESSAGES, max_tokens=4,
+                 logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
+    content = chat["choices"][0]["logprobs"]["content"]
+    chat_ref = references["chat"]
+    assert chat_tokens(content) == [
+        (f"token_id:{t}", list(text([t]).encode()), [f"token_id:{a}" for a, _ in e.top])
+        for t, e in zip(chat_ref.token_ids, chat_ref.logprobs, strict=True)]
+    streamed = _sse(http, "/v1/chat/completions", messages=MESSAGES, max_tokens=4,
+                    logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
+    assert sum((chat_tokens(c["choices"][0]["logprobs"]["content"]) for c in streamed
+                if c["choices"] and c["choices"][0]["logprobs"]), []) == chat_tokens(content)
+
+
+def test_the_servers_default_and_a_requests_override(clip_llama: str) -> None:
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        config = ServerConfig("tiny", return_tokens_as_token_ids=True)
+        with TestClient(OpenAIServer(llm.engine, config).app()) as http:
+            named = _post(http, "/v1/completions", prompt=PROMPT, max_tokens=3, logprobs=0)
+            text = _post(http, "/v1/completions", prompt=PROMPT, max_tokens=3, logprobs=0,
+                         return_tokens_as_token_ids=False)
+            chat = _post(http, "/v1/chat/completions", messages=MESSAGES, max_tokens=3,
+                         logprobs=True)
+            response = _post(http, "/v1/responses", input="hi", max_output_tokens=3,
+                             include=["message.output_text.logprobs"])
+        assert_no_leaks(llm.engine)
+    assert all(t.startswith("token_id:") for t in named["choices"][0]["logprobs"]["tokens"])
+    assert not any(t.startswith("token_id:") for t in text["choices"][0]["logprobs"]["tokens"])
+    assert all(c["token"].startswith("token_id:")
+               for c in chat["choices"][0]["logprobs"]["content"])
+    (part,) = response["output"][0]["content"]
+    assert part["logprobs"] and all(c["token"].startswith("token_id:") for c in part["logprobs"])
