@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -48,11 +49,15 @@ class Server:
     """``mmserve serve`` in a subprocess; ``url`` is its base URL once /health answers."""
 
     def __init__(self, model: str, *args: str, log: Path, env: dict | None = None,
-                 launcher: tuple[str, ...] = ("-m", "mmserve.entrypoints.cli")) -> None:
+                 launcher: tuple[str, ...] = ("-m", "mmserve.entrypoints.cli"),
+                 verify: str | None = None) -> None:
+        """``verify``: the certificate of a server started for HTTPS (its URL is then
+        https)."""
         with socket.socket() as s:  # a free loopback port
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
+        self.verify = ssl.create_default_context(cafile=verify) if verify else True
         self.log = log
         cmd = [sys.executable, *launcher, "serve", model, "--host",
                "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
@@ -64,7 +69,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited early:\n{self.log.read_text()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1,
+                             verify=self.verify).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -83,11 +89,12 @@ class Server:
         return self.proc.returncode
 
 
-def wait_drained(url: str, headers: dict | None = None, timeout: float = 15.0) -> dict:
+def wait_drained(url: str, headers: dict | None = None, timeout: float = 15.0,
+                 verify: ssl.SSLContext | bool = True) -> dict:
     """Poll /stats until nothing is in flight and every KV block is free; returns the stats."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = httpx.get(f"{url}/stats", headers=headers).json()
+        stats = httpx.get(f"{url}/stats", headers=headers, verify=verify).json()
         if (stats["num_in_flight"] == 0 and stats["num_running"] == 0
                 and stats["num_waiting"] == 0
                 and stats["kv_blocks_free"] == stats["kv_blocks_total"]

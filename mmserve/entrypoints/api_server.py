@@ -36,6 +36,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -679,10 +680,17 @@ class OpenAIServer:
             Route("/detokenize", self.detokenize, methods=["POST"]),
             *chat_page.routes(),
         ]
+        config = self.config
+        cors = [Middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                           allow_methods=config.allowed_methods,
+                           allow_headers=config.allowed_headers,
+                           allow_credentials=config.allow_credentials,
+                           expose_headers=["X-Request-Id"])] if config.allowed_origins else []
         return Starlette(
-            routes=routes, lifespan=lifespan,
-            middleware=[Middleware(RequestIdMiddleware, count=self.metrics.count_response),
-                        Middleware(ApiKeyMiddleware, api_key=self.config.api_key)],
+            routes=routes, lifespan=lifespan,  # (a browser's preflight needs no API key)
+            middleware=[*cors,
+                        Middleware(RequestIdMiddleware, count=self.metrics.count_response),
+                        Middleware(ApiKeyMiddleware, api_key=config.api_key)],
             exception_handlers={HTTPException: http_exception})
 
 

@@ -6,6 +6,7 @@ command again, as each tensor-parallel worker does when started by spawning it."
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -35,6 +36,19 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     # vLLM's: log-probabilities name tokens "token_id:N" unless a request says otherwise.
     return_tokens_as_token_ids: bool = False
+    # Browsers on these origins may call the API (CORS; none by default, "*" any), with these
+    # methods and headers, and credentials where allowed; vLLM's flags.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    # HTTPS: the certificate and its key (PEM files), and for client certificates the CA
+    # file and whether they are required (``ssl.CERT_NONE``, ``CERT_OPTIONAL`` or
+    # ``CERT_REQUIRED``: 0, 1, 2).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -53,10 +67,45 @@ class ServerConfig:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known; use "
                              f"one of {', '.join(TOOL_CALL_PARSERS)}.")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile.")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"--{name.replace('_', '-')} {path}: no such file.")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise ValueError(f"--ssl-cert-reqs must be 0 (none), 1 (optional) or 2 "
+                             f"(required), got {self.ssl_cert_reqs}.")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise ValueError("--ssl-cert-reqs asks for client certificates: give the CA that "
+                             "signs them with --ssl-ca-certs.")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("--ssl-ca-certs needs HTTPS: give --ssl-keyfile and "
+                             "--ssl-certfile too.")
         for name in ("header_timeout_s", "body_timeout_s", "shutdown_timeout_s"):
             if not getattr(self, name) > 0:
                 flag = "--" + name.removesuffix("_s").replace("_", "-")
                 raise ValueError(f"{flag} must be positive, got {getattr(self, name)}.")
+
+
+def list_flag(values: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """A list flag's values (``default`` where it was not given): plain values, or vLLM's
+    JSON lists (``'["*"]'``). ``ValueError`` for a malformed list."""
+    if values is None:
+        return default
+    items: list[str] = []
+    for value in values:
+        if not value.startswith("["):
+            items.append(value)
+            continue
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{value!r} is not a JSON list: {e}") from None
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise ValueError(f"{value!r} must be a JSON list of strings.")
+        items += parsed
+    return tuple(items)
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -103,6 +152,23 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help='name tokens "token_id:N" in log-probabilities, for clients that '
                    "want the ids the model picked (a request's return_tokens_as_token_ids "
                    "overrides it)")
+    p.add_argument("--allowed-origins", nargs="*", metavar="ORIGIN",
+                   help="origins whose web pages may call the API (CORS), e.g. "
+                   'https://app.example.com, or "*" for any (default: none; vLLM\'s JSON '
+                   "list form is taken too)")
+    p.add_argument("--allowed-methods", nargs="*", metavar="METHOD",
+                   help='methods such pages may use (default: "*")')
+    p.add_argument("--allowed-headers", nargs="*", metavar="HEADER",
+                   help='headers such pages may send (default: "*")')
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="let such pages send cookies and HTTP authentication")
+    p.add_argument("--ssl-keyfile", metavar="FILE", help="serve HTTPS with this key (PEM)")
+    p.add_argument("--ssl-certfile", metavar="FILE",
+                   help="and this certificate (PEM, the chain after it)")
+    p.add_argument("--ssl-ca-certs", metavar="FILE",
+                   help="CA certificates that client certificates are checked against")
+    p.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                   help="client certificates: 0 not asked for, 1 optional, 2 required")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)

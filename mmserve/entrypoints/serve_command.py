@@ -17,7 +17,7 @@ from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints.api_server import OpenAIServer
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.media import MediaPolicy
-from mmserve.entrypoints.serve_args import ServerConfig
+from mmserve.entrypoints.serve_args import ServerConfig, list_flag
 from mmserve.worker.compute_thread import ComputeThread
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,12 @@ def serve(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+            allowed_origins=list_flag(args.allowed_origins, ServerConfig.allowed_origins),
+            allowed_methods=list_flag(args.allowed_methods, ServerConfig.allowed_methods),
+            allowed_headers=list_flag(args.allowed_headers, ServerConfig.allowed_headers),
+            allow_credentials=args.allow_credentials,
+            ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"mmserve serve: {e}", file=sys.stderr)
@@ -116,7 +122,9 @@ def serve(args: argparse.Namespace) -> int:
         http = uvicorn.Server(uvicorn.Config(
             server.app(), host=args.host, port=args.port, log_level=args.log_level,
             timeout_keep_alive=5, http=with_header_timeout(config.header_timeout_s),
-            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s))))
+            timeout_graceful_shutdown=max(1, round(config.shutdown_timeout_s)),
+            ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile,
+            ssl_ca_certs=config.ssl_ca_certs, ssl_cert_reqs=config.ssl_cert_reqs))
         server.http_server = http
         with _stop_signals_end_run():
             http.run()
