@@ -172,6 +172,8 @@ class SamplingParams:
     of one token, never), each word as written and after a space (up to ``MAX_BAD_WORDS``
     words of at most ``MAX_BAD_WORD_TOKENS`` tokens); a ban that would leave no token
     (beside ``allowed_token_ids``, or an output constraint) is lifted for that step.
+    ``truncate_prompt_tokens`` (vLLM's): only the prompt's last this many tokens are read
+    (-1: ``max_model_len``), where it has more; its images must be among them.
     ``priority`` (vLLM's, for an engine scheduling by priority only): lower is admitted
     first, and preempted last. ``min_tokens``: the end-of-sequence token and
     ``stop_token_ids`` cannot be sampled, and stop strings do not stop, until this many
@@ -208,6 +210,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     priority: int = 0
     min_tokens: int = 0
     skip_special_tokens: bool = True
@@ -322,6 +325,11 @@ class SamplingParams:
                           f"{MAX_ALLOWED_TOKEN_IDS} tokens, got {len(allowed)}.")
             self.allowed_token_ids = sorted(set(allowed))
         self.bad_words = self._check_bad_words(self.bad_words)
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (not _is_int(keep) or not (keep >= 1 or keep == -1)):
+            raise bad("truncate_prompt_tokens", "truncate_prompt_tokens must be an integer >= 1 "
+                      f"(the prompt's last tokens to keep) or -1 (max_model_len), got "
+                      f"{_short(keep)}.")
         if not _is_int(self.priority) or not MIN_SEED <= self.priority < 2**63:
             raise bad("priority", f"priority must be a 64-bit integer (lower runs first under "
                       f"--scheduling-policy priority), got {_short(self.priority)}.")

@@ -32,6 +32,7 @@ VALUES = {
     "echo": [True, False, None, 1],
     "prompt_logprobs": [None, 0, 3, 20, 21, -1, True, "2"],
     "return_tokens_as_token_ids": [True, False, None, 1],
+    "truncate_prompt_tokens": [None, 1, 2, 128, 129, -1, 0, -2, "3", 2.5],
     "max_tokens": [0, 1, 16, None, -1],
     "logprobs": [None, 0, 5, 20, 21],
     "include_stop_str_in_output": [True, False, "no"],
@@ -96,6 +97,7 @@ BEAM_VALUES = {
     "allowed_token_ids": [None, [5, 6]],
     "bad_words": [None, [], ["a"]],
     "prompt_logprobs": [None, 1],
+    "truncate_prompt_tokens": [None, 2],
 }
 
 

@@ -51,7 +51,16 @@ class RequestMaker:
              request_id: str) -> Request:
         """Validate and tokenize a prompt into a ``Request``; ``InvalidInputError`` saying what
         to change."""
-        processed = self.processor.process(prompt, self.limit_mm_per_prompt, self.max_model_len)
+        keep_last = params.truncate_prompt_tokens
+        if keep_last == -1:
+            keep_last = self.max_model_len
+        elif keep_last is not None and keep_last > self.max_model_len:
+            raise InvalidInputError(
+                f"truncate_prompt_tokens={keep_last} is more than max_model_len "
+                f"({self.max_model_len}); send at most that, or -1 for max_model_len.",
+                param="truncate_prompt_tokens")
+        processed = self.processor.process(prompt, self.limit_mm_per_prompt, self.max_model_len,
+                                           keep_last)
         self._note_preprocessing(processed.preprocess_peak_bytes)
         for img in processed.images:
             if img.length > self.encoder_cache_tokens:

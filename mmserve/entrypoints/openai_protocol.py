@@ -411,6 +411,8 @@ def _sampling_params(body: dict[str, Any], max_model_len: int, default_max_token
                               logit_bias=_logit_bias(body.get("logit_bias")),
                               allowed_token_ids=body.get("allowed_token_ids"),
                               bad_words=body.get("bad_words"),
+                              truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int,
+                                                          None),
                               priority=_get(body, "priority", int, 0), **adjust,
                               **text_fields)
     except InvalidInputError as e:
@@ -426,7 +428,7 @@ BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logprobs": (False, 0), "top_logprobs": (0,), "response_format": ({"type": "text"},),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "allowed_token_ids": (), "bad_words": ([],), "priority": (0,),
-    "prompt_logprobs": (),
+    "prompt_logprobs": (), "truncate_prompt_tokens": (),
     "skip_special_tokens": (True,),
     "include_stop_str_in_output": (False,)}
 

@@ -10,6 +10,7 @@ only the tokenizer, which is not thread-safe, runs under a lock of this class.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -31,6 +32,10 @@ from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, 
 from mmserve.processing.registry import family_for
 
 logger = logging.getLogger(__name__)
+
+# A prompt to be truncated (``truncate_prompt_tokens``) may be this many times max_model_len
+# tokens before it is: the tokenizer, which requests take in turn, reads all of it.
+TRUNCATED_PROMPT_FACTOR = 4
 
 IMAGE_PART_HINT = ("send images as image parts ({\"type\": \"image_url\", \"image_url\": "
                    "{\"url\": ...}}, or {\"type\": \"image\"} with 'images' in the Python API)")
@@ -116,14 +121,18 @@ class InputProcessor:
 
     # ----------------------------------------------------------------- public
     def process(self, prompt: dict[str, Any] | str, max_images: int | None = None,
-                max_tokens: int | None = None) -> ProcessedPrompt:
+                max_tokens: int | None = None, keep_last: int | None = None
+                ) -> ProcessedPrompt:
         """``{"prompt": str, "images": [...]}``, ``{"messages": [...], "images": [...]}``, or
         ``{"prompt_token_ids": [...]}`` (token ids as the model reads them, text only). vLLM's
         ``"multi_modal_data": {"image": image or [images]}`` may stand for ``"images"``.
+        ``keep_last`` (vLLM's ``truncate_prompt_tokens``): only the prompt's last tokens, as
+        many, where it has more (its images must be among them).
 
         Thread-safe. Raises ``InvalidInputError`` saying what to change; a prompt with more
         than ``max_images`` images is refused before any image is decoded, and one whose text
-        cannot fit in ``max_tokens`` tokens before it is rendered and tokenized."""
+        cannot fit in ``max_tokens`` tokens (``TRUNCATED_PROMPT_FACTOR`` times that to be
+        truncated) before it is rendered and tokenized."""
         if isinstance(prompt, str):
             prompt = {"prompt": prompt}
         if not isinstance(prompt, dict):
@@ -135,10 +144,13 @@ class InputProcessor:
             if prompt.get("images"):
                 raise InvalidInputError("a prompt of token ids takes no images; send the text "
                                         "with image placeholders instead", param="images")
-            return self._token_prompt(prompt["prompt_token_ids"])
+            return self._with_positions(self._truncated(
+                self._token_prompt(prompt["prompt_token_ids"]), keep_last))
         images = prompt.get("images") or []
         if not isinstance(images, (list, tuple)):
             images = [images]
+        if max_tokens is not None and keep_last is not None:
+            max_tokens *= TRUNCATED_PROMPT_FACTOR
         max_chars = None if max_tokens is None else 2 * max_tokens * self.max_token_chars
         if "messages" in prompt:
             text, images = self.render_chat(
@@ -165,7 +177,8 @@ class InputProcessor:
                 f"the prompt has {len(images)} images but limit_mm_per_prompt is {max_images}; "
                 "send fewer images or raise limit_mm_per_prompt.", param="images")
         # One image at a time, so only one decoded image and its resize are alive at once.
-        return self._tokenize(text, [self._preprocess_image(im) for im in images])
+        processed = self._tokenize(text, [self._preprocess_image(im) for im in images])
+        return self._with_positions(self._truncated(processed, keep_last))
 
     def render_chat(self, messages: Any, images: list[ImageLike], max_chars: int | None = None,
                     tools: list[dict[str, Any]] | None = None,
@@ -308,7 +321,7 @@ class InputProcessor:
             raise InvalidInputError(
                 f"token id {self.image_token_id} is the image placeholder; a prompt of token "
                 "ids takes no images", param="prompt")
-        return self._with_positions(ProcessedPrompt(list(ids), [], 0))
+        return ProcessedPrompt(list(ids), [], 0)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -357,7 +370,7 @@ class InputProcessor:
         pixel_bytes = sum(encoder_input_bytes(img.pixel_values) for img in images)
         peak = max((img.peak_bytes for img in images), default=0) + pixel_bytes
         if not images:
-            return self._with_positions(ProcessedPrompt(ids, [], peak))
+            return ProcessedPrompt(ids, [], peak)
         # Placeholders of consecutive images may touch; split the run by the per-image counts.
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
         counts = [img.num_tokens for img in images]
@@ -376,7 +389,26 @@ class InputProcessor:
             inputs.append(ImageInput(hash=img.hash, offset=offset, length=n,
                                      pixel_values=img.pixel_values))
             first += n
-        return self._with_positions(ProcessedPrompt(ids, inputs, peak))
+        return ProcessedPrompt(ids, inputs, peak)
+
+    @staticmethod
+    def _truncated(prompt: ProcessedPrompt, keep_last: int | None) -> ProcessedPrompt:
+        """``prompt``'s last ``keep_last`` tokens, where it has more; its images' offsets
+        moved with them (none may be cut)."""
+        cut = 0 if keep_last is None else len(prompt.token_ids) - keep_last
+        if cut <= 0:
+            return prompt
+        for i, image in enumerate(prompt.images):
+            if image.offset < cut:
+                raise InvalidInputError(
+                    f"truncate_prompt_tokens={keep_last} keeps the prompt's last {keep_last} "
+                    f"of {len(prompt.token_ids)} tokens, which would cut image {i + 1} (its "
+                    f"tokens start {len(prompt.token_ids) - image.offset} from the end); keep "
+                    "more tokens, or send fewer images.", param="truncate_prompt_tokens")
+        prompt.token_ids = prompt.token_ids[cut:]
+        prompt.images = [dataclasses.replace(image, offset=image.offset - cut)
+                         for image in prompt.images]
+        return prompt
 
     def _with_positions(self, prompt: ProcessedPrompt) -> ProcessedPrompt:
         """``prompt`` with its positions, by the family's rule."""

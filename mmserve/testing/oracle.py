@@ -56,6 +56,10 @@ def _load_hf(path: str | os.PathLike[str]) -> tuple[Any, Any]:
     return _HF_CACHE[key]
 
 
+# The processor's outputs with a value per prompt token.
+PER_TOKEN_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
+
+
 @torch.no_grad()
 def hf_greedy_generate(
     path: str | os.PathLike[str],
@@ -63,6 +67,7 @@ def hf_greedy_generate(
     images: list[Image.Image],
     max_new_tokens: int,
     generate_kwargs: dict[str, Any] | None = None,
+    keep_last: int | None = None,
     **processor_kwargs: Any,
 ) -> list[int]:
     """Greedily generate with the reference Hugging Face model and return the new token ids.
@@ -75,10 +80,14 @@ def hf_greedy_generate(
     eos token (included in the result) or after ``max_new_tokens`` tokens. ``processor_kwargs``
     go to the processor's call (image-processor settings such as Qwen2-VL's ``max_pixels``),
     ``generate_kwargs`` to ``generate`` (``repetition_penalty``, ``logits_processor``...).
+    ``keep_last``: only the prompt's last tokens, as many (vLLM's ``truncate_prompt_tokens``).
     """
     model, processor = _load_hf(path)
     inputs = processor(text=prompt_text, images=images or None, return_tensors="pt",
                        **processor_kwargs)
+    if keep_last is not None:  # the prompt's last tokens alone (its images among them)
+        inputs = {name: value[:, -keep_last:] if name in PER_TOKEN_INPUTS else value
+                  for name, value in inputs.items()}
     output = model.generate(
         **inputs,
         do_sample=False,
