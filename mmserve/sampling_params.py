@@ -384,15 +384,15 @@ class SamplingParams:
         for i, word in enumerate(self.bad_words):
             plain = tuple(encode(word.lstrip()))
             spaced = tuple(encode(" " + word.lstrip()))
-            for tokens in (plain, spaced):
+            forms = [plain] if plain else []
+            if spaced and (not plain or spaced[0] != plain[0] and len(spaced) == len(plain)):
+                forms.append(spaced)
+            for tokens in forms:
                 if len(tokens) > MAX_BAD_WORD_TOKENS:
                     raise InvalidInputError(
                         f"bad_words[{i}] is {len(tokens)} tokens; a bad word may be at most "
                         f"{MAX_BAD_WORD_TOKENS}: ban a shorter part of it.", param="bad_words")
-            if plain:
-                found[plain] = None
-            if spaced and (not plain or spaced[0] != plain[0] and len(spaced) == len(plain)):
-                found[spaced] = None
+                found[tokens] = None
         params = self._copy()
         params.bad_words_token_ids = tuple(w for w in found if max(w) < vocab_size)
         return params

@@ -109,7 +109,7 @@ def test_only_the_output_is_looked_at(llm: LLM) -> None:
     assert out == plain
 
 
-def test_words_are_tokenized_as_vllm_does() -> None:
+def test_words_are_tokenized_as_vllm_does(llm: LLM) -> None:
     """Each word as written (leading spaces dropped), and after a space where that gives a
     different first token and as many tokens; sequences the model cannot generate dropped."""
     pieces = {"cat": [5], " cat": [6], "black cat": [7, 5], " black cat": [8, 5],
@@ -126,7 +126,23 @@ def test_words_are_tokenized_as_vllm_does() -> None:
     params = SamplingParams(n=2, bad_words=["cat"]).with_bad_words(encode, 40)
     assert params.with_end_tokens([2]).child(1).bad_words_token_ids == ((5,), (6,))
 
+    word = _words_from(llm, llm.generate(PROMPTS[1], _params())[0].token_ids, [(0, 1)])[0]
+    first = llm.engine.processor.encode(word.lstrip())[0]
+    end = llm.engine.processor.eos_token_ids[0]
+    # A form that is not banned is not measured: 16 tokens as written, 17 after a space.
+    sixteen = {"w": list(range(16)), " w": list(range(20, 37))}
+    assert SamplingParams(bad_words=["w"]).with_bad_words(
+        sixteen.__getitem__, 40).bad_words_token_ids == (tuple(range(16)),)
     long = "x " * MAX_BAD_WORD_TOKENS
+    # With allowed_token_ids, bans that would leave nothing are refused when the request is
+    # made (with min_tokens, the end tokens count as banned until then).
+    with pytest.raises(InvalidInputError, match="bans every token") as e:
+        llm.generate(PROMPTS[1], _params(allowed_token_ids=[first], bad_words=[word]))
+    assert e.value.param == "bad_words"
+    with pytest.raises(InvalidInputError, match="or that bad_words bans") as e:
+        llm.generate(PROMPTS[1], _params(allowed_token_ids=[first, end], bad_words=[word],
+                                         min_tokens=2))
+    assert e.value.param == "allowed_token_ids"
     with pytest.raises(InvalidInputError, match="at most 16") as e:
         SamplingParams(bad_words=[long]).with_bad_words(lambda t: list(range(len(t) // 2 + 1)),
                                                         100)
@@ -184,10 +200,18 @@ def test_the_ban_reads_the_last_tokens_on_the_device() -> None:
     history.follow("a", a, [1, 2, 3, 4, 5, 4], 2)  # afresh (a retried step): [3, 4, 5, 4]
     assert finite(adjust_logits(logits, ids, params, history, in_place=False), 0) == (
         set(range(vocab)) - {7, 9})
-    assert history.tail(torch.tensor([history.slot("a")])).tolist() == [
+    assert history.tail(torch.tensor([history.bad_words("a").slot])).tolist() == [
         [-1] * (TAIL - 4) + [3, 4, 5, 4]]
     history.drop(["a", "b"])
     assert not len(history)
+    # Two words ending in one token, as a word and its form after a space often do ("black
+    # cat" and " black cat"): after either beginning, the token is banned.
+    shared = _banned(vocab, [(7, 5), (8, 5), (6, 5)])
+    for output in ([7], [8], [6], [1]):
+        history.follow("d", shared, [1, 2, *output], 2)
+        out = adjust_logits(logits[:1], ["d"], [shared], history, in_place=False)
+        assert bool(torch.isinf(out[0, 5])) == (output != [1]), output
+    history.drop(["d"])
 
 
 def test_through_preemption_chunked_prefill_and_scheduling_ahead(clip_llama: str,
@@ -215,6 +239,42 @@ def test_through_preemption_chunked_prefill_and_scheduling_ahead(clip_llama: str
     for tokens, sp in zip(alone, params, strict=True):
         assert not any(_contains(tokens, list(w)) for w in
                        _token_ids(llm, sp.bad_words or []))
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in step", "scheduled ahead"])
+def test_a_retried_step_finds_the_words_again(clip_llama: str, llm: LLM, ahead: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps fail for a request with bad words once it has generated some tokens (in the
+    batch, then alone): it is retried, its last tokens taken afresh from those it has, and
+    its output is the one it gives without the failures, the words banned."""
+    from mmserve.worker.model_runner import ModelRunner
+
+    plain = llm.generate(PROMPTS[1], _params())[0].token_ids
+    words = _words_from(llm, plain, [(2, 2), (9, 3)])
+    params = [_params(bad_words=words), _params(bad_words=words[:1], repetition_penalty=1.2)]
+    real = ModelRunner._execute
+
+    def run(failures: int) -> list[list[int]]:
+        left = {"n": failures}
+
+        def flaky(self, scheduler_output, *args, **kwargs):  # noqa: ANN001, ANN202
+            if (left["n"] and "0" in scheduler_output.request_ids()
+                    and self.token_history.num_generated.get("0", 0) >= 6):
+                left["n"] -= 1
+                raise RuntimeError("transient")
+            return real(self, scheduler_output, *args, **kwargs)
+
+        monkeypatch.setattr(ModelRunner, "_execute", flaky)
+        with LLM(clip_llama, dtype="float32", max_model_len=256,
+                 async_scheduling=ahead) as engine:
+            outs = engine.generate([PROMPTS[1], PROMPTS[0]], params)
+            assert_no_leaks(engine.engine)
+        assert left["n"] == 0 and all(o.finish_reason != "error" for o in outs)
+        return [o.token_ids for o in outs]
+
+    expected = run(0)
+    assert expected[0] != plain
+    assert run(2) == expected
 
 
 def test_server_takes_bad_words_on_both_endpoints(llm: LLM) -> None:

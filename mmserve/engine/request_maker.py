@@ -100,11 +100,16 @@ class RequestMaker:
                 "pick; send one of them.", param="allowed_token_ids")
         params = params.with_end_tokens(self.processor.eos_token_ids)
         params = params.with_bad_words(self.processor.encode, self.grammars.vocab_size)
-        if allowed and set(allowed) <= set(params.min_tokens_blocked):
+        banned = {w[0] for w in params.bad_words_token_ids if len(w) == 1}
+        if allowed and set(allowed) <= banned:
+            raise InvalidInputError(
+                "bad_words bans every token allowed_token_ids names: allow others, or ban "
+                "fewer words.", param="bad_words")
+        if allowed and set(allowed) <= set(params.min_tokens_blocked) | banned:
             raise InvalidInputError(
                 "allowed_token_ids names only tokens that min_tokens holds back (the end of "
-                "the sequence, stop_token_ids): allow others, or leave min_tokens out.",
-                param="allowed_token_ids")
+                "the sequence, stop_token_ids) or that bad_words bans: allow others, or leave "
+                "min_tokens out.", param="allowed_token_ids")
         grammar = None
         if params.structured_outputs is not None:  # compiled here, off the stepping thread
             grammar = self.grammars.compile(params.structured_outputs)

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from mmserve.kernels.transfer import tensor_on
+from mmserve.kernels.transfer import tensor_on, to_device_all
 from mmserve.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 
 # The generated tokens before the last that the device keeps of a request with bad words:
@@ -30,6 +31,29 @@ ANY = -2
 # Rows a GPU penalizes at once: a dozen [rows, vocab] temporaries of up to 4 bytes an entry,
 # 200 MB at a time for a vocabulary of 152,064 tokens.
 DENSE_ROWS = 32
+
+
+@dataclass
+class BadWords:
+    """A request's bad words as arrays, made once when it is followed: each word's last
+    token (``last``, ``[W]``), and for the words of more than one token (their positions
+    in ``last``, ``begun``) the tokens before it, right-aligned in ``TAIL`` with ``ANY``
+    before them (``patterns``, ``[len(begun), TAIL]``), and the request's slot."""
+
+    last: np.ndarray
+    begun: np.ndarray
+    patterns: np.ndarray
+    slot: int
+
+    @classmethod
+    def of(cls, words: tuple[tuple[int, ...], ...], slot: int) -> BadWords:
+        begun = [k for k, w in enumerate(words) if len(w) > 1]
+        patterns = np.full((len(begun), TAIL), ANY, dtype=np.int64)
+        for row, k in enumerate(begun):
+            before = words[k][:-1]
+            patterns[row, TAIL - len(before):] = before
+        return cls(np.array([w[-1] for w in words], dtype=np.int64),
+                   np.array(begun, dtype=np.int64), patterns, slot)
 
 
 class TokenHistory:
@@ -54,6 +78,7 @@ class TokenHistory:
         self._counts: torch.Tensor | None = None  # [slots, vocab] int32: generated tokens
         self._seen: torch.Tensor | None = None  # [slots, vocab] bool: tokens seen
         self._tail: torch.Tensor | None = None  # [slots, TAIL] long: the last tokens
+        self._bad_words: dict[str, BadWords] = {}  # a request's, as arrays (made once)
         self.num_generated: dict[str, int] = {}
         self.planned_slots = 0  # the rows the memory plan counted (``profiled``)
         # Penalize the seen tokens alone, found on the host (the CPU's way), or whole rows
@@ -82,6 +107,8 @@ class TokenHistory:
         if not params.follows_tokens:
             return
         slot = self._slot_of(request_id)
+        if params.bad_words_token_ids:
+            self._bad_words[request_id] = BadWords.of(params.bad_words_token_ids, slot)
         assert self._counts is not None and self._seen is not None and self._tail is not None
         self._counts[slot].zero_()
         self._seen[slot].zero_()
@@ -132,6 +159,7 @@ class TokenHistory:
         """Forget finished requests; their slots are reused, and the rows given back once
         no request has one."""
         for rid in request_ids:
+            self._bad_words.pop(rid, None)
             if self.num_generated.pop(rid, None) is not None:
                 slot = self._slot.pop(rid, None)
                 if slot is not None:
@@ -154,9 +182,9 @@ class TokenHistory:
         finally:
             del held
 
-    def slot(self, request_id: str) -> int:
-        """The request's slot (it has one: ``has_slot``)."""
-        return self._slot[request_id]
+    def bad_words(self, request_id: str) -> BadWords:
+        """The request's bad words, as arrays (it has some, and is followed)."""
+        return self._bad_words[request_id]
 
     def tail(self, slots: torch.Tensor) -> torch.Tensor:
         """The last ``TAIL`` generated tokens of the requests in ``slots`` (a device tensor),
@@ -284,42 +312,39 @@ def _ban_bad_words(x: torch.Tensor, rows: list[int], ids: list[str],
     """In place, in the rows ``rows`` of ``x`` that have bad words: each word's last token at
     -inf where the row's output ends with the word's other tokens (a word of one token,
     always), as ``history`` keeps them on the device (no wait for the last step's tokens).
-    A row the bans would leave without a finite logit keeps what they took."""
-    at: list[int] = []  # each word's row
-    last: list[int] = []  # its last token
-    begun: list[list[int]] = []  # [slot, then the word's other tokens, right-aligned in TAIL]
-    begun_at: list[int] = []  # positions in ``at`` of the words of more than one token
-    for i in rows:
-        words = params[i].bad_words_token_ids
-        if not words:
-            continue
-        slot = history.slot(ids[i]) if any(len(w) > 1 for w in words) else -1
-        for word in words:
-            if len(word) > 1:
-                begun_at.append(len(at))
-                begun.append([slot] + [ANY] * (TAIL + 1 - len(word)) + list(word[:-1]))
-            at.append(i)
-            last.append(word[-1])
-    if not at:
+    A row that the bans could leave without a finite logit (one with ``allowed_token_ids``
+    or an output constraint; any other loses at most ``2 * MAX_BAD_WORDS`` tokens) keeps
+    what they took where they would."""
+    found = [(i, history.bad_words(ids[i])) for i in rows if params[i].bad_words_token_ids]
+    if not found:
         return
+    at = np.concatenate([np.full(len(w.last), i) for i, w in found])  # each word's row
+    last = np.concatenate([w.last for _, w in found])
     device = x.device
     ban = torch.full((len(at),), float("-inf"), device=device)
-    if begun:
-        pattern = tensor_on(begun, torch.long, device)
-        tails = history.tail(pattern[:, 0])
-        ended = ((tails == pattern[:, 1:]) | (pattern[:, 1:] == ANY)).all(-1)
-        ban[tensor_on(begun_at, torch.long, device)] = torch.where(
-            ended, float("-inf"), 0.0)
-    index = (tensor_on(at, torch.long, device), tensor_on(last, torch.long, device))
-    kept = x[index]
-    x.index_put_(index, ban, accumulate=True)  # (-inf, or 0: a token may be in two words)
-    # A row left without a finite logit keeps its tokens: the rows with bans alone are looked
-    # at, once each.
-    held = list(dict.fromkeys(at))
-    position = {row: k for k, row in enumerate(held)}
-    dead = ~torch.isfinite(x.index_select(0, tensor_on(held, torch.long, device))).any(-1)
-    dead_at = dead[tensor_on([position[row] for row in at], torch.long, device)]
-    x[index] = torch.where(dead_at, kept, x[index])
+    starts = np.cumsum([0] + [len(w.last) for _, w in found[:-1]])
+    begun = np.concatenate([w.begun + start for (_, w), start in zip(found, starts,
+                                                                       strict=True)])
+    if len(begun):
+        slots = np.concatenate([np.full(len(w.begun), w.slot) for _, w in found])
+        pattern, slots_on, begun_on = to_device_all(
+            [torch.from_numpy(np.concatenate([w.patterns for _, w in found])),
+             torch.from_numpy(slots), torch.from_numpy(begun)], device)
+        tails = history.tail(slots_on)
+        ended = ((tails == pattern) | (pattern == ANY)).all(-1)
+        ban[begun_on] = torch.where(ended, float("-inf"), 0.0)
+    index = tuple(to_device_all([torch.from_numpy(at), torch.from_numpy(last)], device))
+    at_risk = [i for i, _ in found if params[i].allowed_token_ids is not None
+               or params[i].structured_outputs is not None or len(history.bad_words(
+                   ids[i]).last) >= x.shape[-1]]
+    kept = x[index] if at_risk else None
+    x.index_put_(index, ban, accumulate=True)  # (-inf, or 0: a token may end two words)
+    if kept is not None:  # the rows at risk alone are looked at, once each
+        position = {row: k for k, row in enumerate(at_risk)}
+        dead = ~torch.isfinite(x.index_select(0, tensor_on(at_risk, torch.long, device))).any(-1)
+        looked = [position.get(row, -1) for row in at.tolist()]
+        dead = torch.cat([dead, dead.new_zeros(1)])[tensor_on(looked, torch.long, device)]
+        x[index] = torch.where(dead, kept, x[index])
 
 
 def _add_bias(x: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
