@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from mmserve.entrypoints import openai_protocol as proto
+from mmserve.entrypoints import openai_shapes as shapes
 from mmserve.entrypoints.media import MediaPolicy, load_image_url
 from mmserve.entrypoints.openai_protocol import (
     ApiError,
@@ -61,7 +62,7 @@ def test_logprobs_content_shape() -> None:
     from mmserve.step import TokenLogprobs
 
     text = {7: " caf\u00e9", 8: "!", 9: ""}.__getitem__
-    content = proto.logprobs_content(
+    content = shapes.logprobs_content(
         [7, 8], [TokenLogprobs(-0.25, 1, ((7, -0.25), (9, -2.0))),
                  TokenLogprobs(float("-inf"), 9, ())], text)
     assert content == {"content": [
@@ -223,9 +224,9 @@ def test_too_many_images_rejected_before_fetching() -> None:
 
 
 def test_response_and_chunk_shapes() -> None:
-    body = proto.completion("id1", "m", [proto.chat_choice(0, "hello", "length"),
-                                         proto.chat_choice(1, "hi", "stop")],
-                            proto.usage(30, 4, cached_tokens=16))
+    body = shapes.completion("id1", "m", [shapes.chat_choice(0, "hello", "length"),
+                                         shapes.chat_choice(1, "hi", "stop")],
+                            shapes.usage(30, 4, cached_tokens=16))
     assert body["object"] == "chat.completion"
     assert body["choices"] == [
         {"index": 0, "message": {"role": "assistant", "content": "hello"}, "logprobs": None,
@@ -234,12 +235,12 @@ def test_response_and_chunk_shapes() -> None:
          "finish_reason": "stop"}]
     assert body["usage"] == {"prompt_tokens": 30, "completion_tokens": 4, "total_tokens": 34,
                              "prompt_tokens_details": {"cached_tokens": 16}}
-    chunk = proto.chunk("id1", "m", 5, {"content": "he"}, include_usage=True)
+    chunk = shapes.chunk("id1", "m", 5, {"content": "he"}, include_usage=True)
     assert chunk["usage"] is None and chunk["choices"][0]["delta"] == {"content": "he"}
-    assert "usage" not in proto.chunk("id1", "m", 5, {"content": "he"})
-    assert proto.chunk("id1", "m", 5, {"content": "x"}, index=2)["choices"][0]["index"] == 2
-    last = proto.chunk("id1", "m", 5, None, include_usage=True,
-                       usage_counts=proto.usage(3, 2))
+    assert "usage" not in shapes.chunk("id1", "m", 5, {"content": "he"})
+    assert shapes.chunk("id1", "m", 5, {"content": "x"}, index=2)["choices"][0]["index"] == 2
+    last = shapes.chunk("id1", "m", 5, None, include_usage=True,
+                       usage_counts=shapes.usage(3, 2))
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 5
 
 

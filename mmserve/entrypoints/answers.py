@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from mmserve.entrypoints import openai_protocol as proto
+from mmserve.entrypoints import openai_shapes as shapes
 from mmserve.entrypoints import responses_protocol as responses
 from mmserve.entrypoints.tool_call_readers import CallReader
 from mmserve.outputs import RequestOutput
@@ -44,7 +44,7 @@ class Answer:
         """The choice's usage as of its last output (vLLM's ``continuous_usage_stats``)."""
         last = self.last
         assert last is not None
-        return proto.usage(last.num_prompt_tokens, len(self.token_ids), last.num_cached_tokens)
+        return shapes.usage(last.num_prompt_tokens, len(self.token_ids), last.num_cached_tokens)
 
     def unsent(self) -> tuple[list[int], list[TokenLogprobs]]:
         """The tokens since the last call, and their log-probabilities."""
@@ -84,6 +84,6 @@ def per_prompt(outs: list[RequestOutput], n: int) -> list[list[RequestOutput]]:
 def usage_of(prompts: list[list[RequestOutput]]) -> dict[str, Any]:
     """The usage of several prompts' completions together, as OpenAI counts it: each
     prompt's tokens (and those of it the prefix cache served) once, every completion's."""
-    return proto.usage(sum(outs[0].num_prompt_tokens for outs in prompts if outs),
+    return shapes.usage(sum(outs[0].num_prompt_tokens for outs in prompts if outs),
                        sum(len(o.token_ids) for outs in prompts for o in outs),
                        sum(outs[0].num_cached_tokens for outs in prompts if outs))

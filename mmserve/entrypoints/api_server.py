@@ -47,6 +47,7 @@ from mmserve.engine.async_engine import AsyncEngine, EngineClient, QueueFullErro
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints import chat_page, tool_calls
 from mmserve.entrypoints import openai_protocol as proto
+from mmserve.entrypoints import openai_shapes as shapes
 from mmserve.entrypoints import responses_protocol as responses
 from mmserve.entrypoints.answers import (
     Answer,
@@ -155,7 +156,7 @@ class OpenAIServer:
         return JSONResponse({"status": "engine loop not running"}, status_code=503)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(proto.model_list(self.model, self.created, self.max_model_len))
+        return JSONResponse(shapes.model_list(self.model, self.created, self.max_model_len))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": mmserve.__version__})
@@ -288,7 +289,7 @@ class OpenAIServer:
         asked for them (a token that completes no character yet has no text of its own)."""
         if out.logprobs is None:
             return [{"content": text}] if text else []
-        return [{"content": text, "logprobs": proto.logprobs_content(
+        return [{"content": text, "logprobs": shapes.logprobs_content(
             out.token_ids, out.logprobs, self._token_text,
             self.config.return_tokens_as_token_ids)["content"]}]
 
@@ -424,17 +425,17 @@ class OpenAIServer:
         choices = []
         tool_choice, as_ids = chat.tool_choice, self._as_ids(chat.tokens_as_ids)
         for i, out in enumerate(outs):
-            logprobs = None if out.logprobs is None else proto.logprobs_content(
+            logprobs = None if out.logprobs is None else shapes.logprobs_content(
                 out.token_ids, out.logprobs, self._token_text, as_ids)
             reader = tool_calls.reader_for(tool_choice, self.tool_parser)
             if reader is None:
-                choices.append(proto.chat_choice(i, out.text, out.finish_reason, logprobs))
+                choices.append(shapes.chat_choice(i, out.text, out.finish_reason, logprobs))
                 continue
             content, calls = merge(reader.feed(out.text) + reader.finish())
-            choices.append(proto.chat_choice(
+            choices.append(shapes.chat_choice(
                 i, content, tool_calls.finish_reason(out.finish_reason, tool_choice, reader),
                 logprobs, calls))
-        body = proto.completion(request_id, self.model, choices, usage_of([outs]))
+        body = shapes.completion(request_id, self.model, choices, usage_of([outs]))
         if chat.prompt_logprobs:  # vLLM's: the prompt's, once (every choice's is the same)
             body["prompt_logprobs"] = self._prompt_logprobs(outs[0])
         return JSONResponse(body)
@@ -445,7 +446,7 @@ class OpenAIServer:
                 else tokens_as_ids)
 
     def _prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None]:
-        return proto.prompt_logprobs(out.prompt_token_ids or [], out.prompt_logprobs or [],
+        return shapes.prompt_logprobs(out.prompt_token_ids or [], out.prompt_logprobs or [],
                                      self._token_text)
 
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
@@ -464,11 +465,11 @@ class OpenAIServer:
                   usage: dict[str, Any] | None = None, out: RequestOutput | None = None) -> str:
             logprobs = None
             if out is not None and out.logprobs is not None:  # the tokens since the last chunk
-                logprobs = proto.logprobs_content(*answers[index].unsent(), self._token_text,
+                logprobs = shapes.logprobs_content(*answers[index].unsent(), self._token_text,
                                                   as_ids)
             if continuous_usage and delta is not None and usage is None:
                 usage = answers[index].usage_so_far()
-            body = proto.chunk(rid, self.model, created, delta, reason, include_usage, usage,
+            body = shapes.chunk(rid, self.model, created, delta, reason, include_usage, usage,
                                logprobs, index)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -483,7 +484,7 @@ class OpenAIServer:
                     if not started[index]:
                         started[index] = True
                         yield event(index, {"role": "assistant", "content": ""}, usage=(
-                            proto.usage(out.num_prompt_tokens, 0, out.num_cached_tokens)
+                            shapes.usage(out.num_prompt_tokens, 0, out.num_cached_tokens)
                             if continuous_usage else None))
                     answers[index].add(out)
                     reader = readers[index]
@@ -589,13 +590,13 @@ class OpenAIServer:
                 if echoes is not None:  # the prompt's tokens first (the first has none)
                     ids = [*(out.prompt_token_ids or ()), *ids]
                     entries = [*(out.prompt_logprobs or ()), *entries]
-                logprobs = proto.completion_logprobs(ids, entries, self._token_text,
+                logprobs = shapes.completion_logprobs(ids, entries, self._token_text,
                                                      as_ids=as_ids)
             text = out.text if echoes is None else echoes[i] + out.text
-            choices.append(proto.completion_choice(i, text, out.finish_reason, logprobs))
+            choices.append(shapes.completion_choice(i, text, out.finish_reason, logprobs))
             if req.prompt_logprobs:
                 choices[-1]["prompt_logprobs"] = self._prompt_logprobs(out)
-        return JSONResponse(proto.text_completion(request_id, self.model, choices,
+        return JSONResponse(shapes.text_completion(request_id, self.model, choices,
                                                   usage_of(per_prompt(outs, n))))
 
     def _prompt_text(self, prompt: dict[str, Any]) -> str:
@@ -616,7 +617,7 @@ class OpenAIServer:
         created = int(time.time())
 
         def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
-            body = proto.completion_chunk(rid, self.model, created, choice, include_usage,
+            body = shapes.completion_chunk(rid, self.model, created, choice, include_usage,
                                           usage)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -625,7 +626,7 @@ class OpenAIServer:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             for index, text in enumerate(echoes or ()):
-                yield event(proto.completion_choice(index, text, None))
+                yield event(shapes.completion_choice(index, text, None))
             async with contextlib.aclosing(self._merged(streams)) as merged:
                 async for index, out in merged:
                     if isinstance(out, ApiError):  # the stream ends with its error event
@@ -639,11 +640,11 @@ class OpenAIServer:
                     logprobs = None
                     if out.logprobs is not None:
                         ids, entries = answers[index].unsent()
-                        logprobs = proto.completion_logprobs(
+                        logprobs = shapes.completion_logprobs(
                             ids, entries, self._token_text, offsets[index], as_ids)
                         offsets[index] += sum(len(self._token_text(t)) for t in ids)
                     reason = out.finish_reason if out.finished else None
-                    yield event(proto.completion_choice(index, out.new_text, reason, logprobs),
+                    yield event(shapes.completion_choice(index, out.new_text, reason, logprobs),
                                 answers[index].usage_so_far() if continuous_usage else None)
                     if out.finished:
                         finals[index] = answers[index].whole(out)

@@ -1,0 +1,165 @@
+"""OpenAI's and vLLM's answer wire format: completions, choices, stream chunks, usage, and
+log-probabilities in each endpoint's shape (vLLM's ``prompt_logprobs`` too). Plain data in,
+plain data out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mmserve.step import TokenLogprobs
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """Token counts; ``prompt_tokens`` includes the image placeholder tokens, of which
+    ``cached_tokens`` came from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    # The engine's "abort" has no OpenAI name; its client is gone by then anyway.
+    return "stop" if reason == "abort" else reason
+
+
+# JSON has no -inf: the log-probability of a token the model rules out is written as this, as
+# OpenAI and vLLM do.
+MIN_LOGPROB = -9999.0
+
+
+def logprobs_content(token_ids: Sequence[int], entries: Sequence[TokenLogprobs],
+                     token_text: Callable[[int], str], as_ids: bool = False
+                     ) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` of a choice (or of a chunk's tokens): each token as text with its
+    UTF-8 bytes and log-probability, and its ``top_logprobs`` alternatives. ``token_text`` is
+    the text a token id stands for on its own; with ``as_ids`` (vLLM's
+    ``return_tokens_as_token_ids``) a token is named "token_id:N" instead (its bytes stay its
+    text's)."""
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = token_text(token)
+        return {"token": token_label(token, text, as_ids), "logprob": max(logprob, MIN_LOGPROB),
+                "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(token, e.logprob),
+                         "top_logprobs": [item(t, v) for t, v in e.top]}
+                        for token, e in zip(token_ids, entries, strict=True)]}
+
+
+def chat_choice(index: int, text: str | None, reason: str | None,
+                logprobs: dict[str, Any] | None = None,
+                calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A choice of a chat completion; ``calls``: its ``tool_calls``, where it made any."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = calls
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason(reason)}
+
+
+def completion(request_id: str, model: str, choices: list[dict[str, Any]],
+               usage_counts: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion; ``choices`` from ``chat_choice`` (``n`` of them)."""
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage_counts}
+
+
+def chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | None,
+          reason: str | None = None, include_usage: bool = False,
+          usage_counts: dict[str, Any] | None = None,
+          logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    """One SSE chunk of choice ``index``. ``delta=None`` makes the usage-only chunk
+    (``choices`` empty)."""
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [] if delta is None else [
+            {"index": index, "delta": delta, "logprobs": logprobs,
+             "finish_reason": finish_reason(reason)}],
+    }
+    if include_usage:
+        body["usage"] = usage_counts  # null on every chunk but the last, as OpenAI does
+    return body
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
+                        token_text: Callable[[int], str], text_offset: int = 0,
+                        as_ids: bool = False) -> dict[str, Any]:
+    """The completions endpoint's (older) ``logprobs`` shape: parallel lists of the tokens as
+    text, their log-probabilities, ``{token: logprob}`` of the top alternatives, and each
+    token's offset in the completion text (the lengths of the tokens' texts added up, from
+    ``text_offset``). An entry None (an echoed prompt's first token) is null in both. With
+    ``as_ids``, tokens are named "token_id:N" (the offsets stay the text's)."""
+    texts = [token_text(t) for t in token_ids]
+    offsets = []
+    for text in texts:
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": [token_label(t, text, as_ids) for t, text in zip(token_ids, texts,
+                                                                        strict=True)],
+            "token_logprobs": [None if e is None else max(e.logprob, MIN_LOGPROB)
+                               for e in entries],
+            "top_logprobs": [None if e is None else
+                             {token_label(t, token_text(t), as_ids): max(v, MIN_LOGPROB)
+                              for t, v in e.top}
+                             for e in entries],
+            "text_offset": offsets}
+
+
+def token_label(token: int, text: str, as_ids: bool) -> str:
+    """How log-probabilities name a token: its text, or "token_id:N" (vLLM's
+    ``return_tokens_as_token_ids``, for clients that want the ids the model picked)."""
+    return f"token_id:{token}" if as_ids else text
+
+
+def prompt_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
+                    token_text: Callable[[int], str]) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` of an answer: for each prompt token (None for the first,
+    which nothing predicts), an object from token ids (as strings) to ``{"logprob", "rank",
+    "decoded_token"}``: the prompt's token and the most likely alternatives."""
+    out: list[dict[str, Any] | None] = []
+    for token, e in zip(token_ids, entries, strict=True):
+        if e is None:
+            out.append(None)
+            continue
+        found = {str(token): {"logprob": max(e.logprob, MIN_LOGPROB), "rank": e.rank,
+                              "decoded_token": token_text(token)}}
+        for rank, (t, v) in enumerate(e.top, 1):
+            found.setdefault(str(t), {"logprob": max(v, MIN_LOGPROB), "rank": rank,
+                                      "decoded_token": token_text(t)})
+        out.append(found)
+    return out
+
+
+def text_completion(request_id: str, model: str, choices: list[dict[str, Any]],
+                    usage_counts: dict[str, Any]) -> dict[str, Any]:
+    """A ``/v1/completions`` response; ``choices`` from ``completion_choice``."""
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage_counts}
+
+
+def completion_choice(index: int, text: str, reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": finish_reason(reason)}
+
+
+def completion_chunk(request_id: str, model: str, created: int,
+                     choice: dict[str, Any] | None, include_usage: bool = False,
+                     usage_counts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One SSE chunk of ``/v1/completions``: one prompt's new text, or (``choice=None``) the
+    usage of them all."""
+    body: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created,
+                            "model": model, "choices": [] if choice is None else [choice]}
+    if include_usage:
+        body["usage"] = usage_counts
+    return body
+
+
+def model_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
+                                        "owned_by": "mmserve", "root": model,
+                                        "max_model_len": max_model_len}]}
