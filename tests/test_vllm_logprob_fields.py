@@ -6,6 +6,8 @@ streamed."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 
 import pytest
@@ -13,6 +15,7 @@ from starlette.testclient import TestClient
 
 from mmserve import LLM, SamplingParams
 from mmserve.entrypoints.api_server import OpenAIServer
+from mmserve.entrypoints.http_middleware import LargeParts
 from mmserve.entrypoints.serve_args import ServerConfig
 from tests.conftest import assert_no_leaks, make_image
 from tests.test_server import data_url
@@ -179,3 +182,64 @@ def test_the_servers_default_and_a_requests_override(clip_llama: str) -> None:
                for c in chat["choices"][0]["logprobs"]["content"])
     (part,) = response["output"][0]["content"]
     assert part["logprobs"] and all(c["token"].startswith("token_id:") for c in part["logprobs"])
+
+
+def test_large_parts_are_written_a_piece_at_a_time() -> None:
+    """A body's large lists written piece by piece, the event loop free between pieces, and
+    the whole the same JSON as the body made at once; small lists made in place."""
+    made: list[tuple[int, int]] = []
+
+    def make(start: int, end: int) -> list:
+        made.append((start, end))
+        return [{"i": i, "s": f"\"{i}\""} for i in range(start, end)]
+
+    large = LargeParts(piece=3)
+    body = {"a": large.add(make, 8), "b": [1, {"c": large.add(make, 2)}],
+            "d": large.add(make, 4), "e": "\x00part-"}
+    assert body["b"][1]["c"] == make(0, 2) and made.pop() == (0, 2)
+    made.clear()
+    response = large.response(body)
+    assert not made  # nothing made before it is written
+
+    async def read() -> tuple[bytes, list[int]]:
+        turns: list[int] = []
+
+        async def other() -> None:  # another request's work, meanwhile
+            while True:
+                turns.append(len(made))
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(other())
+        chunks = [chunk async for chunk in response.body_iterator]
+        task.cancel()
+        return b"".join(chunks), turns
+
+    text, turns = asyncio.run(read())
+    assert json.loads(text) == {"a": make(0, 8), "b": [1, {"c": make(0, 2)}],
+                                "d": make(0, 4), "e": "\x00part-"}
+    assert made[:5] == [(0, 3), (3, 6), (6, 8), (0, 3), (3, 4)]
+    assert set(range(1, 6)) <= set(turns)  # the other ran between every two pieces
+    assert response.media_type == "application/json"
+
+
+def test_long_answers_come_in_pieces_equal_to_whole(served, monkeypatch) -> None:
+    """prompt_logprobs and an echo's log-probabilities written in pieces of 4 tokens: the
+    same answers as made at once."""
+    llm, http, _ = served
+    bodies = [("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 3,
+                                        "prompt_logprobs": 2, "n": 2}),
+              ("/v1/completions", {"prompt": [PROMPT, "a cat"], "max_tokens": 3, "echo": True,
+                                   "logprobs": 2, "prompt_logprobs": 1,
+                                   "return_tokens_as_token_ids": True})]
+    whole = [_post(http, path, **body) for path, body in bodies]
+    monkeypatch.setattr(LargeParts, "__init__", functools.partialmethod(
+        LargeParts.__init__, piece=4))
+    for (path, body), expected in zip(bodies, whole, strict=True):
+        resp = http.post(path, json={"model": "tiny", "temperature": 0, **body})
+        assert resp.status_code == 200 and "content-length" not in resp.headers
+        got = resp.json()
+        for answer in (got, expected):
+            answer.pop("created")
+            answer.pop("id")
+        assert got == expected
+    assert_no_leaks(llm.engine)

@@ -61,6 +61,7 @@ from mmserve.entrypoints.answers import (
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.http_middleware import (
     ApiKeyMiddleware,
+    LargeParts,
     RequestIdMiddleware,
     error_response,
     http_exception,
@@ -74,6 +75,7 @@ from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.errors import EngineDeadError, InvalidInputError
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
+from mmserve.step import TokenLogprobs
 from mmserve.worker.compute_thread import ComputeThread
 
 logger = logging.getLogger(__name__)
@@ -436,18 +438,21 @@ class OpenAIServer:
                 i, content, tool_calls.finish_reason(out.finish_reason, tool_choice, reader),
                 logprobs, calls))
         body = shapes.completion(request_id, self.model, choices, usage_of([outs]))
+        large = LargeParts()
         if chat.prompt_logprobs:  # vLLM's: the prompt's, once (every choice's is the same)
-            body["prompt_logprobs"] = self._prompt_logprobs(outs[0])
-        return JSONResponse(body)
+            body["prompt_logprobs"] = self._prompt_logprobs(outs[0], large)
+        return large.response(body)
 
     def _as_ids(self, tokens_as_ids: bool | None) -> bool:
         """Whether a request's log-probabilities name tokens "token_id:N"."""
         return (self.config.return_tokens_as_token_ids if tokens_as_ids is None
                 else tokens_as_ids)
 
-    def _prompt_logprobs(self, out: RequestOutput) -> list[dict[str, Any] | None]:
-        return shapes.prompt_logprobs(out.prompt_token_ids or [], out.prompt_logprobs or [],
-                                     self._token_text)
+    def _prompt_logprobs(self, out: RequestOutput, large: LargeParts) -> Any:
+        """vLLM's ``prompt_logprobs`` of ``out``, a part of ``large`` (a long prompt's)."""
+        ids, entries = out.prompt_token_ids or [], out.prompt_logprobs or []
+        return large.add(lambda start, end: shapes.prompt_logprobs(
+            ids[start:end], entries[start:end], self._token_text), len(entries))
 
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
                    tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False,
@@ -583,6 +588,7 @@ class OpenAIServer:
             outs = [without_generated(out) for out in outs]
         choices = []
         as_ids = self._as_ids(req.tokens_as_ids)
+        large = LargeParts()  # an echoed prompt's log-probabilities, vLLM's prompt_logprobs
         for i, out in enumerate(outs):
             logprobs = None
             if out.logprobs is not None:
@@ -590,14 +596,22 @@ class OpenAIServer:
                 if echoes is not None:  # the prompt's tokens first (the first has none)
                     ids = [*(out.prompt_token_ids or ()), *ids]
                     entries = [*(out.prompt_logprobs or ()), *entries]
-                logprobs = shapes.completion_logprobs(ids, entries, self._token_text,
-                                                     as_ids=as_ids)
+                logprobs = self._completion_logprobs(ids, entries, as_ids, large)
             text = out.text if echoes is None else echoes[i] + out.text
             choices.append(shapes.completion_choice(i, text, out.finish_reason, logprobs))
             if req.prompt_logprobs:
-                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(out)
-        return JSONResponse(shapes.text_completion(request_id, self.model, choices,
-                                                  usage_of(per_prompt(outs, n))))
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(out, large)
+        return large.response(shapes.text_completion(request_id, self.model, choices,
+                                                     usage_of(per_prompt(outs, n))))
+
+    def _completion_logprobs(self, ids: list[int], entries: list[TokenLogprobs | None],
+                             as_ids: bool, large: LargeParts) -> dict[str, Any]:
+        """The completions endpoint's ``logprobs`` of ``ids``, its alternatives (the large
+        part, for an echoed prompt) written a piece at a time."""
+        top = large.add(lambda start, end: shapes.top_logprobs(
+            entries[start:end], self._token_text, as_ids), len(entries))
+        return shapes.completion_logprobs(ids, entries, self._token_text, as_ids=as_ids,
+                                          top=top)
 
     def _prompt_text(self, prompt: dict[str, Any]) -> str:
         """What ``echo`` repeats of a completions prompt: its text, or its token ids'."""

@@ -1,16 +1,20 @@
 """The server's HTTP plumbing, apart from its endpoints: the API key check, request ids (and
-the JSON 500 a handler's bug gets), and OpenAI's error body for every error response."""
+the JSON 500 a handler's bug gets), OpenAI's error body for every error response, and large
+JSON bodies written piece by piece."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import json
 import logging
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmserve.entrypoints import chat_page
@@ -94,3 +98,46 @@ async def http_exception(request: Request, exc: HTTPException) -> Response:
     return error_response(ApiError(exc.status_code, f"{exc.detail}: {request.method} "
                                     f"{request.url.path}", code="not_found"
                                     if exc.status_code == 404 else None))
+
+
+class LargeParts:
+    """Lists in a JSON body that may be large (a long prompt's log-probabilities): each
+    stands in the body as a placeholder (``add``), and ``response`` writes it piece by
+    piece, each piece made when it is written, so that neither making nor encoding it keeps
+    the event loop from the other requests for long."""
+
+    def __init__(self, piece: int = 512) -> None:
+        self.piece = piece  # elements made and written at once
+        self._stem = f"\x00part-{uuid.uuid4().hex}-"
+        self._parts: list[tuple[str, Callable[[int, int], list[Any]], int]] = []
+
+    def add(self, make: Callable[[int, int], list[Any]], length: int) -> Any:
+        """The list of ``length`` elements ``make(start, end)`` makes a span of: made now
+        where it is one piece, else a placeholder for it."""
+        if length <= self.piece:
+            return make(0, length)
+        placeholder = f"{self._stem}{len(self._parts)}"
+        self._parts.append((placeholder, make, length))
+        return placeholder
+
+    def response(self, body: dict[str, Any]) -> Response:
+        """``body`` as an ``application/json`` response, its placeholders written out."""
+        if not self._parts:
+            return JSONResponse(body)
+        return StreamingResponse(self._write(json.dumps(body, separators=(",", ":"))),
+                                 media_type="application/json")
+
+    async def _write(self, text: str) -> AsyncIterator[bytes]:
+        at = 0
+        for placeholder, make, length in self._parts:
+            marker = json.dumps(placeholder)
+            found = text.index(marker, at)
+            yield (text[at:found] + "[").encode()
+            for start in range(0, length, self.piece):
+                encoded = json.dumps(make(start, min(start + self.piece, length)),
+                                     separators=(",", ":"))[1:-1]
+                yield (encoded if start == 0 else "," + encoded).encode()
+                await asyncio.sleep(0)  # the other requests' turn
+            yield b"]"
+            at = found + len(marker)
+        yield text[at:].encode()

@@ -87,12 +87,13 @@ def chunk(request_id: str, model: str, created: int, delta: dict[str, Any] | Non
 
 def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
                         token_text: Callable[[int], str], text_offset: int = 0,
-                        as_ids: bool = False) -> dict[str, Any]:
+                        as_ids: bool = False, top: Any = None) -> dict[str, Any]:
     """The completions endpoint's (older) ``logprobs`` shape: parallel lists of the tokens as
-    text, their log-probabilities, ``{token: logprob}`` of the top alternatives, and each
-    token's offset in the completion text (the lengths of the tokens' texts added up, from
-    ``text_offset``). An entry None (an echoed prompt's first token) is null in both. With
-    ``as_ids``, tokens are named "token_id:N" (the offsets stay the text's)."""
+    text, their log-probabilities, ``{token: logprob}`` of the top alternatives
+    (``top_logprobs``; ``top`` stands for them where given), and each token's offset in the
+    completion text (the lengths of the tokens' texts added up, from ``text_offset``). An
+    entry None (an echoed prompt's first token) is null in both. With ``as_ids``, tokens are
+    named "token_id:N" (the offsets stay the text's)."""
     texts = [token_text(t) for t in token_ids]
     offsets = []
     for text in texts:
@@ -102,11 +103,18 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob
                                                                         strict=True)],
             "token_logprobs": [None if e is None else max(e.logprob, MIN_LOGPROB)
                                for e in entries],
-            "top_logprobs": [None if e is None else
-                             {token_label(t, token_text(t), as_ids): max(v, MIN_LOGPROB)
-                              for t, v in e.top}
-                             for e in entries],
+            "top_logprobs": (top_logprobs(entries, token_text, as_ids) if top is None
+                             else top),
             "text_offset": offsets}
+
+
+def top_logprobs(entries: Sequence[TokenLogprobs | None], token_text: Callable[[int], str],
+                 as_ids: bool = False) -> list[dict[str, float] | None]:
+    """The completions endpoint's ``top_logprobs``: ``{token: logprob}`` of each entry's
+    alternatives (null for None)."""
+    return [None if e is None else
+            {token_label(t, token_text(t), as_ids): max(v, MIN_LOGPROB) for t, v in e.top}
+            for e in entries]
 
 
 def token_label(token: int, text: str, as_ids: bool) -> str:
