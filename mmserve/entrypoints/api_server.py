@@ -65,7 +65,7 @@ from mmserve.entrypoints.http_middleware import (
     RequestIdMiddleware,
     error_response,
     http_exception,
-    request_id_of,
+    request_ids_of,
 )
 from mmserve.entrypoints.media import MediaLoader
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
@@ -205,11 +205,11 @@ class OpenAIServer:
 
     # ----------------------------------------------------------------- chat
     async def chat(self, request: Request) -> Response:
-        request_id = f"chatcmpl-{request_id_of(request)}"
+        request_id, engine_id = request_ids_of(request, "chatcmpl-")
         try:
             chat = await self._parse(request)
             prompt = await self._prompt_of(chat)
-            streams = await self._add(completion_ids(request_id, chat.params.n), prompt,
+            streams = await self._add(completion_ids(engine_id, chat.params.n), prompt,
                                       chat.params, chat.beam)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             err = _as_api_error(e)
@@ -227,7 +227,7 @@ class OpenAIServer:
     async def responses(self, request: Request) -> Response:
         """OpenAI's ``POST /v1/responses``, stateless (``responses_protocol.py``): the chat
         request it amounts to, answered as a response object or its stream of events."""
-        response_id = f"resp_{request_id_of(request)}"
+        response_id, engine_id = request_ids_of(request, "resp_")
         created = int(time.time())
         req = None
         try:
@@ -237,7 +237,7 @@ class OpenAIServer:
             chat = req.chat
             self._check_model_and_room(chat.model)
             (stream,) = await self.engine.add_completions(
-                [response_id], await self._prompt_of(chat), chat.params)
+                [engine_id], await self._prompt_of(chat), chat.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             err = _as_api_error(e)
             if req is not None:  # about the chat it amounts to: in the Responses API's names
@@ -554,7 +554,7 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``: text or token-id prompts (images go to the chat endpoint),
         each prompt an engine request of its own and a choice of the answer."""
-        request_id = f"cmpl-{request_id_of(request)}"
+        request_id, engine_id = request_ids_of(request, "cmpl-")
         streams: list[RequestStream] = []
         try:
             req = proto.parse_completion_request(await self._read_json(request),
@@ -562,7 +562,7 @@ class OpenAIServer:
             self._check_model_and_room(req.model)
             n = req.params.n
             for i, prompt in enumerate(req.prompts):  # choice p * n + j: prompt p's j-th
-                streams += await self._add([f"{request_id}-{i * n + j}" for j in range(n)],
+                streams += await self._add([f"{engine_id}-{i * n + j}" for j in range(n)],
                                            prompt, req.params, req.beam)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             for stream in streams:  # the prompts added before the one refused

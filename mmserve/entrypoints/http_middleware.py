@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -45,9 +46,16 @@ class ApiKeyMiddleware:
         await error_response(err)(scope, receive, send)
 
 
+# A request id a client may give in its ``X-Request-Id`` header (vLLM's): letters, digits and
+# ``-_.:``, at most 128 of them.
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
 class RequestIdMiddleware:
     """Gives every HTTP request an id (``scope["state"]["request_id"]``, echoed in the
-    ``X-Request-Id`` response header), counts every response by status code, and answers an
+    ``X-Request-Id`` response header): the client's ``X-Request-Id`` where it sends one (as
+    vLLM takes it, for tracing across services; one not of ``CLIENT_REQUEST_ID``'s form is
+    ignored), else a fresh one. Counts every response by status code, and answers an
     exception that escapes a handler (a bug) with a JSON 500 that quotes the id and tells no
     internals; the log gets the traceback under the same id."""
 
@@ -59,8 +67,13 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = request_id
+        fresh = uuid.uuid4().hex
+        given = dict(scope.get("headers") or ()).get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if CLIENT_REQUEST_ID.fullmatch(given) else fresh
+        # The engine's ids are unique whatever clients send: a given id gets a fresh suffix.
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["engine_id"] = fresh if request_id == fresh else f"{given}-{fresh[:12]}"
 
         started = False
 
@@ -85,9 +98,13 @@ class RequestIdMiddleware:
             await error_response(err)(scope, receive, send_with_id)
 
 
-def request_id_of(request: Request) -> str:
-    """The id ``RequestIdMiddleware`` gave the request (a fresh one outside it)."""
-    return request.scope.get("state", {}).get("request_id") or uuid.uuid4().hex
+def request_ids_of(request: Request, prefix: str) -> tuple[str, str]:
+    """The id ``RequestIdMiddleware`` gave the request, for its answer, and a unique one for
+    the engine, each after ``prefix`` (fresh ones outside the middleware)."""
+    state = request.scope.get("state", {})
+    fresh = uuid.uuid4().hex
+    return (f"{prefix}{state.get('request_id') or fresh}",
+            f"{prefix}{state.get('engine_id') or fresh}")
 
 
 def error_response(err: ApiError) -> JSONResponse:
