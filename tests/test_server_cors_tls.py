@@ -4,7 +4,8 @@ server without the setting none; the server speaks HTTPS with ``--ssl-keyfile`` 
 ``--ssl-certfile``, and bad settings are refused at start-up.
 
 ``tests/data/localhost-*.pem`` is a self-signed certificate for 127.0.0.1 made for these
-tests alone (its key guards nothing)."""
+tests alone (its key guards nothing); ``other-key.pem`` is a key of another certificate, and
+``encrypted-key.pem`` one with a passphrase ("secret")."""
 
 from __future__ import annotations
 
@@ -82,14 +83,22 @@ def test_no_cors_without_the_setting(llm: LLM) -> None:
         assert "access-control-allow-origin" not in answer.headers
 
 
-def test_list_flags_take_plain_values_and_vllms_json_lists() -> None:
+def test_list_flags_take_vllms_json_lists_and_commas() -> None:
     assert list_flag(None, ("*",)) == ("*",)
-    assert list_flag([APP, "http://localhost:3000"], ()) == (APP, "http://localhost:3000")
+    assert list_flag([f"{APP}, http://localhost:3000"], ()) == (APP, "http://localhost:3000")
     assert list_flag(['["*"]'], ()) == ("*",)
     assert list_flag(['["GET", "POST"]', "PUT"], ()) == ("GET", "POST", "PUT")
     for bad in ('["*"', '[1]', '[{"a": 1}]'):
         with pytest.raises(ValueError, match="JSON list"):
             list_flag([bad], ())
+    # One value a flag: the model path after the flags stays the model path.
+    from mmserve.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["*"]', "--allowed-origins",
+                                      APP, "--allowed-methods", "GET,POST", "/models/qwen"])
+    assert args.model_path == "/models/qwen"
+    assert list_flag(args.allowed_origins, ()) == ("*", APP)
+    assert list_flag(args.allowed_methods, ()) == ("GET", "POST")
 
 
 def test_bad_tls_settings_are_refused(tmp_path: Path) -> None:
@@ -100,7 +109,15 @@ def test_bad_tls_settings_are_refused(tmp_path: Path) -> None:
             ({"ssl_keyfile": KEY, "ssl_certfile": CERT, "ssl_cert_reqs": 2},
              "--ssl-ca-certs"),
             ({"ssl_keyfile": KEY, "ssl_certfile": CERT, "ssl_cert_reqs": 3}, "0 \\(none\\)"),
-            ({"ssl_ca_certs": CERT}, "needs HTTPS")):
+            ({"ssl_ca_certs": CERT}, "needs HTTPS"),
+            ({"ssl_keyfile": str(DATA / "other-key.pem"), "ssl_certfile": CERT},
+             "its own key"),
+            ({"ssl_keyfile": KEY, "ssl_certfile": KEY}, "its own key"),
+            ({"ssl_keyfile": str(DATA / "encrypted-key.pem"), "ssl_certfile": CERT},
+             "is encrypted"),
+            ({"ssl_keyfile": KEY, "ssl_certfile": CERT, "ssl_ca_certs": KEY,
+              "ssl_cert_reqs": 2}, "--ssl-ca-certs"),
+            ({"allowed_origins": ("*",), "allow_credentials": True}, "list the origins")):
         with pytest.raises(ValueError, match=message):
             ServerConfig("tiny", **settings)
     done = subprocess.run([sys.executable, "-m", "mmserve.entrypoints.cli", "serve",

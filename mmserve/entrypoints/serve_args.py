@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 from dataclasses import dataclass, field
 
 from mmserve.entrypoints.engine_args import add_engine_args
@@ -67,6 +68,10 @@ class ServerConfig:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known; use "
                              f"one of {', '.join(TOOL_CALL_PARSERS)}.")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("--allow-credentials with --allowed-origins '*' would let every "
+                             "web site call the API with its visitors' cookies; list the "
+                             "origins that may.")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile.")
         for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
@@ -82,21 +87,44 @@ class ServerConfig:
         if self.ssl_ca_certs is not None and self.ssl_certfile is None:
             raise ValueError("--ssl-ca-certs needs HTTPS: give --ssl-keyfile and "
                              "--ssl-certfile too.")
+        if self.ssl_certfile is not None:
+            _check_tls_files(self.ssl_certfile, self.ssl_keyfile, self.ssl_ca_certs)
         for name in ("header_timeout_s", "body_timeout_s", "shutdown_timeout_s"):
             if not getattr(self, name) > 0:
                 flag = "--" + name.removesuffix("_s").replace("_", "-")
                 raise ValueError(f"{flag} must be positive, got {getattr(self, name)}.")
 
 
+def _check_tls_files(certfile: str, keyfile: str | None, ca_certs: str | None) -> None:
+    """Load the certificate, its key and the CA file as the server will, so that a bad one
+    stops ``serve`` before the model loads (a ``ValueError`` that names it)."""
+    def no_passphrase() -> bytes:
+        raise ValueError(f"--ssl-keyfile {keyfile} is encrypted; give a key without a "
+                         "passphrase.")
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile, password=no_passphrase)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"--ssl-certfile {certfile} with --ssl-keyfile {keyfile}: {e}; give "
+                         "a PEM certificate and its own key.") from None
+    if ca_certs is not None:
+        try:
+            context.load_verify_locations(ca_certs)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"--ssl-ca-certs {ca_certs}: {e}.") from None
+
+
 def list_flag(values: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...]:
-    """A list flag's values (``default`` where it was not given): plain values, or vLLM's
-    JSON lists (``'["*"]'``). ``ValueError`` for a malformed list."""
+    """A list flag's values (``default`` where it was not given), from each time it was
+    given: vLLM's JSON list (``'["*"]'``), or values separated by commas. ``ValueError``
+    for a malformed list."""
     if values is None:
         return default
     items: list[str] = []
     for value in values:
         if not value.startswith("["):
-            items.append(value)
+            items += [v.strip() for v in value.split(",") if v.strip()]
             continue
         try:
             parsed = json.loads(value)
@@ -152,13 +180,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help='name tokens "token_id:N" in log-probabilities, for clients that '
                    "want the ids the model picked (a request's return_tokens_as_token_ids "
                    "overrides it)")
-    p.add_argument("--allowed-origins", nargs="*", metavar="ORIGIN",
-                   help="origins whose web pages may call the API (CORS), e.g. "
-                   'https://app.example.com, or "*" for any (default: none; vLLM\'s JSON '
-                   "list form is taken too)")
-    p.add_argument("--allowed-methods", nargs="*", metavar="METHOD",
+    # One value each time (a JSON list, as vLLM's, or values separated by commas), so that
+    # the model path after them is not read as one.
+    p.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
+                   help="origins whose web pages may call the API (CORS): "
+                   "'https://app.example.com,http://localhost:3000', '[\"*\"]' or '*' for "
+                   "any (default: none)")
+    p.add_argument("--allowed-methods", action="append", metavar="METHODS",
                    help='methods such pages may use (default: "*")')
-    p.add_argument("--allowed-headers", nargs="*", metavar="HEADER",
+    p.add_argument("--allowed-headers", action="append", metavar="HEADERS",
                    help='headers such pages may send (default: "*")')
     p.add_argument("--allow-credentials", action="store_true",
                    help="let such pages send cookies and HTTP authentication")
