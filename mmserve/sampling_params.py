@@ -450,13 +450,15 @@ class SamplingParams:
     def child(self, index: int) -> SamplingParams:
         """The parameters of completion ``index`` of ``n``: one completion, and with a seed,
         a stream of its own (``seed + index``, wrapped into the 64-bit range), so that the
-        completions differ and each reproduces."""
+        completions differ and each reproduces. The first alone computes ``prompt_logprobs``
+        (the prompt's, the same for all), so the others read the prompt from the prefix
+        cache."""
         seed = self.seed
         if seed is not None:
             seed += index
             if seed > MAX_SEED:
                 seed -= 2**64
-        return self._copy(n=1, seed=seed)
+        return self._copy(n=1, seed=seed, prompt_logprobs=None if index else self.prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

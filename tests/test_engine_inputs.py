@@ -43,7 +43,7 @@ def _bad_inputs(tmp_path) -> dict[str, tuple[dict, str]]:
         # Over max_model_len x 2 x the longest token's characters (96 x 2 x 9): refused
         # before the template and the tokenizer run, and before any image is decoded.
         "text no prompt of max_model_len holds": (
-            _chat("word " * 400, [b"not an image"]), "characters, more than max_model_len"),
+            _chat("word " * 400, [b"not an image"]), "more than 96 tokens can hold"),
         "unreadable bytes": (_chat("x", [b"definitely not an image"]), "cannot decode"),
         "truncated file": (_chat("x", [str(tmp_path / "truncated.png")]), "cannot decode"),
         "missing file": (_chat("x", [str(tmp_path / "nope.png")]), "not found"),

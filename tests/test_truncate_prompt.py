@@ -59,13 +59,17 @@ def test_truncated_prompts_equal_transformers(family: str, clip_llama: str, qwen
     prompt = _prompt(1)
     with LLM(path, dtype="float32", max_model_len=512) as llm:
         (whole,) = llm.generate(prompt, _params(None))
-        num_prompt = len(whole.prompt_token_ids)
+        ids = whole.prompt_token_ids
+        num_prompt = len(ids)
+        # What the tokenizer puts first (LLaVA's Llama: a BOS) stays first.
+        bos = 1 if family == "llava" else 0
+        assert (ids[0] == llm.engine.processor.tokenizer.bos_token_id) == bool(bos)
         image = llm.engine.processor.process(prompt).images[0]
-        shortest = num_prompt - image.offset  # from the image's first token on
+        shortest = bos + num_prompt - image.offset  # from the image's first token on
         for keep_last in (shortest, shortest + 5, num_prompt, num_prompt + 10, -1):
             (out,) = llm.generate(prompt, _params(keep_last))
             kept = min(num_prompt, keep_last if keep_last > 0 else num_prompt)
-            assert out.prompt_token_ids == whole.prompt_token_ids[-kept:]
+            assert out.prompt_token_ids == ids[:bos] + ids[num_prompt - kept + bos:]
             assert out.token_ids == _reference(path, prompt, kept), keep_last
             if kept < num_prompt:
                 assert out.token_ids != whole.token_ids or family == "qwen2_vl"
@@ -87,6 +91,12 @@ def test_token_ids_long_prompts_and_refusals(clip_llama: str) -> None:
             llm.generate({"prompt": text}, _params(None))
         (out,) = llm.generate({"prompt": text}, _params(40))
         assert len(out.prompt_token_ids) == 40 and out.token_ids
+        whole = llm.engine.processor.process({"prompt": text}).token_ids  # (untruncated)
+        assert out.prompt_token_ids == whole[:1] + whole[-39:]
+        assert whole[0] == llm.engine.processor.tokenizer.bos_token_id
+        with pytest.raises(InvalidInputError, match="up to 4 times max_model_len") as e:
+            llm.generate({"prompt_token_ids": [5] * (64 * 4 + 1)}, _params(40))
+        assert e.value.param == "prompt"
         (fits,) = llm.generate({"prompt": text}, _params(-1, max_tokens=1))
         assert len(fits.prompt_token_ids) == 64
         too_long = "word " * (64 * TRUNCATED_PROMPT_FACTOR * 2 * llm.engine.processor
@@ -113,6 +123,14 @@ def test_both_endpoints_take_it(clip_llama: str) -> None:
             assert completion.status_code == 200, completion.text
             assert completion.json()["choices"][0]["text"] == expected.text
             assert completion.json()["usage"]["prompt_tokens"] == 30
+            ids = list(range(5, 45))
+            echoed = http.post("/v1/completions", json={
+                "model": "tiny", "prompt": ids, "max_tokens": 1, "echo": True,
+                "truncate_prompt_tokens": 16})
+            assert echoed.status_code == 200, echoed.text
+            kept = llm.engine.processor.tokenizer.decode(ids[-16:])
+            assert echoed.json()["choices"][0]["text"].startswith(kept)
+            assert echoed.json()["usage"]["prompt_tokens"] == 16
             chat = http.post("/v1/chat/completions", json={
                 "model": "tiny", "messages": [{"role": "user", "content": text}],
                 "max_tokens": 2, "truncate_prompt_tokens": 20})

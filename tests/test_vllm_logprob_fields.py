@@ -243,3 +243,25 @@ def test_long_answers_come_in_pieces_equal_to_whole(served, monkeypatch) -> None
             answer.pop("id")
         assert got == expected
     assert_no_leaks(llm.engine)
+
+
+def test_n_choices_score_their_prompt_once(served) -> None:
+    """n completions of a prompt with prompt_logprobs: the first choice's request scores the
+    prompt, the others read it from the prefix cache; every choice carries the same
+    prompt_logprobs, and an echo the same prompt log-probabilities."""
+    _, http, _ = served
+    long_prompt = " ".join(["the red fox and the blue bird"] * 6)
+    before = http.get("/stats").json()["prefix_cache_hit_tokens"]
+    body = _post(http, "/v1/completions", prompt=[long_prompt, PROMPT], max_tokens=2, n=3,
+                 temperature=1.0, seed=5, echo=True, logprobs=1, prompt_logprobs=2)
+    hits = http.get("/stats").json()["prefix_cache_hit_tokens"] - before
+    choices = body["choices"]
+    num_prompt = len(choices[0]["prompt_logprobs"])
+    assert hits >= 2 * 16 * (num_prompt // 16)  # two choices of the long prompt, cached
+    for p in range(2):
+        group = choices[3 * p:3 * p + 3]
+        assert all(c["prompt_logprobs"] == group[0]["prompt_logprobs"] for c in group)
+        prompt_len = len(group[0]["prompt_logprobs"])
+        assert all(c["logprobs"]["top_logprobs"][:prompt_len]
+                   == group[0]["logprobs"]["top_logprobs"][:prompt_len] for c in group)
+        assert group[0]["prompt_logprobs"][0] is None and all(group[0]["prompt_logprobs"][1:])

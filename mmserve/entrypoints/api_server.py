@@ -572,7 +572,8 @@ class OpenAIServer:
             return error_response(err)
         echoes = None
         if req.echo:  # each choice's prompt's text (choice p * n + j: prompt p's)
-            texts = [self._prompt_text(prompt) for prompt in req.prompts]
+            texts = [self._prompt_text(prompt, req.params.truncate_prompt_tokens)
+                     for prompt in req.prompts]
             echoes = [texts[i // n] for i in range(len(streams))]
         if req.stream:
             return StreamingResponse(
@@ -590,17 +591,18 @@ class OpenAIServer:
         as_ids = self._as_ids(req.tokens_as_ids)
         large = LargeParts()  # an echoed prompt's log-probabilities, vLLM's prompt_logprobs
         for i, out in enumerate(outs):
+            first = outs[i - i % n]  # the prompt's first choice, which scored the prompt
             logprobs = None
             if out.logprobs is not None:
                 ids, entries = out.token_ids, out.logprobs
                 if echoes is not None:  # the prompt's tokens first (the first has none)
                     ids = [*(out.prompt_token_ids or ()), *ids]
-                    entries = [*(out.prompt_logprobs or ()), *entries]
+                    entries = [*(first.prompt_logprobs or ()), *entries]
                 logprobs = self._completion_logprobs(ids, entries, as_ids, large)
             text = out.text if echoes is None else echoes[i] + out.text
             choices.append(shapes.completion_choice(i, text, out.finish_reason, logprobs))
             if req.prompt_logprobs:
-                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(out, large)
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(first, large)
         return large.response(shapes.text_completion(request_id, self.model, choices,
                                                      usage_of(per_prompt(outs, n))))
 
@@ -613,11 +615,15 @@ class OpenAIServer:
         return shapes.completion_logprobs(ids, entries, self._token_text, as_ids=as_ids,
                                           top=top)
 
-    def _prompt_text(self, prompt: dict[str, Any]) -> str:
-        """What ``echo`` repeats of a completions prompt: its text, or its token ids'."""
+    def _prompt_text(self, prompt: dict[str, Any], keep_last: int | None) -> str:
+        """What ``echo`` repeats of a completions prompt: its text (whole, as vLLM's), or the
+        text of the token ids it reads (``keep_last``: ``truncate_prompt_tokens``)."""
         if "prompt" in prompt:
             return prompt["prompt"]
-        return self.tokenizer.decode(prompt["prompt_token_ids"])
+        ids = prompt["prompt_token_ids"]
+        if keep_last is not None:
+            ids = ids[-(self.max_model_len if keep_last == -1 else keep_last):]
+        return self.tokenizer.decode(ids)
 
     async def _completion_sse(self, rid: str, streams: list[RequestStream],
                               include_usage: bool, n: int, echoes: list[str] | None = None,

@@ -113,6 +113,9 @@ class InputProcessor:
         # this (twice, for normalizers that join characters) is too long whatever it holds,
         # and is refused before the chat template and the tokenizer spend seconds on it.
         self.max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        # What the tokenizer puts before a text (Llama's BOS; nothing for Qwen2's), which a
+        # truncated prompt keeps.
+        self._added_prefix = tuple(self.tokenizer("")["input_ids"])
 
     @property
     def tokens_per_image(self) -> int:
@@ -144,8 +147,15 @@ class InputProcessor:
             if prompt.get("images"):
                 raise InvalidInputError("a prompt of token ids takes no images; send the text "
                                         "with image placeholders instead", param="images")
-            return self._with_positions(self._truncated(
-                self._token_prompt(prompt["prompt_token_ids"]), keep_last))
+            ids = prompt["prompt_token_ids"]
+            if max_tokens is not None and keep_last is not None and isinstance(ids, list) \
+                    and len(ids) > TRUNCATED_PROMPT_FACTOR * max_tokens:
+                raise InvalidInputError(
+                    f"the prompt is {len(ids):,} tokens; truncate_prompt_tokens takes prompts "
+                    f"of up to {TRUNCATED_PROMPT_FACTOR} times max_model_len "
+                    f"({TRUNCATED_PROMPT_FACTOR * max_tokens:,} tokens): send fewer.",
+                    param="prompt")
+            return self._with_positions(self._truncated(self._token_prompt(ids), keep_last))
         images = prompt.get("images") or []
         if not isinstance(images, (list, tuple)):
             images = [images]
@@ -178,7 +188,7 @@ class InputProcessor:
                 "send fewer images or raise limit_mm_per_prompt.", param="images")
         # One image at a time, so only one decoded image and its resize are alive at once.
         processed = self._tokenize(text, [self._preprocess_image(im) for im in images])
-        return self._with_positions(self._truncated(processed, keep_last))
+        return self._with_positions(self._truncated(processed, keep_last, self._added_prefix))
 
     def render_chat(self, messages: Any, images: list[ImageLike], max_chars: int | None = None,
                     tools: list[dict[str, Any]] | None = None,
@@ -336,10 +346,11 @@ class InputProcessor:
         """Refuse a prompt whose text (``chars`` characters so far) cannot fit."""
         if max_chars is not None and chars > max_chars:
             raise InvalidInputError(
-                f"the prompt's text is at least {chars:,} characters, more than max_model_len "
-                f"({max_chars // (2 * self.max_token_chars):,} tokens) can hold (no token of "
-                f"this model spans more than {self.max_token_chars} characters); shorten the "
-                "prompt or raise max_model_len.", param=where)
+                f"the prompt's text is at least {chars:,} characters, more than "
+                f"{max_chars // (2 * self.max_token_chars):,} tokens can hold (max_model_len, "
+                f"or {TRUNCATED_PROMPT_FACTOR} times it for a prompt to be truncated; no token "
+                f"of this model spans more than {self.max_token_chars} characters); shorten "
+                "the prompt or raise max_model_len.", param=where)
 
     def _check_text(self, text: str, where: str) -> None:
         _check_unicode(text, where)
@@ -392,20 +403,25 @@ class InputProcessor:
         return ProcessedPrompt(ids, inputs, peak)
 
     @staticmethod
-    def _truncated(prompt: ProcessedPrompt, keep_last: int | None) -> ProcessedPrompt:
+    def _truncated(prompt: ProcessedPrompt, keep_last: int | None,
+                   added: tuple[int, ...] = ()) -> ProcessedPrompt:
         """``prompt``'s last ``keep_last`` tokens, where it has more; its images' offsets
-        moved with them (none may be cut)."""
-        cut = 0 if keep_last is None else len(prompt.token_ids) - keep_last
+        moved with them (none may be cut). Tokens the tokenizer ``added`` at the start (a
+        BOS) stay there, among the ``keep_last``, as transformers' truncation keeps them."""
+        ids = prompt.token_ids
+        kept = len(added) if added and tuple(ids[:len(added)]) == added else 0
+        kept = min(kept, keep_last or 0)
+        cut = 0 if keep_last is None else len(ids) - keep_last  # the tokens to drop
         if cut <= 0:
             return prompt
         for i, image in enumerate(prompt.images):
-            if image.offset < cut:
+            if image.offset < kept + cut:
                 raise InvalidInputError(
                     f"truncate_prompt_tokens={keep_last} keeps the prompt's last {keep_last} "
                     f"of {len(prompt.token_ids)} tokens, which would cut image {i + 1} (its "
                     f"tokens start {len(prompt.token_ids) - image.offset} from the end); keep "
                     "more tokens, or send fewer images.", param="truncate_prompt_tokens")
-        prompt.token_ids = prompt.token_ids[cut:]
+        prompt.token_ids = ids[:kept] + ids[kept + cut:]
         prompt.images = [dataclasses.replace(image, offset=image.offset - cut)
                          for image in prompt.images]
         return prompt

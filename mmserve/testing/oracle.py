@@ -60,6 +60,20 @@ def _load_hf(path: str | os.PathLike[str]) -> tuple[Any, Any]:
 PER_TOKEN_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")
 
 
+def _truncated(inputs: Any, keep_last: int, added: list[int]) -> dict[str, Any]:
+    """The processor's ``inputs`` of a prompt cut to its last ``keep_last`` tokens, the
+    tokens the tokenizer ``added`` at its start (a BOS) kept there, as transformers'
+    truncation keeps them."""
+    ids = inputs["input_ids"][0].tolist()
+    kept = min(len(added) if added and ids[:len(added)] == added else 0, keep_last)
+    keep = list(range(kept)) + list(range(len(ids) - (keep_last - kept), len(ids)))
+    if len(ids) <= keep_last:
+        return dict(inputs)
+    index = torch.tensor(keep)
+    return {name: value[:, index] if name in PER_TOKEN_INPUTS else value
+            for name, value in inputs.items()}
+
+
 @torch.no_grad()
 def hf_greedy_generate(
     path: str | os.PathLike[str],
@@ -85,9 +99,8 @@ def hf_greedy_generate(
     model, processor = _load_hf(path)
     inputs = processor(text=prompt_text, images=images or None, return_tensors="pt",
                        **processor_kwargs)
-    if keep_last is not None:  # the prompt's last tokens alone (its images among them)
-        inputs = {name: value[:, -keep_last:] if name in PER_TOKEN_INPUTS else value
-                  for name, value in inputs.items()}
+    if keep_last is not None:  # the prompt's last tokens (its images among them)
+        inputs = _truncated(inputs, keep_last, processor.tokenizer("")["input_ids"])
     output = model.generate(
         **inputs,
         do_sample=False,
