@@ -73,7 +73,8 @@ def test_truncated_prompts_equal_transformers(family: str, clip_llama: str, qwen
             assert out.token_ids == _reference(path, prompt, kept), keep_last
             if kept < num_prompt:
                 assert out.token_ids != whole.token_ids or family == "qwen2_vl"
-        with pytest.raises(InvalidInputError, match="would cut image 1") as e:
+        with pytest.raises(InvalidInputError, match=f"would cut image 1; keep at least "
+                                                    f"{shortest},") as e:
             llm.generate(prompt, _params(shortest - 1))
         assert e.value.param == "truncate_prompt_tokens"
         assert_no_leaks(llm.engine)

@@ -417,10 +417,10 @@ class InputProcessor:
         for i, image in enumerate(prompt.images):
             if image.offset < kept + cut:
                 raise InvalidInputError(
-                    f"truncate_prompt_tokens={keep_last} keeps the prompt's last {keep_last} "
-                    f"of {len(prompt.token_ids)} tokens, which would cut image {i + 1} (its "
-                    f"tokens start {len(prompt.token_ids) - image.offset} from the end); keep "
-                    "more tokens, or send fewer images.", param="truncate_prompt_tokens")
+                    f"truncate_prompt_tokens={keep_last} keeps {keep_last} of the prompt's "
+                    f"{len(ids)} tokens, which would cut image {i + 1}; keep at least "
+                    f"{kept + len(ids) - image.offset}, or send fewer images.",
+                    param="truncate_prompt_tokens")
         prompt.token_ids = ids[:kept] + ids[kept + cut:]
         prompt.images = [dataclasses.replace(image, offset=image.offset - cut)
                          for image in prompt.images]

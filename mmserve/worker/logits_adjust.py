@@ -4,11 +4,10 @@
 
 The penalties, bad words and ``min_tokens`` depend on the tokens before, which the runner
 keeps on the device for the requests that use them (``TokenHistory``): each sampled token is
-counted there
-from the step's token tensor, so a step scheduled ahead of its sampling (asynchronous
-scheduling) adjusts its logits without waiting for the tokens to reach Python. Requests that
-ask for none of this cost a read of ``SamplingParams.adjusts_logits`` a row, and nothing on
-the device.
+counted there from the step's token tensor, so a step scheduled ahead of its sampling
+(asynchronous scheduling) adjusts its logits without waiting for the tokens to reach Python.
+Requests that ask for none of this cost a read of ``SamplingParams.adjusts_logits`` a row,
+and nothing on the device.
 """
 
 from __future__ import annotations
