@@ -225,8 +225,8 @@ def test_too_many_images_rejected_before_fetching() -> None:
 
 def test_response_and_chunk_shapes() -> None:
     body = shapes.completion("id1", "m", [shapes.chat_choice(0, "hello", "length"),
-                                         shapes.chat_choice(1, "hi", "stop")],
-                            shapes.usage(30, 4, cached_tokens=16))
+                                          shapes.chat_choice(1, "hi", "stop")],
+                             shapes.usage(30, 4, cached_tokens=16))
     assert body["object"] == "chat.completion"
     assert body["choices"] == [
         {"index": 0, "message": {"role": "assistant", "content": "hello"}, "logprobs": None,
@@ -240,7 +240,7 @@ def test_response_and_chunk_shapes() -> None:
     assert "usage" not in shapes.chunk("id1", "m", 5, {"content": "he"})
     assert shapes.chunk("id1", "m", 5, {"content": "x"}, index=2)["choices"][0]["index"] == 2
     last = shapes.chunk("id1", "m", 5, None, include_usage=True,
-                       usage_counts=shapes.usage(3, 2))
+                        usage_counts=shapes.usage(3, 2))
     assert last["choices"] == [] and last["usage"]["total_tokens"] == 5
 
 

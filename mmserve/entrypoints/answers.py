@@ -85,5 +85,5 @@ def usage_of(prompts: list[list[RequestOutput]]) -> dict[str, Any]:
     """The usage of several prompts' completions together, as OpenAI counts it: each
     prompt's tokens (and those of it the prefix cache served) once, every completion's."""
     return shapes.usage(sum(outs[0].num_prompt_tokens for outs in prompts if outs),
-                       sum(len(o.token_ids) for outs in prompts for o in outs),
-                       sum(outs[0].num_cached_tokens for outs in prompts if outs))
+                        sum(len(o.token_ids) for outs in prompts for o in outs),
+                        sum(outs[0].num_cached_tokens for outs in prompts if outs))

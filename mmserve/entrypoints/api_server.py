@@ -471,11 +471,11 @@ class OpenAIServer:
             logprobs = None
             if out is not None and out.logprobs is not None:  # the tokens since the last chunk
                 logprobs = shapes.logprobs_content(*answers[index].unsent(), self._token_text,
-                                                  as_ids)
+                                                   as_ids)
             if continuous_usage and delta is not None and usage is None:
                 usage = answers[index].usage_so_far()
             body = shapes.chunk(rid, self.model, created, delta, reason, include_usage, usage,
-                               logprobs, index)
+                                logprobs, index)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -638,7 +638,7 @@ class OpenAIServer:
 
         def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
             body = shapes.completion_chunk(rid, self.model, created, choice, include_usage,
-                                          usage)
+                                           usage)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
         answers = [Answer() for _ in streams]
