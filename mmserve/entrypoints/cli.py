@@ -1,5 +1,5 @@
-"""The ``mmserve`` command line: ``caption`` here; ``serve``, ``plan`` and ``bench`` register
-their own subcommands."""
+"""The ``mmserve`` command line: ``caption`` here; ``serve``, ``run-batch``, ``plan`` and ``bench``
+register their own subcommands."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from mmserve.bench.cli import add_bench_parser
 from mmserve.entrypoints.engine_args import add_engine_args, engine_kwargs
 from mmserve.entrypoints.plan import add_plan_parser
-from mmserve.entrypoints.serve_args import add_serve_parser
+from mmserve.entrypoints.serve_args import add_run_batch_parser, add_serve_parser
 from mmserve.errors import InvalidInputError
 
 
@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_serve_parser(sub).set_defaults(func=_serve)
     add_plan_parser(sub)
+    add_run_batch_parser(sub).set_defaults(func=_run_batch)
     return parser
 
 
@@ -73,6 +74,12 @@ def _serve(args: argparse.Namespace) -> int:
     from mmserve.entrypoints.serve_command import serve
 
     return serve(args)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from mmserve.entrypoints.run_batch import run_batch_command
+
+    return run_batch_command(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,20 +136,15 @@ def list_flag(values: list[str] | None, default: tuple[str, ...]) -> tuple[str, 
     return tuple(items)
 
 
-def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """The ``serve`` subcommand's arguments; the caller sets what runs it."""
-    p = sub.add_parser("serve", help="OpenAI-compatible image+text chat server")
+def _add_front_door_args(p: argparse.ArgumentParser) -> None:
+    """The flags ``serve`` and ``run-batch`` share: the model, what requests may name and
+    fetch, where the engine runs, tool calls, log-probabilities' form, and the engine's."""
     p.add_argument("model_path", nargs="?", metavar="MODEL",
                    help="local checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", help="model id clients send (default: MODEL)")
-    p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (default: $MMSERVE_API_KEY)")
-    p.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
-                   help="requests waiting beyond max-num-seqs; past it, 503 with Retry-After")
+    p.add_argument("--served-model-name", help="model id requests name (default: MODEL)")
     p.add_argument("--max-request-body-bytes", type=int,
-                   default=ServerConfig.max_request_body_bytes)
+                   default=ServerConfig.max_request_body_bytes,
+                   help="larger requests are refused")
     p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
                    help="hosts whose http(s) image URLs may be fetched")
     p.add_argument("--allowed-local-media-path", metavar="DIR",
@@ -157,13 +152,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_bytes)
     p.add_argument("--media-fetch-timeout", type=float, default=MediaPolicy.fetch_timeout_s,
                    help="seconds to fetch one image URL, from connecting to the last byte")
-    p.add_argument("--header-timeout", type=float, default=ServerConfig.header_timeout_s,
-                   help="seconds a client has to send a request's headers")
-    p.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout_s,
-                   help="seconds a client has to send a request's body")
-    p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
-                   help="on SIGTERM, seconds to let requests in flight finish before "
-                   "aborting them")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction,
                    default=ServerConfig.engine_process,
                    help="run the engine in a process of its own, apart from HTTP, JSON, image "
@@ -180,6 +168,27 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help='name tokens "token_id:N" in log-probabilities, for clients that '
                    "want the ids the model picked (a request's return_tokens_as_token_ids "
                    "overrides it)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``serve`` subcommand's arguments; the caller sets what runs it."""
+    p = sub.add_parser("serve", help="OpenAI-compatible image+text chat server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $MMSERVE_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=ServerConfig.max_queue,
+                   help="requests waiting beyond max-num-seqs; past it, 503 with Retry-After")
+    p.add_argument("--header-timeout", type=float, default=ServerConfig.header_timeout_s,
+                   help="seconds a client has to send a request's headers")
+    p.add_argument("--body-timeout", type=float, default=ServerConfig.body_timeout_s,
+                   help="seconds a client has to send a request's body")
+    p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout_s,
+                   help="on SIGTERM, seconds to let requests in flight finish before "
+                   "aborting them")
     # One value each time (a JSON list, as vLLM's, or values separated by commas), so that
     # the model path after them is not read as one.
     p.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
@@ -199,7 +208,20 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="CA certificates that client certificates are checked against")
     p.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
                    help="client certificates: 0 not asked for, 1 optional, 2 required")
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_args(p)
+    _add_front_door_args(p)
+    return p
+
+
+def add_run_batch_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``run-batch`` subcommand's arguments; the caller sets what runs it."""
+    p = sub.add_parser(
+        "run-batch", help="answer a file of OpenAI batch requests (JSON lines), offline",
+        description="Answer each line of an OpenAI batch input file (custom_id, method, url, "
+        "body; /v1/chat/completions, /v1/completions or /v1/responses) as the server would, "
+        "writing one output line per input line, in the input's order.")
+    p.add_argument("-i", "--input-file", required=True, metavar="PATH",
+                   help="the requests, one JSON object a line ('-': standard input)")
+    p.add_argument("-o", "--output-file", required=True, metavar="PATH",
+                   help="where the answers go ('-': standard output)")
+    _add_front_door_args(p)
     return p

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from mmserve.engine.async_engine import EngineClient
 from mmserve.engine.llm_engine import LLMEngine
@@ -52,36 +53,79 @@ def _stop_signals_end_run() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def front_door_config(args: argparse.Namespace, model: str, **own: Any) -> ServerConfig:
+    """The settings ``serve`` and ``run-batch`` share, from their flags; ``own``: the
+    command's own (``serve``'s HTTP settings)."""
+    return ServerConfig(
+        served_model_name=args.served_model_name or model,
+        max_request_body_bytes=args.max_request_body_bytes,
+        media=MediaPolicy(tuple(args.allowed_media_domains), args.allowed_local_media_path,
+                          args.max_image_bytes, args.media_fetch_timeout),
+        engine_process=args.engine_process,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        **own)
+
+
+def open_engine(args: argparse.Namespace, model: str, engine_process: bool | None
+                ) -> tuple[LLMEngine | EngineClient, ComputeThread | None, dict[str, Any]]:
+    """The engine of ``args``' engine flags, for an ``OpenAIServer``: in a process of its own
+    (``engine_process``; None: where it runs on a GPU), else built on the thread that will
+    step it (returned beside it); and the sampling defaults of its checkpoint. A
+    ``FileNotFoundError`` or ``ValueError`` for settings that cannot work, raised before the
+    weights load where they can be told from the flags and files."""
+    from mmserve.config import EngineConfig
+    from mmserve.engine.core_process import EngineCoreClient
+    from mmserve.entrypoints.engine_args import engine_kwargs
+    from mmserve.processing.chat_template import load_chat_template
+
+    engine_config = EngineConfig(model=model, **engine_kwargs(args))
+    defaults = sampling_defaults(engine_config)  # a bad file stops us before the weights
+    load_chat_template(engine_config.chat_template)  # and so does a bad chat template
+    if engine_process is None:  # on the CPU, measured no faster and slower to start
+        engine_process = engine_config.resolved_device == "cuda"
+    if engine_process:
+        return EngineCoreClient(engine_config), None, defaults
+    # Built on the thread that will step it: torch's parallel regions run slower once a
+    # second thread has started some (worker/compute_thread.py). Its requests' text and
+    # outputs are made on the event loop, as with an engine process.
+    compute = ComputeThread("mmserve-engine")
+    try:
+        return compute.call(LLMEngine, engine_config, detokenize=False), compute, defaults
+    except BaseException:
+        compute.close()
+        raise
+
+
+def close_engine(engine: LLMEngine | EngineClient, compute: ComputeThread | None) -> None:
+    """Release what ``open_engine`` made."""
+    if compute is None:
+        engine.close()
+    else:
+        compute.call(engine.close)
+        compute.close()
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until SIGTERM/SIGINT (status 0) or until the engine breaks (status 1,
     for a supervisor to restart it)."""
     import uvicorn
 
-    from mmserve.config import EngineConfig
     from mmserve.demo.checkpoint import demo_model_path
-    from mmserve.engine.core_process import EngineCoreClient
-    from mmserve.entrypoints.engine_args import engine_kwargs
     from mmserve.entrypoints.http_protocol import with_header_timeout
-    from mmserve.processing.chat_template import load_chat_template
 
     model = args.model_path or args.model
     try:
         if model is None:
             model = str(demo_model_path())
-        config = ServerConfig(
-            served_model_name=args.served_model_name or model,
+        config = front_door_config(
+            args, model,
             api_key=args.api_key,
             max_queue=args.max_queue,
-            max_request_body_bytes=args.max_request_body_bytes,
-            media=MediaPolicy(tuple(args.allowed_media_domains), args.allowed_local_media_path,
-                              args.max_image_bytes, args.media_fetch_timeout),
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             shutdown_timeout_s=args.shutdown_timeout,
-            engine_process=args.engine_process,
-            tool_call_parser=args.tool_call_parser,
-            enable_auto_tool_choice=args.enable_auto_tool_choice,
-            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             allowed_origins=list_flag(args.allowed_origins, ServerConfig.allowed_origins),
             allowed_methods=list_flag(args.allowed_methods, ServerConfig.allowed_methods),
             allowed_headers=list_flag(args.allowed_headers, ServerConfig.allowed_headers),
@@ -89,28 +133,8 @@ def serve(args: argparse.Namespace) -> int:
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
         )
+        engine, compute, defaults = open_engine(args, model, config.engine_process)
     except (FileNotFoundError, ValueError) as e:
-        print(f"mmserve serve: {e}", file=sys.stderr)
-        return 2
-    compute = None
-    try:
-        engine_config = EngineConfig(model=model, **engine_kwargs(args))
-        defaults = sampling_defaults(engine_config)  # a bad file stops us before the weights
-        load_chat_template(engine_config.chat_template)  # and so does a bad chat template
-        own_process = config.engine_process
-        if own_process is None:  # on the CPU, measured no faster and slower to start
-            own_process = engine_config.resolved_device == "cuda"
-        if own_process:
-            engine: LLMEngine | EngineClient = EngineCoreClient(engine_config)
-        else:
-            # Built on the thread that will step it: torch's parallel regions run slower once
-            # a second thread has started some (worker/compute_thread.py). Its requests' text
-            # and outputs are made on the event loop, as with an engine process.
-            compute = ComputeThread("mmserve-engine")
-            engine = compute.call(LLMEngine, engine_config, detokenize=False)
-    except (FileNotFoundError, ValueError) as e:
-        if compute is not None:
-            compute.close()
         print(f"mmserve serve: {e}", file=sys.stderr)
         return 2
     server = None
@@ -131,11 +155,7 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.engine.stop()  # normally stopped by the lifespan's shutdown already
-        if compute is None:
-            engine.close()
-        else:
-            compute.call(engine.close)
-            compute.close()
+        close_engine(engine, compute)
     if server.engine.error is not None:
         print(f"mmserve serve: the engine stopped: {server.engine.error}", file=sys.stderr)
         return 1
