@@ -1,6 +1,6 @@
-"""The sampling fields added for OpenAI and vLLM clients, sent with hostile values in random
-combinations: every answer is a 200 or a 400 naming a field, never a 500; the engine keeps
-serving; nothing is left behind."""
+"""The sampling fields added for OpenAI and vLLM clients (and vLLM's ``cache_salt`` beside
+them), sent with hostile values in random combinations: every answer is a 200 or a 400
+naming a field, never a 500; the engine keeps serving; nothing is left behind."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ VALUES = {
     "prompt_logprobs": [None, 0, 3, 20, 21, -1, True, "2"],
     "return_tokens_as_token_ids": [True, False, None, 1],
     "truncate_prompt_tokens": [None, 1, 2, 128, 129, -1, 0, -2, "3", 2.5],
+    "cache_salt": [None, "tenant-a", "tenant-b", "", 5, "x" * 1025],
     "max_tokens": [0, 1, 16, None, -1],
     "logprobs": [None, 0, 5, 20, 21],
     "include_stop_str_in_output": [True, False, "no"],
@@ -98,6 +99,7 @@ BEAM_VALUES = {
     "bad_words": [None, [], ["a"]],
     "prompt_logprobs": [None, 1],
     "truncate_prompt_tokens": [None, 2],
+    "cache_salt": [None, "tenant-a", ""],
 }
 
 

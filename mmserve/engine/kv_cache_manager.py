@@ -38,7 +38,9 @@ class KVCacheManager:
 
         A block's hash covers its token ids and, for every image overlapping it, the image's
         content hash and the block's offset into the image: placeholder ids are the same for
-        every image, so the tokens alone would make two different pictures collide.
+        every image, so the tokens alone would make two different pictures collide. The first
+        block's parent is the request's ``cache_salt``, so that only requests of the same
+        salt share blocks.
         """
         bs = self.block_size
         hashes = req.block_hashes
@@ -47,7 +49,7 @@ class KVCacheManager:
             end = start + bs
             extra = tuple((img.hash, start - img.offset) for img in req.images
                           if img.offset < end and img.end > start)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else req.cache_salt
             hashes.append(hash_block(parent, req.all_token_ids[start:end], extra))
         return hashes[:num_full_blocks]
 

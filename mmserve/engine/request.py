@@ -56,13 +56,17 @@ class Request:
         arrival_time: float = 0.0,
         prompt_positions: np.ndarray | None = None,
         decode_offset: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """``prompt_positions``: the prompt's rope positions, ``[rows, len(prompt_token_ids)]``
         (from processing; None means LLaMA's counter, one row of ``arange``), and
         ``decode_offset``: a generated token at index ``i`` has position ``i + decode_offset``
         in every row. ``eos_token_id``: the token, or tokens, that end it (unless
-        ``ignore_eos``)."""
+        ``ignore_eos``). ``cache_salt`` (vLLM's): the prefix cache's blocks of this request
+        are found only by requests of the same salt (its images' hashes are salted too, so
+        are their encoder outputs)."""
         self.request_id = request_id
+        self.cache_salt = cache_salt
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -8,6 +8,8 @@ processor's work never takes the core's interpreter lock.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +23,8 @@ from mmserve.errors import InvalidInputError
 from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.cpu_allocator import release_free_memory
+
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class RequestMaker:
@@ -51,6 +55,7 @@ class RequestMaker:
              request_id: str) -> Request:
         """Validate and tokenize a prompt into a ``Request``; ``InvalidInputError`` saying what
         to change."""
+        salt = cache_salt(prompt)
         keep_last = params.truncate_prompt_tokens
         if keep_last == -1:
             keep_last = self.max_model_len
@@ -113,10 +118,14 @@ class RequestMaker:
         grammar = None
         if params.structured_outputs is not None:  # compiled here, off the stepping thread
             grammar = self.grammars.compile(params.structured_outputs)
-        req = Request(request_id, processed.token_ids, params, processed.images,
+        images = processed.images
+        if salt is not None:  # its images' encoder outputs are its salt's alone too
+            images = [dataclasses.replace(img, hash=salted_hash(img.hash, salt))
+                      for img in images]
+        req = Request(request_id, processed.token_ids, params, images,
                       eos_token_id=self.processor.eos_token_ids, arrival_time=time.time(),
                       prompt_positions=processed.positions,
-                      decode_offset=processed.decode_offset)
+                      decode_offset=processed.decode_offset, cache_salt=salt)
         req.grammar = grammar
         return req
 
@@ -135,7 +144,7 @@ class RequestMaker:
             child = Request(request_id, req.prompt_token_ids, params.child(i), req.images,
                             eos_token_id=req.eos_token_ids, arrival_time=req.arrival_time,
                             prompt_positions=req.prompt_positions,
-                            decode_offset=req.decode_offset)
+                            decode_offset=req.decode_offset, cache_salt=req.cache_salt)
             child.grammar = req.grammar
             children.append(child)
         return children
@@ -155,12 +164,38 @@ class RequestMaker:
                 [positions, np.broadcast_to(added, (positions.shape[0], len(tokens)))], axis=1)
         return Request(request_id, [*req.prompt_token_ids, *tokens], params, req.images,
                        eos_token_id=req.eos_token_ids, arrival_time=req.arrival_time,
-                       prompt_positions=positions, decode_offset=req.decode_offset)
+                       prompt_positions=positions, decode_offset=req.decode_offset,
+                       cache_salt=req.cache_salt)
 
     def _note_preprocessing(self, peak_bytes: int) -> None:
         self.preprocess_peak_bytes = max(self.preprocess_peak_bytes, peak_bytes)
         if peak_bytes > self.release_threshold and release_free_memory():
             self.num_memory_releases += 1
+
+
+def cache_salt(prompt: dict[str, Any] | str) -> str | None:
+    """A prompt's ``cache_salt`` (vLLM's), checked: ``InvalidInputError`` for one that is
+    not a non-empty string of at most ``MAX_CACHE_SALT_CHARS`` characters."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise InvalidInputError("cache_salt must be a non-empty string (a secret of the "
+                                "users who may share cached prompts).", param="cache_salt")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidInputError(f"cache_salt is {len(salt)} characters; at most "
+                                f"{MAX_CACHE_SALT_CHARS} are taken.", param="cache_salt")
+    try:
+        salt.encode()
+    except UnicodeEncodeError:
+        raise InvalidInputError("cache_salt holds an unpaired surrogate; send valid Unicode.",
+                                param="cache_salt") from None
+    return salt
+
+
+def salted_hash(image_hash: str, salt: str) -> str:
+    """An image's hash under ``salt``: its encoder output found only under the same salt."""
+    return hashlib.sha256(f"{image_hash}\0{salt}".encode()).hexdigest()
 
 
 def processor_and_grammars(config: EngineConfig,

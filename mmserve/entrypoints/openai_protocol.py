@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.beam_search import BeamSearchParams
+from mmserve.engine.request_maker import cache_salt
 from mmserve.entrypoints import tool_calls
 from mmserve.entrypoints.tool_calls import ToolChoice
 from mmserve.errors import InvalidInputError
@@ -68,8 +69,8 @@ class ChatRequest:
     model: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice = ToolChoice()
-    # vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs where a
-    # request sets them (the processor takes them from the prompt).
+    # vLLM's add_generation_prompt, continue_final_message, chat_template_kwargs and
+    # cache_salt where a request sets them (the engine takes them from the prompt).
     turn: dict[str, Any] = field(default_factory=dict)
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: params then unused
     # vLLM's: log-probabilities of the prompt's tokens in the answer (``params`` computes
@@ -115,9 +116,21 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
                           "'use_beam_search' or leave the tools out.", "use_beam_search")
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
                        continuous_usage=continuous_usage, model=model, tools=tools,
-                       tool_choice=tool_choice, turn=_turn(body), beam=beam,
+                       tool_choice=tool_choice, turn={**_turn(body), **_cache_salt(body)},
+                       beam=beam,
                        prompt_logprobs=prompt_logprobs is not None,
                        tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None))
+
+
+def _cache_salt(body: dict[str, Any]) -> dict[str, str]:
+    """vLLM's ``cache_salt``, checked, as the key of a prompt that has one: the prefix cache
+    and the encoder cache share what such a request computes only with requests of the same
+    salt."""
+    try:
+        salt = cache_salt(body)
+    except InvalidInputError as e:
+        raise bad_request(str(e), e.param) from None
+    return {} if salt is None else {"cache_salt": salt}
 
 
 def _turn(body: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +210,8 @@ def parse_completion_request(body: Any, max_model_len: int,
     params = _sampling_params(
         body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs, defaults or {},
         prompt_logprobs=logprobs if prompt_logprobs is None and echo else prompt_logprobs)
-    prompts = _parse_prompts(body.get("prompt"))
+    salt = _cache_salt(body)
+    prompts = [{**prompt, **salt} for prompt in _parse_prompts(body.get("prompt"))]
     if len(prompts) * params.n > MAX_COMPLETION_PROMPTS:
         raise bad_request(f"{len(prompts)} prompts x n={params.n} make {len(prompts) * params.n} "
                           f"choices; at most {MAX_COMPLETION_PROMPTS} are allowed in one "
