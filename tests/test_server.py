@@ -131,6 +131,11 @@ def client(server: Server) -> openai.OpenAI:
 def test_models_list(client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny-llava"]
+    assert client.models.retrieve("tiny-llava").model_dump() == models.data[0].model_dump()
+    for other in ("llava", "tiny-llava/x", "org/tiny-llava"):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.models.retrieve(other)
+        assert e.value.body["code"] == "model_not_found" and other in e.value.body["message"]
 
 
 def test_chat_equals_llm_generate(client: openai.OpenAI, clip_llama: str,

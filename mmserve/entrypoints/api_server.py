@@ -4,13 +4,13 @@
 Endpoints: ``POST /v1/chat/completions`` (plain or streamed as server-sent events),
 ``POST /v1/completions`` (text or token-id prompts, one or several; plain or streamed),
 ``POST /v1/responses`` (OpenAI's Responses API, stateless: ``responses_protocol.py``),
-``GET /v1/models``, ``GET /version``, ``GET /health`` (200 while the engine loop lives; never
-needs a key), ``GET /metrics`` (Prometheus text), ``GET /stats`` (the engine's counters as
-JSON, for operators, tests and the chat page), vLLM's ``POST /tokenize`` and
-``POST /detokenize``, and ``GET /`` (the chat page, ``chat_page.py``; its page and assets
-never need a key, the API calls it makes do). Every error is OpenAI's JSON error body; every
-response carries an ``X-Request-Id`` that the server's log lines about it quote
-(``http_middleware.py``); answers are put together from the engine's outputs by
+``GET /v1/models`` (and ``/v1/models/{id}``), ``GET /version``, ``GET /health`` (200 while
+the engine loop lives; never needs a key), ``GET /metrics`` (Prometheus text), ``GET /stats``
+(the engine's counters as JSON, for operators, tests and the chat page), vLLM's
+``POST /tokenize`` and ``POST /detokenize``, and ``GET /`` (the chat page, ``chat_page.py``;
+its page and assets never need a key, the API calls it makes do). Every error is OpenAI's JSON
+error body; every response carries an ``X-Request-Id`` that the server's log lines about it
+quote (``http_middleware.py``); answers are put together from the engine's outputs by
 ``answers.py``.
 
 No single client can stall the service: request headers and bodies have deadlines, image
@@ -159,6 +159,15 @@ class OpenAIServer:
 
     async def models(self, request: Request) -> Response:
         return JSONResponse(shapes.model_list(self.model, self.created, self.max_model_len))
+
+    async def retrieve_model(self, request: Request) -> Response:
+        """OpenAI's ``GET /v1/models/{id}`` (the client's ``models.retrieve``): the served
+        model, or a 404 for any other id."""
+        try:
+            self._check_model(request.path_params["model"])
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse(shapes.model_card(self.model, self.created, self.max_model_len))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": mmserve.__version__})
@@ -693,6 +702,8 @@ class OpenAIServer:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            # An id may hold slashes (a checkpoint's path, an organization's name).
+            Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),

@@ -167,7 +167,11 @@ def completion_chunk(request_id: str, model: str, created: int,
     return body
 
 
+def model_card(model: str, created: int, max_model_len: int) -> dict[str, Any]:
+    """The served model as ``GET /v1/models`` lists it and ``GET /v1/models/{id}`` gives it."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "mmserve",
+            "root": model, "max_model_len": max_model_len}
+
+
 def model_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                        "owned_by": "mmserve", "root": model,
-                                        "max_model_len": max_model_len}]}
+    return {"object": "list", "data": [model_card(model, created, max_model_len)]}
