@@ -513,20 +513,19 @@ def test_an_aborted_search_leaves_nothing_behind(clip_llama: str) -> None:
         assert_no_leaks(llm.engine)
 
 
-def test_caption_with_a_beam_search(llm: LLM, clip_llama: str,
-                                    capsys: pytest.CaptureFixture) -> None:
+def test_caption_with_a_beam_search(clip_llama: str, capsys: pytest.CaptureFixture) -> None:
     """``caption(beam_width=...)`` and ``mmserve caption --beam-width``: each image's best
-    sequence."""
+    sequence. (An engine of its own: the module's may be stepped by a server's loop.)"""
+    from mmserve import SamplingParams
     from mmserve.entrypoints.cli import main as cli_main
 
     prompts = [chat("Describe this image.", [image]) for image in IMAGES[:2]]
-    best = [out.sequences[0].text for out in
-            llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=7))]
-    from mmserve import SamplingParams
-
-    assert llm.caption(IMAGES[:2], sampling_params=SamplingParams(max_tokens=7),
-                       use_tqdm=False, beam_width=3) == best
-    assert_no_leaks(llm.engine)
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        best = [out.sequences[0].text for out in
+                llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=7))]
+        assert llm.caption(IMAGES[:2], sampling_params=SamplingParams(max_tokens=7),
+                           use_tqdm=False, beam_width=3) == best
+        assert_no_leaks(llm.engine)
     paths = []
     for i, image in enumerate(IMAGES[:2]):
         paths.append(pathlib.Path(clip_llama).parent / f"beam-caption-{i}.png")
