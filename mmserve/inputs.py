@@ -59,8 +59,9 @@ class PixelArithmetic:
 
 @dataclass
 class ImageInput:
-    """One image of a request: its content hash, its placeholder range and its encoder input
-    (pixel values, and what else its family's encoder takes).
+    """One image of a request: its content hash (salted by the request's ``cache_salt``, if
+    any: the encoder cache's key), its placeholder range and its encoder input (pixel values,
+    and what else its family's encoder takes).
 
     The pixels are stored with the request, which owns them; the scheduler and the encoder
     cache only read the hash and the range, and the step messages (``mmserve/step.py``) carry

@@ -239,3 +239,111 @@ def test_the_command_refuses_files_it_cannot_use(tmp_path, capsys) -> None:
         assert main(["run-batch", *argv, str(tmp_path / "no-model")]) == 2
         assert message in capsys.readouterr().err
     assert batch.read_bytes() == _numbered(2)
+
+
+class FailingOutput(io.StringIO):
+    """An output that takes ``lines`` lines, then fails as a closed pipe does."""
+
+    def __init__(self, lines: int) -> None:
+        super().__init__()
+        self.left = lines
+
+    def write(self, text: str) -> int:
+        if not self.left:
+            raise BrokenPipeError(32, "Broken pipe")
+        self.left -= 1
+        return super().write(text)
+
+
+@pytest.mark.parametrize("window_lines", [1, 4])
+def test_an_output_that_fails_stops_the_run(window_lines: int) -> None:
+    async def scenario() -> None:
+        app = HeldApp()
+        app.release.set()
+        await asyncio.wait_for(run_batch(app, io.BytesIO(_numbered(40)), FailingOutput(3),
+                                         max_line_bytes=4096, window_lines=window_lines), 20)
+
+    with pytest.raises(BrokenPipeError):
+        asyncio.run(scenario())
+
+
+def test_an_engine_that_breaks_after_the_last_line_is_read_is_reported() -> None:
+    async def scenario() -> object:
+        app = HeldApp()
+        app.release.set()
+        return await run_batch(app, io.BytesIO(_numbered(5)), io.StringIO(),
+                               max_line_bytes=4096, window_lines=8,
+                               broken=lambda: RuntimeError("gone") if len(app.started) == 5
+                               else None)
+
+    summary = asyncio.run(scenario())
+    assert summary.read_all and summary.lines == 5 and summary.stopped == "the engine stopped: gone"
+
+
+def test_a_line_of_the_cap_is_taken_and_one_byte_more_is_not() -> None:
+    line = _line("x", "/v1/completions", {"prompt": 0})
+    cap = len(line) - 1  # without its line break
+
+    async def scenario(data: bytes) -> list[dict]:
+        app, out = HeldApp(), io.StringIO()
+        app.release.set()
+        await run_batch(app, io.BytesIO(data), out, max_line_bytes=cap, window_lines=2)
+        return [json.loads(text) for text in out.getvalue().splitlines()]
+
+    taken = asyncio.run(scenario(line + line.replace(b'"x"', b'"y"').rstrip(b"\n")))
+    assert [entry["response"]["body"]["tag"] for entry in taken] == [0, 0]
+    longer = line.replace(b'"x"', b'"xy"')
+    refused = asyncio.run(scenario(longer + line))
+    assert [(entry["custom_id"], (entry["error"] or {}).get("code")) for entry in refused] == [
+        (None, "line_too_long"), ("x", None)]
+
+
+def test_answers_with_line_separators_stay_one_line_each() -> None:
+    text = "a\u2028b\u2029c\x85d"
+
+    async def app(scope, receive, send) -> None:
+        await receive()
+        body = json.dumps({"text": text}, ensure_ascii=False).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    out = io.StringIO()
+    asyncio.run(run_batch(app, io.BytesIO(_numbered(2)), out, max_line_bytes=4096,
+                          window_lines=2))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and json.loads(lines[0])["response"]["body"]["text"] == text
+
+
+def test_a_pipe_is_read_once_and_an_idle_one_does_not_hold_up_the_exit(tmp_path) -> None:
+    import os
+    import threading
+
+    from mmserve.entrypoints.run_batch import _open_input
+
+    fifo = tmp_path / "requests"
+    os.mkfifo(fifo)
+    data = _numbered(3)
+    writer = threading.Thread(target=fifo.write_bytes, args=(data,))
+    writer.start()
+    source, total = _open_input(str(fifo))
+    with source:
+        assert total is None and source.read() == data
+    writer.join()
+
+    read_end, write_end = os.pipe()  # a pipe no one writes to (till the end of the test)
+    idle = open(read_end, "rb")  # noqa: SIM115
+
+    async def cancelled() -> None:
+        task = asyncio.create_task(run_batch(HeldApp(), idle, io.StringIO(),
+                                             max_line_bytes=4096, window_lines=2))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    runner = threading.Thread(target=asyncio.run, args=(cancelled(),), daemon=True)
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive()
+    os.close(write_end)  # the reading thread, still waiting, gets to the end
+    idle.close()

@@ -13,8 +13,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent: bytes | None, token_ids: list[int], extra: tuple) -> bytes:
-    """A full block's content hash: chained to its parent, so equal hashes mean equal prefixes."""
+def hash_block(parent: bytes | str | None, token_ids: list[int], extra: tuple) -> bytes:
+    """A full block's content hash: chained to its parent (the first block's: the request's
+    ``cache_salt``, if any), so equal hashes mean equal prefixes."""
     return hashlib.sha256(pickle.dumps((parent, tuple(token_ids), extra))).digest()
 
 

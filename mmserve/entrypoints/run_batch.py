@@ -27,7 +27,10 @@ import hashlib
 import json
 import logging
 import os
+import queue
+import stat
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -85,7 +88,6 @@ def parse_line(line: bytes, seen: set[bytes]) -> BatchRequest:
     if digest in seen:
         raise LineError("duplicate_custom_id", f"the custom_id {custom_id!r} names an earlier "
                         "line too; give each line its own", custom_id)
-    seen.add(digest)
     if item.get("method") != "POST":
         raise LineError("invalid_method", f"'method' must be \"POST\", got "
                         f"{json.dumps(item.get('method'))}", custom_id)
@@ -97,13 +99,14 @@ def parse_line(line: bytes, seen: set[bytes]) -> BatchRequest:
     if not isinstance(body, dict):
         raise LineError("invalid_body", "'body' must be a JSON object: the request",
                         custom_id)
+    seen.add(digest)  # (a line refused is no request: a corrected copy may follow)
     return BatchRequest(custom_id, url, _as_json(body), body.get("stream") is True)
 
 
 def _as_json(body: dict[str, Any]) -> bytes:
-    """``body`` as a client would post it: compact and unescaped, so never longer than in
-    the line, which the cap allowed (escaped where it holds lone surrogates, for the server
-    to refuse as it refuses them from a client)."""
+    """``body`` as a client would post it: compact and unescaped, so about as long as in
+    the line (escaped where it holds lone surrogates, for the server to refuse as it refuses
+    them from a client)."""
     compact = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
     try:
         return compact.encode()
@@ -157,25 +160,81 @@ class AsgiClient:
 
 class Window:
     """Lines read and not yet written: at most ``lines`` of them, holding at most ``size``
-    bytes (a line larger than that goes alone)."""
+    bytes (a line's request while it is answered, then its answer till it is written; one
+    line larger than that goes alone). The reader waits in ``enter``; the rest is
+    synchronous, so that a task's callback may ``fail`` it."""
 
     def __init__(self, lines: int, size: int) -> None:
         self.lines, self.size = lines, size
-        self._count = self._bytes = 0
-        self._changed = asyncio.Condition()
+        self.count = self.bytes = 0
+        self.failure: BaseException | None = None
+        self._changed = asyncio.Event()
 
     async def enter(self, size: int) -> None:
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._count == 0 or (
-                self._count < self.lines and self._bytes + size <= self.size))
-            self._count += 1
-            self._bytes += size
+        """Wait for room for a line of ``size`` bytes; raise the error that ``fail`` gave."""
+        while self.failure is None and self.count and (
+                self.count >= self.lines or self.bytes + size > self.size):
+            self._changed.clear()
+            await self._changed.wait()
+        if self.failure is not None:
+            raise self.failure
+        self.count += 1
+        self.bytes += size
 
-    async def leave(self, size: int) -> None:
-        async with self._changed:
-            self._count -= 1
-            self._bytes -= size
-            self._changed.notify_all()
+    def resize(self, old: int, new: int) -> None:
+        self.bytes += new - old
+        self._changed.set()
+
+    def leave(self, size: int) -> None:
+        self.count -= 1
+        self.bytes -= size
+        self._changed.set()
+
+    def fail(self, error: BaseException) -> None:
+        """Stop the reading: ``enter`` raises ``error`` from now on."""
+        if self.failure is None:
+            self.failure = error
+        self._changed.set()
+
+
+class LineReader:
+    """Reads lines of ``source`` on a daemon thread of its own: a read that blocks (an idle
+    pipe) holds up neither the event loop nor, after Ctrl-C, the process's exit."""
+
+    def __init__(self, source: BinaryIO) -> None:
+        self._source = source
+        self._asks: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="run-batch-reader", daemon=True).start()
+
+    def _serve(self) -> None:
+        while (ask := self._asks.get()) is not None:
+            loop, future, limit = ask
+            try:
+                line, error = self._source.readline(limit), None
+            except Exception as e:
+                line, error = b"", e
+            try:
+                loop.call_soon_threadsafe(_settle, future, line, error)
+            except RuntimeError:  # the loop has closed (the run was cancelled meanwhile)
+                return
+
+    async def readline(self, limit: int) -> bytes:
+        """The next line, or its first ``limit`` bytes; b"" at the end."""
+        future = asyncio.get_running_loop().create_future()
+        self._asks.put((asyncio.get_running_loop(), future, limit))
+        return await future
+
+    def close(self) -> None:
+        self._asks.put(None)
+
+
+def _settle(future: asyncio.Future, line: bytes, error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(line)
+    else:
+        future.set_exception(error)
 
 
 @dataclass
@@ -185,71 +244,102 @@ class BatchSummary:
     output_tokens: int = 0
     statuses: dict[str, int] = field(default_factory=dict)  # "400", "invalid_url", ...
     last_line: int = 0  # the input's physical line the last request read came from
-    stopped: str | None = None  # why reading stopped early (the engine broke)
+    read_all: bool = False  # the input was read to its end
+    stopped: str | None = None  # the engine broke on the way
 
 
 def _output_line(custom_id: str | None, response: str | None,
                  error: dict[str, str] | None) -> str:
     head = json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id})
-    # The response's JSON is spliced in as the app wrote it (no raw line break can be in it).
     return (f'{head[:-1]}, "response": {"null" if response is None else response}, '
             f'"error": {json.dumps(error)}}}\n')
 
 
-def _usage_tokens(body: Any) -> int:
-    usage = body.get("usage") if isinstance(body, dict) else None
+def _response(status: int, request_id: str | None, body: bytes) -> str:
+    """A ``response`` object holding the app's JSON ``body`` as it wrote it: compact, so with
+    no line break but the separators some readers take for one (escaped here)."""
+    text = body.decode()
+    if "\n" in text or "\r" in text:  # not written by this server; made compact again
+        text = json.dumps(json.loads(text), ensure_ascii=False, separators=(",", ":"))
+    for separator in ("\u2028", "\u2029", "\x85"):
+        if separator in text:
+            text = text.replace(separator, f"\\u{ord(separator):04x}")
+    return f'{{"status_code": {status}, "request_id": {json.dumps(request_id)}, "body": {text}}}'
+
+
+def _usage_tokens(body: bytes) -> int:
+    """The output tokens an answer's ``usage`` counts (its last ``"usage":`` key, read alone
+    so that a large answer is not parsed again)."""
+    at = body.rfind(b'"usage":')
+    if at < 0:
+        return 0
+    try:
+        usage, _ = json.JSONDecoder().raw_decode(
+            body[at + len(b'"usage":'):][:4096].decode(errors="ignore").lstrip())
+    except ValueError:
+        return 0
     if not isinstance(usage, dict):
         return 0
-    return usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0
+    tokens = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    return tokens if isinstance(tokens, int) else 0
 
 
 async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                     max_line_bytes: int, window_lines: int, window_bytes: int = WINDOW_BYTES,
                     broken: Callable[[], BaseException | None] = lambda: None,
-                    on_written: Callable[[], None] = lambda: None) -> BatchSummary:
-    """Answer every line of ``source`` (bytes, one request a line; blank lines skipped) by
-    posting it to ``app``, writing one output line each to ``out`` in the input's order.
-    Reading stops early where ``broken()`` names an error (the engine is gone)."""
+                    on_written: Callable[[], None] = lambda: None,
+                    summary: BatchSummary | None = None) -> BatchSummary:
+    """Answer every line of ``source`` (bytes, one request a line of at most
+    ``max_line_bytes`` bytes; blank lines skipped) by posting it to ``app``, writing one
+    output line each to ``out`` in the input's order. Reading stops early where ``broken()``
+    names an error (the engine is gone); an output line that cannot be written stops the run
+    with that error. ``summary``: filled in as the run goes (what an interrupted run did)."""
     client = AsgiClient(app)
     window = Window(window_lines, window_bytes)
-    loop = asyncio.get_running_loop()
-    summary = BatchSummary()
-    ready: dict[int, tuple[str, int]] = {}
+    reader = LineReader(source)
+    summary = BatchSummary() if summary is None else summary
+    ready: dict[int, str] = {}
     written = 0
     seen: set[bytes] = set()
     tasks: set[asyncio.Task] = set()
 
-    async def put(index: int, line: str, size: int, status: str) -> None:
+    def put(index: int, line: str, size: int, status: str) -> None:
+        """Line ``index``'s output (its request, of ``size`` bytes, answered); written with
+        those after it that are ready, once those before it are."""
         nonlocal written
-        ready[index] = (line, size)
+        ready[index] = line
+        window.resize(size, len(line))
         summary.statuses[status] = summary.statuses.get(status, 0) + 1
         while written in ready:
-            text, held = ready.pop(written)
+            text = ready.pop(written)
             out.write(text)
             written += 1
             summary.lines += 1
+            window.leave(len(text))
             on_written()
-            await window.leave(held)
         out.flush()
 
     async def answer(index: int, request: BatchRequest, size: int) -> None:
         try:
             status, headers, body = await client.post(request.url, request.body)
-            parsed = json.loads(body)
+            response = _response(status, headers.get("x-request-id"), body)
         except Exception as e:  # the app answers every request; this is a defect
             logger.exception("run-batch: line %d (custom_id %r) failed", index + 1,
                              request.custom_id)
-            status, headers = 500, {}
-            parsed = {"error": {"message": f"internal error: {type(e).__name__}",
-                                "type": "server_error", "param": None, "code": None}}
-            body = json.dumps(parsed).encode()
+            status, body = 500, b""
+            response = _refusal(f"internal error: {type(e).__name__}", None, 500,
+                                "server_error")
         if status == 200:
             summary.answered += 1
-            summary.output_tokens += _usage_tokens(parsed)
-        text = body.decode() if b"\n" not in body else json.dumps(parsed)
-        response = (f'{{"status_code": {status}, "request_id": '
-                    f'{json.dumps(headers.get("x-request-id"))}, "body": {text}}}')
-        await put(index, _output_line(request.custom_id, response, None), size, str(status))
+            summary.output_tokens += _usage_tokens(body)
+        put(index, _output_line(request.custom_id, response, None), size, str(status))
+
+    def finished(task: asyncio.Task) -> None:
+        tasks.discard(task)
+        if task.cancelled():
+            window.fail(RuntimeError("a line's answer was cancelled"))
+        elif task.exception() is not None:  # its output line could not be written
+            window.fail(task.exception())
 
     index = physical = 0
     try:
@@ -257,56 +347,63 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
             if (error := broken()) is not None:
                 summary.stopped = f"the engine stopped: {error}"
                 break
-            line = await loop.run_in_executor(None, source.readline, max_line_bytes + 1)
+            line = await reader.readline(max_line_bytes + 2)
             if not line:
+                summary.read_all = True
                 break
             physical += 1
-            if len(line) > max_line_bytes:  # skip the rest of it, a piece at a time
+            ended = line.endswith(b"\n")
+            if len(line) - ended > max_line_bytes:  # skip the rest of it, a piece at a time
                 while line and not line.endswith(b"\n"):
-                    line = await loop.run_in_executor(None, source.readline, 1 << 20)
+                    line = await reader.readline(1 << 20)
                 failure = LineError("line_too_long", f"the line is over {max_line_bytes} "
                                     "bytes (--max-request-body-bytes); send smaller images "
                                     "or fewer of them")
+                size = max_line_bytes
             elif not line.strip():
                 continue
             else:
-                failure = None
-            await window.enter(len(line))
+                failure, size = None, len(line)
+            await window.enter(size)
             summary.last_line = physical
             try:
                 if failure is not None:
                     raise failure
                 request = parse_line(line, seen)
             except LineError as e:
-                await put(index, _output_line(e.custom_id, None, {
-                    "code": e.code, "message": str(e)}), len(line), e.code)
+                put(index, _output_line(e.custom_id, None, {"code": e.code, "message": str(e)}),
+                    size, e.code)
             else:
                 if request.stream:
                     refusal = _refusal(f"{request.url} is answered whole in a batch; leave "
                                        "'stream' out", "stream")
-                    await put(index, _output_line(request.custom_id, refusal, None),
-                              len(line), "400")
+                    put(index, _output_line(request.custom_id, refusal, None), size, "400")
                 else:
-                    task = asyncio.create_task(answer(index, request, len(line)))
+                    task = asyncio.create_task(answer(index, request, size))
                     tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+                    task.add_done_callback(finished)
             index += 1
         await asyncio.gather(*tasks)
+        if summary.stopped is None and (error := broken()) is not None:
+            summary.stopped = f"the engine stopped: {error}"
     finally:
+        reader.close()
         for task in tasks:
             task.cancel()
     return summary
 
 
-def _refusal(message: str, param: str) -> str:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param,
-                      "code": None}}
-    return json.dumps({"status_code": 400, "request_id": uuid.uuid4().hex, "body": body})
+def _refusal(message: str, param: str | None, status: int = 400,
+             kind: str = "invalid_request_error") -> str:
+    """A ``response`` object of OpenAI's error body, for an answer run-batch makes itself."""
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return json.dumps({"status_code": status, "request_id": uuid.uuid4().hex, "body": body})
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
     """``mmserve run-batch``: status 0 when every line has its output line (whatever its
-    status), 1 when the engine broke on the way, 2 for settings or files that cannot work."""
+    status), 1 when the engine broke on the way or the output could not be written, 2 for
+    settings or files that cannot work, 130 when interrupted (Ctrl-C)."""
     from tqdm import tqdm
 
     from mmserve.demo.checkpoint import demo_model_path
@@ -314,6 +411,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
 
     logging.getLogger().setLevel(args.log_level.upper())
     model = args.model_path or args.model
+    source = None
     try:
         if model is None:
             model = str(demo_model_path())
@@ -323,54 +421,80 @@ def run_batch_command(args: argparse.Namespace) -> int:
         source, total = _open_input(args.input_file)
         engine, compute, defaults = open_engine(args, model, config.engine_process)
     except (OSError, ValueError) as e:
+        if source not in (None, sys.stdin.buffer):
+            source.close()
         print(f"mmserve run-batch: {e}", file=sys.stderr)
         return 2
     server = OpenAIServer(engine, config, compute, defaults)
     app = server.app()
     progress = tqdm(total=total, unit="req", desc="run-batch", disable=None, file=sys.stderr)
+    summary = BatchSummary()
     out: TextIO | None = None
 
-    async def run() -> BatchSummary:
+    async def run() -> None:
         async with app.router.lifespan_context(app):
-            return await run_batch(
+            await run_batch(
                 app, source, out, max_line_bytes=config.max_request_body_bytes
                 + LINE_OVERHEAD_BYTES, window_lines=LINES_PER_SEQ * engine.config.max_num_seqs,
-                broken=lambda: server.engine.error, on_written=progress.update)
+                broken=lambda: server.engine.error, on_written=progress.update,
+                summary=summary)
 
     start = time.perf_counter()
+    status = 0
     try:
         # Opened once the engine is up, so that a checkpoint that cannot load leaves an
         # earlier output file as it was.
         out = sys.stdout if args.output_file == "-" else open(args.output_file, "w",
                                                              encoding="utf-8")
-        summary = asyncio.run(run())
+        asyncio.run(run())
+        progress.total = summary.lines  # blank lines were counted
+    except KeyboardInterrupt:
+        status = 130
+        print(f"\nmmserve run-batch: interrupted; the first {summary.lines} lines' answers "
+              "are written", file=sys.stderr)
+    except (OSError, UnicodeError) as e:  # the output: a closed pipe, a full disk
+        status = 1
+        print(f"mmserve run-batch: cannot write the answers: {e}", file=sys.stderr)
     finally:
         progress.close()
         server.engine.stop()
         close_engine(engine, compute)
-        if source is not sys.stdin.buffer:
+        # A pipe is left to the process's exit: the reading thread may still be waiting on
+        # it, holding its lock.
+        if total is not None:
             source.close()
         if out not in (None, sys.stdout):
             out.close()
+    if status:
+        return status
     elapsed = time.perf_counter() - start
     counts = ", ".join(f"{k}: {v}" for k, v in sorted(summary.statuses.items()))
     print(f"mmserve run-batch: {summary.lines} lines in {elapsed:.1f} s ({counts}); "
           f"{summary.output_tokens} output tokens, {summary.output_tokens / elapsed:.1f} "
           "tokens/s", file=sys.stderr)
     if summary.stopped is not None:
-        print(f"mmserve run-batch: {summary.stopped}; input lines after line "
-              f"{summary.last_line} were not read", file=sys.stderr)
+        rest = ("every input line was read" if summary.read_all else
+                f"input lines after line {summary.last_line} were not read")
+        print(f"mmserve run-batch: {summary.stopped}; lines answered with status 500 or 503 "
+              f"failed with it, and {rest}", file=sys.stderr)
         return 1
     return 0
 
 
 def _open_input(path: str) -> tuple[BinaryIO, int | None]:
-    """The input's bytes, and how many requests it holds where it can be counted first."""
+    """The input's bytes, and how many lines it has where it is a file that can be read
+    twice (a pipe or a FIFO is read once, as it comes)."""
     if path == "-":
         return sys.stdin.buffer, None
-    with open(path, "rb") as f:
-        total = sum(1 for line in f if line.strip())
-    return open(path, "rb"), total
+    source = open(path, "rb")  # noqa: SIM115 (closed by the caller)
+    if not stat.S_ISREG(os.fstat(source.fileno()).st_mode):
+        return source, None
+    lines, last = 0, b"\n"
+    while chunk := source.read(1 << 20):
+        lines += chunk.count(b"\n")
+        last = chunk[-1:]
+    source.seek(0)
+    return source, lines + (last != b"\n")
 
 
 def _check_output(path: str, input_path: str) -> None:
@@ -385,3 +509,5 @@ def _check_output(path: str, input_path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         raise ValueError(f"--output-file {path}: cannot write in {folder}")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ValueError(f"--output-file {path} is not writable")
