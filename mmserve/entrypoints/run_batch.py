@@ -45,7 +45,7 @@ URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 LINE_OVERHEAD_BYTES = 64 * 1024  # a line's custom_id, method and url beside its body
 MAX_CUSTOM_ID_CHARS = 1024
 # Lines read but not yet written: at most this many per request the engine runs at once,
-# holding at most this many bytes of requests (a larger line goes alone).
+# holding at most this many bytes of requests and answers (a larger line goes alone).
 LINES_PER_SEQ = 4
 WINDOW_BYTES = 256 * 1024 * 1024
 
@@ -69,7 +69,7 @@ class BatchRequest:
 
 def parse_line(line: bytes, seen: set[bytes]) -> BatchRequest:
     """One input line as a request; ``LineError`` for one that is none. ``seen``: digests of
-    the custom ids so far (this line's is added)."""
+    the custom ids of the requests so far (this line's is added once it is one)."""
     try:
         item = json.loads(line)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
