@@ -98,6 +98,16 @@ def test_list_flags_take_vllms_json_lists_and_commas() -> None:
                                       APP, "--allowed-methods", "GET,POST", "/models/qwen"])
     assert args.model_path == "/models/qwen"
     assert list_flag(args.allowed_origins, ()) == ("*", APP)
+    from mmserve.entrypoints.serve_command import front_door_config
+
+    for command in ("serve", "run-batch"):
+        io = ["-i", "in.jsonl", "-o", "out.jsonl"] if command == "run-batch" else []
+        parsed = build_parser().parse_args([
+            command, *io, "--allowed-media-domains", "a.example, b.example",
+            "--allowed-media-domains", '["c.example"]', "/models/qwen"])
+        assert parsed.model_path == "/models/qwen"
+        assert front_door_config(parsed, parsed.model_path).media.allowed_domains == (
+            "a.example", "b.example", "c.example")
     assert list_flag(args.allowed_methods, ()) == ("GET", "POST")
 
 

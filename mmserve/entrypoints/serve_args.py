@@ -145,8 +145,11 @@ def _add_front_door_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-body-bytes", type=int,
                    default=ServerConfig.max_request_body_bytes,
                    help="larger requests are refused")
-    p.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="HOST",
-                   help="hosts whose http(s) image URLs may be fetched")
+    # One value each time, as the CORS flags take theirs: a model path after the flag stays
+    # the model, never a host.
+    p.add_argument("--allowed-media-domains", action="append", metavar="HOSTS",
+                   help="hosts whose http(s) image URLs may be fetched: 'a.example,b.example' "
+                   "or a JSON list; may be repeated")
     p.add_argument("--allowed-local-media-path", metavar="DIR",
                    help="serve file:// image URLs under DIR")
     p.add_argument("--max-image-bytes", type=int, default=MediaPolicy.max_bytes)

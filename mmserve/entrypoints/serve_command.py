@@ -59,8 +59,9 @@ def front_door_config(args: argparse.Namespace, model: str, **own: Any) -> Serve
     return ServerConfig(
         served_model_name=args.served_model_name or model,
         max_request_body_bytes=args.max_request_body_bytes,
-        media=MediaPolicy(tuple(args.allowed_media_domains), args.allowed_local_media_path,
-                          args.max_image_bytes, args.media_fetch_timeout),
+        media=MediaPolicy(list_flag(args.allowed_media_domains, ()),
+                          args.allowed_local_media_path, args.max_image_bytes,
+                          args.media_fetch_timeout),
         engine_process=args.engine_process,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
