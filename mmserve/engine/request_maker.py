@@ -20,7 +20,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.request import Request
 from mmserve.engine.structured_output import GrammarCompiler
 from mmserve.errors import InvalidInputError
-from mmserve.processing.processor import InputProcessor
+from mmserve.processing.processor import InputProcessor, check_unicode
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.cpu_allocator import release_free_memory
 
@@ -175,7 +175,7 @@ class RequestMaker:
 
 def cache_salt(prompt: dict[str, Any] | str) -> str | None:
     """A prompt's ``cache_salt`` (vLLM's), checked: ``InvalidInputError`` for one that is
-    not a non-empty string of at most ``MAX_CACHE_SALT_CHARS`` characters."""
+    not a non-empty string of at most ``MAX_CACHE_SALT_CHARS`` characters of valid Unicode."""
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
     if salt is None:
         return None
@@ -185,11 +185,7 @@ def cache_salt(prompt: dict[str, Any] | str) -> str | None:
     if len(salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidInputError(f"cache_salt is {len(salt)} characters; at most "
                                 f"{MAX_CACHE_SALT_CHARS} are taken.", param="cache_salt")
-    try:
-        salt.encode()
-    except UnicodeEncodeError:
-        raise InvalidInputError("cache_salt holds an unpaired surrogate; send valid Unicode.",
-                                param="cache_salt") from None
+    check_unicode(salt, "cache_salt")
     return salt
 
 

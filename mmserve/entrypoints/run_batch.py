@@ -240,12 +240,16 @@ def _settle(future: asyncio.Future, line: bytes, error: Exception | None) -> Non
 @dataclass
 class BatchSummary:
     lines: int = 0  # output lines written
-    answered: int = 0  # of them, with status 200
     output_tokens: int = 0
     statuses: dict[str, int] = field(default_factory=dict)  # "400", "invalid_url", ...
     last_line: int = 0  # the input's physical line the last request read came from
     read_all: bool = False  # the input was read to its end
     stopped: str | None = None  # the engine broke on the way
+
+    @property
+    def answered(self) -> int:
+        """Lines answered with status 200."""
+        return self.statuses.get("200", 0)
 
 
 def _output_line(custom_id: str | None, response: str | None,
@@ -270,12 +274,14 @@ def _response(status: int, request_id: str | None, body: bytes) -> str:
 def _usage_tokens(body: bytes) -> int:
     """The output tokens an answer's ``usage`` counts (its last ``"usage":`` key, read alone
     so that a large answer is not parsed again)."""
-    at = body.rfind(b'"usage":')
+    key = b'"usage":'
+    at = body.rfind(key)
     if at < 0:
         return 0
+    start = at + len(key)
     try:
         usage, _ = json.JSONDecoder().raw_decode(
-            body[at + len(b'"usage":'):][:4096].decode(errors="ignore").lstrip())
+            body[start:start + 4096].decode(errors="ignore").lstrip())
     except ValueError:
         return 0
     if not isinstance(usage, dict):
@@ -330,7 +336,6 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
             response = _refusal(f"internal error: {type(e).__name__}", None, 500,
                                 "server_error")
         if status == 200:
-            summary.answered += 1
             summary.output_tokens += _usage_tokens(body)
         put(index, _output_line(request.custom_id, response, None), size, str(status))
 

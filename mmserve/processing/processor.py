@@ -173,7 +173,7 @@ class InputProcessor:
             if not isinstance(text, str):
                 raise InvalidInputError("'prompt' must be a string", param="prompt")
             self._check_length(len(text), max_chars, "prompt")
-            _check_unicode(text, "prompt")
+            check_unicode(text, "prompt")
             n = text.count(self.image_token)
             if n != len(images):
                 raise InvalidInputError(
@@ -353,7 +353,7 @@ class InputProcessor:
                 "the prompt or raise max_model_len.", param=where)
 
     def _check_text(self, text: str, where: str) -> None:
-        _check_unicode(text, where)
+        check_unicode(text, where)
         if self.image_token in text:
             raise InvalidInputError(
                 f"{where} contains {self.image_token!r}, the model's image placeholder; "
@@ -494,7 +494,7 @@ def _images_from_multi_modal_data(prompt: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "images": list(images) or rest.get("images") or []}
 
 
-def _check_unicode(text: str, where: str) -> None:
+def check_unicode(text: str, where: str) -> None:
     """Refuse lone UTF-16 surrogates (JSON allows "\\ud800" escapes; they are not text)."""
     try:
         text.encode("utf-8")
