@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import re
 import signal
 import time
@@ -27,9 +28,10 @@ from mmserve.engine.startup import plan_for
 from mmserve.errors import EngineDeadError
 from mmserve.models import loader, parallel
 from mmserve.processing.processor import InputProcessor
+from mmserve.step import DecodeRows, ScheduledRequest, SchedulerOutput
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.worker.dry_run import check_tensor_parallel, meta_model
-from mmserve.worker.executor import MultiprocExecutor, exit_status
+from mmserve.worker.executor import MultiprocExecutor, ParamsMemo, exit_status
 from mmserve.worker.memory_profiler import tensor_bytes
 from mmserve.worker.model_runner import split_by_tokens
 from tests.conftest import assert_no_leaks
@@ -197,6 +199,59 @@ def test_images_split_between_ranks_by_tokens() -> None:
     assert owner == {"a": 0, "b": 1, "c": 1, "d": 0}  # 110 against 110
     assert split_by_tokens(["d", "c", "b", "a"], tokens, 2) == owner  # order-independent
     assert set(split_by_tokens(list(tokens), tokens, 8).values()) == {0, 1, 2, 3}
+
+
+def _chunk(rid: str, params: SamplingParams) -> ScheduledRequest:
+    return ScheduledRequest(request_id=rid, token_ids=[1, 2, 3], start_pos=0, block_ids=[0],
+                            image_slices=[], sample=True, sampling_params=params,
+                            positions=[[0, 1, 2]])
+
+
+def _decodes(rows: dict[str, SamplingParams]) -> DecodeRows:
+    decodes = DecodeRows()
+    for i, (rid, params) in enumerate(rows.items()):
+        decodes.append(rid, 7, 10 + i, 10 + i, params, 0)
+    return decodes
+
+
+def test_sampling_params_cross_to_the_workers_once() -> None:
+    """A step pickled for the workers carries each request's params in its first step only,
+    and the worker's side reads back every row's params as the engine sent them."""
+    a, b, c = (SamplingParams(max_tokens=8, seed=i, logit_bias={i: 1.0}) for i in range(3))
+    b_again = SamplingParams(max_tokens=4, temperature=0.0)  # id "b" reused after it ended
+    steps = [
+        SchedulerOutput(chunks=[_chunk("a", a), _chunk("b", b)]),
+        SchedulerOutput(decodes=_decodes({"a": a, "b": b}), chunks=[_chunk("c", c)]),
+        SchedulerOutput(decodes=_decodes({"a": a, "b": b, "c": c})),
+        # "b" ended; an id of its reused by a new request, in the step that drops it.
+        SchedulerOutput(decodes=_decodes({"a": a, "c": c}), chunks=[_chunk("b", b_again)],
+                        finished_request_ids=["b"]),
+        # "a" preempted and run again from its prompt: its params are known still.
+        SchedulerOutput(decodes=_decodes({"b": b_again, "c": c}), chunks=[_chunk("a", a)]),
+    ]
+    sent_params = [["a", "b"], ["c"], [], ["b"], []]
+    engine, worker = ParamsMemo(), ParamsMemo()
+    for step, expected in zip(steps, sent_params, strict=True):
+        before = step.decodes.sampling_params + [r.sampling_params for r in step.chunks]
+        stripped = engine.strip(step)
+        carried = [rid for rid, p in zip(stripped.request_ids(),
+                                         stripped.decodes.sampling_params
+                                         + [r.sampling_params for r in stripped.chunks],
+                                         strict=True)
+                   if p is not None]
+        assert carried == expected
+        # The engine's step is left whole (it reads the params after the step).
+        assert step.decodes.sampling_params + [r.sampling_params for r in step.chunks] == before
+        filled = worker.fill(pickle.loads(pickle.dumps(stripped)))
+        assert filled.request_ids() == step.request_ids()
+        assert (filled.decodes.sampling_params + [r.sampling_params for r in filled.chunks]
+                == before)
+        assert engine.known.keys() == worker.known.keys()
+    assert worker.known["b"] == b_again
+    # Ended requests are forgotten on both sides.
+    last = engine.strip(SchedulerOutput(finished_request_ids=["a", "b", "c"]))
+    worker.fill(pickle.loads(pickle.dumps(last)))
+    assert engine.known == {} and worker.known == {}
 
 
 def test_memory_plan_is_per_rank(clip_llama: str) -> None:
