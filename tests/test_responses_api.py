@@ -1,7 +1,7 @@
-"""OpenAI's Responses API (``POST /v1/responses``), stateless, through the openai client: text
-and images in, the same tokens as the chat endpoint gives for the same conversation; function
+"""OpenAI's Responses API (``POST /v1/responses``) through the openai client: text and images
+in, the same tokens as the chat endpoint gives for the same conversation; function
 tools and earlier calls; a JSON schema; the stream's events add up to the whole response; what
-it does not do is a 400 naming the field."""
+it does not do is a 400 naming the field. (Stored responses: test_responses_store.py.)"""
 
 from __future__ import annotations
 
@@ -191,13 +191,16 @@ def test_output_text_logprobs_are_the_chat_endpoints(http: TestClient,
 
 
 @pytest.mark.parametrize("body, param, fragment", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "nothing is stored"),
+    ({"conversation": "conv_1"}, "conversation", "not stored"),
+    ({"previous_response_id": 5}, "previous_response_id", "a response's id"),
+    ({"store": "yes"}, "store", "true or false"),
     ({"include": ["file_search_call.results"]}, "include[0]", "no 'file_search_call"),
     ({"include": "message.output_text.logprobs"}, "include", "list of strings"),
     ({"top_logprobs": 21}, "top_logprobs", "from 0 to 20"),
     ({"include": ["message.output_text.logprobs"], "tool_choice": "required",
       "tools": [{"type": "function", "name": "f"}]}, "include", "call tools"),
-    ({"background": True}, "background", "not supported"),
+    ({"background": True, "store": False}, "background", "send 'store': true"),
+    ({"background": True, "stream": True}, "background", "with 'stream' is not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type", "only 'function' tools"),
     ({"input": [{"type": "reasoning"}]}, "input[0].type", "supported: 'message'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
@@ -255,6 +258,7 @@ RESPONSES_VALUES = {
     "metadata": [None, {"a": "b"}, {"a": 1}, {str(i): "v" for i in range(17)}],
     "stream": [None, True, False, "yes"],
     "store": [None, True, False],
+    "background": [None, True, False, "x"],
     "include": [None, [], ["message.output_text.logprobs"], ["x"], "x", [5]],
     "top_logprobs": [None, 0, 5, 20, 21, -1, "2", True],
 }

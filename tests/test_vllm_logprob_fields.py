@@ -81,16 +81,24 @@ def test_prompt_logprobs_on_both_endpoints_equal_the_python_apis(served) -> None
     choice = completion["choices"][0]
     assert _shown(choice["prompt_logprobs"]) == _expected(llm, references["text"])
     assert choice["text"] == references["text"].text and choice["logprobs"] is None
-    # Without the field, none; with echo, the echo's alternatives are prompt_logprobs'.
+    # Without the field, none; with echo, the echo shows logprobs' alternatives for every
+    # token and prompt_logprobs its own, whichever is more.
     assert "prompt_logprobs" not in _post(http, "/v1/chat/completions", messages=MESSAGES,
                                           max_tokens=2)
-    echoed = _post(http, "/v1/completions", prompt=PROMPT, max_tokens=2, echo=True,
-                   logprobs=2, prompt_logprobs=1)["choices"][0]
     num_prompt = len(references["text"].prompt_token_ids)
-    assert all(len(top) == 1 for top in echoed["logprobs"]["top_logprobs"][1:num_prompt])
-    assert all(len(top) == 2 for top in echoed["logprobs"]["top_logprobs"][num_prompt:])
-    assert [len(e) for e in echoed["prompt_logprobs"][1:]] == [
-        1 if e.rank == 1 else 2 for e in references["text"].prompt_logprobs[1:]]
+    for logprobs, prompt_logprobs in ((2, 1), (1, 3)):
+        echoed = _post(http, "/v1/completions", prompt=PROMPT, max_tokens=2, echo=True,
+                       logprobs=logprobs, prompt_logprobs=prompt_logprobs)["choices"][0]
+        tops = echoed["logprobs"]["top_logprobs"]
+        assert tops[0] is None and len(tops) == num_prompt + 2
+        assert all(len(top) == logprobs for top in tops[1:]), (logprobs, prompt_logprobs)
+        assert [len(e) for e in echoed["prompt_logprobs"][1:]] == [
+            prompt_logprobs + (e.rank > prompt_logprobs)
+            for e in references["text"].prompt_logprobs[1:]]
+        # The shown ones are the most likely, in the engine's order.
+        assert [list(top.values()) for top in tops[1:num_prompt]] == [
+            pytest.approx([max(v, -9999.0) for _, v in e.top[:logprobs]], abs=1e-5)
+            for e in references["text"].prompt_logprobs[1:]]
     assert_no_leaks(llm.engine)
 
 
@@ -102,6 +110,8 @@ def test_prompt_logprobs_refusals(served) -> None:
             ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": -1}, "between 0 and 20"),
             ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 1, "stream": True},
              "whole answer"),
+            ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": 2,
+                                      "stream": True}, "whole answer"),
             ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": True},
              "must be an integer"),
             ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": 1, "n": 2,
@@ -121,6 +131,21 @@ def _sse(http: TestClient, path: str, **body) -> list[dict]:
     assert resp.status_code == 200, resp.text
     return [json.loads(line[6:]) for line in resp.text.splitlines()
             if line.startswith("data: {")]
+
+
+def test_a_stream_takes_zero_prompt_logprobs_and_shows_none(served) -> None:
+    """As vLLM: ``prompt_logprobs: 0`` in a stream is no error (more is, above); the stream
+    has no field for them, and its text is the one without the field."""
+    _, http, references = served
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": MESSAGES})):
+        chunks = _sse(http, path, max_tokens=4, prompt_logprobs=0, **body)
+        assert not any("prompt_logprobs" in c or any("prompt_logprobs" in choice
+                                                     for choice in c["choices"])
+                       for c in chunks)
+        text = "".join(choice.get("text") or choice.get("delta", {}).get("content") or ""
+                       for c in chunks for choice in c["choices"])
+        assert text == references["text" if "prompt" in body else "chat"].text
 
 
 def test_tokens_as_token_ids_whole_and_streamed(served) -> None:

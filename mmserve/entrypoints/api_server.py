@@ -70,6 +70,7 @@ from mmserve.entrypoints.http_middleware import (
 from mmserve.entrypoints.media import MediaLoader
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
+from mmserve.entrypoints.response_store import ResponseStore, Stored, input_items_page
 from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.errors import EngineDeadError, InvalidInputError
@@ -122,6 +123,11 @@ class OpenAIServer:
         self._num_tokenizing = 0  # processed or waiting; past MAX_TOKENIZE_WAITING, 503
         # Set by ``serve``: the uvicorn server to stop if the engine dies.
         self.http_server: Any = None
+        # The Responses API's stored responses (none where the store has no room at all),
+        # and the tasks of the background ones that run.
+        self.response_store = (ResponseStore(config.responses_store_bytes)
+                               if config.responses_store_bytes > 0 else None)
+        self._background: set[asyncio.Future] = set()
 
         @functools.lru_cache(maxsize=1 << 16)
         def token_text(token_id: int) -> str:  # what a token stands for, for logprobs
@@ -234,15 +240,21 @@ class OpenAIServer:
 
     # ----------------------------------------------------------------- responses
     async def responses(self, request: Request) -> Response:
-        """OpenAI's ``POST /v1/responses``, stateless (``responses_protocol.py``): the chat
-        request it amounts to, answered as a response object or its stream of events."""
+        """OpenAI's ``POST /v1/responses`` (``responses_protocol.py``): the chat request it
+        amounts to, answered as a response object or its stream of events, or at once and
+        run on (``background``); kept in the store where it asks (``store``)."""
         response_id, engine_id = request_ids_of(request, "resp_")
         created = int(time.time())
         req = None
         try:
+            body = await self._read_json(request)
+            previous = body.get("previous_response_id") if isinstance(body, dict) else None
+            earlier = None
+            if isinstance(previous, str):
+                earlier = self._conversation(previous)
             req = responses.parse_responses_request(
-                await self._read_json(request), self.max_model_len, self.max_images,
-                self.sampling_defaults, self.tool_parser)
+                body, self.max_model_len, self.max_images, self.sampling_defaults,
+                self.tool_parser, earlier, can_store=self.response_store is not None)
             chat = req.chat
             self._check_model_and_room(chat.model)
             (stream,) = await self.engine.add_completions(
@@ -255,10 +267,14 @@ class OpenAIServer:
             return error_response(err)
         reader = tool_calls.reader_for(chat.tool_choice, self.tool_parser,
                                        lambda: responses.new_id("call"))
+        if req.store and self.response_store is not None and response_id in self.response_store:
+            response_id = engine_id  # a client's X-Request-Id again: a stored id is unique
         events = responses.ResponseEvents(response_id, self.model, req.echo, created)
+        if req.background:
+            return self._run_in_background(req, events, stream, reader)
         if chat.stream:
             return StreamingResponse(
-                self._response_events(events, stream, reader),
+                self._response_events(events, stream, reader, req),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         outs = await self._final_outputs(request, [stream])
@@ -267,12 +283,124 @@ class OpenAIServer:
         (out,) = outs
         whole = (self._text_delta(out.text, out) if reader is None
                  else reader.feed(out.text) + reader.finish())
-        return JSONResponse(events.whole(whole, out.finish_reason, responses_usage(out)))
+        response = events.whole(whole, out.finish_reason, responses_usage(out))
+        self._keep(req, response)
+        return JSONResponse(response)
+
+    def _conversation(self, previous: str) -> list[dict[str, Any]]:
+        """The stored conversation ``previous_response_id`` continues (a 404 where it is not
+        stored)."""
+        store = self.response_store
+        items = None if store is None else store.conversation(previous)
+        if items is None:
+            why = ("this server stores no responses (--responses-store-mib 0)" if store is None
+                   else "it, or one before it in the conversation, is not stored (never "
+                   "stored, deleted, or forgotten to make room)")
+            raise ApiError(404, f"previous_response_id {previous[:64]!r} cannot be continued: "
+                           f"{why}; send the whole conversation in 'input'.",
+                           "previous_response_id", code="previous_response_not_found")
+        return items
+
+    def _keep(self, req: responses.ResponsesRequest, response: dict[str, Any]) -> None:
+        if req.store and self.response_store is not None:
+            self.response_store.put(response, req.input_items, req.previous)
+
+    def _run_in_background(self, req: responses.ResponsesRequest,
+                           events: responses.ResponseEvents, stream: RequestStream,
+                           reader: tool_calls.CallReader | None) -> Response:
+        """Answer a ``background`` request at once (queued) and run it on a task of its own;
+        the store holds it, in progress, until it ends or is cancelled."""
+        store = self.response_store
+        assert store is not None  # (the request was refused otherwise)
+        entry = store.put(events.snapshot("queued"), req.input_items, req.previous)
+        if entry is None:
+            self._abort([stream])
+            return error_response(proto.bad_request(
+                f"the request is larger than the response store ({store.max_bytes} bytes of "
+                "JSON): send it without 'background'.", "background"))
+
+        async def run() -> None:
+            try:
+                async for _ in self._response_events(events, stream, reader):
+                    pass
+            except Exception as e:  # noqa: BLE001 (a bug here must not leave it running)
+                logger.exception("background response %s failed", events.response_id)
+                events.fail(ApiError(500, f"the server failed this response ({e})"))
+            if not events.final:  # (the answer's stream ended without its last output)
+                events.fail(ApiError(500, "the answer ended before it finished"))
+            store.update(events.final)
+
+        entry.task = asyncio.ensure_future(run())
+        entry.events = events
+        self._background.add(entry.task)
+        entry.task.add_done_callback(self._background.discard)
+        return JSONResponse(entry.response)
+
+    async def get_response(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}``: a stored response (in progress, for a background one
+        that runs)."""
+        entry = self._stored(request)
+        if isinstance(entry, Response):
+            return entry
+        return JSONResponse(entry.events.snapshot() if entry.running else entry.response)
+
+    async def delete_response(self, request: Request) -> Response:
+        """``DELETE /v1/responses/{id}``: forget a stored response (a background one that
+        runs is cancelled first)."""
+        entry = self._stored(request)
+        if isinstance(entry, Response):
+            return entry
+        response_id = entry.response["id"]
+        if entry.running:
+            entry.task.cancel()
+        self.response_store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def cancel_response(self, request: Request) -> Response:
+        """``POST /v1/responses/{id}/cancel``: stop a background response that runs (its
+        engine request aborted); one that has ended is answered as it is."""
+        entry = self._stored(request)
+        if isinstance(entry, Response):
+            return entry
+        if not entry.response.get("background"):
+            return error_response(proto.bad_request(
+                "only responses made with 'background': true can be cancelled.",
+                "response_id"))
+        if entry.running:
+            entry.task.cancel()
+            self.response_store.update(entry.events.cancel())
+        return JSONResponse(entry.response)
+
+    async def response_input_items(self, request: Request) -> Response:
+        """``GET /v1/responses/{id}/input_items``: the request's input, a page at a time."""
+        entry = self._stored(request)
+        if isinstance(entry, Response):
+            return entry
+        try:
+            page = input_items_page(entry.input_items, dict(request.query_params))
+        except ValueError as e:
+            param, _, why = str(e).partition(": ")
+            return error_response(proto.bad_request(f"{param}: {why}", param))
+        return JSONResponse(page)
+
+    def _stored(self, request: Request) -> Stored | Response:
+        """The stored response a path names, or the 404 that says it is not stored."""
+        response_id = request.path_params["response_id"]
+        entry = None if self.response_store is None else self.response_store.get(response_id)
+        if entry is None:
+            return error_response(ApiError(
+                404, f"no stored response {response_id[:64]!r}: responses are kept where "
+                "a request asks ('store', the default) and this server stores them "
+                "(--responses-store-mib), until deleted or forgotten to make room.",
+                "response_id", code="response_not_found"))
+        return entry
 
     async def _response_events(self, events: responses.ResponseEvents, stream: RequestStream,
-                               reader: tool_calls.CallReader | None) -> AsyncIterator[str]:
+                               reader: tool_calls.CallReader | None,
+                               req: responses.ResponsesRequest | None = None
+                               ) -> AsyncIterator[str]:
         """A response's events as its answer comes; a failure ends them with
-        ``response.failed``."""
+        ``response.failed``. The finished response is kept where ``req`` asks."""
         answer = Answer()
         try:
             for event in events.start():
@@ -294,6 +422,8 @@ class OpenAIServer:
                             yield event
         finally:
             self._abort([stream])
+        if req is not None and events.final:
+            self._keep(req, events.final)
 
     def _text_delta(self, text: str, out: RequestOutput) -> list[dict[str, Any]]:
         """A response's text delta, with its tokens' log-probabilities where the request
@@ -448,8 +578,9 @@ class OpenAIServer:
                 logprobs, calls))
         body = shapes.completion(request_id, self.model, choices, usage_of([outs]))
         large = LargeParts()
-        if chat.prompt_logprobs:  # vLLM's: the prompt's, once (every choice's is the same)
-            body["prompt_logprobs"] = self._prompt_logprobs(outs[0], large)
+        if chat.prompt_logprobs is not None:  # vLLM's: the prompt's, once (every choice's
+            body["prompt_logprobs"] = self._prompt_logprobs(  # is the same)
+                outs[0], large, chat.prompt_logprobs)
         return large.response(body)
 
     def _as_ids(self, tokens_as_ids: bool | None) -> bool:
@@ -457,11 +588,13 @@ class OpenAIServer:
         return (self.config.return_tokens_as_token_ids if tokens_as_ids is None
                 else tokens_as_ids)
 
-    def _prompt_logprobs(self, out: RequestOutput, large: LargeParts) -> Any:
-        """vLLM's ``prompt_logprobs`` of ``out``, a part of ``large`` (a long prompt's)."""
+    def _prompt_logprobs(self, out: RequestOutput, large: LargeParts,
+                         alternatives: int) -> Any:
+        """vLLM's ``prompt_logprobs`` of ``out`` with ``alternatives`` each, a part of
+        ``large`` (a long prompt's)."""
         ids, entries = out.prompt_token_ids or [], out.prompt_logprobs or []
         return large.add(lambda start, end: shapes.prompt_logprobs(
-            ids[start:end], entries[start:end], self._token_text), len(entries))
+            ids[start:end], entries[start:end], self._token_text, alternatives), len(entries))
 
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
                    tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False,
@@ -607,20 +740,23 @@ class OpenAIServer:
                 if echoes is not None:  # the prompt's tokens first (the first has none)
                     ids = [*(out.prompt_token_ids or ()), *ids]
                     entries = [*(first.prompt_logprobs or ()), *entries]
-                logprobs = self._completion_logprobs(ids, entries, as_ids, large)
+                logprobs = self._completion_logprobs(ids, entries, as_ids, large,
+                                                     req.params.logprobs)
             text = out.text if echoes is None else echoes[i] + out.text
             choices.append(shapes.completion_choice(i, text, out.finish_reason, logprobs))
-            if req.prompt_logprobs:
-                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(first, large)
+            if req.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(first, large,
+                                                                       req.prompt_logprobs)
         return large.response(shapes.text_completion(request_id, self.model, choices,
                                                      usage_of(per_prompt(outs, n))))
 
     def _completion_logprobs(self, ids: list[int], entries: list[TokenLogprobs | None],
-                             as_ids: bool, large: LargeParts) -> dict[str, Any]:
-        """The completions endpoint's ``logprobs`` of ``ids``, its alternatives (the large
-        part, for an echoed prompt) written a piece at a time."""
+                             as_ids: bool, large: LargeParts,
+                             alternatives: int | None) -> dict[str, Any]:
+        """The completions endpoint's ``logprobs`` of ``ids`` with ``alternatives`` each, its
+        alternatives (the large part, for an echoed prompt) written a piece at a time."""
         top = large.add(lambda start, end: shapes.top_logprobs(
-            entries[start:end], self._token_text, as_ids), len(entries))
+            entries[start:end], self._token_text, as_ids, alternatives), len(entries))
         return shapes.completion_logprobs(ids, entries, self._token_text, as_ids=as_ids,
                                           top=top)
 
@@ -693,7 +829,10 @@ class OpenAIServer:
             await asyncio.get_running_loop().run_in_executor(None, self._copy_tokenizer)
             logger.info("serving %r", self.model)
             yield
-            # uvicorn has drained in-flight requests (SIGTERM) before this point.
+            # uvicorn has drained in-flight requests (SIGTERM) before this point; background
+            # responses are not requests, and stop here.
+            for task in list(self._background):
+                task.cancel()
             await self.engine.shutdown()
             self.media.close()
 
@@ -701,6 +840,12 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
+            Route("/v1/responses/{response_id}/cancel", self.cancel_response,
+                  methods=["POST"]),
+            Route("/v1/responses/{response_id}/input_items", self.response_input_items,
+                  methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             # An id may hold slashes (a checkpoint's path, an organization's name).
             Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),

@@ -73,9 +73,10 @@ class ChatRequest:
     # cache_salt where a request sets them (the engine takes them from the prompt).
     turn: dict[str, Any] = field(default_factory=dict)
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: params then unused
-    # vLLM's: log-probabilities of the prompt's tokens in the answer (``params`` computes
-    # them), and tokens in log-probabilities as "token_id:N" (None: the server's default).
-    prompt_logprobs: bool = False
+    # vLLM's: log-probabilities of the prompt's tokens in the answer, with this many
+    # alternatives each (None: no such field; ``params`` computes them), and tokens in
+    # log-probabilities as "token_id:N" (None: the server's default).
+    prompt_logprobs: int | None = None
     tokens_as_ids: bool | None = None
 
 
@@ -117,8 +118,7 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
                        continuous_usage=continuous_usage, model=model, tools=tools,
                        tool_choice=tool_choice, turn={**_turn(body), **_cache_salt(body)},
-                       beam=beam,
-                       prompt_logprobs=prompt_logprobs is not None,
+                       beam=beam, prompt_logprobs=prompt_logprobs,
                        tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None))
 
 
@@ -165,7 +165,7 @@ class CompletionRequest:
     echo: bool = False
     prompt_only: bool = False
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: params then unused
-    prompt_logprobs: bool = False  # as ``ChatRequest``'s, in each choice
+    prompt_logprobs: int | None = None  # as ``ChatRequest``'s, in each choice
     tokens_as_ids: bool | None = None
 
 
@@ -207,9 +207,13 @@ def parse_completion_request(body: Any, max_model_len: int,
                           "stream echoes the prompt's text, without its log-probabilities)",
                           "echo")
     prompt_logprobs = _prompt_logprobs(body, stream)
-    params = _sampling_params(
-        body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs, defaults or {},
-        prompt_logprobs=logprobs if prompt_logprobs is None and echo else prompt_logprobs)
+    # An echo's log-probabilities are the prompt's: the engine computes as many alternatives
+    # as either field shows, and each field shows its own number.
+    scored = prompt_logprobs
+    if echo and logprobs is not None:
+        scored = max(logprobs, prompt_logprobs or 0)
+    params = _sampling_params(body, max_model_len, DEFAULT_COMPLETION_TOKENS, logprobs,
+                              defaults or {}, prompt_logprobs=scored)
     salt = _cache_salt(body)
     prompts = [{**prompt, **salt} for prompt in _parse_prompts(body.get("prompt"))]
     if len(prompts) * params.n > MAX_COMPLETION_PROMPTS:
@@ -222,7 +226,7 @@ def parse_completion_request(body: Any, max_model_len: int,
     return CompletionRequest(prompts, params, stream=stream, include_usage=include_usage,
                              continuous_usage=continuous_usage, model=model, echo=echo,
                              prompt_only=prompt_only, beam=beam,
-                             prompt_logprobs=prompt_logprobs is not None,
+                             prompt_logprobs=prompt_logprobs,
                              tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None))
 
 
@@ -337,13 +341,14 @@ def _check_num_logprobs(value: int | None, name: str) -> None:
 
 def _prompt_logprobs(body: dict[str, Any], stream: bool) -> int | None:
     """vLLM's ``prompt_logprobs``: alternatives for each prompt token (0 to ``MAX_LOGPROBS``),
-    given in a whole answer (the engine has them once the request ends)."""
+    given in a whole answer (the engine has them once the request ends). A stream has no
+    place for them: it takes 0 and shows nothing (as vLLM), and refuses more."""
     value = _get(body, "prompt_logprobs", int, None)
     _check_num_logprobs(value, "prompt_logprobs")
-    if value is not None and stream:
+    if stream and value:
         raise bad_request("'prompt_logprobs' are given in a whole answer: send 'stream': false "
                           "with them, or leave them out.", "prompt_logprobs")
-    return value
+    return None if stream else value
 
 
 def _stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:

@@ -109,11 +109,13 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprob
 
 
 def top_logprobs(entries: Sequence[TokenLogprobs | None], token_text: Callable[[int], str],
-                 as_ids: bool = False) -> list[dict[str, float] | None]:
+                 as_ids: bool = False,
+                 alternatives: int | None = None) -> list[dict[str, float] | None]:
     """The completions endpoint's ``top_logprobs``: ``{token: logprob}`` of each entry's
-    alternatives (null for None)."""
+    first ``alternatives`` (all where None; null for an entry None)."""
     return [None if e is None else
-            {token_label(t, token_text(t), as_ids): max(v, MIN_LOGPROB) for t, v in e.top}
+            {token_label(t, token_text(t), as_ids): max(v, MIN_LOGPROB)
+             for t, v in e.top[:alternatives]}
             for e in entries]
 
 
@@ -124,10 +126,12 @@ def token_label(token: int, text: str, as_ids: bool) -> str:
 
 
 def prompt_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None],
-                    token_text: Callable[[int], str]) -> list[dict[str, Any] | None]:
+                    token_text: Callable[[int], str],
+                    alternatives: int | None = None) -> list[dict[str, Any] | None]:
     """vLLM's ``prompt_logprobs`` of an answer: for each prompt token (None for the first,
     which nothing predicts), an object from token ids (as strings) to ``{"logprob", "rank",
-    "decoded_token"}``: the prompt's token and the most likely alternatives."""
+    "decoded_token"}``: the prompt's token and the ``alternatives`` most likely (all the
+    entry has where None)."""
     out: list[dict[str, Any] | None] = []
     for token, e in zip(token_ids, entries, strict=True):
         if e is None:
@@ -135,7 +139,7 @@ def prompt_logprobs(token_ids: Sequence[int], entries: Sequence[TokenLogprobs | 
             continue
         found = {str(token): {"logprob": max(e.logprob, MIN_LOGPROB), "rank": e.rank,
                               "decoded_token": token_text(token)}}
-        for rank, (t, v) in enumerate(e.top, 1):
+        for rank, (t, v) in enumerate(e.top[:alternatives], 1):
             found.setdefault(str(t), {"logprob": max(v, MIN_LOGPROB), "rank": rank,
                                       "decoded_token": token_text(t)})
         out.append(found)

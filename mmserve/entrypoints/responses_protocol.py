@@ -6,9 +6,10 @@ What it takes: ``input`` as a string or a list of items (messages whose content 
 ``input_text``, ``input_image`` and, for earlier answers, ``output_text`` parts; earlier
 ``function_call`` items and their ``function_call_output``), ``instructions``,
 ``max_output_tokens``, ``temperature``, ``top_p``, function ``tools`` with ``tool_choice`` and
-``parallel_tool_calls``, ``text.format`` (``json_schema`` or ``json_object``) and ``stream``.
-Nothing is stored: ``previous_response_id``, ``conversation`` and ``background`` are refused
-with a 400 saying so, as are tools other than functions.
+``parallel_tool_calls``, ``text.format`` (``json_schema`` or ``json_object``) and ``stream``;
+with the server's store (``response_store.py``), ``store``, ``previous_response_id`` (the
+server passes the stored conversation in as ``earlier``) and ``background``. ``conversation``
+and stored prompts are refused with a 400 saying so, as are tools other than functions.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from mmserve.sampling_params import MAX_LOGPROBS
 
 # Fields that need state or machinery mmserve does not keep: refused, never ignored.
 _REFUSED = {
-    "previous_response_id": "nothing is stored: send the whole conversation in 'input'",
-    "conversation": "nothing is stored: send the whole conversation in 'input'",
+    "conversation": "conversations are not stored: send 'previous_response_id' or the whole "
+                    "conversation in 'input'",
     "prompt": "stored prompts are not supported: send the text in 'input'",
 }
 
@@ -48,6 +49,13 @@ class ResponsesRequest:
     echo: dict[str, Any] = field(default_factory=dict)
     where: list[str] = field(default_factory=list)  # each chat message's field in the body
     logprobs: bool = False  # the output text's, with its tokens' (``include``)
+    # Kept in the server's store (``store`` where the server has one), and its input as the
+    # store keeps it (each item with an id); answered at once and run on (``background``);
+    # the stored response it continues.
+    store: bool = False
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    background: bool = False
+    previous: str | None = None
 
     def renamed(self, err: ApiError) -> ApiError:
         """An error about the chat request (an image that cannot be fetched, a template that
@@ -57,19 +65,23 @@ class ResponsesRequest:
 
 def parse_responses_request(body: Any, max_model_len: int, max_images: int,
                             defaults: Mapping[str, Any] | None = None,
-                            tool_parser: str | None = None) -> ResponsesRequest:
+                            tool_parser: str | None = None,
+                            earlier: list[dict[str, Any]] | None = None,
+                            can_store: bool = False) -> ResponsesRequest:
     """Check a decoded JSON body of ``POST /v1/responses``; a 400 names the Responses API's
-    field (``input[2].content[0]``, ``max_output_tokens``), not the chat request's."""
+    field (``input[2].content[0]``, ``max_output_tokens``), not the chat request's.
+    ``earlier``: the stored conversation ``previous_response_id`` names, whose items go
+    before ``input``; ``can_store``: whether the server keeps responses."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     for name, why in _REFUSED.items():
         if body.get(name) is not None:
             raise bad_request(f"'{name}' is not supported: {why}.", name)
-    if body.get("background"):
-        raise bad_request("'background' is not supported: send the request and wait for it "
-                          "(or stream it).", "background")
+    store, background, previous = _storage(body, can_store)
+    if previous is not None and earlier is None:
+        raise ValueError("previous_response_id without the conversation it names")
     logprobs = _logprobs(body)
-    messages, where = _messages(body.get("input"), body.get("instructions"))
+    messages, where = _messages(body.get("input"), body.get("instructions"), earlier or [])
     metadata = _metadata(body.get("metadata"))
     chat: dict[str, Any] = {"messages": messages}
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
@@ -101,8 +113,52 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
             "tools": body.get("tools") or [], "tool_choice": _echoed_choice(body, parsed),
             "parallel_tool_calls": parsed.tool_choice.parallel,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "top_logprobs": body.get("top_logprobs") or 0, "metadata": metadata}
-    return ResponsesRequest(parsed, echo, where, logprobs is not None)
+            "top_logprobs": body.get("top_logprobs") or 0, "metadata": metadata,
+            "store": store, "background": background, "previous_response_id": previous}
+    return ResponsesRequest(parsed, echo, where, logprobs is not None, store,
+                            _input_items(body["input"]) if store else [], background, previous)
+
+
+def _storage(body: dict[str, Any], can_store: bool) -> tuple[bool, bool, str | None]:
+    """``store`` (OpenAI's default: true; false where the server keeps nothing),
+    ``background`` and ``previous_response_id``, checked."""
+    store = body.get("store")
+    store = True if store is None else store
+    background = body.get("background") or False
+    previous = body.get("previous_response_id")
+    for name, value in (("store", store), ("background", background)):
+        if not isinstance(value, bool):
+            raise bad_request(f"'{name}' must be true or false", name)
+    if previous is not None and not isinstance(previous, str):
+        raise bad_request("'previous_response_id' must be a response's id (a string)",
+                          "previous_response_id")
+    if background:
+        if not (store and can_store):
+            raise bad_request("a 'background' response is kept in the server's store until "
+                              "it is fetched: send 'store': true"
+                              + ("" if can_store else " to a server that stores responses "
+                                 "(--responses-store-mib above 0)"), "background")
+        if body.get("stream"):
+            raise bad_request("'background' with 'stream' is not supported: stream the "
+                              "response, or run it in the background and fetch it with GET "
+                              "/v1/responses/{id}", "background")
+    return store and can_store, background, previous
+
+
+def _input_items(items: Any) -> list[dict[str, Any]]:
+    """``input`` as the store keeps it (already checked): a list of items, a string as a
+    user message, each item with an ``id``."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user",
+                  "content": [{"type": "input_text", "text": items}]}]
+    out = []
+    for item in items:
+        item = {"type": "message", **item}
+        if not isinstance(item.get("id"), str):
+            item["id"] = new_id({"message": "msg", "function_call": "fc"}.get(item["type"],
+                                                                              "item"))
+        out.append(item)
+    return out
 
 
 # What ``include`` may ask for: the output text's log-probabilities, and the encrypted
@@ -143,9 +199,10 @@ def _metadata(value: Any) -> dict[str, str]:
     return value
 
 
-def _messages(items: Any, instructions: Any) -> tuple[list[dict[str, Any]], list[str]]:
-    """``input`` (and ``instructions``) as chat messages, and each message's field in the
-    request (for errors)."""
+def _messages(items: Any, instructions: Any, earlier: list[dict[str, Any]]
+              ) -> tuple[list[dict[str, Any]], list[str]]:
+    """``instructions``, the ``earlier`` conversation's items and ``input`` as chat messages,
+    and each message's field in the request (for errors)."""
     messages: list[dict[str, Any]] = []
     where: list[str] = []
     if instructions is not None:
@@ -154,13 +211,15 @@ def _messages(items: Any, instructions: Any) -> tuple[list[dict[str, Any]], list
         messages.append({"role": "system", "content": instructions})
         where.append("instructions")
     if isinstance(items, str):
-        messages.append({"role": "user", "content": items})
-        where.append("input")
-        return messages, where
-    if not isinstance(items, list) or not items:
+        labelled = [("input", {"role": "user", "content": items})]
+    elif isinstance(items, list) and items:
+        labelled = [(f"input[{i}]", item) for i, item in enumerate(items)]
+    else:
         raise bad_request("'input' must be a string or a non-empty list of items", "input")
-    for i, item in enumerate(items):
-        at = f"input[{i}]"
+    # The stored items were checked when they came (and answered): an error about one of
+    # them now (an image URL that no longer loads) names the previous response.
+    labelled[:0] = [("previous_response_id", item) for item in earlier]
+    for at, item in labelled:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _content(item, at)})
@@ -417,8 +476,19 @@ class ResponseEvents:
 
     def fail(self, error: ApiError) -> list[str]:
         """The response failed: the SDK knows ``server_error``; the message says why."""
-        return [self._event("response.failed", response=self._response(
-            "failed", error={"code": "server_error", "message": error.message}))]
+        self.final = self._response(
+            "failed", error={"code": "server_error", "message": error.message})
+        return [self._event("response.failed", response=self.final)]
+
+    def snapshot(self, status: str = "in_progress") -> dict[str, Any]:
+        """The response as it stands (a background response's, while it runs): the items
+        done so far."""
+        return self._response(status)
+
+    def cancel(self) -> dict[str, Any]:
+        """The response cancelled: the items done so far."""
+        self.final = self._response("cancelled")
+        return self.final
 
     # ----------------------------------------------------------------- pieces
     def _add(self, item: dict[str, Any]) -> list[str]:

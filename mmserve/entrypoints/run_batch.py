@@ -421,7 +421,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
         if model is None:
             model = str(demo_model_path())
         # The window bounds the requests in flight; the engine's own queue needs no bound.
-        config = front_door_config(args, model, max_queue=None)
+        # Lines are answered apart (and out of order): nothing stored links one to another.
+        config = front_door_config(args, model, max_queue=None, responses_store_bytes=0)
         _check_output(args.output_file, args.input_file)
         source, total = _open_input(args.input_file)
         engine, compute, defaults = open_engine(args, model, config.engine_process)

@@ -50,12 +50,17 @@ class ServerConfig:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    # The Responses API's stored responses, at most this many bytes of JSON (0: none kept).
+    responses_store_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty.")
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
+        if self.responses_store_bytes < 0:
+            raise ValueError(f"--responses-store-mib must be >= 0, got "
+                             f"{self.responses_store_bytes / 2**20:g}.")
         if self.max_request_body_bytes < 1:
             raise ValueError(
                 f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}.")
@@ -211,6 +216,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="CA certificates that client certificates are checked against")
     p.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
                    help="client certificates: 0 not asked for, 1 optional, 2 required")
+    p.add_argument("--responses-store-mib", type=float,
+                   default=ServerConfig.responses_store_bytes / 2**20,
+                   help="memory for the Responses API's stored responses (store, "
+                   "previous_response_id, background, GET /v1/responses/{id}), MiB of JSON; "
+                   "the least recently used are forgotten past it; 0 stores none")
     _add_front_door_args(p)
     return p
 

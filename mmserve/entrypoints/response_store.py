@@ -1,0 +1,164 @@
+"""The Responses API's stored responses, in the server's memory and bounded in bytes.
+
+A request with ``store`` (OpenAI's default) leaves its response object and its input items
+here, so that ``GET /v1/responses/{id}`` returns the response, ``.../input_items`` lists its
+input, ``DELETE`` forgets it, and a later request's ``previous_response_id`` continues the
+conversation: the items of every response in the chain, oldest first (each one's input, then
+its output), go before the new request's input. A ``background`` response is stored while it
+runs and updated when it ends; ``cancel`` stops it.
+
+The store holds at most ``max_bytes`` of JSON (responses and their input, images' data URLs
+included); past it, the responses used longest ago are forgotten first (a response that is
+still running is kept). Continuing a conversation counts as using every response in it, so a
+live conversation stays while old ones go. Nothing outlives the process.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+# Items ``GET .../input_items`` lists at most in one page (OpenAI's limit), and by default.
+MAX_LIST_LIMIT = 100
+DEFAULT_LIST_LIMIT = 20
+
+
+@dataclass
+class Stored:
+    """One response: its object as last answered (in progress while a background response
+    runs), this request's input items (each with an ``id``), and the response it continued."""
+
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    previous: str | None
+    nbytes: int = 0
+    # A background response, while it runs: its task and its events so far (the response
+    # object in progress), both None once it has ended.
+    task: Any = None
+    events: Any = None
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None
+
+
+class ResponseStore:
+    """Response id -> ``Stored``, least recently used first, at most ``max_bytes`` of JSON."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, Stored] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._entries
+
+    def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
+            previous: str | None) -> Stored | None:
+        """Store ``response`` (replacing one of its id), forgetting the least recently used
+        others to make room; None where it is larger than the whole store (nothing kept)."""
+        response_id = response["id"]
+        self.delete(response_id)
+        entry = Stored(response, input_items, previous)
+        entry.nbytes = _size(response) + _size(input_items)
+        if entry.nbytes > self.max_bytes:
+            return None
+        self._make_room(entry.nbytes)
+        self._entries[response_id] = entry
+        self.nbytes += entry.nbytes
+        return entry
+
+    def update(self, response: dict[str, Any]) -> None:
+        """A stored response's object changed (a background response ended or was
+        cancelled): kept where it fits, forgotten where it no longer does."""
+        entry = self._entries.get(response["id"])
+        if entry is None:
+            return
+        entry.task = entry.events = None
+        self.nbytes -= entry.nbytes
+        entry.response = response
+        entry.nbytes = _size(response) + _size(entry.input_items)
+        self.nbytes += entry.nbytes
+        if entry.nbytes > self.max_bytes:
+            self.delete(response["id"])
+        else:
+            self._make_room(0)
+
+    def get(self, response_id: str) -> Stored | None:
+        """The stored response, counted as used now; None where it is not (or no longer)
+        stored."""
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return False
+        self.nbytes -= entry.nbytes
+        return True
+
+    def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
+        """The items of the conversation ``response_id`` ends, oldest first: each response's
+        input and then its output (every response in it counted as used now). None where
+        the response, or one before it, is not stored."""
+        chain = []
+        rid: str | None = response_id
+        while rid is not None:
+            entry = self._entries.get(rid)
+            if entry is None:
+                return None
+            chain.append(rid)
+            rid = entry.previous
+        items: list[dict[str, Any]] = []
+        for rid in reversed(chain):
+            self._entries.move_to_end(rid)
+            entry = self._entries[rid]
+            items += entry.input_items
+            items += entry.response.get("output") or []
+        return items
+
+    def _make_room(self, nbytes: int) -> None:
+        for rid in list(self._entries):
+            if self.nbytes + nbytes <= self.max_bytes:
+                return
+            if not self._entries[rid].running:
+                self.delete(rid)
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":")))
+
+
+def input_items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
+    """A page of ``GET /v1/responses/{id}/input_items``: ``order`` (``desc``, the default,
+    newest first, or ``asc``), at most ``limit`` items (1 to 100, 20 by default) after the
+    item ``after``. Raises ``ValueError`` naming a bad parameter."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ValueError("order: must be 'asc' or 'desc'")
+    try:
+        limit = int(query.get("limit", DEFAULT_LIST_LIMIT))
+    except ValueError:
+        raise ValueError(f"limit: must be an integer from 1 to {MAX_LIST_LIMIT}") from None
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise ValueError(f"limit: must be an integer from 1 to {MAX_LIST_LIMIT}")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise ValueError(f"after: no input item {after!r} in this response")
+        start = ids.index(after) + 1
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + limit < len(ordered)}

@@ -1,0 +1,238 @@
+"""The Responses API's stored responses (``store``, ``previous_response_id``, ``background``,
+and ``GET``/``DELETE /v1/responses/{id}``, ``.../input_items``, ``.../cancel``) through the
+openai client: a continued conversation is the prompt the chat endpoint gets for the whole
+conversation; the store stays within its bytes, forgetting the least recently used; a
+cancelled or abandoned background response leaves no KV block or encoder entry behind."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+from starlette.testclient import TestClient
+
+from mmserve import LLM
+from mmserve.entrypoints.api_server import OpenAIServer
+from mmserve.entrypoints.response_store import ResponseStore, input_items_page
+from mmserve.entrypoints.serve_args import ServerConfig
+from tests.conftest import assert_no_leaks, make_image
+from tests.test_server import data_url
+
+IMAGE = data_url(make_image(5, (48, 40)))
+
+
+@pytest.fixture(scope="module")
+def served(clip_llama: str):
+    with LLM(clip_llama, dtype="float32", max_model_len=512) as llm:
+        with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+                                   max_retries=0, http_client=http)
+            yield llm, http, client
+        assert_no_leaks(llm.engine)  # once the server's loop has stopped
+
+
+def _chat(http: TestClient, messages: list, max_tokens: int) -> dict:
+    resp = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages,
+                                                   "temperature": 0, "max_tokens": max_tokens})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_previous_response_id_continues_the_conversation(served) -> None:
+    """Two turns on an image: the second's prompt is the chat endpoint's for the whole
+    conversation (the first turn's input, its answer, the new input), without the first
+    turn's instructions (as OpenAI: they are not carried over)."""
+    _, http, client = served
+    question = [{"type": "input_text", "text": "what is this?"},
+                {"type": "input_image", "image_url": IMAGE}]
+    first = client.responses.create(model="tiny", instructions="Be brief.", temperature=0,
+                                    max_output_tokens=6,
+                                    input=[{"role": "user", "content": question}])
+    assert first.store is True and first.previous_response_id is None
+    second = client.responses.create(model="tiny", previous_response_id=first.id,
+                                     input="and its colours?", temperature=0,
+                                     max_output_tokens=5)
+    assert second.previous_response_id == first.id
+    chat = _chat(http, [
+        {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                     {"type": "image_url", "image_url": {"url": IMAGE}}]},
+        {"role": "assistant", "content": [{"type": "text", "text": first.output_text}]},
+        {"role": "user", "content": "and its colours?"}], max_tokens=5)
+    assert second.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert second.output_text == chat["choices"][0]["message"]["content"]
+    # A third turn continues the whole chain.
+    third = client.responses.create(model="tiny", previous_response_id=second.id,
+                                    input="thanks", temperature=0, max_output_tokens=3)
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+
+
+def test_retrieve_list_input_items_and_delete(served) -> None:
+    _, http, client = served
+    made = client.responses.create(model="tiny", temperature=0, max_output_tokens=3, input=[
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
+        {"role": "user", "content": [{"type": "input_text", "text": "three"}]}])
+    assert client.responses.retrieve(made.id).model_dump() == made.model_dump()
+    items = client.responses.input_items.list(made.id)  # newest first, by default
+    assert [item.content[0].text if not isinstance(item.content, str) else item.content
+            for item in items.data] == ["three", "two", "one"]
+    assert all(item.id for item in items.data) and not items.has_more
+    ascending = http.get(f"/v1/responses/{made.id}/input_items",
+                         params={"order": "asc", "limit": 2}).json()
+    assert [i["content"] for i in ascending["data"]][:2] == ["one", "two"]
+    assert ascending["has_more"] and ascending["last_id"] == ascending["data"][1]["id"]
+    rest = http.get(f"/v1/responses/{made.id}/input_items",
+                    params={"order": "asc", "after": ascending["last_id"]}).json()
+    assert len(rest["data"]) == 1 and not rest["has_more"]
+    for params, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"),
+                          ({"order": "up"}, "order"), ({"after": "msg_nope"}, "after")):
+        resp = http.get(f"/v1/responses/{made.id}/input_items", params=params)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param
+    deleted = http.delete(f"/v1/responses/{made.id}")
+    assert deleted.json() == {"id": made.id, "object": "response.deleted", "deleted": True}
+    with pytest.raises(openai.NotFoundError, match="no stored response"):
+        client.responses.retrieve(made.id)
+    with pytest.raises(openai.NotFoundError, match="cannot be continued") as caught:
+        client.responses.create(model="tiny", previous_response_id=made.id, input="hi")
+    assert caught.value.body["param"] == "previous_response_id"
+    assert http.delete(f"/v1/responses/{made.id}").status_code == 404
+    # A streamed response is stored as its last event has it.
+    events = list(client.responses.create(model="tiny", input="hi", max_output_tokens=3,
+                                          temperature=0, stream=True))
+    final = events[-1].response
+    assert client.responses.retrieve(final.id).model_dump() == final.model_dump()
+    # store: false keeps nothing.
+    unstored = client.responses.create(model="tiny", input="hi", max_output_tokens=2,
+                                       store=False)
+    assert unstored.store is False
+    assert http.get(f"/v1/responses/{unstored.id}").status_code == 404
+
+
+def test_a_repeated_request_id_never_replaces_a_stored_response(served) -> None:
+    _, http, _ = served
+    headers = {"X-Request-Id": "same-id"}
+    ids = [http.post("/v1/responses", headers=headers,
+                     json={"input": f"turn {i}", "max_output_tokens": 1}).json()["id"]
+           for i in range(2)]
+    assert ids[0] == "resp_same-id" and ids[1] != ids[0]
+    assert all(http.get(f"/v1/responses/{rid}").status_code == 200 for rid in ids)
+    assert http.get(f"/v1/responses/{ids[0]}/input_items").json()["data"][0]["content"][0][
+        "text"] == "turn 0"
+
+
+def _wait(http: TestClient, response_id: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = http.get(f"/v1/responses/{response_id}").json()
+        if body["status"] not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return body
+        time.sleep(0.05)
+
+
+def test_a_background_response_runs_on_and_is_fetched(served) -> None:
+    llm, http, client = served
+    body = {"model": "tiny", "input": "tell me a story", "temperature": 0,
+            "max_output_tokens": 8}
+    queued = client.responses.create(**body, background=True)
+    assert queued.status == "queued" and queued.background is True and queued.output == []
+    done = _wait(http, queued.id)
+    assert done["status"] == "incomplete"  # its 8 tokens, as the same request answered now
+    waited = client.responses.create(**body)
+    assert done["output"][0]["content"][0]["text"] == waited.output_text
+    assert done["usage"]["output_tokens"] == 8
+    # Cancelling one that ended answers it as it is; one made without background is refused.
+    assert http.post(f"/v1/responses/{queued.id}/cancel").json()["status"] == "incomplete"
+    refused = http.post(f"/v1/responses/{waited.id}/cancel")
+    assert refused.status_code == 400 and "background" in refused.json()["error"]["message"]
+    # Continued from, as any stored response.
+    more = client.responses.create(model="tiny", previous_response_id=queued.id,
+                                   input="go on", max_output_tokens=2)
+    assert more.status == "incomplete"
+
+
+def test_cancelled_and_deleted_background_responses_free_their_requests(served) -> None:
+    llm, http, client = served
+    long = {"model": "tiny", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "describe"}, {"type": "input_image", "image_url": IMAGE}]}],
+        "max_output_tokens": 400, "temperature": 1.0, "background": True}
+    cancelled = client.responses.cancel(client.responses.create(**long).id)
+    assert cancelled.status == "cancelled"
+    assert client.responses.retrieve(cancelled.id).status == "cancelled"
+    running = client.responses.create(**long)
+    assert http.delete(f"/v1/responses/{running.id}").status_code == 200
+    # Both engine requests end: nothing holds a KV block or an encoder-cache entry.
+    deadline = time.monotonic() + 30
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not llm.engine.has_unfinished_requests()
+    assert http.get(f"/v1/responses/{running.id}").status_code == 404
+
+
+def test_a_server_without_a_store(clip_llama: str) -> None:
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        config = ServerConfig("tiny", responses_store_bytes=0)
+        with TestClient(OpenAIServer(llm.engine, config).app()) as http:
+            made = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+            assert made.status_code == 200 and made.json()["store"] is False
+            assert http.get(f"/v1/responses/{made.json()['id']}").status_code == 404
+            resp = http.post("/v1/responses", json={"input": "hi", "background": True})
+            assert resp.status_code == 400 and "--responses-store-mib" in resp.text
+            resp = http.post("/v1/responses", json={"input": "hi",
+                                                    "previous_response_id": "resp_x"})
+            assert resp.status_code == 404 and "stores no responses" in resp.text
+        assert_no_leaks(llm.engine)
+
+
+def test_the_stores_size_flag(capsys) -> None:
+    from mmserve.entrypoints.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--responses-store-mib", "0.5", "/ckpt"])
+    assert args.responses_store_mib == 0.5 and args.model_path == "/ckpt"
+    assert main(["serve", "--responses-store-mib", "-1", "/nonexistent"]) == 2
+    assert "--responses-store-mib must be >= 0" in capsys.readouterr().err
+
+
+def _response(rid: str, text: str = "") -> dict:
+    return {"id": rid, "output": [{"type": "message", "role": "assistant",
+                                   "content": [{"type": "output_text", "text": text}]}]}
+
+
+def test_the_store_forgets_the_least_recently_used_within_its_bytes() -> None:
+    item = [{"type": "message", "role": "user", "content": "x" * 100, "id": "msg_1"}]
+    one = ResponseStore(10**9).put(_response("a"), item, None)
+    assert one is not None
+    store = ResponseStore(3 * one.nbytes + 10)  # three responses of this size
+    a = store.put(_response("a"), item, None)
+    store.put(_response("b"), item, "a")
+    store.put(_response("c"), item, None)
+    assert [i["type"] for i in store.conversation("b")] == ["message"] * 4  # uses a and b
+    store.put(_response("d"), item, None)  # c, the least recently used, goes
+    assert "c" not in store and all(r in store for r in "abd")
+    assert store.nbytes <= store.max_bytes
+    # A running (background) response is never forgotten to make room: a is the oldest.
+    a.task = object()
+    store.put(_response("e"), item, None)
+    assert "a" in store and "b" not in store and store.nbytes <= store.max_bytes
+    # A conversation with a forgotten link cannot be continued.
+    store.put(_response("g"), item, "c")
+    assert store.conversation("g") is None
+    # One larger than the whole store is not kept, and forgets nothing.
+    before = len(store)
+    assert store.put(_response("big", "y" * store.max_bytes), item, None) is None
+    assert len(store) == before and "big" not in store
+    # An ended background response that grew past the store is dropped, not kept over it.
+    store.update(_response("a", "z" * store.max_bytes))
+    assert "a" not in store and store.nbytes <= store.max_bytes
+
+
+def test_input_item_pages() -> None:
+    items = [{"id": f"i{n}"} for n in range(5)]
+    page = input_items_page(items, {"limit": "2"})
+    assert [i["id"] for i in page["data"]] == ["i4", "i3"] and page["has_more"]
+    page = input_items_page(items, {"limit": "2", "after": "i3"})
+    assert [i["id"] for i in page["data"]] == ["i2", "i1"] and page["has_more"]
+    page = input_items_page(items, {"order": "asc", "after": "i3"})
+    assert [i["id"] for i in page["data"]] == ["i4"] and not page["has_more"]
+    assert input_items_page([], {})["first_id"] is None
+    with pytest.raises(ValueError, match="limit"):
+        input_items_page(items, {"limit": "101"})
