@@ -83,8 +83,9 @@ class WorkerSpec:
 class ParamsMemo:
     """Each request's ``SamplingParams`` as the other end of the pipe last received them, so
     that a step carries only those it has not: a request's first step, or a request whose
-    params object changed (pickling a decode row's params took 2.9 ms a step at 256 rows, and
-    reading them back 3.3 ms on every rank; a ``logit_bias`` or ``bad_words`` list more).
+    params object changed. (A step of 256 decode rows took 0.42 ms to pickle and 0.87 ms to
+    read back on every rank with each row's params, 64 KB; without them 0.06 ms each, 5 KB.
+    A ``logit_bias`` or ``bad_words`` list made it more.)
 
     The engine's side ``strip``s each step before pickling it, each worker ``fill``s it back
     after reading it; both handle the steps in the same order, and forget a request when a step
