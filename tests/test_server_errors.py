@@ -241,7 +241,10 @@ def test_body_size_cap(api: httpx.Client) -> None:
 
 
 def test_api_key(server: Server, api: httpx.Client) -> None:
-    assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
+    for check in ("/health", "/ping"):
+        assert httpx.get(f"{server.url}{check}").status_code == 200  # no key needed
+    resp = httpx.post(f"{server.url}/invocations", json=chat())
+    assert_error(resp, 401, "Authorization: Bearer")
     for path in ("/v1/models", "/metrics", "/stats"):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             resp = httpx.get(f"{server.url}{path}", headers=headers)

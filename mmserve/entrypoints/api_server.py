@@ -81,6 +81,8 @@ from mmserve.worker.compute_thread import ComputeThread
 
 logger = logging.getLogger(__name__)
 
+# Where a request's decoded body is kept once read (``invocations`` reads it first).
+_READ_BODY = "mmserve.read_body"
 # /tokenize requests processed at once, and processed or waiting.
 MAX_TOKENIZING = 4
 MAX_TOKENIZE_WAITING = 64
@@ -174,6 +176,24 @@ class OpenAIServer:
         except ApiError as e:
             return error_response(e)
         return JSONResponse(shapes.model_card(self.model, self.created, self.max_model_len))
+
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's ``POST /invocations`` (as vLLM serves it): the endpoint the body's
+        shape names, ``messages`` the chat's, ``prompt`` the completions', ``input`` the
+        Responses API's."""
+        try:
+            body = await self._read_json(request)
+        except ApiError as e:
+            return error_response(e)
+        request.scope[_READ_BODY] = (body,)
+        if isinstance(body, dict):
+            for field, endpoint in (("messages", self.chat), ("prompt", self.completions),
+                                    ("input", self.responses)):
+                if field in body:
+                    return await endpoint(request)
+        return error_response(proto.bad_request(
+            "/invocations answers a chat completion ('messages'), a completion ('prompt') or "
+            "a response ('input'): the body has none of these fields."))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": mmserve.__version__})
@@ -468,6 +488,9 @@ class OpenAIServer:
         return chat
 
     async def _read_json(self, request: Request) -> Any:
+        read = request.scope.get(_READ_BODY)
+        if read is not None:  # read already (/invocations, to see where it goes)
+            return read[0]
         body = await self._read_body(request)
         try:
             return json.loads(body)
@@ -851,6 +874,8 @@ class OpenAIServer:
             Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),  # SageMaker's
+            Route("/invocations", self.invocations, methods=["POST"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             Route("/stats", self.stats, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),

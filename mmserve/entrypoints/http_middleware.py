@@ -25,16 +25,17 @@ logger = logging.getLogger(__name__)
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every path but /health and the chat page (which asks
-    for the key and sends it on its API calls), compared in constant time."""
+    """``Authorization: Bearer <key>`` on every path but the health checks (/health, and
+    /ping for SageMaker) and the chat page (which asks for the key and sends it on its API
+    calls), compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (self.expected is None or scope["type"] != "http" or scope["path"] == "/health"
-                or chat_page.is_public(scope["path"])):
+        if (self.expected is None or scope["type"] != "http"
+                or scope["path"] in ("/health", "/ping") or chat_page.is_public(scope["path"])):
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
