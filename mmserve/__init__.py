@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from mmserve.beam_search import BeamSearchOutput, BeamSearchParams
     from mmserve.config import EngineConfig
     from mmserve.entrypoints.llm import LLM
+    from mmserve.inputs import ImageEmbeds
     from mmserve.outputs import RequestOutput
     from mmserve.sampling_params import SamplingParams
 
@@ -20,13 +21,14 @@ _EXPORTS = {
     "BeamSearchOutput": "mmserve.beam_search",
     "BeamSearchParams": "mmserve.beam_search",
     "EngineConfig": "mmserve.config",
+    "ImageEmbeds": "mmserve.inputs",
     "LLM": "mmserve.entrypoints.llm",
     "RequestOutput": "mmserve.outputs",
     "SamplingParams": "mmserve.sampling_params",
 }
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "EngineConfig", "RequestOutput",
-           "SamplingParams"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "EngineConfig", "ImageEmbeds",
+           "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -18,6 +18,24 @@ EncoderInput = Mapping[str, Any]
 PIXEL_ARITHMETIC = "pixel_arithmetic"
 
 
+# An image given as its embeddings (``ImageEmbeds``) has them here in its encoder input: the
+# runner uses them as the encoder's output.
+IMAGE_EMBEDS = "image_embeds"
+
+
+@dataclass(frozen=True)
+class ImageEmbeds:
+    """An image given as the embeddings its encoder would make, in place of its pixels (vLLM's
+    ``image_embeds``): ``embeds`` is ``[tokens, hidden]`` (the decoder's hidden size; a
+    leading dimension of 1 is dropped), what the model's vision tower and projector make of
+    the image, one row per placeholder token. Families whose token count follows the image's
+    size also need the image's patch grid, ``grid_thw`` (Qwen2-VL's ``image_grid_thw``:
+    temporal, height and width in patches), for the positions."""
+
+    embeds: torch.Tensor
+    grid_thw: tuple[int, int, int] | None = None
+
+
 def encoder_input_bytes(item: EncoderInput) -> int:
     """Bytes the tensors of one encoder input hold."""
     return sum(t.nelement() * t.element_size() for t in item.values()

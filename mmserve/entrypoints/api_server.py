@@ -208,7 +208,8 @@ class OpenAIServer:
         """vLLM's ``POST /tokenize``: the tokens the model reads for a completions prompt or a
         chat's messages (images' placeholders expanded, as each image's size makes them)."""
         try:
-            req = proto.parse_tokenize_request(await self._read_json(request), self.max_images)
+            req = proto.parse_tokenize_request(await self._read_json(request), self.max_images,
+                                               self.config.enable_mm_embeds)
             self._check_model(req.model)
             if self._num_tokenizing >= MAX_TOKENIZE_WAITING:
                 raise QueueFullError(f"{MAX_TOKENIZE_WAITING} /tokenize requests are already "
@@ -483,7 +484,7 @@ class OpenAIServer:
     async def _parse(self, request: Request) -> proto.ChatRequest:
         chat = proto.parse_chat_request(await self._read_json(request), self.max_model_len,
                                         self.max_images, self.sampling_defaults,
-                                        self.tool_parser)
+                                        self.tool_parser, self.config.enable_mm_embeds)
         self._check_model_and_room(chat.model)  # before fetching images
         return chat
 

@@ -31,6 +31,8 @@ from urllib.parse import unquote, urlsplit
 from PIL import Image
 
 from mmserve.entrypoints.http_fetch import fetch
+from mmserve.entrypoints.image_embeds import EmbedsPart, load_embeds
+from mmserve.inputs import ImageEmbeds
 from mmserve.processing.images import (
     InvalidInputError,
     check_image,
@@ -85,10 +87,12 @@ class MediaLoader:
         self.max_pixels = max_pixels
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="mmserve-media")
 
-    async def load(self, url: str, param: str = "messages") -> bytes:
+    async def load(self, url: str | EmbedsPart, param: str = "messages") -> bytes | ImageEmbeds:
         """The bytes of the image at ``url``, its header checked, or ``InvalidInputError``
-        (with ``param``) saying why not."""
+        (with ``param``) saying why not; for an image sent as its embeddings, their tensors."""
         loop = asyncio.get_running_loop()
+        if isinstance(url, EmbedsPart):
+            return await loop.run_in_executor(self._executor, load_embeds, url, param)
         return await loop.run_in_executor(self._executor, self._load, url, param)
 
     def close(self) -> None:

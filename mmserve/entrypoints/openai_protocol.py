@@ -16,6 +16,7 @@ from typing import Any
 from mmserve.beam_search import BeamSearchParams
 from mmserve.engine.request_maker import cache_salt
 from mmserve.entrypoints import tool_calls
+from mmserve.entrypoints.image_embeds import EmbedsPart, parse_embeds_part
 from mmserve.entrypoints.tool_calls import ToolChoice
 from mmserve.errors import InvalidInputError
 from mmserve.processing.chat_template import template_kwargs
@@ -56,12 +57,13 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 @dataclass
 class ChatRequest:
     """A validated chat request. ``messages`` hold ``{"type": "image"}`` parts in place of
-    ``image_url`` parts; ``image_urls`` lists those URLs in the same order. ``tools``: the
+    ``image_url`` (and ``image_embeds``) parts; ``image_urls`` lists those URLs (and
+    ``EmbedsPart``s) in the same order. ``tools``: the
     functions the chat template shows the model (None without any); ``tool_choice``: what
     the answer is read as (``tool_calls.py``)."""
 
     messages: list[dict[str, Any]]
-    image_urls: list[str]
+    image_urls: list[str | EmbedsPart]
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
@@ -82,13 +84,13 @@ class ChatRequest:
 
 def parse_chat_request(body: Any, max_model_len: int, max_images: int,
                        defaults: Mapping[str, Any] | None = None,
-                       tool_parser: str | None = None) -> ChatRequest:
+                       tool_parser: str | None = None, mm_embeds: bool = False) -> ChatRequest:
     """Validate a decoded JSON body of ``POST /v1/chat/completions``; ``defaults``: the
     sampling fields a request that leaves them out gets (``sampling_defaults``);
     ``tool_parser``: the server's parser of calls in the model's text, when it reads them
     (``--enable-auto-tool-choice``)."""
     model = _model(body)
-    messages, image_urls = _parse_messages(body.get("messages"), max_images)
+    messages, image_urls = _parse_messages(body.get("messages"), max_images, mm_embeds)
     modalities = body.get("modalities")
     if modalities not in (None, ["text"]):
         raise bad_request("mmserve answers in text only: send 'modalities': ['text'] or leave "
@@ -237,7 +239,7 @@ class TokenizeRequest:
     image URLs in ``image_urls``)."""
 
     prompt: dict[str, Any]
-    image_urls: list[str]
+    image_urls: list[str | EmbedsPart]
     return_token_strs: bool = False
     model: str | None = None
 
@@ -248,7 +250,8 @@ _TOKENIZE_RENDERING = {"prompt": {"add_special_tokens": True},
                        "messages": {"add_special_tokens": False}}
 
 
-def parse_tokenize_request(body: Any, max_images: int) -> TokenizeRequest:
+def parse_tokenize_request(body: Any, max_images: int,
+                           mm_embeds: bool = False) -> TokenizeRequest:
     """Validate a decoded JSON body of ``POST /tokenize``: the tokens are those the model
     reads for the same prompt on ``/v1/completions`` or ``/v1/chat/completions``."""
     model = _model(body)
@@ -269,7 +272,7 @@ def parse_tokenize_request(body: Any, max_images: int) -> TokenizeRequest:
                               "prompt")
         _check_text(prompt, "prompt")
         return TokenizeRequest({"prompt": prompt}, [], strs, model)
-    messages, urls = _parse_messages(body.get("messages"), max_images)
+    messages, urls = _parse_messages(body.get("messages"), max_images, mm_embeds)
     try:
         tools, _ = tool_calls.parse_tools({"tools": body.get("tools")}, None)
     except InvalidInputError as e:
@@ -604,12 +607,14 @@ def _check_text(text: str, where: str) -> None:
                           f"at position {e.start}); send valid Unicode text.", where) from None
 
 
-def _parse_messages(messages: Any, max_images: int) -> tuple[list[dict[str, Any]], list[str]]:
-    """Chat messages checked, with the URLs of their images (at most ``max_images``)."""
+def _parse_messages(messages: Any, max_images: int, mm_embeds: bool = False
+                    ) -> tuple[list[dict[str, Any]], list[str | EmbedsPart]]:
+    """Chat messages checked, with the URLs of their images (at most ``max_images``), and
+    where the server takes them (``mm_embeds``) the images sent as embeddings."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of messages", "messages")
     out: list[dict[str, Any]] = []
-    urls: list[str] = []
+    urls: list[str | EmbedsPart] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -645,6 +650,18 @@ def _parse_messages(messages: Any, max_images: int) -> tuple[list[dict[str, Any]
                     raise bad_request(f"{pwhere}.image_url.url must be a non-empty string",
                                       f"{pwhere}.image_url")
                 urls.append(url)
+                parts.append({"type": "image"})
+            elif kind == "image_embeds" and role != "tool":
+                if not mm_embeds:
+                    raise bad_request(f"{pwhere} is an image_embeds part: this server takes "
+                                      "images as embeddings only when started with "
+                                      "--enable-mm-embeds (for trusted clients: they are read "
+                                      "with torch.load); send the image as 'image_url'.",
+                                      f"{pwhere}.type")
+                try:
+                    urls.append(parse_embeds_part(part.get("image_embeds"), pwhere))
+                except InvalidInputError as e:
+                    raise bad_request(str(e), e.param) from None
                 parts.append({"type": "image"})
             elif kind in ("video_url", "video", "input_video"):
                 raise bad_request(f"{pwhere} is a video part ({kind!r}); video is not "

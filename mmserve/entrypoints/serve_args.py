@@ -50,6 +50,8 @@ class ServerConfig:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    # vLLM's: chat requests may send images as their embeddings (``image_embeds`` parts).
+    enable_mm_embeds: bool = False
     # The Responses API's stored responses, at most this many bytes of JSON (0: none kept).
     responses_store_bytes: int = 64 * 1024 * 1024
 
@@ -172,6 +174,9 @@ def _add_front_door_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
                    help="the format the model writes tool calls in (hermes: <tool_call> "
                    "blocks of JSON, as Qwen2.5 and Hermes write them)")
+    p.add_argument("--enable-mm-embeds", action="store_true",
+                   help="take images sent as their embeddings (image_embeds chat parts, "
+                   "tensors saved with torch.save): for trusted clients only")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='name tokens "token_id:N" in log-probabilities, for clients that '
                    "want the ids the model picked (a request's return_tokens_as_token_ids "

@@ -66,6 +66,7 @@ def front_door_config(args: argparse.Namespace, model: str, **own: Any) -> Serve
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_mm_embeds=args.enable_mm_embeds,
         **own)
 
 

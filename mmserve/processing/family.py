@@ -23,7 +23,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmserve.inputs import EncoderInput, ImageInput, PixelArithmetic, with_integer_pixels
+from mmserve.errors import InvalidInputError
+from mmserve.inputs import (
+    IMAGE_EMBEDS,
+    EncoderInput,
+    ImageInput,
+    PixelArithmetic,
+    with_integer_pixels,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,23 @@ class MultiModalFamily(ABC):
     def max_tokens_per_item(self) -> int:
         """The most tokens one image can become under the settings in force (exact: no image
         yields more), the encoder budget's unit."""
+
+    def embeds_input(self, embeds: torch.Tensor, grid_thw: tuple[int, int, int] | None
+                     ) -> tuple[EncoderInput, int]:
+        """An image given as its embeddings (``ImageEmbeds``; ``embeds`` is ``[tokens,
+        hidden]``, checked by the processor): its encoder input and its token count, or
+        ``InvalidInputError`` saying what does not fit this family. Here, for families whose
+        every image is ``max_tokens_per_item`` tokens: that many rows, and no grid."""
+        if grid_thw is not None:
+            raise InvalidInputError(
+                f"{type(self).__name__} images take no image_grid_thw (every image is "
+                f"{self.max_tokens_per_item} tokens): leave it out.", param="images")
+        if embeds.shape[0] != self.max_tokens_per_item:
+            raise InvalidInputError(
+                f"image embeddings of {embeds.shape[0]} rows: this model's images are "
+                f"{self.max_tokens_per_item} tokens each, so their embeddings are "
+                f"[{self.max_tokens_per_item}, hidden size]", param="images")
+        return {IMAGE_EMBEDS: embeds}, self.max_tokens_per_item
 
     @abstractmethod
     def dummy_image(self) -> Image.Image:

@@ -11,17 +11,26 @@ only the tokenizer, which is not thread-safe, runs under a lock of this class.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 import numpy as np
+import torch
 from PIL import Image
 
-from mmserve.inputs import PIXEL_ARITHMETIC, EncoderInput, ImageInput, encoder_input_bytes
+from mmserve.inputs import (
+    PIXEL_ARITHMETIC,
+    EncoderInput,
+    ImageEmbeds,
+    ImageInput,
+    encoder_input_bytes,
+)
 from mmserve.processing.chat_template import (
     content_format,
     load_chat_template,
@@ -103,6 +112,8 @@ class InputProcessor:
         self.image_token_id: int = self.family.image_token_id
         self.image_token: str = self.family.image_token
         self.max_image_pixels = max_image_pixels
+        # The decoder's width: what image embeddings given in place of pixels must have.
+        self.hidden_size: int = hf_config.get_text_config().hidden_size
         # Every token that ends a sequence (the generation config's, which may list several:
         # Qwen2-VL's <|im_end|> and <|endoftext|>).
         self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
@@ -279,6 +290,10 @@ class InputProcessor:
                             f"{where} is an image part but no image is left in 'images'",
                             param=where)
                     parts.append({"type": "image"})
+                elif kind == "image_embeds":  # vLLM's part: an image as its embeddings
+                    ordered.append(as_image_embeds(part.get("image_embeds"),
+                                                   f"{where}.image_embeds"))
+                    parts.append({"type": "image"})
                 elif kind in ("video", "video_url", "input_video"):
                     raise InvalidInputError(
                         f"{where} is a video part ({kind!r}); video is not supported yet: send "
@@ -286,7 +301,7 @@ class InputProcessor:
                 else:
                     raise InvalidInputError(
                         f"{where} has type {kind!r}; supported: 'text', 'image', 'image_url', "
-                        "'image_pil'",
+                        "'image_pil', 'image_embeds'",
                         param=where)
             rendered.append({"role": role, "content": parts, **extra})
         if pending:
@@ -360,9 +375,11 @@ class InputProcessor:
                 f"{IMAGE_PART_HINT}, not as placeholder text, and remove {self.image_token!r} "
                 "from the text.", param=where)
 
-    def _preprocess_image(self, image: ImageLike) -> _PreprocessedImage:
+    def _preprocess_image(self, image: ImageLike | ImageEmbeds) -> _PreprocessedImage:
         """Decode, hash and run the image processor on one image. No lock: PIL, numpy and torch
         release the GIL in their heavy loops, so other requests proceed meanwhile."""
+        if isinstance(image, ImageEmbeds):
+            return self._preprocess_embeds(image)
         img = load_image(image, self.max_image_pixels)
         digest = image_hash(img, self.mm_processor_kwargs)
         pixel_values = (self.family.encoder_input(img) if self.pixel_arithmetic is None
@@ -371,6 +388,31 @@ class InputProcessor:
                                       pixel_values, self._decoded_copies)
         return _PreprocessedImage(digest, pixel_values,
                                   self.family.num_image_tokens(*img.size), peak)
+
+    def _preprocess_embeds(self, item: ImageEmbeds) -> _PreprocessedImage:
+        """An image given as its embeddings: checked against the model (the decoder's hidden
+        size, the family's token count and grid), kept on the CPU, hashed by content."""
+        embeds = item.embeds
+        if not (isinstance(embeds, torch.Tensor) and embeds.layout == torch.strided
+                and embeds.is_floating_point()):
+            raise InvalidInputError("image embeddings must be a dense floating-point tensor "
+                                    "(torch.float32, float16 or bfloat16)", param="images")
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]
+        if embeds.dim() != 2 or embeds.shape[1] != self.hidden_size or not embeds.shape[0]:
+            raise InvalidInputError(
+                f"image embeddings must be [tokens, {self.hidden_size}] (this model's hidden "
+                f"size), got {list(item.embeds.shape)}", param="images")
+        embeds = embeds.detach().to("cpu").contiguous()
+        if not bool(torch.isfinite(embeds).all()):
+            raise InvalidInputError("image embeddings hold NaN or infinite values",
+                                    param="images")
+        grid = _grid_thw(item.grid_thw)
+        encoder_input, num_tokens = self.family.embeds_input(embeds, grid)
+        digest = hashlib.sha256(f"embeds {embeds.dtype} {list(embeds.shape)} {grid}".encode())
+        digest.update(embeds.view(torch.uint8).numpy())
+        nbytes = encoder_input_bytes(encoder_input)
+        return _PreprocessedImage(digest.hexdigest(), encoder_input, num_tokens, nbytes)
 
     def _tokenize(self, text: str, images: list[_PreprocessedImage]) -> ProcessedPrompt:
         """Expand each image placeholder by the family's rule and tokenize the expanded text
@@ -437,6 +479,42 @@ class InputProcessor:
         return prompt
 
 
+def _grid_thw(value: Any) -> tuple[int, int, int] | None:
+    """An ``ImageEmbeds.grid_thw`` as three ints (a list, tuple or tensor of 3, or [[t, h,
+    w]], as the image processor's ``image_grid_thw`` is)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            value = None
+        else:
+            value = value.reshape(-1).tolist() if value.nelement() == 3 else None
+    elif isinstance(value, (list, tuple)) and len(value) == 1 and isinstance(value[0],
+                                                                           (list, tuple)):
+        value = value[0]
+    if (not isinstance(value, (list, tuple)) or len(value) != 3
+            or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                       and 0 < v < 1 << 20
+                       for v in value)):
+        raise InvalidInputError("image_grid_thw must be three positive integers (temporal, "
+                                "height, width in patches)", param="images")
+    return int(value[0]), int(value[1]), int(value[2])
+
+
+def as_image_embeds(value: Any, where: str) -> ImageEmbeds:
+    """vLLM's forms of an image's embeddings as an ``ImageEmbeds``: one already, a tensor, or
+    ``{"image_embeds": tensor, "image_grid_thw": grid}``."""
+    if isinstance(value, ImageEmbeds):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ImageEmbeds(value)
+    if isinstance(value, dict) and isinstance(value.get("image_embeds"), torch.Tensor):
+        return ImageEmbeds(value["image_embeds"], value.get("image_grid_thw"))
+    raise InvalidInputError(f"{where} must be image embeddings: a tensor [tokens, hidden], "
+                            "an ImageEmbeds, or {'image_embeds': tensor, 'image_grid_thw': "
+                            "[t, h, w]}", param=where)
+
+
 def _decoded_copies(image_processor: Any) -> int:
     """Copies of an image's decoded RGB pixels that ``image_processor`` holds at once: five
     with transformers' PIL backend, three with its torchvision backend (the default where
@@ -484,8 +562,13 @@ def _images_from_multi_modal_data(prompt: dict[str, Any]) -> dict[str, Any]:
     images = data.get("image")
     if images is None:
         images = []
+    elif isinstance(images, torch.Tensor) and images.dim() == 3:
+        images = list(images)  # vLLM's embeddings of several images, [images, tokens, hidden]
     elif not isinstance(images, (list, tuple)):
         images = [images]
+    # vLLM's embeddings forms: a tensor, or {"image_embeds": ..., "image_grid_thw": ...}.
+    images = [as_image_embeds(im, "multi_modal_data") if isinstance(im, (torch.Tensor, dict))
+              else im for im in images]
     if images and prompt.get("images"):
         raise InvalidInputError("images are given both in 'images' and in "
                                 "'multi_modal_data'; give them in one of the two",

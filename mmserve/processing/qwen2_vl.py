@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmserve.inputs import EncoderInput, ImageInput
+from mmserve.errors import InvalidInputError
+from mmserve.inputs import IMAGE_EMBEDS, EncoderInput, ImageInput
 from mmserve.processing.family import MultiModalFamily
 
 # transformers refuses images whose long side exceeds the short one more than this.
@@ -219,6 +220,34 @@ class Qwen2VLFamily(MultiModalFamily):
                                f"{image.size[0]}x{image.size[1]} image, not the {expected} "
                                "tokens of its resize rule")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": grid}
+
+    def embeds_input(self, embeds: torch.Tensor, grid_thw: tuple[int, int, int] | None
+                     ) -> tuple[EncoderInput, int]:
+        """Embeddings with their image's patch grid (for the positions): one row per merged
+        patch, ``t * h * w / merge_size^2`` of them, and no more than any image under the
+        settings makes (the encoder budget's unit)."""
+        m = self.merge_size
+        if grid_thw is None:
+            raise InvalidInputError(
+                "Qwen2-VL image embeddings need their image_grid_thw (temporal, height and "
+                "width in patches, as the image processor gives it) for the positions",
+                param="images")
+        t, h, w = grid_thw
+        if t != 1 or h < m or w < m or h % m or w % m:
+            raise InvalidInputError(
+                f"image_grid_thw {list(grid_thw)} is no image's grid: temporal 1, height and "
+                f"width positive multiples of the merge size ({m})", param="images")
+        tokens = h * w // (m * m)
+        if embeds.shape[0] != tokens:
+            raise InvalidInputError(
+                f"image embeddings of {embeds.shape[0]} rows for image_grid_thw "
+                f"{list(grid_thw)}, which makes {tokens} tokens", param="images")
+        if tokens > self.max_tokens_per_item:
+            raise InvalidInputError(
+                f"image embeddings of {tokens} tokens: no image is more than "
+                f"{self.max_tokens_per_item} under the server's settings "
+                f"({self.item_bound_setting()}); send a smaller image's", param="images")
+        return {IMAGE_EMBEDS: embeds, "image_grid_thw": torch.tensor([[t, h, w]])}, tokens
 
     @property
     def position_rows(self) -> int:

@@ -20,7 +20,8 @@ import torch
 if TYPE_CHECKING:
     from PIL import Image
 
-__all__ = ["hf_beam_search", "hf_greedy_generate", "hf_token_logprobs", "load_hf_processor"]
+__all__ = ["hf_beam_search", "hf_greedy_generate", "hf_image_embeds", "hf_token_logprobs",
+           "load_hf_processor"]
 
 _HF_CACHE: dict[str, tuple[Any, Any]] = {}
 _QWEN2_VL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -110,6 +111,30 @@ def hf_greedy_generate(
     )
     prompt_len = inputs["input_ids"].shape[1]
     return [int(token) for token in output[0, prompt_len:].tolist()]
+
+
+@torch.no_grad()
+def hf_image_embeds(path: str | os.PathLike[str], images: list[Image.Image],
+                    **processor_kwargs: Any) -> list[tuple[torch.Tensor, tuple[int, ...] | None]]:
+    """Each image's embeddings as the reference model makes them (its ``get_image_features``:
+    the vision tower and the projector), ``[tokens, hidden]``, with the image's patch grid
+    (``image_grid_thw``) where its processor gives one: what a client sends as
+    ``image_embeds`` in place of the image."""
+    model, processor = _load_hf(path)
+    out = []
+    for image in images:
+        inputs = processor.image_processor([image], return_tensors="pt", **processor_kwargs)
+        grid = inputs.get("image_grid_thw")
+        features = model.get_image_features(
+            pixel_values=inputs["pixel_values"],
+            **({} if grid is None else {"image_grid_thw": grid}))
+        # transformers 5 returns the projected features as ``pooler_output`` (one tensor per
+        # image); earlier versions return them as a tensor.
+        pooled = getattr(features, "pooler_output", features)
+        embeds = pooled[0] if isinstance(pooled, (list, tuple)) else pooled
+        out.append((embeds.reshape(-1, embeds.shape[-1]).clone(),
+                    None if grid is None else tuple(int(v) for v in grid[0])))
+    return out
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mmserve.inputs import PIXEL_ARITHMETIC, EncoderInput
+from mmserve.inputs import IMAGE_EMBEDS, PIXEL_ARITHMETIC, EncoderInput
 from mmserve.kernels.cpu_ops import cpu_attention_backend, pack_linear_layers
 from mmserve.kernels.paged_attention import (
     AttentionMetadata,
@@ -642,16 +642,24 @@ class ModelRunner:
 
     def _encode(self, hashes: list[str], tokens: Mapping[str, int],
                 encoder_pixels: EncoderPixels) -> dict[str, torch.Tensor]:
-        """``hashes``' embeddings, each checked against the tokens its prompt has for it."""
+        """``hashes``' embeddings, each checked against the tokens its prompt has for it.
+        Images given as their embeddings (``ImageEmbeds``) are not encoded: theirs are
+        used as they are, on this runner's device and in its dtype."""
         if not hashes:
             return {}
-        items = self._encoder_inputs([encoder_pixels[h] for h in hashes])
-        embeds = self.model.encode_images(items)  # one [tokens, hidden] per image
-        for h, e in zip(hashes, embeds, strict=True):
-            if e.shape[0] != tokens[h]:
-                raise RuntimeError(f"image {h[:12]} became {e.shape[0]} embeddings, but its "
-                                   f"prompt has {tokens[h]} placeholder tokens")
-        return dict(zip(hashes, embeds, strict=True))
+        given = {h: encoder_pixels[h][IMAGE_EMBEDS] for h in hashes
+                 if IMAGE_EMBEDS in encoder_pixels[h]}
+        encode = [h for h in hashes if h not in given]
+        found = {h: to_device(e, self.device).to(self.dtype) for h, e in given.items()}
+        if encode:
+            items = self._encoder_inputs([encoder_pixels[h] for h in encode])
+            # One [tokens, hidden] per image.
+            found.update(zip(encode, self.model.encode_images(items), strict=True))
+        for h in hashes:
+            if found[h].shape[0] != tokens[h]:
+                raise RuntimeError(f"image {h[:12]} became {found[h].shape[0]} embeddings, but "
+                                   f"its prompt has {tokens[h]} placeholder tokens")
+        return {h: found[h] for h in hashes}
 
     def _encode_data_parallel(self, hashes: list[str], tokens: Mapping[str, int],
                               encoder_pixels: EncoderPixels) -> dict[str, torch.Tensor]:
