@@ -103,9 +103,34 @@ def test_llava_takes_a_tensor_of_several_images_embeddings(clip_llama: str) -> N
         assert_no_leaks(llm.engine)
 
 
+def test_the_embeddings_are_copied_when_taken(clip_llama: str) -> None:
+    """A caller's buffer used again for another image's embeddings changes nothing the
+    engine holds under the first one's hash."""
+    (first, _), (second, _) = hf_image_embeds(clip_llama, IMAGES)
+
+    def tokens(llm: LLM, embeds: torch.Tensor, text: str) -> list[int]:
+        return llm.generate({"messages": _messages(1, text), "images": [ImageEmbeds(embeds)]},
+                            GREEDY)[0].token_ids
+
+    with LLM(clip_llama, dtype="float32", max_model_len=512) as llm:
+        expected = [tokens(llm, first, "again"), tokens(llm, second, "other")]
+    # Without prefix caching, a prompt with the same image reads its embeddings from the
+    # encoder cache again (not its KV blocks).
+    with LLM(clip_llama, dtype="float32", max_model_len=512,
+             enable_prefix_caching=False) as llm:
+        buffer = first.clone()
+        tokens(llm, buffer, "what is this?")  # the first image's, cached under its hash
+        buffer.copy_(second)  # the buffer used again, for the second image
+        assert tokens(llm, first.clone(), "again") == expected[0]
+        assert tokens(llm, buffer, "other") == expected[1]
+        assert_no_leaks(llm.engine)
+
+
 def test_what_does_not_fit_the_model_is_refused(clip_llama: str, qwen: dict[str, str]) -> None:
     (good, _), = hf_image_embeds(clip_llama, IMAGES[:1])
     cases = [
+        # 10^9 rows of a broadcast row: refused before anything is copied (25 GB).
+        (ImageEmbeds(good[:1].expand(10**9, -1)), "no image is more than 16 tokens"),
         (ImageEmbeds(good[:, :-1]), "must be [tokens, 64]"),
         (ImageEmbeds(good[:-1]), "images are 16 tokens each"),
         (ImageEmbeds(good, (1, 4, 4)), "take no image_grid_thw"),
@@ -202,7 +227,10 @@ def test_image_embeds_parts_over_http(clip_llama: str, qwen: dict[str, str],
                     ({"image_embeds": _b64({"a": llava_embeds})}, "one dense tensor"),
                     ({"image_embeds": _b64(llava_embeds[:3])}, "16 tokens each"),
                     ({"image_embeds": {"image_embeds": 5}}, "base64 string"),
-                    ({"image_embeds": _zip_bomb()}, "unpacks to")):
+                    ({"image_embeds": _zip_bomb()}, "unpacks to"),
+                    # A broadcast view is a few bytes to send and 25 GB copied.
+                    ({"image_embeds": _b64(llava_embeds[:1].expand(10**8, -1))},
+                     "no image is more than")):
                 resp = chat(http, {"type": "image_embeds", **part})
                 assert resp["status"] == 400 and fragment in resp["error"]["message"], resp
             assert not marker.exists()  # torch.load(weights_only=True) ran nothing

@@ -14,7 +14,7 @@ from starlette.testclient import TestClient
 
 from mmserve import LLM
 from mmserve.entrypoints.api_server import OpenAIServer
-from mmserve.entrypoints.response_store import ResponseStore, input_items_page
+from mmserve.entrypoints.response_store import InProgressError, ResponseStore, input_items_page
 from mmserve.entrypoints.serve_args import ServerConfig
 from tests.conftest import assert_no_leaks, make_image
 from tests.test_server import data_url
@@ -114,7 +114,8 @@ def test_a_repeated_request_id_never_replaces_a_stored_response(served) -> None:
     ids = [http.post("/v1/responses", headers=headers,
                      json={"input": f"turn {i}", "max_output_tokens": 1}).json()["id"]
            for i in range(2)]
-    assert ids[0] == "resp_same-id" and ids[1] != ids[0]
+    # A stored response's id is the server's: the header's with a suffix of its own.
+    assert ids[0] != ids[1] and all(rid.startswith("resp_same-id-") for rid in ids)
     assert all(http.get(f"/v1/responses/{rid}").status_code == 200 for rid in ids)
     assert http.get(f"/v1/responses/{ids[0]}/input_items").json()["data"][0]["content"][0][
         "text"] == "turn 0"
@@ -155,7 +156,14 @@ def test_cancelled_and_deleted_background_responses_free_their_requests(served) 
     long = {"model": "tiny", "input": [{"role": "user", "content": [
         {"type": "input_text", "text": "describe"}, {"type": "input_image", "image_url": IMAGE}]}],
         "max_output_tokens": 400, "temperature": 1.0, "background": True}
-    cancelled = client.responses.cancel(client.responses.create(**long).id)
+    running = client.responses.create(**long)
+    # Its answer is not there yet: continuing from it is refused, not answered without it.
+    with pytest.raises(openai.BadRequestError, match="still running"):
+        client.responses.create(model="tiny", previous_response_id=running.id, input="and?")
+    # A stored response is fetched whole, not streamed again.
+    resp = http.get(f"/v1/responses/{running.id}", params={"stream": "true"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
+    cancelled = client.responses.cancel(running.id)
     assert cancelled.status == "cancelled"
     assert client.responses.retrieve(cancelled.id).status == "cancelled"
     running = client.responses.create(**long)
@@ -210,9 +218,21 @@ def test_the_store_forgets_the_least_recently_used_within_its_bytes() -> None:
     assert "c" not in store and all(r in store for r in "abd")
     assert store.nbytes <= store.max_bytes
     # A running (background) response is never forgotten to make room: a is the oldest.
-    a.task = object()
+    store.start(a, object(), None)
     store.put(_response("e"), item, None)
     assert "a" in store and "b" not in store and store.nbytes <= store.max_bytes
+    # A new response that does not fit beside the running ones is not stored.
+    b = store.put(_response("b"), item, None)
+    store.start(b, object(), None)
+    assert store.running_bytes == 2 * one.nbytes
+    assert store.put(_response("big", "y" * (store.max_bytes - 2 * one.nbytes)), item,
+                     None) is None
+    assert "a" in store and "b" in store and "e" in store  # nothing forgotten for it
+    assert store.nbytes <= store.max_bytes
+    with pytest.raises(InProgressError):
+        store.conversation("b")
+    store.update(_response("b"))  # b ended
+    assert store.running_bytes == one.nbytes
     # A conversation with a forgotten link cannot be continued.
     store.put(_response("g"), item, "c")
     assert store.conversation("g") is None

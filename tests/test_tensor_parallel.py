@@ -350,10 +350,26 @@ def test_one_rank_in_a_worker_process_gives_the_same_tokens(clip_llama: str) -> 
         expected = [o.token_ids for o in uni.generate(prompts, GREEDY)]
     with LLM(clip_llama, dtype="float32", device="cpu",
              distributed_executor_backend="mp") as mp:
-        assert isinstance(mp.engine.runner, MultiprocExecutor)
-        assert len(mp.engine.runner.pids) == 1
+        executor = mp.engine.runner
+        assert isinstance(executor, MultiprocExecutor)
+        assert len(executor.pids) == 1
+        sent = []  # each step as it crossed to the worker
+        send = executor._send
+
+        def recording(payloads: list[bytes]) -> int:
+            _, method, args = pickle.loads(payloads[0])
+            if method == "execute":
+                sent.append(pickle.loads(args[0]))
+            return send(payloads)
+
+        executor._send = recording
         assert [o.token_ids for o in mp.generate(prompts, GREEDY)] == expected
-        workers = mp.engine.runner._procs
+        workers = executor._procs
+    # Every request's params crossed once, in its first step; decode rows carried none after.
+    carried = [p for step in sent for p in step.decodes.sampling_params
+               + [r.sampling_params for r in step.chunks] if p is not None]
+    assert len(carried) == len(prompts)
+    assert sum(len(step.decodes) for step in sent) > 2 * len(prompts)
     assert [w.exitcode for w in workers] == [0]  # closed, not killed
 
 

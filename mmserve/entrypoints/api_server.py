@@ -70,7 +70,12 @@ from mmserve.entrypoints.http_middleware import (
 from mmserve.entrypoints.media import MediaLoader
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
-from mmserve.entrypoints.response_store import ResponseStore, Stored, input_items_page
+from mmserve.entrypoints.response_store import (
+    InProgressError,
+    ResponseStore,
+    Stored,
+    input_items_page,
+)
 from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.errors import EngineDeadError, InvalidInputError
@@ -288,8 +293,10 @@ class OpenAIServer:
             return error_response(err)
         reader = tool_calls.reader_for(chat.tool_choice, self.tool_parser,
                                        lambda: responses.new_id("call"))
-        if req.store and self.response_store is not None and response_id in self.response_store:
-            response_id = engine_id  # a client's X-Request-Id again: a stored id is unique
+        if req.store:
+            # A stored response's id is the server's own (unique, as the engine's: the
+            # request's id where the server made it), never a client's X-Request-Id alone.
+            response_id = engine_id
         events = responses.ResponseEvents(response_id, self.model, req.echo, created)
         if req.background:
             return self._run_in_background(req, events, stream, reader)
@@ -312,7 +319,14 @@ class OpenAIServer:
         """The stored conversation ``previous_response_id`` continues (a 404 where it is not
         stored)."""
         store = self.response_store
-        items = None if store is None else store.conversation(previous)
+        try:
+            items = None if store is None else store.conversation(previous)
+        except InProgressError as e:
+            raise proto.bad_request(
+                f"previous_response_id {previous[:64]!r} cannot be continued yet: the "
+                f"background response {e.response_id[:64]!r} in its conversation is still "
+                "running; wait for it (GET /v1/responses/{id}) or cancel it.",
+                "previous_response_id") from None
         if items is None:
             why = ("this server stores no responses (--responses-store-mib 0)" if store is None
                    else "it, or one before it in the conversation, is not stored (never "
@@ -323,8 +337,11 @@ class OpenAIServer:
         return items
 
     def _keep(self, req: responses.ResponsesRequest, response: dict[str, Any]) -> None:
+        """Store a finished response where it asks; one that does not fit says so
+        (``store`` false, where it is still to be sent)."""
         if req.store and self.response_store is not None:
-            self.response_store.put(response, req.input_items, req.previous)
+            if self.response_store.put(response, req.input_items, req.previous) is None:
+                response["store"] = False
 
     def _run_in_background(self, req: responses.ResponsesRequest,
                            events: responses.ResponseEvents, stream: RequestStream,
@@ -336,9 +353,13 @@ class OpenAIServer:
         entry = store.put(events.snapshot("queued"), req.input_items, req.previous)
         if entry is None:
             self._abort([stream])
-            return error_response(proto.bad_request(
-                f"the request is larger than the response store ({store.max_bytes} bytes of "
-                "JSON): send it without 'background'.", "background"))
+            self.metrics.count("rejected")
+            return error_response(ApiError(
+                503, f"the response store ({store.max_bytes} bytes of JSON, "
+                "--responses-store-mib) has no room for this request beside the background "
+                "responses running; send it without 'background', or retry later.",
+                "background", type="server_overloaded", code="store_full",
+                headers={"Retry-After": "1"}))
 
         async def run() -> None:
             try:
@@ -351,8 +372,7 @@ class OpenAIServer:
                 events.fail(ApiError(500, "the answer ended before it finished"))
             store.update(events.final)
 
-        entry.task = asyncio.ensure_future(run())
-        entry.events = events
+        store.start(entry, asyncio.ensure_future(run()), events)
         self._background.add(entry.task)
         entry.task.add_done_callback(self._background.discard)
         return JSONResponse(entry.response)
@@ -363,7 +383,13 @@ class OpenAIServer:
         entry = self._stored(request)
         if isinstance(entry, Response):
             return entry
-        return JSONResponse(entry.events.snapshot() if entry.running else entry.response)
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            return error_response(proto.bad_request(
+                "a stored response is fetched whole: streaming it again ('stream', "
+                "'starting_after') is not supported; leave 'stream' out.", "stream"))
+        if entry.running:  # as it stands (ended, where its last output has come)
+            return JSONResponse(entry.events.final or entry.events.snapshot())
+        return JSONResponse(entry.response)
 
     async def delete_response(self, request: Request) -> Response:
         """``DELETE /v1/responses/{id}``: forget a stored response (a background one that
@@ -389,7 +415,9 @@ class OpenAIServer:
                 "response_id"))
         if entry.running:
             entry.task.cancel()
-            self.response_store.update(entry.events.cancel())
+            # One whose answer has ended (its task was about to store it) is stored as such.
+            events = entry.events
+            self.response_store.update(events.final or events.cancel())
         return JSONResponse(entry.response)
 
     async def response_input_items(self, request: Request) -> Response:

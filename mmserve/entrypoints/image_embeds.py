@@ -43,6 +43,8 @@ def parse_embeds_part(value: Any, where: str) -> EmbedsPart:
         return EmbedsPart(value)
     if isinstance(value, dict) and isinstance(value.get("image_embeds"), str):
         grid = value.get("image_grid_thw")
+        if isinstance(grid, list) and len(grid) == 1 and isinstance(grid[0], list):
+            grid = grid[0]  # [[t, h, w]], as the image processor gives it
         if grid is None or isinstance(grid, str) or (
                 isinstance(grid, list) and all(isinstance(v, int) for v in grid)):
             return EmbedsPart(value["image_embeds"], grid)

@@ -668,7 +668,9 @@ def _parse_messages(messages: Any, max_images: int, mm_embeds: bool = False
                                   "supported yet: send images (frames as 'image_url' parts) "
                                   "or text.", f"{pwhere}.type")
             else:
-                supported = "'text'" if role == "tool" else "'text', 'image_url'"
+                supported = "'text'"
+                if role != "tool":
+                    supported += ", 'image_url'" + (", 'image_embeds'" if mm_embeds else "")
                 raise bad_request(f"{pwhere} has type {kind!r}; supported: {supported}",
                                   f"{pwhere}.type")
         out.append({"role": role, "content": parts, **extra})

@@ -8,9 +8,11 @@ its output), go before the new request's input. A ``background`` response is sto
 runs and updated when it ends; ``cancel`` stops it.
 
 The store holds at most ``max_bytes`` of JSON (responses and their input, images' data URLs
-included); past it, the responses used longest ago are forgotten first (a response that is
-still running is kept). Continuing a conversation counts as using every response in it, so a
-live conversation stays while old ones go. Nothing outlives the process.
+included; the Python objects that hold them take several times that in memory); past it, the
+responses used longest ago are forgotten first (a response that is still running is kept, and
+a new one that does not fit beside the running ones is not stored). Continuing a conversation
+counts as using every response in it, so a live conversation stays while old ones go. Nothing
+outlives the process.
 """
 
 from __future__ import annotations
@@ -44,12 +46,21 @@ class Stored:
         return self.task is not None
 
 
+class InProgressError(Exception):
+    """A conversation to continue holds a background response that is still running."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(response_id)
+        self.response_id = response_id
+
+
 class ResponseStore:
     """Response id -> ``Stored``, least recently used first, at most ``max_bytes`` of JSON."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.nbytes = 0
+        self.running_bytes = 0  # of the running responses, which are never forgotten
         self._entries: OrderedDict[str, Stored] = OrderedDict()
 
     def __len__(self) -> int:
@@ -61,17 +72,24 @@ class ResponseStore:
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
             previous: str | None) -> Stored | None:
         """Store ``response`` (replacing one of its id), forgetting the least recently used
-        others to make room; None where it is larger than the whole store (nothing kept)."""
+        others to make room; None where it does not fit (larger than the store, or than what
+        the running responses leave): nothing is kept then."""
         response_id = response["id"]
         self.delete(response_id)
         entry = Stored(response, input_items, previous)
         entry.nbytes = _size(response) + _size(input_items)
-        if entry.nbytes > self.max_bytes:
-            return None
+        if self.running_bytes + entry.nbytes > self.max_bytes:
+            return None  # (before forgetting anything for it)
         self._make_room(entry.nbytes)
         self._entries[response_id] = entry
         self.nbytes += entry.nbytes
         return entry
+
+    def start(self, entry: Stored, task: Any, events: Any) -> None:
+        """``entry`` is a background response that runs on ``task``, with its ``events`` so
+        far: kept until ``update`` says it ended (or it is deleted)."""
+        entry.task, entry.events = task, events
+        self.running_bytes += entry.nbytes
 
     def update(self, response: dict[str, Any]) -> None:
         """A stored response's object changed (a background response ended or was
@@ -79,15 +97,16 @@ class ResponseStore:
         entry = self._entries.get(response["id"])
         if entry is None:
             return
+        if entry.running:
+            self.running_bytes -= entry.nbytes
         entry.task = entry.events = None
         self.nbytes -= entry.nbytes
         entry.response = response
         entry.nbytes = _size(response) + _size(entry.input_items)
         self.nbytes += entry.nbytes
-        if entry.nbytes > self.max_bytes:
+        self._make_room(0)
+        if self.nbytes > self.max_bytes:  # (beside running ones, it no longer fits)
             self.delete(response["id"])
-        else:
-            self._make_room(0)
 
     def get(self, response_id: str) -> Stored | None:
         """The stored response, counted as used now; None where it is not (or no longer)
@@ -102,19 +121,26 @@ class ResponseStore:
         if entry is None:
             return False
         self.nbytes -= entry.nbytes
+        if entry.running:
+            self.running_bytes -= entry.nbytes
         return True
 
     def conversation(self, response_id: str) -> list[dict[str, Any]] | None:
         """The items of the conversation ``response_id`` ends, oldest first: each response's
         input and then its output (every response in it counted as used now). None where
-        the response, or one before it, is not stored."""
-        chain = []
+        the response, or one before it, is not stored; ``InProgressError`` where one of them
+        is a background response still running (its answer is not there yet)."""
+        chain: list[str] = []
+        seen: set[str] = set()
         rid: str | None = response_id
         while rid is not None:
             entry = self._entries.get(rid)
-            if entry is None:
+            if entry is None or rid in seen:  # (ids are fresh: a loop cannot form)
                 return None
+            if entry.running:
+                raise InProgressError(rid)
             chain.append(rid)
+            seen.add(rid)
             rid = entry.previous
         items: list[dict[str, Any]] = []
         for rid in reversed(chain):
@@ -125,11 +151,15 @@ class ResponseStore:
         return items
 
     def _make_room(self, nbytes: int) -> None:
+        """Forget the least recently used responses that have ended until ``nbytes`` more
+        fit (or only running ones are left)."""
+        if self.nbytes + nbytes <= self.max_bytes:
+            return
         for rid in list(self._entries):
-            if self.nbytes + nbytes <= self.max_bytes:
-                return
             if not self._entries[rid].running:
                 self.delete(rid)
+                if self.nbytes + nbytes <= self.max_bytes:
+                    return
 
 
 def _size(value: Any) -> int:

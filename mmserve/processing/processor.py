@@ -403,7 +403,15 @@ class InputProcessor:
             raise InvalidInputError(
                 f"image embeddings must be [tokens, {self.hidden_size}] (this model's hidden "
                 f"size), got {list(item.embeds.shape)}", param="images")
-        embeds = embeds.detach().to("cpu").contiguous()
+        most = self.family.max_tokens_per_item
+        if embeds.shape[0] > most:  # before any copy: a broadcast view costs nothing to send
+            raise InvalidInputError(
+                f"image embeddings of {embeds.shape[0]} rows: no image is more than {most} "
+                f"tokens under the server's settings ({self.family.item_bound_setting()})",
+                param="images")
+        # A copy of our own, always: the caller's tensor may change after this (a buffer used
+        # again), and the caches hold these under a hash of what they are now.
+        embeds = torch.empty(embeds.shape, dtype=embeds.dtype).copy_(embeds.detach())
         if not bool(torch.isfinite(embeds).all()):
             raise InvalidInputError("image embeddings hold NaN or infinite values",
                                     param="images")

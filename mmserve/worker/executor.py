@@ -125,7 +125,12 @@ class ParamsMemo:
 
         def held(rid: str, params: SamplingParams | None) -> SamplingParams:
             if params is None:
-                return known[rid]
+                params = known.get(rid)
+                if params is None:
+                    raise RuntimeError(f"request {rid}'s sampling params were never sent to "
+                                       "this worker (the executor's memo and the worker's "
+                                       "differ)")
+                return params
             known[rid] = params
             return params
 
@@ -214,19 +219,25 @@ class MultiprocExecutor:
         """Send the step to every rank, each with the pixels of the images it encodes (all of
         them where the vision tower is split); the workers run steps in the order sent.
         Returns its number, for ``collect``."""
-        step = pickle.dumps(self._params.strip(scheduler_output),
-                            protocol=pickle.HIGHEST_PROTOCOL)
-        if self.spec.split_encoder:
-            payloads = [_dumps((self._seq + 1, "execute", (step, encoder_pixels)))
-                        ] * self.spec.size
-        else:
-            tokens = scheduler_output.images_to_encode  # split as the runners split them
-            owner = split_by_tokens(list(tokens), tokens, self.spec.size)
-            payloads = [_dumps((self._seq + 1, "execute",
-                                (step, {h: p for h, p in encoder_pixels.items()
-                                        if owner.get(h) == rank})))
-                        for rank in range(self.spec.size)]
-        seq = self._send(payloads)
+        try:
+            step = pickle.dumps(self._params.strip(scheduler_output),
+                                protocol=pickle.HIGHEST_PROTOCOL)
+            if self.spec.split_encoder:
+                payloads = [_dumps((self._seq + 1, "execute", (step, encoder_pixels)))
+                            ] * self.spec.size
+            else:
+                tokens = scheduler_output.images_to_encode  # split as the runners split them
+                owner = split_by_tokens(list(tokens), tokens, self.spec.size)
+                payloads = [_dumps((self._seq + 1, "execute",
+                                    (step, {h: p for h, p in encoder_pixels.items()
+                                            if owner.get(h) == rank})))
+                            for rank in range(self.spec.size)]
+            seq = self._send(payloads)
+        except BaseException:
+            # The memo counted this step's params as sent: start it afresh, so that the next
+            # step sends every request's (the workers take what they are sent).
+            self._params = ParamsMemo()
+            raise
         self._steps.append(seq)
         return seq
 
