@@ -146,14 +146,17 @@ def _storage(body: dict[str, Any], can_store: bool) -> tuple[bool, bool, str | N
 
 
 def _input_items(items: Any) -> list[dict[str, Any]]:
-    """``input`` as the store keeps it (already checked): a list of items, a string as a
-    user message, each item with an ``id``."""
+    """``input`` as the store keeps it and lists it (already checked), in OpenAI's shape: a
+    list of items, a string a user message, a message's string content a text part, each
+    item with an ``id``."""
     if isinstance(items, str):
-        items = [{"type": "message", "role": "user",
-                  "content": [{"type": "input_text", "text": items}]}]
+        items = [{"role": "user", "content": items}]
     out = []
     for item in items:
         item = {"type": "message", **item}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
         if not isinstance(item.get("id"), str):
             item["id"] = new_id({"message": "msg", "function_call": "fc"}.get(item["type"],
                                                                               "item"))
