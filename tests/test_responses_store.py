@@ -115,8 +115,8 @@ def test_a_repeated_request_id_never_replaces_a_stored_response(served) -> None:
     ids = [http.post("/v1/responses", headers=headers,
                      json={"input": f"turn {i}", "max_output_tokens": 1}).json()["id"]
            for i in range(2)]
-    # A stored response's id is the server's: the header's with a suffix of its own.
-    assert ids[0] != ids[1] and all(rid.startswith("resp_same-id-") for rid in ids)
+    # The header names the first; the second's id has a suffix of its own.
+    assert ids[0] == "resp_same-id" and ids[1].startswith("resp_same-id-")
     assert all(http.get(f"/v1/responses/{rid}").status_code == 200 for rid in ids)
     assert http.get(f"/v1/responses/{ids[0]}/input_items").json()["data"][0]["content"][0][
         "text"] == "turn 0"
@@ -234,6 +234,10 @@ def test_the_store_forgets_the_least_recently_used_within_its_bytes() -> None:
         store.conversation("b")
     store.update(_response("b"))  # b ended
     assert store.running_bytes == one.nbytes
+    # An id taken is never replaced (a client's request id sent twice at once).
+    taken = store.get("e").response
+    assert store.put(_response("e", "other"), item, None) is None
+    assert store.get("e").response is taken
     # A conversation with a forgotten link cannot be continued.
     store.put(_response("g"), item, "c")
     assert store.conversation("g") is None
@@ -244,6 +248,15 @@ def test_the_store_forgets_the_least_recently_used_within_its_bytes() -> None:
     # An ended background response that grew past the store is dropped, not kept over it.
     store.update(_response("a", "z" * store.max_bytes))
     assert "a" not in store and store.nbytes <= store.max_bytes
+
+
+def test_a_loop_of_links_is_no_conversation() -> None:
+    """Ids can come back (a client's request id, deleted and sent again), so links could
+    close a loop: continuing one ends, as a conversation that cannot be continued."""
+    store = ResponseStore(10**6)
+    store.put(_response("a"), [], "b")
+    store.put(_response("b"), [], "a")
+    assert store.conversation("a") is None and store.conversation("b") is None
 
 
 def test_input_item_pages() -> None:

@@ -293,9 +293,10 @@ class OpenAIServer:
             return error_response(err)
         reader = tool_calls.reader_for(chat.tool_choice, self.tool_parser,
                                        lambda: responses.new_id("call"))
-        if req.store:
-            # A stored response's id is the server's own (unique, as the engine's: the
-            # request's id where the server made it), never a client's X-Request-Id alone.
+        if req.store and self.response_store is not None and response_id in self.response_store:
+            # A client's X-Request-Id names a stored response already: this one's is the
+            # engine's (the id with a suffix of its own). One sent twice at once is stored
+            # once (``ResponseStore.put`` replaces nothing).
             response_id = engine_id
         events = responses.ResponseEvents(response_id, self.model, req.echo, created)
         if req.background:

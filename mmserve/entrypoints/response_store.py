@@ -71,11 +71,13 @@ class ResponseStore:
 
     def put(self, response: dict[str, Any], input_items: list[dict[str, Any]],
             previous: str | None) -> Stored | None:
-        """Store ``response`` (replacing one of its id), forgetting the least recently used
-        others to make room; None where it does not fit (larger than the store, or than what
-        the running responses leave): nothing is kept then."""
+        """Store ``response``, forgetting the least recently used others to make room; None
+        where it does not fit (larger than the store, or than what the running responses
+        leave) or its id is taken (a client's request id sent twice at once): nothing is kept
+        then, and nothing is replaced."""
         response_id = response["id"]
-        self.delete(response_id)
+        if response_id in self._entries:
+            return None
         entry = Stored(response, input_items, previous)
         entry.nbytes = _size(response) + _size(input_items)
         if self.running_bytes + entry.nbytes > self.max_bytes:
