@@ -106,7 +106,8 @@ class OpenAIServer:
         fields of requests that leave them out (by default ``sampling_defaults`` of the
         engine's config)."""
         self.config = config
-        self.model = config.served_model_name
+        self.model = config.served_model_name  # the id answers report
+        self.model_names = (self.model, *config.model_aliases)  # the ids requests may name
         self.max_model_len = engine.config.max_model_len
         self.max_images = engine.config.limit_mm_per_prompt
         self.sampling_defaults = (sampling_defaults(engine.config) if defaults is None
@@ -171,16 +172,19 @@ class OpenAIServer:
         return JSONResponse({"status": "engine loop not running"}, status_code=503)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(shapes.model_list(self.model, self.created, self.max_model_len))
+        return JSONResponse(shapes.model_list(self.model_names, self.created,
+                                              self.max_model_len))
 
     async def retrieve_model(self, request: Request) -> Response:
         """OpenAI's ``GET /v1/models/{id}`` (the client's ``models.retrieve``): the served
         model, or a 404 for any other id."""
+        model = request.path_params["model"]
         try:
-            self._check_model(request.path_params["model"])
+            self._check_model(model)
         except ApiError as e:
             return error_response(e)
-        return JSONResponse(shapes.model_card(self.model, self.created, self.max_model_len))
+        return JSONResponse(shapes.model_card(model, self.created, self.max_model_len,
+                                              root=self.model))
 
     async def invocations(self, request: Request) -> Response:
         """SageMaker's ``POST /invocations`` (as vLLM serves it): the endpoint the body's
@@ -540,9 +544,10 @@ class OpenAIServer:
                 f"(--max-queue {self.engine.max_waiting}); retry later.")
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model:
+        if model is not None and model not in self.model_names:
+            names = " or ".join(repr(name) for name in self.model_names)
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{self.model!r}.", param="model", code="model_not_found")
+                           f"{names}.", param="model", code="model_not_found")
 
     async def _read_body(self, request: Request) -> bytes:
         cap = self.config.max_request_body_bytes

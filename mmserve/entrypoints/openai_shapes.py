@@ -171,11 +171,15 @@ def completion_chunk(request_id: str, model: str, created: int,
     return body
 
 
-def model_card(model: str, created: int, max_model_len: int) -> dict[str, Any]:
-    """The served model as ``GET /v1/models`` lists it and ``GET /v1/models/{id}`` gives it."""
+def model_card(model: str, created: int, max_model_len: int,
+               root: str | None = None) -> dict[str, Any]:
+    """The served model under one of its ids, as ``GET /v1/models`` lists it and ``GET
+    /v1/models/{id}`` gives it; ``root``: the id answers report (this one by default)."""
     return {"id": model, "object": "model", "created": created, "owned_by": "mmserve",
-            "root": model, "max_model_len": max_model_len}
+            "root": root or model, "max_model_len": max_model_len}
 
 
-def model_list(model: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(model, created, max_model_len)]}
+def model_list(models: Sequence[str], created: int, max_model_len: int) -> dict[str, Any]:
+    """Every id the model is served under, the one answers report first."""
+    return {"object": "list", "data": [model_card(name, created, max_model_len, models[0])
+                                       for name in models]}

@@ -20,7 +20,7 @@ from mmserve.entrypoints.tool_calls import TOOL_CALL_PARSERS
 class ServerConfig:
     """Front-door settings; the engine has its own ``EngineConfig``."""
 
-    served_model_name: str
+    served_model_name: str  # the id answers report
     api_key: str | None = None
     max_queue: int | None = 1024  # requests waiting beyond the max_num_seqs running ones
     max_request_body_bytes: int = 32 * 1024 * 1024
@@ -52,12 +52,14 @@ class ServerConfig:
     ssl_cert_reqs: int = 0
     # vLLM's: chat requests may send images as their embeddings (``image_embeds`` parts).
     enable_mm_embeds: bool = False
+    # More ids requests may name for the model (vLLM's several --served-model-name).
+    model_aliases: tuple[str, ...] = ()
     # The Responses API's stored responses, at most this many bytes of JSON (0: none kept).
     responses_store_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        if not self.served_model_name:
-            raise ValueError("served_model_name must not be empty.")
+        if not self.served_model_name or not all(self.model_aliases):
+            raise ValueError("served model names must not be empty.")
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
         if self.responses_store_bytes < 0:
@@ -148,7 +150,9 @@ def _add_front_door_args(p: argparse.ArgumentParser) -> None:
     fetch, where the engine runs, tool calls, log-probabilities' form, and the engine's."""
     p.add_argument("model_path", nargs="?", metavar="MODEL",
                    help="local checkpoint directory (default: the bundled demo model)")
-    p.add_argument("--served-model-name", help="model id requests name (default: MODEL)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model ids requests may name, as vLLM takes them: answers report the "
+                   "first (default: MODEL; put MODEL before this flag)")
     p.add_argument("--max-request-body-bytes", type=int,
                    default=ServerConfig.max_request_body_bytes,
                    help="larger requests are refused")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -53,11 +54,28 @@ def _stop_signals_end_run() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def served_model_names(args: argparse.Namespace, model: str) -> tuple[str, ...]:
+    """``--served-model-name``'s ids (the first reported), or the model's path. A model path
+    written after the flag is taken as one more name (the flag takes several, as vLLM's):
+    where no model was given and a name is a directory, that is said, not served as the
+    demo model under the names."""
+    names = tuple(dict.fromkeys(args.served_model_name or ()))
+    if (args.model_path or args.model) is None:
+        for name in names:
+            if os.path.isdir(name):
+                raise ValueError(
+                    f"--served-model-name took {name!r}, a directory, as a name (the flag takes "
+                    "several): put the model before the flag (serve MODEL --served-model-name "
+                    "NAME...) or give it with --model.")
+    return names or (model,)
+
+
 def front_door_config(args: argparse.Namespace, model: str, **own: Any) -> ServerConfig:
     """The settings ``serve`` and ``run-batch`` share, from their flags; ``own``: the
     command's own (``serve``'s HTTP settings)."""
+    names = served_model_names(args, model)
     return ServerConfig(
-        served_model_name=args.served_model_name or model,
+        served_model_name=names[0], model_aliases=names[1:],
         max_request_body_bytes=args.max_request_body_bytes,
         media=MediaPolicy(list_flag(args.allowed_media_domains, ()),
                           args.allowed_local_media_path, args.max_image_bytes,
