@@ -34,7 +34,7 @@ class EmbedsPart:
     """An ``image_embeds`` part as the request sent it (decoded off the event loop)."""
 
     embeds: str
-    grid_thw: str | list[int] | None = None
+    grid_thw: str | list[Any] | None = None
 
 
 def parse_embeds_part(value: Any, where: str) -> EmbedsPart:
@@ -43,10 +43,7 @@ def parse_embeds_part(value: Any, where: str) -> EmbedsPart:
         return EmbedsPart(value)
     if isinstance(value, dict) and isinstance(value.get("image_embeds"), str):
         grid = value.get("image_grid_thw")
-        if isinstance(grid, list) and len(grid) == 1 and isinstance(grid[0], list):
-            grid = grid[0]  # [[t, h, w]], as the image processor gives it
-        if grid is None or isinstance(grid, str) or (
-                isinstance(grid, list) and all(isinstance(v, int) for v in grid)):
+        if grid is None or isinstance(grid, (str, list)):  # (its numbers: the processor's)
             return EmbedsPart(value["image_embeds"], grid)
     raise InvalidInputError(
         f"{where}.image_embeds must be a base64 string of a tensor saved with torch.save, or "

@@ -224,8 +224,8 @@ class Qwen2VLFamily(MultiModalFamily):
     def embeds_input(self, embeds: torch.Tensor, grid_thw: tuple[int, int, int] | None
                      ) -> tuple[EncoderInput, int]:
         """Embeddings with their image's patch grid (for the positions): one row per merged
-        patch, ``t * h * w / merge_size^2`` of them, and no more than any image under the
-        settings makes (the encoder budget's unit)."""
+        patch, ``t * h * w / merge_size^2`` of them (the processor has checked that they are
+        no more than ``max_tokens_per_item``, before copying them)."""
         m = self.merge_size
         if grid_thw is None:
             raise InvalidInputError(
@@ -242,11 +242,6 @@ class Qwen2VLFamily(MultiModalFamily):
             raise InvalidInputError(
                 f"image embeddings of {embeds.shape[0]} rows for image_grid_thw "
                 f"{list(grid_thw)}, which makes {tokens} tokens", param="images")
-        if tokens > self.max_tokens_per_item:
-            raise InvalidInputError(
-                f"image embeddings of {tokens} tokens: no image is more than "
-                f"{self.max_tokens_per_item} under the server's settings "
-                f"({self.item_bound_setting()}); send a smaller image's", param="images")
         return {IMAGE_EMBEDS: embeds, "image_grid_thw": torch.tensor([[t, h, w]])}, tokens
 
     @property
