@@ -6,6 +6,9 @@ cancelled or abandoned background response leaves no KV block or encoder entry b
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import json
 import time
 
 import openai
@@ -14,10 +17,15 @@ from starlette.testclient import TestClient
 
 from mmserve import LLM
 from mmserve.entrypoints.api_server import OpenAIServer
-from mmserve.entrypoints.response_store import InProgressError, ResponseStore, input_items_page
+from mmserve.entrypoints.response_store import (
+    EventLog,
+    InProgressError,
+    ResponseStore,
+    input_items_page,
+)
 from mmserve.entrypoints.serve_args import ServerConfig
 from tests.conftest import assert_no_leaks, make_image
-from tests.test_server import data_url
+from tests.test_server import Server, data_url, wait_drained
 
 IMAGE = data_url(make_image(5, (48, 40)))
 
@@ -161,9 +169,10 @@ def test_cancelled_and_deleted_background_responses_free_their_requests(served) 
     # Its answer is not there yet: continuing from it is refused, not answered without it.
     with pytest.raises(openai.BadRequestError, match="still running"):
         client.responses.create(model="tiny", previous_response_id=running.id, input="and?")
-    # A stored response is fetched whole, not streamed again.
+    # One made without 'stream' is fetched whole, not streamed.
     resp = http.get(f"/v1/responses/{running.id}", params={"stream": "true"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
+    assert "'background' and 'stream'" in resp.json()["error"]["message"]
     cancelled = client.responses.cancel(running.id)
     assert cancelled.status == "cancelled"
     assert client.responses.retrieve(cancelled.id).status == "cancelled"
@@ -175,6 +184,125 @@ def test_cancelled_and_deleted_background_responses_free_their_requests(served) 
         time.sleep(0.05)
     assert not llm.engine.has_unfinished_requests()
     assert http.get(f"/v1/responses/{running.id}").status_code == 404
+
+
+def _events(text: str) -> list[dict]:
+    """The data of each server-sent event of a body, checked against its ``event:`` line."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        kind, data = block.split("\n")
+        out.append(json.loads(data.removeprefix("data: ")))
+        assert kind == f"event: {out[-1]['type']}"
+    return out
+
+
+def test_a_background_stream_is_streamed_again_from_any_event(served) -> None:
+    """``background`` with ``stream``: the events come as a stream does (created and queued
+    first), and ``GET ?stream=true&starting_after=N`` streams the same events numbered above
+    N, while it runs and after; the openai client reads them."""
+    _, http, client = served
+    body = {"model": "tiny", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "describe"}, {"type": "input_image", "image_url": IMAGE}]}],
+        "temperature": 0, "max_output_tokens": 12}
+    made = http.post("/v1/responses", json={**body, "background": True, "stream": True})
+    assert made.status_code == 200, made.text
+    assert made.headers["content-type"].startswith("text/event-stream")
+    events = _events(made.text)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:3]] == ["response.created", "response.queued",
+                                               "response.in_progress"]
+    assert events[0]["response"]["status"] == "queued"
+    assert events[0]["response"]["background"] is True
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete"
+    # The same answer as the request made plainly, and stored as its last event has it.
+    plain = client.responses.create(**body)
+    assert final["output"][0]["content"][0]["text"] == plain.output_text
+    assert http.get(f"/v1/responses/{final['id']}").json() == final
+    # Streamed again: all of it, or the events after one, byte for byte the same.
+    again = http.get(f"/v1/responses/{final['id']}", params={"stream": "true"})
+    assert again.text == made.text
+    after = http.get(f"/v1/responses/{final['id']}",
+                     params={"stream": "true", "starting_after": "4"})
+    assert _events(after.text) == events[5:]
+    past = http.get(f"/v1/responses/{final['id']}",
+                    params={"stream": "true", "starting_after": str(len(events) + 5)})
+    assert past.status_code == 200 and past.text == ""
+    read = list(client.responses.retrieve(final["id"], stream=True, starting_after=2))
+    assert [e.type for e in read] == [e["type"] for e in events[3:]]
+    assert read[-1].response.id == final["id"]
+    assert read[-1].response.output_text == plain.output_text
+    # Refused: a bad number, a number without a stream.
+    for params in ({"stream": "true", "starting_after": "-1"},
+                   {"stream": "true", "starting_after": "x"},
+                   {"starting_after": "3"}):
+        resp = http.get(f"/v1/responses/{final['id']}", params=params)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "starting_after"
+    # A plain stream (not background) is not kept to be streamed again.
+    streamed = list(client.responses.create(**body, stream=True))
+    resp = http.get(f"/v1/responses/{streamed[-1].response.id}", params={"stream": "true"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
+
+
+def test_followers_of_a_background_stream_end_when_it_is_cancelled(served) -> None:
+    """Two clients follow a long background stream; cancelling it ends both streams (no
+    follower waits for ever), with the same events, and frees its engine request."""
+    llm, http, client = served
+    body = {"model": "tiny", "input": "tell me a long story", "temperature": 1.0,
+            "max_output_tokens": 400, "background": True, "stream": True}
+    rid = "resp_followed"  # (named by the request id: the POST answers only as it ends)
+    pool = concurrent.futures.ThreadPoolExecutor(2)  # (a follower left waiting fails)
+    try:
+        made = pool.submit(http.post, "/v1/responses", json=body,
+                           headers={"X-Request-Id": "followed"})
+        deadline = time.monotonic() + 60
+        while (http.get(f"/v1/responses/{rid}").status_code != 200
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        follower = pool.submit(http.get, f"/v1/responses/{rid}",
+                               params={"stream": "true", "starting_after": "1"})
+        time.sleep(0.3)
+        assert client.responses.cancel(rid).status == "cancelled"
+        first, second = made.result(timeout=30), follower.result(timeout=30)
+    finally:
+        pool.shutdown(wait=False)
+    events = _events(first.text)
+    assert _events(second.text) == events[2:]
+    assert not any(e["type"] == "response.completed" for e in events)
+    deadline = time.monotonic() + 30
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.slow
+def test_a_dropped_background_stream_is_resumed(clip_llama: str, tmp_path) -> None:
+    """Over a real socket: a client reads a background stream's first events and drops the
+    connection; the response runs on, and the client resumes after the last event it read,
+    getting the rest, the same answer as the request made plainly."""
+    server = Server(clip_llama, "--served-model-name", "tiny", "--max-model-len", "256",
+                    log=tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        body = {"model": "tiny", "input": "tell me a story", "temperature": 0,
+                "max_output_tokens": 48}
+        read = []
+        with client.responses.create(**body, background=True, stream=True) as stream:
+            for event in stream:
+                read.append(event)
+                if event.sequence_number == 6:
+                    break  # the connection drops here
+        rest = list(client.responses.retrieve(read[0].response.id, stream=True,
+                                              starting_after=read[-1].sequence_number))
+        events = read + rest
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert events[-1].type == "response.incomplete"
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == events[-1].response.output_text == client.responses.create(
+            **body).output_text
+        wait_drained(server.url)
+    finally:
+        assert server.stop() == 0
 
 
 def test_a_server_without_a_store(clip_llama: str) -> None:
@@ -248,6 +376,46 @@ def test_the_store_forgets_the_least_recently_used_within_its_bytes() -> None:
     # An ended background response that grew past the store is dropped, not kept over it.
     store.update(_response("a", "z" * store.max_bytes))
     assert "a" not in store and store.nbytes <= store.max_bytes
+
+
+def test_a_streams_events_are_kept_within_the_stores_bytes() -> None:
+    """A running background stream's events count as its bytes (the least recently used
+    responses forgotten for them); past what the running responses may hold the rest is not
+    kept: its followers get what was kept and an ``error`` event, and once it ends the events
+    are freed, the response itself kept."""
+    item = [{"type": "message", "role": "user", "content": "x", "id": "msg_1"}]
+    store = ResponseStore(2000)
+    store.put(_response("old"), item, None)
+    entry = store.put(_response("bg"), item, None)
+    entry.log = EventLog()
+    store.start(entry, object(), None)
+    event = "event: e\ndata: " + "y" * 80 + "\n\n"
+    followed: list[str] = []
+
+    async def follow() -> None:
+        async for e in entry.log.follow(after=0):
+            followed.append(e)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(follow())
+        for _ in range(40):
+            store.record(entry, event)
+            assert store.nbytes <= store.max_bytes
+            await asyncio.sleep(0)
+        await asyncio.wait_for(task, 5)  # (it ends: the log was cut)
+
+    asyncio.run(run())
+    kept = len(entry.log.events)
+    assert entry.log.cut and 10 < kept < 40
+    assert "old" not in store  # forgotten for the running stream's events
+    assert store.running_bytes == entry.nbytes == store.nbytes
+    assert followed[:-1] == entry.log.events[1:]
+    error = json.loads(followed[-1].split("data: ")[1])
+    assert error["type"] == "error" and error["sequence_number"] == kept
+    assert "--responses-store-mib" in error["message"]
+    store.update(_response("bg", "done"))  # it ended: the cut events are freed
+    assert entry.log.events == [] and store.running_bytes == 0
+    assert store.nbytes == entry.nbytes < 300 and "bg" in store
 
 
 def test_a_loop_of_links_is_no_conversation() -> None:

@@ -71,6 +71,7 @@ from mmserve.entrypoints.media import MediaLoader
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
 from mmserve.entrypoints.response_store import (
+    EventLog,
     InProgressError,
     ResponseStore,
     Stored,
@@ -261,11 +262,9 @@ class OpenAIServer:
             self.metrics.count("rejected" if err.status < 500 else "error")
             return error_response(err)
         if chat.stream:
-            return StreamingResponse(
+            return self._event_stream(
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
-                          chat.continuous_usage, self._as_ids(chat.tokens_as_ids)),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                          chat.continuous_usage, self._as_ids(chat.tokens_as_ids)))
         return await self._complete(request, request_id, streams, chat)
 
     # ----------------------------------------------------------------- responses
@@ -306,10 +305,7 @@ class OpenAIServer:
         if req.background:
             return self._run_in_background(req, events, stream, reader)
         if chat.stream:
-            return StreamingResponse(
-                self._response_events(events, stream, reader, req),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return self._event_stream(self._response_events(events, stream, reader, req))
         outs = await self._final_outputs(request, [stream])
         if isinstance(outs, Response):
             return outs
@@ -366,32 +362,60 @@ class OpenAIServer:
                 "background", type="server_overloaded", code="store_full",
                 headers={"Retry-After": "1"}))
 
+        if req.chat.stream:
+            entry.log = EventLog()
+
         async def run() -> None:
             try:
-                async for _ in self._response_events(events, stream, reader):
-                    pass
-            except Exception as e:  # noqa: BLE001 (a bug here must not leave it running)
-                logger.exception("background response %s failed", events.response_id)
-                events.fail(ApiError(500, f"the server failed this response ({e})"))
-            if not events.final:  # (the answer's stream ended without its last output)
-                events.fail(ApiError(500, "the answer ended before it finished"))
-            store.update(events.final)
+                try:
+                    async for event in self._response_events(events, stream, reader,
+                                                             queued=True):
+                        store.record(entry, event)
+                except Exception as e:  # noqa: BLE001 (a bug here must not leave it running)
+                    logger.exception("background response %s failed", events.response_id)
+                    for event in events.fail(ApiError(500, f"the server failed this "
+                                                           f"response ({e})")):
+                        store.record(entry, event)
+                if not events.final:  # (the answer's stream ended without its last output)
+                    for event in events.fail(ApiError(500, "the answer ended before it "
+                                                           "finished")):
+                        store.record(entry, event)
+                store.update(events.final)
+            finally:  # (ended, cancelled or deleted: its followers' streams end too)
+                if entry.log is not None:
+                    entry.log.end()
 
         store.start(entry, asyncio.ensure_future(run()), events)
         self._background.add(entry.task)
         entry.task.add_done_callback(self._background.discard)
+        if entry.log is not None:  # followed from its first event; the client may leave
+            return self._event_stream(entry.log.follow())
         return JSONResponse(entry.response)
 
     async def get_response(self, request: Request) -> Response:
         """``GET /v1/responses/{id}``: a stored response (in progress, for a background one
-        that runs)."""
+        that runs); with ``stream``, a background stream's events again, those after
+        ``starting_after`` (its own until it ends, for one that runs)."""
         entry = self._stored(request)
         if isinstance(entry, Response):
             return entry
-        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+        query = request.query_params
+        streamed = query.get("stream", "false").lower() not in ("false", "0")
+        if not streamed and "starting_after" in query:
             return error_response(proto.bad_request(
-                "a stored response is fetched whole: streaming it again ('stream', "
-                "'starting_after') is not supported; leave 'stream' out.", "stream"))
+                "'starting_after' applies to a stream: send 'stream=true' with it.",
+                "starting_after"))
+        if streamed:
+            after = _starting_after(query)
+            if isinstance(after, Response):
+                return after
+            if entry.log is None or (entry.log.cut and not entry.log.events):
+                why = ("it was not made with 'background' and 'stream'" if entry.log is None
+                       else "its events outgrew the response store and were not kept")
+                return error_response(proto.bad_request(
+                    f"this response cannot be streamed again: {why}; GET it without "
+                    "'stream'.", "stream"))
+            return self._event_stream(entry.log.follow(after))
         if entry.running:  # as it stands (ended, where its last output has come)
             return JSONResponse(entry.events.final or entry.events.snapshot())
         return JSONResponse(entry.response)
@@ -449,15 +473,20 @@ class OpenAIServer:
                 "response_id", code="response_not_found"))
         return entry
 
+    @staticmethod
+    def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     async def _response_events(self, events: responses.ResponseEvents, stream: RequestStream,
                                reader: tool_calls.CallReader | None,
-                               req: responses.ResponsesRequest | None = None
-                               ) -> AsyncIterator[str]:
+                               req: responses.ResponsesRequest | None = None,
+                               queued: bool = False) -> AsyncIterator[str]:
         """A response's events as its answer comes; a failure ends them with
         ``response.failed``. The finished response is kept where ``req`` asks."""
         answer = Answer()
         try:
-            for event in events.start():
+            for event in events.start(queued):
                 yield event
             async with contextlib.aclosing(self._merged([stream])) as merged:
                 async for _, out in merged:
@@ -776,12 +805,10 @@ class OpenAIServer:
                      for prompt in req.prompts]
             echoes = [texts[i // n] for i in range(len(streams))]
         if req.stream:
-            return StreamingResponse(
+            return self._event_stream(
                 self._completion_sse(request_id, streams, req.include_usage, n, echoes,
                                      req.prompt_only, req.continuous_usage,
-                                     self._as_ids(req.tokens_as_ids)),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                     self._as_ids(req.tokens_as_ids)))
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
             return outs
@@ -945,6 +972,23 @@ def _as_api_error(e: Exception) -> ApiError:
         return ApiError(503, str(e), type="server_overloaded", code="queue_full",
                         headers={"Retry-After": "1"})
     return ApiError(503, str(e), type="server_error", code="engine_unavailable")
+
+
+def _starting_after(query: Any) -> int | Response:
+    """``GET /v1/responses/{id}?stream=true``'s ``starting_after``: the events numbered above
+    it are streamed (all of them where it is left out)."""
+    raw = query.get("starting_after")
+    if raw is None:
+        return -1
+    try:
+        after = int(raw)
+    except ValueError:
+        after = -1
+    if after < 0 or len(raw) > 18:
+        return error_response(proto.bad_request(
+            "'starting_after' must be an event's sequence_number (an integer from 0).",
+            "starting_after"))
+    return after
 
 
 async def _wait_for_disconnect(request: Request) -> None:

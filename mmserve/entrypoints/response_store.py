@@ -5,7 +5,9 @@ here, so that ``GET /v1/responses/{id}`` returns the response, ``.../input_items
 input, ``DELETE`` forgets it, and a later request's ``previous_response_id`` continues the
 conversation: the items of every response in the chain, oldest first (each one's input, then
 its output), go before the new request's input. A ``background`` response is stored while it
-runs and updated when it ends; ``cancel`` stops it.
+runs and updated when it ends; ``cancel`` stops it. One made with ``stream`` keeps its events
+(``EventLog``), so that a client whose connection dropped can stream it again from where it
+was (``GET /v1/responses/{id}?stream=true&starting_after=N``).
 
 The store holds at most ``max_bytes`` of JSON (responses and their input, images' data URLs
 included; the Python objects that hold them take several times that in memory); past it, the
@@ -17,14 +19,74 @@ outlives the process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 # Items ``GET .../input_items`` lists at most in one page (OpenAI's limit), and by default.
 MAX_LIST_LIMIT = 100
 DEFAULT_LIST_LIMIT = 20
+
+
+class EventLog:
+    """A streamed background response's events (server-sent events, as written), kept so
+    that any number of clients can follow it, from its start or after an event's
+    ``sequence_number``: the event at index ``i`` is the one numbered ``i``. It grows while
+    the response runs, within the store's bytes (``ResponseStore.record``): past them, the
+    rest of the stream is not kept (``cut``), and its followers are told so."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.nbytes = 0
+        self.ended = False
+        self.cut = False
+        self._changed = asyncio.Event()
+
+    def append(self, event: str) -> None:
+        self.events.append(event)
+        self.nbytes += len(event)
+        self._wake()
+
+    def end(self, cut: bool = False) -> None:
+        """No more events: the response ended (or was cancelled, or deleted), or, ``cut``,
+        the rest of them are not kept."""
+        self.ended = True
+        self.cut = self.cut or cut
+        self._wake()
+
+    def forget(self) -> None:
+        """Free the events of a cut stream (it cannot be followed whole any more)."""
+        self.events, self.nbytes = [], 0
+
+    async def follow(self, after: int = -1) -> AsyncIterator[str]:
+        """The events numbered above ``after``, those kept and then each as it comes, until
+        the log ends; a cut one ends with OpenAI's ``error`` event saying so."""
+        i = max(after + 1, 0)
+        while True:
+            if self.cut and not self.events:
+                break  # (forgotten)
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.ended:
+                break
+            changed = self._changed
+            await changed.wait()
+        if self.cut:
+            body = {"type": "error", "sequence_number": max(i, len(self.events)),
+                    "code": "stream_not_kept", "param": None,
+                    "message": "the rest of this response's events outgrew the response "
+                               "store (--responses-store-mib) and were not kept; the "
+                               "response runs on: GET /v1/responses/{id} without 'stream' "
+                               "once it has ended."}
+            yield f"event: error\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
 
 @dataclass
@@ -40,6 +102,8 @@ class Stored:
     # object in progress), both None once it has ended.
     task: Any = None
     events: Any = None
+    # A background response made with ``stream``: its events, while it runs and after.
+    log: EventLog | None = None
 
     @property
     def running(self) -> bool:
@@ -104,11 +168,31 @@ class ResponseStore:
         entry.task = entry.events = None
         self.nbytes -= entry.nbytes
         entry.response = response
-        entry.nbytes = _size(response) + _size(entry.input_items)
+        if entry.log is not None and entry.log.cut:
+            entry.log.forget()
+        entry.nbytes = (_size(response) + _size(entry.input_items)
+                        + (0 if entry.log is None else entry.log.nbytes))
         self.nbytes += entry.nbytes
         self._make_room(0)
         if self.nbytes > self.max_bytes:  # (beside running ones, it no longer fits)
             self.delete(response["id"])
+
+    def record(self, entry: Stored, event: str) -> None:
+        """One more event of a running response's log, counted as the response's bytes,
+        the least recently used others forgotten to make room; where even that leaves no
+        room beside the running responses, the log is cut there."""
+        log = entry.log
+        if log is None or log.ended or self._entries.get(entry.response["id"]) is not entry:
+            return  # (not a log, or no longer stored: deleted while it ran)
+        if self.running_bytes + len(event) > self.max_bytes:
+            log.end(cut=True)
+            return
+        log.append(event)
+        entry.nbytes += len(event)
+        self.nbytes += len(event)
+        if entry.running:
+            self.running_bytes += len(event)
+        self._make_room(0)
 
     def get(self, response_id: str) -> Stored | None:
         """The stored response, counted as used now; None where it is not (or no longer)

@@ -138,10 +138,6 @@ def _storage(body: dict[str, Any], can_store: bool) -> tuple[bool, bool, str | N
                               "it is fetched: send 'store': true"
                               + ("" if can_store else " to a server that stores responses "
                                  "(--responses-store-mib above 0)"), "background")
-        if body.get("stream"):
-            raise bad_request("'background' with 'stream' is not supported: stream the "
-                              "response, or run it in the background and fetch it with GET "
-                              "/v1/responses/{id}", "background")
     return store and can_store, background, previous
 
 
@@ -420,10 +416,18 @@ class ResponseEvents:
         self.logprobs: list[dict[str, Any]] = []  # its text's tokens', where asked for
         self.final: dict[str, Any] = {}  # the response, once finished
 
-    def start(self) -> list[str]:
+    def start(self, queued: bool = False) -> list[str]:
+        """The first events: the response created and in progress; a background one's is
+        created queued first (``response.queued``), as OpenAI's is."""
+        events = []
+        if queued:
+            response = self._response("queued")
+            events += [self._event("response.created", response=response),
+                       self._event("response.queued", response=response)]
         response = self._response("in_progress")
-        return [self._event("response.created", response=response),
-                self._event("response.in_progress", response=response)]
+        if not queued:
+            events.append(self._event("response.created", response=response))
+        return [*events, self._event("response.in_progress", response=response)]
 
     def whole(self, deltas: list[dict[str, Any]], reason: str | None,
               usage_counts: dict[str, Any]) -> dict[str, Any]:
