@@ -13,6 +13,15 @@ class InvalidInputError(ValueError):
         self.param = param
 
 
+class PromptTooLongError(InvalidInputError):
+    """A prompt longer than the model's context (``max_model_len``): its text already, before
+    it was tokenized, or its tokens, images' included. The Responses API's ``truncation:
+    "auto"`` drops a conversation's earliest turns on it."""
+
+    def __reduce__(self) -> tuple:  # (crosses from the engine core's process intact)
+        return type(self), (str(self), self.param)
+
+
 class EngineDeadError(RuntimeError):
     """The engine cannot serve any more (its steps keep failing for requests that had run
     fine, or it was shut down); in-flight requests cannot finish."""

@@ -16,6 +16,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from mmserve import LLM
+from mmserve.entrypoints import responses_protocol as responses
 from mmserve.entrypoints.api_server import OpenAIServer
 from mmserve.entrypoints.response_store import (
     EventLog,
@@ -164,7 +165,7 @@ def test_cancelled_and_deleted_background_responses_free_their_requests(served) 
     llm, http, client = served
     long = {"model": "tiny", "input": [{"role": "user", "content": [
         {"type": "input_text", "text": "describe"}, {"type": "input_image", "image_url": IMAGE}]}],
-        "max_output_tokens": 400, "temperature": 1.0, "background": True}
+        "max_output_tokens": 400, "temperature": 0, "background": True}
     running = client.responses.create(**long)
     # Its answer is not there yet: continuing from it is refused, not answered without it.
     with pytest.raises(openai.BadRequestError, match="still running"):
@@ -248,7 +249,7 @@ def test_followers_of_a_background_stream_end_when_it_is_cancelled(served) -> No
     """Two clients follow a long background stream; cancelling it ends both streams (no
     follower waits for ever), with the same events, and frees its engine request."""
     llm, http, client = served
-    body = {"model": "tiny", "input": "tell me a long story", "temperature": 1.0,
+    body = {"model": "tiny", "input": "tell me a long story", "temperature": 0,
             "max_output_tokens": 400, "background": True, "stream": True}
     rid = "resp_followed"  # (named by the request id: the POST answers only as it ends)
     pool = concurrent.futures.ThreadPoolExecutor(2)  # (a follower left waiting fails)
@@ -261,7 +262,7 @@ def test_followers_of_a_background_stream_end_when_it_is_cancelled(served) -> No
             time.sleep(0.02)
         follower = pool.submit(http.get, f"/v1/responses/{rid}",
                                params={"stream": "true", "starting_after": "1"})
-        time.sleep(0.3)
+        time.sleep(0.1)  # (its 400 tokens take about a second)
         assert client.responses.cancel(rid).status == "cancelled"
         first, second = made.result(timeout=30), follower.result(timeout=30)
     finally:
@@ -303,6 +304,77 @@ def test_a_dropped_background_stream_is_resumed(clip_llama: str, tmp_path) -> No
         wait_drained(server.url)
     finally:
         assert server.stop() == 0
+
+
+def _tokens(http: TestClient, messages: list) -> int:
+    resp = http.post("/tokenize", json={"model": "tiny", "messages": messages})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["count"]
+
+
+def test_truncation_auto_drops_the_earliest_turns(served) -> None:
+    """``truncation: "auto"``: a conversation longer than max_model_len (512) loses its
+    earliest turns, no more than it must (the latest start at a user message, earliest
+    first, that fits), its images with them, and is answered as the chat endpoint answers
+    what is left, the instructions kept; without it, a 400 that names it."""
+    _, http, client = served
+    other = data_url(make_image(9, (40, 48)))
+    turns = []
+    for i, text in enumerate(["first " * 120, "second " * 100, "third " * 40, "fourth " * 40]):
+        content = [{"type": "input_text", "text": text}]
+        if i in (0, 2):  # an image in a dropped turn and in a kept one
+            content.append({"type": "input_image", "image_url": IMAGE if i == 0 else other})
+        turns.append({"role": "user", "content": content})
+        if i < 3:
+            turns.append({"role": "assistant", "content": [
+                {"type": "output_text", "text": f"answer {i} " * 20}]})
+    chat_messages = [{"role": "system", "content": "Be brief."}]
+    for turn in turns:
+        parts = [{"type": "text", "text": p["text"]} if p["type"] != "input_image" else
+                 {"type": "image_url", "image_url": {"url": p["image_url"]}}
+                 for p in turn["content"]]
+        chat_messages.append({"role": turn["role"], "content": parts})
+    assert _tokens(http, chat_messages) > 512
+    # The latest user turn from which the rest fits, found by counting each (what the
+    # server's binary search must agree with).
+    fits = [i for i in range(1, len(chat_messages)) if chat_messages[i]["role"] == "user"
+            and _tokens(http, chat_messages[:1] + chat_messages[i:]) <= 512]
+    start = fits[0]
+    assert start == 5  # two turns dropped (an image with them), one with an image kept
+    body = {"model": "tiny", "instructions": "Be brief.", "input": turns, "temperature": 0,
+            "max_output_tokens": 6}
+    refused = http.post("/v1/responses", json=body)
+    assert refused.status_code == 400
+    assert "'truncation': \"auto\"" in refused.json()["error"]["message"]
+    made = client.responses.create(**body, truncation="auto")
+    assert made.truncation == "auto" and made.status == "incomplete"
+    kept = chat_messages[:1] + chat_messages[start:]
+    assert made.usage.input_tokens == _tokens(http, kept)
+    assert made.output_text == _chat(http, kept, 6)["choices"][0]["message"]["content"]
+    # What is stored is the request's input, whole.
+    stored = http.get(f"/v1/responses/{made.id}/input_items", params={"order": "asc",
+                                                                      "limit": 100}).json()
+    assert len(stored["data"]) == len(turns)
+    # Where even the last turn is too long, a 400 that says so.
+    resp = http.post("/v1/responses", json={**body, "truncation": "auto",
+                                            "input": [turns[0], {"role": "user",
+                                                                 "content": "long " * 600}]})
+    assert resp.status_code == 400 and "do not fit either" in resp.text
+    resp = http.post("/v1/responses", json={**body, "truncation": "sometimes"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncation"
+
+
+def test_truncated_turns_take_their_images_with_them() -> None:
+    messages = [{"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "a"}]},
+                {"role": "assistant", "content": "b"},
+                {"role": "user", "content": [{"type": "image"}, {"type": "image"}]},
+                {"role": "tool", "tool_call_id": "c", "content": "d"},
+                {"role": "user", "content": "e"}]
+    assert responses.truncation_starts(messages) == [3, 5]
+    assert responses.without_turns(messages, 3) == ([messages[0], *messages[3:]], 1)
+    assert responses.without_turns(messages, 5) == ([messages[0], messages[5]], 3)
+    assert responses.truncation_starts(messages[1:]) == [2, 4]  # no instructions
 
 
 def test_a_server_without_a_store(clip_llama: str) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 from mmserve.config import EngineConfig
 from mmserve.engine.request import Request
 from mmserve.engine.structured_output import GrammarCompiler
-from mmserve.errors import InvalidInputError
+from mmserve.errors import InvalidInputError, PromptTooLongError
 from mmserve.processing.processor import InputProcessor, check_unicode
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.cpu_allocator import release_free_memory
@@ -74,7 +74,7 @@ class RequestMaker:
                     f"{self.encoder_cache_tokens}; raise encoder_cache_size.", param="images")
         num_tokens = len(processed.token_ids)
         if num_tokens > self.max_model_len:
-            raise InvalidInputError(
+            raise PromptTooLongError(
                 f"the prompt is {num_tokens} tokens (images included) but max_model_len is "
                 f"{self.max_model_len}; shorten the prompt or raise max_model_len.",
                 param="messages" if isinstance(prompt, dict) and "messages" in prompt

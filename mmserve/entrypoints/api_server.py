@@ -79,7 +79,7 @@ from mmserve.entrypoints.response_store import (
 )
 from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
-from mmserve.errors import EngineDeadError, InvalidInputError
+from mmserve.errors import EngineDeadError, InvalidInputError, PromptTooLongError
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import TokenLogprobs
@@ -286,8 +286,16 @@ class OpenAIServer:
                 self.tool_parser, earlier, can_store=self.response_store is not None)
             chat = req.chat
             self._check_model_and_room(chat.model)
-            (stream,) = await self.engine.add_completions(
-                [engine_id], await self._prompt_of(chat), chat.params)
+            prompt = await self._prompt_of(chat)
+            try:
+                (stream,) = await self.engine.add_completions([engine_id], prompt, chat.params)
+            except PromptTooLongError as e:
+                if not req.truncate:
+                    raise PromptTooLongError(f"{e} Or send 'truncation': \"auto\" to drop "
+                                             "the conversation's earliest turns.",
+                                             e.param) from None
+                prompt = await self._truncated(prompt, e)
+                (stream,) = await self.engine.add_completions([engine_id], prompt, chat.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             err = _as_api_error(e)
             if req is not None:  # about the chat it amounts to: in the Responses API's names
@@ -315,6 +323,39 @@ class OpenAIServer:
         response = events.whole(whole, out.finish_reason, responses_usage(out))
         self._keep(req, response)
         return JSONResponse(response)
+
+    async def _truncated(self, prompt: dict[str, Any], error: PromptTooLongError
+                         ) -> dict[str, Any]:
+        """``truncation: "auto"``: the prompt without as few of its earliest turns as make it
+        fit ``max_model_len`` (a binary search over where it may start, each try tokenized
+        as the request would be); ``error`` where even its last turn does not."""
+        messages = prompt["messages"]
+        starts = responses.truncation_starts(messages)
+
+        async def cut(start: int) -> dict[str, Any] | None:
+            kept, dropped = responses.without_turns(messages, start)
+            candidate = {**prompt, "messages": kept, "images": prompt["images"][dropped:]}
+            try:
+                ids = await self.engine.prompt_token_ids(candidate)
+            except PromptTooLongError:
+                return None
+            return candidate if len(ids) <= self.max_model_len else None
+
+        best = None
+        lo, hi = 0, len(starts) - 1  # the earliest start that fits, among starts[lo:hi + 1]
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            candidate = await cut(starts[mid])
+            if candidate is None:
+                lo = mid + 1
+            else:
+                best, hi = candidate, mid - 1
+        if best is None:
+            raise PromptTooLongError(
+                f"{error} 'truncation': \"auto\" drops the conversation's earliest turns, "
+                "but its last user message and what follows it do not fit either.",
+                error.param)
+        return best
 
     def _conversation(self, previous: str) -> list[dict[str, Any]]:
         """The stored conversation ``previous_response_id`` continues (a 404 where it is not

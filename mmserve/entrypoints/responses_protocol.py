@@ -6,7 +6,9 @@ What it takes: ``input`` as a string or a list of items (messages whose content 
 ``input_text``, ``input_image`` and, for earlier answers, ``output_text`` parts; earlier
 ``function_call`` items and their ``function_call_output``), ``instructions``,
 ``max_output_tokens``, ``temperature``, ``top_p``, function ``tools`` with ``tool_choice`` and
-``parallel_tool_calls``, ``text.format`` (``json_schema`` or ``json_object``) and ``stream``;
+``parallel_tool_calls``, ``text.format`` (``json_schema`` or ``json_object``), ``stream`` and
+``truncation`` (``"auto"``: the server drops the earliest turns where told the prompt is too
+long, at the places ``truncation_starts`` gives);
 with the server's store (``response_store.py``), ``store``, ``previous_response_id`` (the
 server passes the stored conversation in as ``earlier``) and ``background``. ``conversation``
 and stored prompts are refused with a 400 saying so, as are tools other than functions.
@@ -56,6 +58,7 @@ class ResponsesRequest:
     input_items: list[dict[str, Any]] = field(default_factory=list)
     background: bool = False
     previous: str | None = None
+    truncate: bool = False  # ``truncation: "auto"``: drop the earliest turns to fit
 
     def renamed(self, err: ApiError) -> ApiError:
         """An error about the chat request (an image that cannot be fetched, a template that
@@ -81,6 +84,11 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
     if previous is not None and earlier is None:
         raise ValueError("previous_response_id without the conversation it names")
     logprobs = _logprobs(body)
+    truncation = body.get("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise bad_request("'truncation' must be \"auto\" (drop the conversation's earliest "
+                          "turns where it does not fit) or \"disabled\" (the default)",
+                          "truncation")
     messages, where = _messages(body.get("input"), body.get("instructions"), earlier or [])
     metadata = _metadata(body.get("metadata"))
     chat: dict[str, Any] = {"messages": messages}
@@ -114,9 +122,30 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
             "parallel_tool_calls": parsed.tool_choice.parallel,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "top_logprobs": body.get("top_logprobs") or 0, "metadata": metadata,
-            "store": store, "background": background, "previous_response_id": previous}
+            "store": store, "background": background, "previous_response_id": previous,
+            "truncation": truncation or "disabled"}
     return ResponsesRequest(parsed, echo, where, logprobs is not None, store,
-                            _input_items(body["input"]) if store else [], background, previous)
+                            _input_items(body["input"]) if store else [], background, previous,
+                            truncation == "auto")
+
+
+def truncation_starts(messages: list[dict[str, Any]]) -> list[int]:
+    """Where a conversation may start when ``truncation: "auto"`` drops its earliest turns:
+    at each user message after the first message that is not the instructions (which stay),
+    earliest first, so that what is left begins as a conversation does (no answer or tool
+    output without what it answers)."""
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    return [i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"]
+
+
+def without_turns(messages: list[dict[str, Any]], start: int
+                  ) -> tuple[list[dict[str, Any]], int]:
+    """The conversation from message ``start`` on (the instructions kept), and how many of
+    its images (``{"type": "image"}`` parts, in order) the dropped messages held."""
+    first = 1 if messages and messages[0]["role"] == "system" else 0
+    dropped = sum(1 for m in messages[first:start] if isinstance(m.get("content"), list)
+                  for part in m["content"] if part.get("type") == "image")
+    return messages[:first] + messages[start:], dropped
 
 
 def _storage(body: dict[str, Any], can_store: bool) -> tuple[bool, bool, str | None]:

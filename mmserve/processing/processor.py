@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mmserve.errors import PromptTooLongError
 from mmserve.inputs import (
     PIXEL_ARITHMETIC,
     EncoderInput,
@@ -360,7 +361,7 @@ class InputProcessor:
     def _check_length(self, chars: int, max_chars: int | None, where: str) -> None:
         """Refuse a prompt whose text (``chars`` characters so far) cannot fit."""
         if max_chars is not None and chars > max_chars:
-            raise InvalidInputError(
+            raise PromptTooLongError(
                 f"the prompt's text is at least {chars:,} characters, more than "
                 f"{max_chars // (2 * self.max_token_chars):,} tokens can hold (max_model_len, "
                 f"or {TRUNCATED_PROMPT_FACTOR} times it for a prompt to be truncated; no token "
