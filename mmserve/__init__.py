@@ -14,12 +14,13 @@ if TYPE_CHECKING:
     from mmserve.config import EngineConfig
     from mmserve.entrypoints.llm import LLM
     from mmserve.inputs import ImageEmbeds
-    from mmserve.outputs import RequestOutput
+    from mmserve.outputs import EmbeddingRequestOutput, RequestOutput
     from mmserve.sampling_params import SamplingParams
 
 _EXPORTS = {
     "BeamSearchOutput": "mmserve.beam_search",
     "BeamSearchParams": "mmserve.beam_search",
+    "EmbeddingRequestOutput": "mmserve.outputs",
     "EngineConfig": "mmserve.config",
     "ImageEmbeds": "mmserve.inputs",
     "LLM": "mmserve.entrypoints.llm",
@@ -27,8 +28,8 @@ _EXPORTS = {
     "SamplingParams": "mmserve.sampling_params",
 }
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "EngineConfig", "ImageEmbeds",
-           "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "EmbeddingRequestOutput",
+           "EngineConfig", "ImageEmbeds", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

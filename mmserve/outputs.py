@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mmserve.step import TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -48,8 +52,43 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
+    # The last prompt token's final hidden state (float32), for a request that asked
+    # (``SamplingParams.return_embedding``), in the output of the step that sampled after it.
+    embedding: torch.Tensor | None = None
 
     def completion(self, index: int = 0) -> CompletionOutput:
         """This request's output as completion ``index`` of its prompt."""
         return CompletionOutput(index, self.text, self.token_ids, self.finish_reason,
                                 self.logprobs, self.error)
+
+
+@dataclass
+class EmbeddingOutput:
+    """A prompt's embedding: the final hidden state of its last token (L2-normalized where
+    asked), as vLLM's ``EmbeddingOutput``."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns for one prompt, as vLLM's."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int
+    finished: bool = True
+
+
+def embedding_of(out: RequestOutput, normalize: bool = True) -> torch.Tensor:
+    """The embedding of a finished ``return_embedding`` request: its last prompt token's
+    final hidden state, L2-normalized where ``normalize`` (as embedding models' are, and
+    OpenAI's: a dot product is then the cosine similarity). Raises ``RuntimeError`` with
+    the engine's reason where the request failed."""
+    import torch.nn.functional as F
+
+    if out.embedding is None:
+        raise RuntimeError(f"request {out.request_id} has no embedding: "
+                           f"{out.error or 'it did not ask for one (return_embedding)'}")
+    return F.normalize(out.embedding, dim=0) if normalize else out.embedding

@@ -180,7 +180,10 @@ class SamplingParams:
     tokens are generated (at most ``max_tokens``). All of these apply to greedy decoding as
     well; log-probabilities stay those of the model's logits. ``skip_special_tokens`` (default
     on) leaves special tokens' text out of ``text``; ``include_stop_str_in_output`` keeps the
-    stop string that ended the text at its end (both vLLM's).
+    stop string that ended the text at its end (both vLLM's). ``return_embedding`` (with
+    ``max_tokens=1``, ``n=1``; what ``LLM.embed`` sends): the output's ``embedding`` is the
+    final hidden state of the prompt's last token (last-token pooling, as embedding models
+    built on a decoder, E5-V and VLM2Vec among them, read a prompt), not normalized.
     ``output_kind`` (``OUTPUT_KINDS``, as vLLM's ``RequestOutputKind``): what the engine's
     step outputs for the request hold. ``cumulative``: everything generated so far, and in
     ``new_text`` / ``new_token_ids`` what the step added. ``delta``: only what the step added,
@@ -215,6 +218,7 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_embedding: bool = False
     # Whether the logits the next token is picked from (greedily too) are the model's
     # changed: by logit_bias, a penalty or min_tokens (set from them: the sampler's test,
     # which most rows pass in one read).
@@ -261,7 +265,8 @@ class SamplingParams:
             raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are "
                       f"allowed, got {len(ids)}.")
         self.stop_token_ids = list(ids)
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+                     "return_embedding"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, f"{name} must be a boolean, got {_short(getattr(self, name))}.")
         for name in ("logprobs", "prompt_logprobs"):
@@ -269,6 +274,10 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"{name} must be None or an integer from 0 to {MAX_LOGPROBS} "
                           f"(alternatives per token), got {_short(value)}.")
+        if self.return_embedding and (self.max_tokens != 1 or self.n != 1):
+            raise bad("return_embedding", "return_embedding reads the prompt once: send it "
+                      f"with max_tokens=1 and n=1 (got {_short(self.max_tokens)} and "
+                      f"{_short(self.n)}), as LLM.embed does.")
         if self.output_kind not in OUTPUT_KINDS:
             raise bad("output_kind", f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, "
                       f"got {_short(self.output_kind)}.")

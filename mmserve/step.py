@@ -209,7 +209,8 @@ class ModelOutput:
 
     ``sampled``: the next token of every request whose chunk completed. ``logprobs``: that
     token's log-probabilities, for the requests that asked (``SamplingParams.logprobs``), and
-    ``prompt_logprobs`` those of the prompt tokens this step's chunks predicted.
+    ``prompt_logprobs`` those of the prompt tokens this step's chunks predicted;
+    ``embeddings`` the last prompt token's hidden state, for requests that asked.
     ``errors``: requests the step failed for, with the reason; their tokens were not
     computed. ``failed_images``: hashes scheduled for encoding whose embeddings do not exist
     (their encoding failed). ``times``: where the runner's time went in this step.
@@ -222,3 +223,6 @@ class ModelOutput:
     errors: dict[str, str] = field(default_factory=dict)
     failed_images: list[str] = field(default_factory=list)
     times: StepTimes = field(default_factory=StepTimes)
+    # The final hidden state of the last prompt token (float32, on the CPU) of each request
+    # that sampled its first token here and asked for it (``SamplingParams.return_embedding``).
+    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)

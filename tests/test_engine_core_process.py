@@ -16,12 +16,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from mmserve import LLM, EngineConfig, SamplingParams
 from mmserve.engine.async_engine import AsyncEngine, RequestStream
 from mmserve.engine.core_process import EngineCoreClient
 from mmserve.engine.llm_engine import LLMEngine
-from mmserve.errors import EngineDeadError, InvalidInputError
+from mmserve.errors import EngineDeadError, InvalidInputError, PromptTooLongError
 from mmserve.outputs import RequestOutput
 from mmserve.sampling_params import StructuredOutputs
 from tests.conftest import make_image
@@ -174,6 +175,23 @@ def test_stop_strings_and_output_kinds_as_in_this_process(core: Core, clip_llama
     assert_drained(core)
     # The core ran them on only until the front end's aborts came, not to max_tokens.
     assert core.client.stats()["num_steps"] - steps_before < 100
+
+
+def test_embeddings_cross_from_the_core(core: Core, clip_llama: str) -> None:
+    """An embedding request's last hidden state comes back with its one output, as the
+    engine in this process gives it."""
+    embed = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True)
+    with LLM(clip_llama, dtype="float32", device="cpu") as llm:
+        want = llm.generate(PROMPTS, embed)
+
+    async def main() -> list[RequestOutput]:
+        streams = [await core.client.add_request(f"e{i}", p, embed)
+                   for i, p in enumerate(PROMPTS)]
+        return [await collect(s) for s in streams]
+
+    for got, expected in zip(core.run(main()), want, strict=True):
+        torch.testing.assert_close(got.embedding, expected.embedding, atol=1e-5, rtol=1e-5)
+    assert_drained(core)
 
 
 def test_a_request_id_in_flight_is_refused_and_its_request_goes_on(core: Core) -> None:
@@ -346,6 +364,8 @@ def test_errors_of_the_core_are_rebuilt_here() -> None:
                                                     param="messages")))
     assert isinstance(invalid, InvalidInputError) and invalid.param == "messages"
     assert str(invalid) == "request id 'x' is already in use"
+    long = _rebuild(_error_of(PromptTooLongError("the prompt is 9 tokens", "prompt")))
+    assert isinstance(long, PromptTooLongError) and long.param == "prompt"
     assert isinstance(_rebuild(_error_of(EngineDeadError("closed"))), EngineDeadError)
     other = _rebuild(_error_of(KeyError("bug")))
     assert type(other) is RuntimeError and "bug" in str(other)
@@ -363,6 +383,9 @@ def test_core_outputs_cross_as_plain_tuples() -> None:
                      [None, TokenLogprobs(-2.0, 3, ())])
     (back,) = [CoreOutput._make(v) for v in pickle.loads(pickle.dumps([tuple(out)]))]
     assert back == out
+    embedded = out._replace(embedding=torch.arange(4.0))  # (an embedding request's)
+    (back,) = [CoreOutput._make(v) for v in pickle.loads(pickle.dumps([tuple(embedded)]))]
+    assert torch.equal(back.embedding, embedded.embedding)
 
 
 def test_a_slow_grammar_holds_up_no_message_behind_it() -> None:

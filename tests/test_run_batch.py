@@ -45,7 +45,9 @@ def _requests() -> list[tuple[str, str, dict]]:
                 "temperature": 0}),
             ("chat-logprobs", "/v1/chat/completions", {
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                "temperature": 0, "logprobs": True, "top_logprobs": 3})]
+                "temperature": 0, "logprobs": True, "top_logprobs": 3}),
+            ("embed", "/v1/embeddings", {"input": ["the red fox", "once upon"],
+                                         "encoding_format": "base64"})]
 
 
 def _without_ids(value):
@@ -91,7 +93,7 @@ def test_each_line_gets_the_servers_answer_in_order(served) -> None:
     bodies = [line["response"]["body"] for line in lines]
     assert summary.answered == summary.lines == len(requests)
     assert summary.output_tokens == sum(
-        b["usage"].get("completion_tokens", b["usage"].get("output_tokens")) for b in bodies)
+        b["usage"].get("completion_tokens", b["usage"].get("output_tokens", 0)) for b in bodies)
     assert summary.statuses == {"200": len(requests)} and summary.stopped is None
 
 
@@ -106,7 +108,7 @@ def test_lines_that_are_no_requests_get_errors_and_the_rest_go_on(served) -> Non
         good,
         _line("good", "/v1/completions", {"prompt": "again"}),
         b'{"custom_id": "get", "method": "GET", "url": "/v1/completions", "body": {}}\n',
-        _line("embed", "/v1/embeddings", {"input": "hi"}),
+        _line("embed", "/v1/audio/speech", {"input": "hi"}),
         b'{"custom_id": "no-body", "method": "POST", "url": "/v1/completions", "body": 3}\n',
         _line("stream", "/v1/chat/completions", {"messages": [{"role": "user",
                                                                "content": "hi"}],

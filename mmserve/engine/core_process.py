@@ -53,7 +53,7 @@ from mmserve.engine.output_processor import CoreOutput
 from mmserve.engine.request import Request
 from mmserve.engine.request_maker import RequestMaker, processor_and_grammars
 from mmserve.engine.step_loop import STOP, AbortRequest, QueueRequest, run_steps
-from mmserve.errors import EngineDeadError, InvalidInputError
+from mmserve.errors import EngineDeadError, InvalidInputError, PromptTooLongError
 from mmserve.processing.processor import InputProcessor
 from mmserve.sampling_params import SamplingParams
 from mmserve.worker.executor import exit_status, exit_with_parent
@@ -291,15 +291,16 @@ def _write(conn: Connection, outbox: queue.SimpleQueue[object]) -> None:
 
 
 def _error_of(error: BaseException) -> tuple[str, str, str | None]:
-    kind = ("invalid" if isinstance(error, InvalidInputError)
+    kind = ("too_long" if isinstance(error, PromptTooLongError)
+            else "invalid" if isinstance(error, InvalidInputError)
             else "dead" if isinstance(error, EngineDeadError) else "other")
     return kind, str(error), getattr(error, "param", None)
 
 
 def _rebuild(error: tuple[str, str, str | None]) -> BaseException:
     kind, text, param = error
-    if kind == "invalid":
-        return InvalidInputError(text, param=param)
+    if kind in ("invalid", "too_long"):
+        return (PromptTooLongError if kind == "too_long" else InvalidInputError)(text, param)
     return EngineDeadError(text) if kind == "dead" else RuntimeError(text)
 
 

@@ -537,7 +537,7 @@ class LLMEngine:
         stale, self._stale = self._stale, set()
         if stale:  # their step before failed: what this one did for them is void
             for found in (result.sampled, result.errors, result.logprobs,
-                          result.prompt_logprobs):
+                          result.prompt_logprobs, result.embeddings):
                 for rid in stale:
                     found.pop(rid, None)
             scheduler_output = scheduler_output.without(stale)
@@ -554,6 +554,7 @@ class LLMEngine:
         # requests ask for (log-probabilities, grammars) are looked in only when not empty.
         all_logprobs, prompt_logprobs, matchers = (result.logprobs, self._prompt_logprobs,
                                                    self._matchers)
+        embeddings = result.embeddings
         for req in changed:
             if req.aborting:
                 continue
@@ -568,7 +569,8 @@ class LLMEngine:
             outputs.append(CoreOutput(
                 rid, req.all_token_ids[-1:], req.status.finish_reason if finished else None,
                 None, req.num_cached_tokens or 0, logprobs,
-                prompt_logprobs.pop(rid, None) if prompt_logprobs else None))
+                prompt_logprobs.pop(rid, None) if prompt_logprobs else None,
+                embeddings.get(rid) if embeddings else None))
         if self._aborting:
             self._release_aborted()
         return outputs
@@ -607,7 +609,8 @@ class LLMEngine:
                 del self._dead_ends[rid]
             elif rid in sampled_here:
                 reason = self._dead_ends.pop(rid)
-                for found in (result.sampled, result.errors, result.logprobs):
+                for found in (result.sampled, result.errors, result.logprobs,
+                              result.embeddings):
                     found.pop(rid, None)
                 req = requests[rid]
                 if not req.finished:

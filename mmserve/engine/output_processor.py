@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mmserve.engine.detokenizer import IncrementalDetokenizer
 from mmserve.engine.request import Request
 from mmserve.outputs import RequestOutput
 from mmserve.step import TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 class CoreOutput(NamedTuple):
@@ -35,6 +38,8 @@ class CoreOutput(NamedTuple):
     logprobs: TokenLogprobs | None = None  # the new token's, for a request that asked
     # With a request's first output, for a request that asked: complete once it samples.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # With the output it is sampled for, for a request that asked (``return_embedding``).
+    embedding: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -151,4 +156,4 @@ class OutputProcessor:
             num_cached_tokens=core.num_cached_tokens, error=core.error if error else None,
             logprobs=logprobs,
             prompt_logprobs=state.prompt_logprobs if finished and not error else None,
-            prompt_token_ids=state.prompt_token_ids)
+            prompt_token_ids=state.prompt_token_ids, embedding=core.embedding)

@@ -24,6 +24,7 @@ restarts it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import functools
@@ -33,6 +34,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import torch
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -80,7 +82,7 @@ from mmserve.entrypoints.response_store import (
 from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.errors import EngineDeadError, InvalidInputError, PromptTooLongError
-from mmserve.outputs import RequestOutput
+from mmserve.outputs import RequestOutput, embedding_of
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import TokenLogprobs
 from mmserve.worker.compute_thread import ComputeThread
@@ -820,6 +822,36 @@ class OpenAIServer:
         for stream in streams:
             self.engine.abort(stream.request_id)
 
+    # ----------------------------------------------------------------- embeddings
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings``: each ``input`` prompt's embedding, or vLLM's
+        ``messages`` form (one conversation, images included); each prompt an engine
+        request of one prefill step."""
+        request_id, engine_id = request_ids_of(request, "embd-")
+        streams: list[RequestStream] = []
+        try:
+            req = proto.parse_embeddings_request(
+                await self._read_json(request), self.max_model_len, self.max_images,
+                self.engine.processor.hidden_size, self.config.enable_mm_embeds)
+            self._check_model_and_room(req.model)
+            prompts = req.prompts if req.chat is None else [await self._prompt_of(req.chat)]
+            for i, prompt in enumerate(prompts):
+                streams += await self.engine.add_completions([f"{engine_id}-{i}"], prompt,
+                                                             req.params)
+        except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
+            for stream in streams:  # the prompts added before the one refused
+                self.engine.abort(stream.request_id)
+            err = _as_api_error(e)
+            self.metrics.count("rejected" if err.status < 500 else "error")
+            return error_response(err)
+        outs = await self._final_outputs(request, streams)
+        if isinstance(outs, Response):
+            return outs
+        data = [_embedding_values(embedding_of(out, req.normalize), req.as_base64)
+                for out in outs]
+        return JSONResponse(shapes.embeddings(request_id, self.model, int(time.time()), data,
+                                              sum(out.num_prompt_tokens for out in outs)))
+
     # ----------------------------------------------------------------- completions
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``: text or token-id prompts (images go to the chat endpoint),
@@ -965,6 +997,7 @@ class OpenAIServer:
         routes = [
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
             Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
@@ -1013,6 +1046,16 @@ def _as_api_error(e: Exception) -> ApiError:
         return ApiError(503, str(e), type="server_overloaded", code="queue_full",
                         headers={"Retry-After": "1"})
     return ApiError(503, str(e), type="server_error", code="engine_unavailable")
+
+
+def _embedding_values(embedding: torch.Tensor, as_base64: bool) -> list[float] | str:
+    """An embedding as the answer writes it: its numbers, or the base64 of its float32
+    little-endian bytes (``encoding_format: "base64"``, which the openai client asks for)."""
+    values = embedding.to(torch.float32).contiguous()
+    if as_base64:
+        raw = values.numpy().astype("<f4", copy=False).tobytes()
+        return base64.b64encode(raw).decode("ascii")
+    return values.tolist()
 
 
 def _starting_after(query: Any) -> int | Response:

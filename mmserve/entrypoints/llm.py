@@ -1,4 +1,5 @@
-"""The Python API: ``LLM(model).generate(...)``, ``.chat(...)`` and ``.caption(...)``."""
+"""The Python API: ``LLM(model).generate(...)``, ``.chat(...)``, ``.caption(...)`` and
+``.embed(...)``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.memory_plan import MemoryPlan
 from mmserve.engine.prompt_feed import PromptFeed
 from mmserve.entrypoints.generation_config import sampling_defaults
-from mmserve.outputs import RequestOutput
+from mmserve.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    embedding_of,
+)
 from mmserve.processing.chat_template import load_chat_template
 from mmserve.processing.images import ImageLike
 from mmserve.sampling_params import SamplingParams
@@ -124,6 +130,28 @@ class LLM:
                     "chat_template_kwargs": chat_template_kwargs,
                     **({} if tools is None else {"tools": tools})} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(
+        self,
+        prompts: dict[str, Any] | str | Sequence[dict[str, Any] | str],
+        normalize: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, as vLLM's ``LLM.embed``: the final hidden state of its
+        last token (last-token pooling, how embedding models built on a vision-language
+        decoder, E5-V and VLM2Vec among them, read a prompt), L2-normalized unless
+        ``normalize`` is false, in ``outputs.embedding``. Prompts as ``generate`` takes
+        them, images included; ``truncate_prompt_tokens`` as ``SamplingParams``'. Each is a
+        request of one step's prefill (its sampled token is dropped), batched and cached as
+        any other."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True,
+                                truncate_prompt_tokens=truncate_prompt_tokens,
+                                output_kind="final_only")
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [EmbeddingRequestOutput(
+            out.request_id, EmbeddingOutput(embedding_of(out, normalize).tolist()),
+            out.prompt_token_ids or [], out.num_prompt_tokens) for out in outs]
 
     def caption(
         self,

@@ -232,6 +232,73 @@ def parse_completion_request(body: Any, max_model_len: int,
                              tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None))
 
 
+# Fields of the chat endpoint's the chat form takes (the sampling ones have no use here).
+_EMBEDDING_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
+                "chat_template_kwargs")
+
+
+@dataclass
+class EmbeddingsRequest:
+    """A validated ``POST /v1/embeddings``: text prompts (``input``), or one conversation
+    (``messages``), and how the answer is written."""
+
+    prompts: list[dict[str, Any]]  # {"prompt": str} or {"prompt_token_ids": [...]}
+    chat: ChatRequest | None  # vLLM's messages form: its images still to fetch
+    params: SamplingParams
+    model: str | None = None
+    as_base64: bool = False
+    normalize: bool = True
+
+
+def parse_embeddings_request(body: Any, max_model_len: int, max_images: int,
+                             hidden_size: int, mm_embeds: bool = False) -> EmbeddingsRequest:
+    """Validate a decoded JSON body of ``POST /v1/embeddings``: OpenAI's ``input`` (as the
+    completions' ``prompt``: each text or token ids an embedding of its own, in order), or
+    vLLM's ``messages`` (one conversation in the chat endpoint's form, images included,
+    rendered as the chat endpoint renders it: how a vision-language embedding model such as
+    E5-V or VLM2Vec is asked about an image); ``encoding_format`` ``float`` or ``base64``;
+    ``dimensions`` only as the model's ``hidden_size`` (embeddings are not shortened);
+    vLLM's ``normalize`` (default true), ``truncate_prompt_tokens`` and ``priority``."""
+    model = _model(body)
+    if ("input" in body) == ("messages" in body):
+        raise bad_request("send 'input' (text or token ids, OpenAI's) or 'messages' (a "
+                          "conversation in the chat endpoint's form, images included, "
+                          "vLLM's), one of the two", "input")
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise bad_request("'encoding_format' must be \"float\" or \"base64\"", "encoding_format")
+    dimensions = _get(body, "dimensions", int, None)
+    if dimensions is not None and dimensions != hidden_size:
+        raise bad_request(f"this model's embeddings have {hidden_size} dimensions and are not "
+                          "shortened: leave 'dimensions' out, or send that.", "dimensions")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad_request("'user' must be a string", "user")
+    chat_form = "messages" in body
+    special = _get(body, "add_special_tokens", bool, not chat_form)
+    if special != (not chat_form):
+        raise bad_request(f"'add_special_tokens' must be {str(not chat_form).lower()} here "
+                          "(the tokenizer's own for text, the chat template's for messages)",
+                          "add_special_tokens")
+    try:
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, return_embedding=True, output_kind="final_only",
+            truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int, None),
+            priority=_get(body, "priority", int, 0))
+    except InvalidInputError as e:
+        raise bad_request(str(e), e.param) from None
+    normalize = _get(body, "normalize", bool, True)
+    as_base64 = encoding == "base64"
+    if chat_form:
+        chat = parse_chat_request(
+            {"model": model, "max_tokens": 1, **_cache_salt(body), **{
+                name: body[name] for name in _EMBEDDING_CHAT_FIELDS if name in body}},
+            max_model_len, max_images, mm_embeds=mm_embeds)
+        return EmbeddingsRequest([], chat, params, model, as_base64, normalize)
+    salt = _cache_salt(body)
+    prompts = [{**prompt, **salt} for prompt in _parse_prompts(body["input"], "input")]
+    return EmbeddingsRequest(prompts, None, params, model, as_base64, normalize)
+
+
 @dataclass
 class TokenizeRequest:
     """A validated ``POST /tokenize`` (vLLM's): a completions prompt (``{"prompt": text}``)
@@ -300,8 +367,9 @@ def parse_detokenize_request(body: Any, vocab_size: int, max_tokens: int
     return tokens, model
 
 
-def _parse_prompts(prompt: Any) -> list[dict[str, Any]]:
-    """OpenAI's prompt forms: a string, a list of token ids, or a list of either."""
+def _parse_prompts(prompt: Any, field_name: str = "prompt") -> list[dict[str, Any]]:
+    """OpenAI's prompt forms: a string, a list of token ids, or a list of either (the
+    completions' ``prompt``, the embeddings' ``input``)."""
     def one(item: Any, where: str) -> dict[str, Any]:
         if isinstance(item, str):
             _check_text(item, where)
@@ -317,14 +385,14 @@ def _parse_prompts(prompt: Any) -> list[dict[str, Any]]:
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                    and all(isinstance(t, int) and not isinstance(t, bool)
                                            for t in prompt)):
-        return [one(prompt, "prompt")]
+        return [one(prompt, field_name)]
     if not isinstance(prompt, list) or not prompt:
-        raise bad_request("'prompt' must be a string, a list of token ids, or a non-empty list "
-                          "of either", "prompt")
+        raise bad_request(f"'{field_name}' must be a string, a list of token ids, or a "
+                          "non-empty list of either", field_name)
     if len(prompt) > MAX_COMPLETION_PROMPTS:
-        raise bad_request(f"'prompt' has {len(prompt)} prompts; at most "
-                          f"{MAX_COMPLETION_PROMPTS} are allowed in one request", "prompt")
-    return [one(item, f"prompt[{i}]") for i, item in enumerate(prompt)]
+        raise bad_request(f"'{field_name}' has {len(prompt)} prompts; at most "
+                          f"{MAX_COMPLETION_PROMPTS} are allowed in one request", field_name)
+    return [one(item, f"{field_name}[{i}]") for i, item in enumerate(prompt)]
 
 
 def _model(body: Any) -> str | None:

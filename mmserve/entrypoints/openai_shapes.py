@@ -183,3 +183,13 @@ def model_list(models: Sequence[str], created: int, max_model_len: int) -> dict[
     """Every id the model is served under, the one answers report first."""
     return {"object": "list", "data": [model_card(name, created, max_model_len, models[0])
                                        for name in models]}
+
+
+def embeddings(request_id: str, model: str, created: int, data: Sequence[list[float] | str],
+               prompt_tokens: int) -> dict[str, Any]:
+    """``POST /v1/embeddings``' answer: each embedding as numbers, or as the base64 of its
+    float32 bytes (``encoding_format``)."""
+    return {"id": request_id, "object": "list", "created": created, "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": values}
+                     for i, values in enumerate(data)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

@@ -2,10 +2,11 @@
 server answers it, with no socket in between.
 
 The input is OpenAI's batch format, one JSON object a line: ``custom_id`` (a string, unique in
-the file), ``method`` (``POST``), ``url`` (``/v1/chat/completions``, ``/v1/completions`` or
-``/v1/responses``) and ``body`` (the request). Each is posted to the server's own app in this
-process (``OpenAIServer``: the same validation, answers and errors), many at a time so that
-the engine batches them, and answered by one output line, in the input's order::
+the file), ``method`` (``POST``), ``url`` (``/v1/chat/completions``, ``/v1/completions``,
+``/v1/responses`` or ``/v1/embeddings``) and ``body`` (the request). Each is posted to the
+server's own app in this process (``OpenAIServer``: the same validation, answers and
+errors), many at a time so that the engine batches them, and answered by one output line, in
+the input's order::
 
     {"id": "batch_req_...", "custom_id": ..., "error": null,
      "response": {"status_code": 200, "request_id": ..., "body": {...}}}
@@ -41,7 +42,7 @@ from mmserve.entrypoints.api_server import OpenAIServer
 
 logger = logging.getLogger(__name__)
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 LINE_OVERHEAD_BYTES = 64 * 1024  # a line's custom_id, method and url beside its body
 MAX_CUSTOM_ID_CHARS = 1024
 # Lines read but not yet written: at most this many per request the engine runs at once,

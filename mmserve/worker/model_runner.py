@@ -119,6 +119,24 @@ class PromptLogprobs:
 
 
 @dataclass
+class Embeddings:
+    """A step's embeddings (``SamplingParams.return_embedding``): the final hidden state of
+    each asking request's last prompt token, in float32, left on the device."""
+
+    request_ids: list[str]
+    rows: torch.Tensor
+
+    def collect(self, out: ModelOutput) -> None:
+        """The rows into ``out``, once the device has them."""
+        host = self.rows.cpu()
+        for rid, row in zip(self.request_ids, host, strict=True):
+            out.embeddings[rid] = row
+
+
+Deferred = DeferredTokens | PromptLogprobs | Embeddings
+
+
+@dataclass
 class StepResult:
     """A launched step (``ModelRunner.launch``): ``result()`` is its ``ModelOutput``, the
     results it left on the device (its tokens, their log-probabilities, the prompt's)
@@ -127,7 +145,7 @@ class StepResult:
     on the CPU)."""
 
     output: ModelOutput
-    deferred: list[DeferredTokens | PromptLogprobs]
+    deferred: list[Deferred]
 
     def result(self) -> ModelOutput:
         out = self.output
@@ -241,7 +259,7 @@ class ModelRunner:
         out = ModelOutput()
         scheduler_output = self._fill_pending(scheduler_output, out)
         self._assign_images(scheduler_output)
-        deferred: list[DeferredTokens | PromptLogprobs] | None = (
+        deferred: list[Deferred] | None = (
             [] if self.defer_sampled_tokens else None)
         try:
             self._note_sampled(self._execute(scheduler_output, encoder_pixels, out, deferred))
@@ -373,7 +391,7 @@ class ModelRunner:
 
     def _execute(self, scheduler_output: SchedulerOutput, encoder_pixels: EncoderPixels,
                  out: ModelOutput,
-                 deferred: list[DeferredTokens | PromptLogprobs] | None = None
+                 deferred: list[Deferred] | None = None
                  ) -> dict[str, tuple[torch.Tensor, int]]:
         """One attempt at the step: its tokens (and log-probabilities) go into ``out`` once
         all of it has run, the seconds of each part into ``out.times``. A request whose
@@ -410,15 +428,21 @@ class ModelRunner:
             hidden = self._forward(positions, embeds, meta, output_rows)
             if output_rows is not None:
                 _check_output_rows(hidden, output_rows)
-            logits = self.model.compute_logits(
-                hidden if output_rows is not None else hidden[sample_rows]) if ids else None
+            rows = (hidden if output_rows is not None else hidden[sample_rows]) if ids else None
+            logits = self.model.compute_logits(rows) if ids else None
             # (Without output rows whenever a request asks for them.)
             prompt_logprobs = self._prompt_logprobs(chunks, hidden, len(decodes))
+            embeddings = self._embeddings(ids, params, rows)
         t3 = time.perf_counter()
         times.forward += t3 - t2
         if deferred is not None and prompt_logprobs.pieces:
             deferred.append(prompt_logprobs)  # brought to Python with the step's tokens
             prompt_logprobs = PromptLogprobs({})
+        if embeddings is not None:
+            if deferred is not None:
+                deferred.append(embeddings)
+            else:
+                embeddings.collect(out)
         if logits is None:
             prompt_logprobs.collect(out)  # waits for them: forward time
             times.forward += time.perf_counter() - t3
@@ -517,6 +541,17 @@ class ModelRunner:
         timer = self.busy_timer
         with phase(name), nullcontext() if timer is None else timer.span():
             yield
+
+    @staticmethod
+    def _embeddings(ids: list[str], params: list[SamplingParams],
+                    rows: torch.Tensor | None) -> Embeddings | None:
+        """The hidden states the sampling ``rows`` of requests asking for their embedding
+        hold (their last prompt token's: such a request samples once), or None."""
+        if rows is None or not any(p.return_embedding for p in params):
+            return None
+        at = [i for i, p in enumerate(params) if p.return_embedding]
+        picked = rows.index_select(0, tensor_on(at, torch.long, rows.device))
+        return Embeddings([ids[i] for i in at], picked.float())
 
     def _prompt_logprobs(self, chunks: list[ScheduledRequest], hidden: torch.Tensor,
                          start: int) -> PromptLogprobs:

@@ -1,0 +1,225 @@
+"""Embeddings (``LLM.embed``, ``POST /v1/embeddings``): a prompt's last token's final hidden
+state, as transformers' own model computes it in float32, for LLaVA and both Qwen2-VL families,
+images included; batched with other requests, from the prefix cache, under chunked prefill and
+with asynchronous scheduling the same; the HTTP endpoint in OpenAI's shapes (floats and
+base64), vLLM's chat form, and what it refuses; nothing leaks."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import numpy as np
+import openai
+import pytest
+import torch
+from starlette.testclient import TestClient
+
+from mmserve import LLM, SamplingParams
+from mmserve.entrypoints.api_server import OpenAIServer
+from mmserve.entrypoints.serve_args import ServerConfig
+from mmserve.errors import InvalidInputError
+from mmserve.processing.hf_processors import load_qwen2_vl_processor
+from mmserve.testing import build_tiny_checkpoint
+from mmserve.testing.oracle import hf_last_hidden_state, load_hf_processor
+from mmserve.worker.model_runner import CPUModelRunner
+from tests.conftest import assert_no_leaks, make_image
+from tests.test_parity import mixed_batch
+from tests.test_server import data_url
+from tests.test_step_failures import GREEDY
+from tests.test_tensor_parallel import _settings
+
+IMAGES = [make_image(3, (40, 30)), make_image(4, (64, 48))]
+# float32 on both sides, the same arithmetic up to the order of sums.
+ATOL, RTOL = 1e-4, 1e-4
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("qwen-embed")
+    return {family: str(build_tiny_checkpoint(family, root / family))
+            for family in ("qwen2_vl", "qwen2_5_vl")}
+
+
+def _template(path: str):
+    return (load_qwen2_vl_processor(path) if "qwen" in os.path.basename(path)
+            else load_hf_processor(path))
+
+
+def _messages(n: int, text: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * n + [{"type": "text",
+                                                                     "text": text}]}]
+
+
+def _reference(path: str, n: int, text: str) -> torch.Tensor:
+    prompt = _template(path).apply_chat_template(_messages(n, text), add_generation_prompt=True,
+                                                 tokenize=False)
+    return hf_last_hidden_state(path, prompt, IMAGES[:n])
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_vl", "qwen2_5_vl"])
+def test_embeddings_are_transformers_last_hidden_state(name: str, clip_llama: str,
+                                                       qwen: dict[str, str]) -> None:
+    path = clip_llama if name == "llava" else qwen[name]
+    cases = [(2, "what is in these?"), (1, "a picture"), (0, "no image at all, only words")]
+    expected = [_reference(path, n, text) for n, text in cases]
+    prompts = [{"messages": _messages(n, text), "images": IMAGES[:n]} for n, text in cases]
+    with LLM(path, dtype="float32", max_model_len=512) as llm:
+        # Twice: the second time from the prefix cache (all but the last token).
+        hits = []
+        for _ in range(2):
+            before = llm.engine.stats()["prefix_cache_hit_tokens"]
+            outs = llm.embed(prompts, normalize=False)
+            for out, ref in zip(outs, expected, strict=True):
+                torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref,
+                                           atol=ATOL, rtol=RTOL)
+            hits.append(llm.engine.stats()["prefix_cache_hit_tokens"] - before)
+        assert hits[1] > hits[0] + 32  # (the first time, only what the prompts share)
+        # In one batch with requests that generate: theirs are the tokens they were alone.
+        generate = SamplingParams(max_tokens=6, temperature=0.0)
+        alone = llm.generate(prompts, generate)
+        embed = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True)
+        mixed = llm.generate(prompts + prompts, [generate] * 3 + [embed] * 3)
+        assert [o.token_ids for o in mixed[:3]] == [o.token_ids for o in alone]
+        assert all(o.embedding is None for o in mixed[:3])
+        for out, ref in zip(mixed[3:], expected, strict=True):
+            torch.testing.assert_close(out.embedding, ref, atol=ATOL, rtol=RTOL)
+        normalized = llm.embed(prompts[0])[0].outputs.embedding
+        assert np.isclose(np.linalg.norm(normalized), 1.0)
+        torch.testing.assert_close(torch.tensor(normalized),
+                                   torch.nn.functional.normalize(expected[0], dim=0),
+                                   atol=ATOL, rtol=RTOL)
+        assert outs[0].num_prompt_tokens == len(outs[0].prompt_token_ids) > 10
+        assert_no_leaks(llm.engine)
+
+
+@pytest.fixture(params=["at once", "on the device", "launched inline"])
+def deferred(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The CPU runner as it is, or leaving its results on the device as the CUDA runner does
+    (see tests/test_async_scheduling.py)."""
+    monkeypatch.setattr(CPUModelRunner, "defer_sampled_tokens", request.param != "at once")
+    monkeypatch.setattr(CPUModelRunner, "launches_asynchronously",
+                        request.param == "launched inline")
+    return request.param
+
+
+def test_embeddings_through_chunked_prefill_preemption_and_async_scheduling(
+        clip_llama: str, deferred: str) -> None:
+    """Embedding requests among generating ones, their images split across steps by chunked
+    prefill, in a KV cache small enough to preempt: the synchronous engine's embeddings are
+    transformers', and scheduling ahead changes neither them nor the generated tokens."""
+    batch = mixed_batch()
+    chat = {"messages": _messages(2, "what is in these two pictures, in some detail?"),
+            "images": IMAGES}
+    expected = _reference(clip_llama, 2, "what is in these two pictures, in some detail?")
+    embed = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True)
+    params = [embed if i % 3 == 0 else GREEDY for i in range(len(batch))] + [embed]
+
+    def run(**flags) -> list:
+        with LLM(clip_llama, **_settings(clip_llama, 1), **flags) as llm:
+            outs = llm.generate(batch + [chat], params)
+            stats = llm.stats()
+            assert_no_leaks(llm.engine)
+        return outs, stats
+
+    sync, stats = run()
+    assert stats["num_preemptions"] > 0
+    torch.testing.assert_close(sync[-1].embedding, expected, atol=ATOL, rtol=RTOL)
+    ahead, _ = run(async_scheduling=True)
+    for a, s, p in zip(ahead, sync, params, strict=True):
+        if p.return_embedding:
+            assert s.embedding is not None and s.embedding.shape == expected.shape
+            torch.testing.assert_close(a.embedding, s.embedding, atol=ATOL, rtol=RTOL)
+        else:
+            assert a.token_ids == s.token_ids and a.embedding is None
+
+
+def test_embeddings_from_tensor_parallel_workers(clip_llama: str) -> None:
+    """Two ranks in worker processes: the embedding crosses back from rank 0's process."""
+    chat = {"messages": _messages(1, "a picture"), "images": IMAGES[:1]}
+    with LLM(clip_llama, **_settings(clip_llama, 2)) as llm:
+        (out,) = llm.embed(chat, normalize=False)
+        assert_no_leaks(llm.engine)
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding),
+                               _reference(clip_llama, 1, "a picture"), atol=ATOL, rtol=RTOL)
+
+
+# ----------------------------------------------------------------- over HTTP
+@pytest.fixture(scope="module")
+def served(clip_llama: str):
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as http:
+            client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+                                   max_retries=0, http_client=http)
+            yield llm, http, client
+        assert_no_leaks(llm.engine)
+
+
+def test_the_embeddings_endpoint_answers_as_llm_embed(served) -> None:
+    """OpenAI's ``input`` forms with the openai client (which asks for base64 and decodes
+    it), floats, vLLM's chat form with an image, and its ``normalize``."""
+    llm, http, client = served
+    texts = ["a red square", "two blue circles"]
+    expected = [o.outputs.embedding for o in llm.embed(texts)]
+    made = client.embeddings.create(model="tiny", input=texts)
+    assert [d.index for d in made.data] == [0, 1]
+    for got, want in zip(made.data, expected, strict=True):
+        np.testing.assert_allclose(got.embedding, want, rtol=1e-5, atol=1e-6)
+    assert made.usage.prompt_tokens == sum(o.num_prompt_tokens for o in llm.embed(texts))
+    floats = http.post("/v1/embeddings", json={"model": "tiny", "input": texts[0],
+                                                "encoding_format": "float"}).json()
+    assert floats["object"] == "list" and floats["id"].startswith("embd-")
+    np.testing.assert_allclose(floats["data"][0]["embedding"], expected[0], rtol=1e-5,
+                               atol=1e-6)
+    raw = http.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"})
+    decoded = np.frombuffer(base64.b64decode(raw.json()["data"][0]["embedding"]), "<f4")
+    np.testing.assert_allclose(decoded, expected[0], rtol=1e-5, atol=1e-6)
+    ids = llm.embed(texts[1])[0].prompt_token_ids
+    by_ids = client.embeddings.create(model="tiny", input=[ids], encoding_format="float")
+    np.testing.assert_allclose(by_ids.data[0].embedding, expected[1], rtol=1e-5, atol=1e-6)
+    # vLLM's chat form, an image in it: transformers' hidden state, not normalized.
+    url = data_url(IMAGES[0])
+    chat = http.post("/v1/embeddings", json={
+        "model": "tiny", "encoding_format": "float", "normalize": False,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "a picture"}]}]})
+    assert chat.status_code == 200, chat.text
+    torch.testing.assert_close(torch.tensor(chat.json()["data"][0]["embedding"]),
+                               _reference(llm.engine.config.model, 1, "a picture"),
+                               atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({}, "input"),
+    ({"input": "x", "messages": []}, "input"),
+    ({"input": ""}, "input"),
+    ({"input": ["a", 3]}, "input[1]"),
+    ({"input": ["a"] * 257}, "input"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "x", "dimensions": 3}, "dimensions"),
+    ({"input": "x", "normalize": "yes"}, "normalize"),
+    ({"input": "x", "add_special_tokens": False}, "add_special_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens"),
+    ({"input": "word " * 400}, "prompt"),
+    ({"input": [[10**9]]}, "prompt"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                  "image_url": {"url": "data:,"}}]}]},
+     "messages"),
+    ({"input": "x", "model": "other"}, "model"),
+])
+def test_what_the_embeddings_endpoint_refuses(served, body: dict, param: str) -> None:
+    llm, http, _ = served
+    resp = http.post("/v1/embeddings", json=body)
+    assert 400 <= resp.status_code < 500, resp.text
+    assert resp.json()["error"]["param"] == param, resp.text
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_return_embedding_reads_the_prompt_once() -> None:
+    for fields in ({"max_tokens": 2}, {"n": 2}):
+        with pytest.raises(InvalidInputError, match="max_tokens=1 and n=1") as e:
+            SamplingParams(return_embedding=True, **fields)
+        assert e.value.param == "return_embedding"
+    with pytest.raises(InvalidInputError, match="boolean"):
+        SamplingParams(max_tokens=1, return_embedding=1)
