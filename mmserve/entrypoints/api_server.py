@@ -31,7 +31,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
@@ -260,9 +260,7 @@ class OpenAIServer:
             streams = await self._add(completion_ids(engine_id, chat.params.n), prompt,
                                       chat.params, chat.beam)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
-            err = _as_api_error(e)
-            self.metrics.count("rejected" if err.status < 500 else "error")
-            return error_response(err)
+            return self._refused(e)
         if chat.stream:
             return self._event_stream(
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
@@ -822,6 +820,15 @@ class OpenAIServer:
         for stream in streams:
             self.engine.abort(stream.request_id)
 
+    def _refused(self, error: Exception, streams: Sequence[RequestStream] = ()) -> Response:
+        """The error answer of a request refused before its answer began, ``streams`` (its
+        prompts added already) aborted."""
+        for stream in streams:
+            self.engine.abort(stream.request_id)
+        err = _as_api_error(error)
+        self.metrics.count("rejected" if err.status < 500 else "error")
+        return error_response(err)
+
     # ----------------------------------------------------------------- embeddings
     async def embeddings(self, request: Request) -> Response:
         """``POST /v1/embeddings``: each ``input`` prompt's embedding, or vLLM's
@@ -839,11 +846,7 @@ class OpenAIServer:
                 streams += await self.engine.add_completions([f"{engine_id}-{i}"], prompt,
                                                              req.params)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
-            for stream in streams:  # the prompts added before the one refused
-                self.engine.abort(stream.request_id)
-            err = _as_api_error(e)
-            self.metrics.count("rejected" if err.status < 500 else "error")
-            return error_response(err)
+            return self._refused(e, streams)  # (the prompts added before the one refused)
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
             return outs
@@ -867,11 +870,7 @@ class OpenAIServer:
                 streams += await self._add([f"{engine_id}-{i * n + j}" for j in range(n)],
                                            prompt, req.params, req.beam)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
-            for stream in streams:  # the prompts added before the one refused
-                self.engine.abort(stream.request_id)
-            err = _as_api_error(e)
-            self.metrics.count("rejected" if err.status < 500 else "error")
-            return error_response(err)
+            return self._refused(e, streams)  # (the prompts added before the one refused)
         echoes = None
         if req.echo:  # each choice's prompt's text (choice p * n + j: prompt p's)
             texts = [self._prompt_text(prompt, req.params.truncate_prompt_tokens)
