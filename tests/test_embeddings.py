@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import os
+import time
 
 import numpy as np
 import openai
@@ -84,6 +85,8 @@ def test_embeddings_are_transformers_last_hidden_state(name: str, clip_llama: st
         assert all(o.embedding is None for o in mixed[:3])
         for out, ref in zip(mixed[3:], expected, strict=True):
             torch.testing.assert_close(out.embedding, ref, atol=ATOL, rtol=RTOL)
+            # Its own storage: a view of the step's rows would keep (and pickle) them all.
+            assert out.embedding.untyped_storage().nbytes() == out.embedding.numel() * 4
         normalized = llm.embed(prompts[0])[0].outputs.embedding
         assert np.isclose(np.linalg.norm(normalized), 1.0)
         torch.testing.assert_close(torch.tensor(normalized),
@@ -201,8 +204,9 @@ def test_the_embeddings_endpoint_answers_as_llm_embed(served) -> None:
     ({"input": "x", "normalize": "yes"}, "normalize"),
     ({"input": "x", "add_special_tokens": False}, "add_special_tokens"),
     ({"input": "x", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens"),
-    ({"input": "word " * 400}, "prompt"),
-    ({"input": [[10**9]]}, "prompt"),
+    ({"input": "word " * 400}, "input"),
+    ({"input": ["a", "b", "word " * 400]}, "input[2]"),  # (a and b are aborted)
+    ({"input": [[1, 2], [10**9]]}, "input[1]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url",
                                                   "image_url": {"url": "data:,"}}]}]},
      "messages"),
@@ -213,6 +217,9 @@ def test_what_the_embeddings_endpoint_refuses(served, body: dict, param: str) ->
     resp = http.post("/v1/embeddings", json=body)
     assert 400 <= resp.status_code < 500, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
+    deadline = time.monotonic() + 10  # (prompts added before the one refused: aborted)
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -191,6 +191,8 @@ def test_embeddings_cross_from_the_core(core: Core, clip_llama: str) -> None:
 
     for got, expected in zip(core.run(main()), want, strict=True):
         torch.testing.assert_close(got.embedding, expected.embedding, atol=1e-5, rtol=1e-5)
+        # Each its own row's storage, not the step's (which a pickled view would carry).
+        assert got.embedding.untyped_storage().nbytes() == got.embedding.numel() * 4
     assert_drained(core)
 
 

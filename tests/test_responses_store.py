@@ -19,6 +19,7 @@ from mmserve import LLM
 from mmserve.entrypoints import responses_protocol as responses
 from mmserve.entrypoints.api_server import OpenAIServer
 from mmserve.entrypoints.response_store import (
+    MAX_LOG_SHARE,
     EventLog,
     InProgressError,
     ResponseStore,
@@ -34,11 +35,27 @@ IMAGE = data_url(make_image(5, (48, 40)))
 @pytest.fixture(scope="module")
 def served(clip_llama: str):
     with LLM(clip_llama, dtype="float32", max_model_len=512) as llm:
-        with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as http:
+        server = OpenAIServer(llm.engine, ServerConfig("tiny"))
+        with TestClient(server.app()) as http:
             client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
                                    max_retries=0, http_client=http)
+            llm.server = server  # (for the tests that reach into it)
             yield llm, http, client
         assert_no_leaks(llm.engine)  # once the server's loop has stopped
+
+
+@pytest.fixture
+def slow_steps(served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of at least 5 ms: a 400-token answer takes 2 s or more on any machine, long
+    enough to be cancelled while it runs."""
+    engine = served[0].engine
+    step = engine.core_step_with_record
+
+    def slowly():
+        time.sleep(0.005)
+        return step()
+
+    monkeypatch.setattr(engine, "core_step_with_record", slowly)
 
 
 def _chat(http: TestClient, messages: list, max_tokens: int) -> dict:
@@ -161,7 +178,8 @@ def test_a_background_response_runs_on_and_is_fetched(served) -> None:
     assert more.status == "incomplete"
 
 
-def test_cancelled_and_deleted_background_responses_free_their_requests(served) -> None:
+def test_cancelled_and_deleted_background_responses_free_their_requests(served,
+                                                                       slow_steps) -> None:
     llm, http, client = served
     long = {"model": "tiny", "input": [{"role": "user", "content": [
         {"type": "input_text", "text": "describe"}, {"type": "input_image", "image_url": IMAGE}]}],
@@ -233,21 +251,26 @@ def test_a_background_stream_is_streamed_again_from_any_event(served) -> None:
     assert [e.type for e in read] == [e["type"] for e in events[3:]]
     assert read[-1].response.id == final["id"]
     assert read[-1].response.output_text == plain.output_text
-    # Refused: a bad number, a number without a stream.
+    # Refused: a bad number, a number without a stream, a stream that is neither.
     for params in ({"stream": "true", "starting_after": "-1"},
                    {"stream": "true", "starting_after": "x"},
-                   {"starting_after": "3"}):
+                   {"starting_after": "3"}, {"stream": "no"}):
         resp = http.get(f"/v1/responses/{final['id']}", params=params)
-        assert resp.status_code == 400 and resp.json()["error"]["param"] == "starting_after"
+        assert resp.status_code == 400
+        assert resp.json()["error"]["param"] == ("stream" if "stream" in params
+                                                 and params["stream"] == "no"
+                                                 else "starting_after")
     # A plain stream (not background) is not kept to be streamed again.
     streamed = list(client.responses.create(**body, stream=True))
     resp = http.get(f"/v1/responses/{streamed[-1].response.id}", params={"stream": "true"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
 
 
-def test_followers_of_a_background_stream_end_when_it_is_cancelled(served) -> None:
+def test_followers_of_a_background_stream_end_when_it_is_cancelled(served,
+                                                                    slow_steps) -> None:
     """Two clients follow a long background stream; cancelling it ends both streams (no
-    follower waits for ever), with the same events, and frees its engine request."""
+    follower waits for ever) with the same events, the last an error event that says it was
+    cancelled, and frees its engine request."""
     llm, http, client = served
     body = {"model": "tiny", "input": "tell me a long story", "temperature": 0,
             "max_output_tokens": 400, "background": True, "stream": True}
@@ -269,6 +292,8 @@ def test_followers_of_a_background_stream_end_when_it_is_cancelled(served) -> No
         pool.shutdown(wait=False)
     events = _events(first.text)
     assert _events(second.text) == events[2:]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "response_cancelled"
     assert not any(e["type"] == "response.completed" for e in events)
     deadline = time.monotonic() + 30
     while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
@@ -277,6 +302,35 @@ def test_followers_of_a_background_stream_end_when_it_is_cancelled(served) -> No
 
 
 @pytest.mark.slow
+def test_a_background_response_cancelled_before_it_ran_ends_its_stream(served) -> None:
+    """Cancelled in the event loop's turn that started it (a DELETE or a shutdown before
+    its task first ran): its engine request is aborted and its stream ends all the same."""
+    llm, http, _ = served
+    server = llm.server
+
+    async def cancelled_at_once() -> tuple[bool, bool]:
+        req = responses.parse_responses_request(
+            {"input": "tell me a long story", "max_output_tokens": 400, "background": True,
+             "stream": True}, 512, 4, can_store=True)
+        (stream,) = await server.engine.add_completions(
+            ["early"], await server._prompt_of(req.chat), req.chat.params)
+        events = responses.ResponseEvents("resp_early", "tiny", req.echo)
+        server._run_in_background(req, events, stream, None)
+        entry = server.response_store.get("resp_early")
+        entry.task.cancel()  # (before its first turn)
+        await asyncio.sleep(0.2)
+        followed = [e async for e in entry.log.follow()]  # ends at once
+        server.response_store.delete("resp_early")
+        return entry.log.ended, followed
+
+    ended, followed = http.portal.call(cancelled_at_once)
+    assert ended and followed == []
+    deadline = time.monotonic() + 10
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_dropped_background_stream_is_resumed(clip_llama: str, tmp_path) -> None:
     """Over a real socket: a client reads a background stream's first events and drops the
     connection; the response runs on, and the client resumes after the last event it read,
@@ -359,7 +413,7 @@ def test_truncation_auto_drops_the_earliest_turns(served) -> None:
     resp = http.post("/v1/responses", json={**body, "truncation": "auto",
                                             "input": [turns[0], {"role": "user",
                                                                  "content": "long " * 600}]})
-    assert resp.status_code == 400 and "do not fit either" in resp.text
+    assert resp.status_code == 400 and "does not fit either" in resp.text
     resp = http.post("/v1/responses", json={**body, "truncation": "sometimes"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "truncation"
 
@@ -371,10 +425,18 @@ def test_truncated_turns_take_their_images_with_them() -> None:
                 {"role": "user", "content": [{"type": "image"}, {"type": "image"}]},
                 {"role": "tool", "tool_call_id": "c", "content": "d"},
                 {"role": "user", "content": "e"}]
+    images = ["A", "B", "C"]
     assert responses.truncation_starts(messages) == [3, 5]
-    assert responses.without_turns(messages, 3) == ([messages[0], *messages[3:]], 1)
-    assert responses.without_turns(messages, 5) == ([messages[0], messages[5]], 3)
+    assert responses.without_turns(messages, 3, images) == ([messages[0], *messages[3:]],
+                                                            ["B", "C"])
+    assert responses.without_turns(messages, 5, images) == ([messages[0], messages[5]], [])
     assert responses.truncation_starts(messages[1:]) == [2, 4]  # no instructions
+    # Leading system and developer messages stay, with their images, before the turns kept.
+    leading = [{"role": "developer", "content": [{"type": "image"}]},
+               {"role": "system", "content": "t"}, *messages[1:]]
+    assert responses.truncation_starts(leading) == [4, 6]
+    assert responses.without_turns(leading, 4, ["S", *images]) == (
+        [*leading[:2], *leading[4:]], ["S", "B", "C"])
 
 
 def test_a_server_without_a_store(clip_llama: str) -> None:
@@ -452,15 +514,17 @@ def test_the_store_forgets_the_least_recently_used_within_its_bytes() -> None:
 
 def test_a_streams_events_are_kept_within_the_stores_bytes() -> None:
     """A running background stream's events count as its bytes (the least recently used
-    responses forgotten for them); past what the running responses may hold the rest is not
-    kept: its followers get what was kept and an ``error`` event, and once it ends the events
-    are freed, the response itself kept."""
+    responses forgotten for them), up to a quarter of the store: past it the rest is not
+    kept, so that one long stream cannot empty the store. Its followers get what was kept
+    and an ``error`` event; once it ends the events are freed, the response itself kept."""
     item = [{"type": "message", "role": "user", "content": "x", "id": "msg_1"}]
-    store = ResponseStore(2000)
-    store.put(_response("old"), item, None)
+    store = ResponseStore(4000)
+    for i in range(40):
+        store.put(_response(f"old-{i}"), item, None)
     entry = store.put(_response("bg"), item, None)
     entry.log = EventLog()
     store.start(entry, object(), None)
+    old = sum(f"old-{i}" in store for i in range(40))
     event = "event: e\ndata: " + "y" * 80 + "\n\n"
     followed: list[str] = []
 
@@ -478,16 +542,17 @@ def test_a_streams_events_are_kept_within_the_stores_bytes() -> None:
 
     asyncio.run(run())
     kept = len(entry.log.events)
-    assert entry.log.cut and 10 < kept < 40
-    assert "old" not in store  # forgotten for the running stream's events
-    assert store.running_bytes == entry.nbytes == store.nbytes
+    assert entry.log.cut and kept == store.max_bytes // MAX_LOG_SHARE // len(event)
+    # Older responses were forgotten to make room for its events, not all of them.
+    assert 0 < sum(f"old-{i}" in store for i in range(40)) < old
+    assert store.running_bytes == entry.nbytes
     assert followed[:-1] == entry.log.events[1:]
     error = json.loads(followed[-1].split("data: ")[1])
     assert error["type"] == "error" and error["sequence_number"] == kept
     assert "--responses-store-mib" in error["message"]
     store.update(_response("bg", "done"))  # it ended: the cut events are freed
     assert entry.log.events == [] and store.running_bytes == 0
-    assert store.nbytes == entry.nbytes < 300 and "bg" in store
+    assert entry.nbytes < 300 and "bg" in store and store.nbytes <= store.max_bytes
 
 
 def test_a_loop_of_links_is_no_conversation() -> None:

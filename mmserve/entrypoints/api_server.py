@@ -333,8 +333,8 @@ class OpenAIServer:
         starts = responses.truncation_starts(messages)
 
         async def cut(start: int) -> dict[str, Any] | None:
-            kept, dropped = responses.without_turns(messages, start)
-            candidate = {**prompt, "messages": kept, "images": prompt["images"][dropped:]}
+            kept, images = responses.without_turns(messages, start, prompt["images"])
+            candidate = {**prompt, "messages": kept, "images": images}
             try:
                 ids = await self.engine.prompt_token_ids(candidate)
             except PromptTooLongError:
@@ -353,7 +353,8 @@ class OpenAIServer:
         if best is None:
             raise PromptTooLongError(
                 f"{error} 'truncation': \"auto\" drops the conversation's earliest turns, "
-                "but its last user message and what follows it do not fit either.",
+                "but what is left without them (the instructions, the tools, the last user "
+                "message and what follows it) does not fit either.",
                 error.param)
         return best
 
@@ -408,27 +409,31 @@ class OpenAIServer:
 
         async def run() -> None:
             try:
-                try:
-                    async for event in self._response_events(events, stream, reader,
-                                                             queued=True):
-                        store.record(entry, event)
-                except Exception as e:  # noqa: BLE001 (a bug here must not leave it running)
-                    logger.exception("background response %s failed", events.response_id)
-                    for event in events.fail(ApiError(500, f"the server failed this "
-                                                           f"response ({e})")):
-                        store.record(entry, event)
-                if not events.final:  # (the answer's stream ended without its last output)
-                    for event in events.fail(ApiError(500, "the answer ended before it "
-                                                           "finished")):
-                        store.record(entry, event)
-                store.update(events.final)
-            finally:  # (ended, cancelled or deleted: its followers' streams end too)
-                if entry.log is not None:
-                    entry.log.end()
+                async for event in self._response_events(events, stream, reader,
+                                                         queued=True):
+                    store.record(entry, event)
+            except Exception as e:  # noqa: BLE001 (a bug here must not leave it running)
+                logger.exception("background response %s failed", events.response_id)
+                for event in events.fail(ApiError(500, f"the server failed this "
+                                                       f"response ({e})")):
+                    store.record(entry, event)
+            if not events.final:  # (the answer's stream ended without its last output)
+                for event in events.fail(ApiError(500, "the answer ended before it "
+                                                       "finished")):
+                    store.record(entry, event)
+            store.update(events.final)
+
+        def ended(task: asyncio.Future) -> None:
+            """Ended, cancelled or deleted (even before it began to run): its engine request
+            is aborted, and its followers' streams end."""
+            self._background.discard(task)
+            self._abort([stream])
+            if entry.log is not None:
+                entry.log.end()
 
         store.start(entry, asyncio.ensure_future(run()), events)
         self._background.add(entry.task)
-        entry.task.add_done_callback(self._background.discard)
+        entry.task.add_done_callback(ended)
         if entry.log is not None:  # followed from its first event; the client may leave
             return self._event_stream(entry.log.follow())
         return JSONResponse(entry.response)
@@ -441,7 +446,11 @@ class OpenAIServer:
         if isinstance(entry, Response):
             return entry
         query = request.query_params
-        streamed = query.get("stream", "false").lower() not in ("false", "0")
+        streamed = query.get("stream", "false").lower()
+        if streamed not in ("true", "1", "false", "0"):
+            return error_response(proto.bad_request("'stream' must be true or false.",
+                                                    "stream"))
+        streamed = streamed in ("true", "1")
         if not streamed and "starting_after" in query:
             return error_response(proto.bad_request(
                 "'starting_after' applies to a stream: send 'stream=true' with it.",
@@ -469,7 +478,7 @@ class OpenAIServer:
             return entry
         response_id = entry.response["id"]
         if entry.running:
-            entry.task.cancel()
+            self._stop_background(entry, "response_deleted", "the response was deleted")
         self.response_store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -484,11 +493,19 @@ class OpenAIServer:
                 "only responses made with 'background': true can be cancelled.",
                 "response_id"))
         if entry.running:
-            entry.task.cancel()
             # One whose answer has ended (its task was about to store it) is stored as such.
             events = entry.events
+            self._stop_background(entry, "response_cancelled",
+                                  "the response was cancelled; GET it for the items done")
             self.response_store.update(events.final or events.cancel())
         return JSONResponse(entry.response)
+
+    def _stop_background(self, entry: Stored, code: str, why: str) -> None:
+        """Cancel a running background response, its stream's followers told why (unless
+        its answer has ended, and its last event with it)."""
+        if entry.log is not None and not entry.events.final:
+            self.response_store.record(entry, entry.log.last_event(code, why))
+        entry.task.cancel()
 
     async def response_input_items(self, request: Request) -> Response:
         """``GET /v1/responses/{id}/input_items``: the request's input, a page at a time."""
@@ -843,8 +860,14 @@ class OpenAIServer:
             self._check_model_and_room(req.model)
             prompts = req.prompts if req.chat is None else [await self._prompt_of(req.chat)]
             for i, prompt in enumerate(prompts):
-                streams += await self.engine.add_completions([f"{engine_id}-{i}"], prompt,
-                                                             req.params)
+                try:
+                    streams += await self.engine.add_completions([f"{engine_id}-{i}"], prompt,
+                                                                 req.params)
+                except InvalidInputError as e:  # named as this endpoint's field
+                    if req.chat is not None or e.param != "prompt":
+                        raise
+                    raise type(e)(str(e), "input" if len(prompts) == 1
+                                  else f"input[{i}]") from None
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             return self._refused(e, streams)  # (the prompts added before the one refused)
         outs = await self._final_outputs(request, streams)

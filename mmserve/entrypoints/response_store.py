@@ -29,6 +29,8 @@ from typing import Any
 # Items ``GET .../input_items`` lists at most in one page (OpenAI's limit), and by default.
 MAX_LIST_LIMIT = 100
 DEFAULT_LIST_LIMIT = 20
+# A background stream's events are kept up to this share of the store (1 / MAX_LOG_SHARE).
+MAX_LOG_SHARE = 4
 
 
 class EventLog:
@@ -76,17 +78,26 @@ class EventLog:
             changed = self._changed
             await changed.wait()
         if self.cut:
-            body = {"type": "error", "sequence_number": max(i, len(self.events)),
-                    "code": "stream_not_kept", "param": None,
-                    "message": "the rest of this response's events outgrew the response "
-                               "store (--responses-store-mib) and were not kept; the "
-                               "response runs on: GET /v1/responses/{id} without 'stream' "
-                               "once it has ended."}
-            yield f"event: error\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
+            yield error_event(max(i, len(self.events)), "stream_not_kept",
+                              "the rest of this response's events outgrew the response store "
+                              "(--responses-store-mib) and were not kept; the response runs "
+                              "on: GET /v1/responses/{id} without 'stream' once it has ended.")
+
+    def last_event(self, code: str, message: str) -> str:
+        """OpenAI's ``error`` event that ends a stream stopped from outside (cancelled,
+        deleted), numbered after the events kept."""
+        return error_event(len(self.events), code, message)
 
     def _wake(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+
+def error_event(sequence: int, code: str, message: str) -> str:
+    """An ``error`` event of a response's stream, as server-sent."""
+    body = {"type": "error", "sequence_number": sequence, "code": code, "param": None,
+            "message": message}
+    return f"event: error\ndata: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
 @dataclass
@@ -180,11 +191,14 @@ class ResponseStore:
     def record(self, entry: Stored, event: str) -> None:
         """One more event of a running response's log, counted as the response's bytes,
         the least recently used others forgotten to make room; where even that leaves no
-        room beside the running responses, the log is cut there."""
+        room beside the running responses, or the log would hold more than a quarter of the
+        store (one long stream must not empty it for all the others), the log is cut
+        there."""
         log = entry.log
         if log is None or log.ended or self._entries.get(entry.response["id"]) is not entry:
             return  # (not a log, or no longer stored: deleted while it ran)
-        if self.running_bytes + len(event) > self.max_bytes:
+        if (self.running_bytes + len(event) > self.max_bytes
+                or log.nbytes + len(event) > self.max_bytes // MAX_LOG_SHARE):
             log.end(cut=True)
             return
         log.append(event)

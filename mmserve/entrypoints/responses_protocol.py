@@ -131,21 +131,34 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
 
 def truncation_starts(messages: list[dict[str, Any]]) -> list[int]:
     """Where a conversation may start when ``truncation: "auto"`` drops its earliest turns:
-    at each user message after the first message that is not the instructions (which stay),
-    earliest first, so that what is left begins as a conversation does (no answer or tool
-    output without what it answers)."""
-    first = 1 if messages and messages[0]["role"] == "system" else 0
-    return [i for i in range(first + 1, len(messages)) if messages[i]["role"] == "user"]
+    at each user message after the first turn, earliest first, the leading system and
+    developer messages (the instructions) kept before it, so that what is left begins as a
+    conversation does (no answer or tool output without what it answers)."""
+    head = _instructions_head(messages)
+    return [i for i in range(head + 1, len(messages)) if messages[i]["role"] == "user"]
 
 
-def without_turns(messages: list[dict[str, Any]], start: int
-                  ) -> tuple[list[dict[str, Any]], int]:
-    """The conversation from message ``start`` on (the instructions kept), and how many of
-    its images (``{"type": "image"}`` parts, in order) the dropped messages held."""
-    first = 1 if messages and messages[0]["role"] == "system" else 0
-    dropped = sum(1 for m in messages[first:start] if isinstance(m.get("content"), list)
-                  for part in m["content"] if part.get("type") == "image")
-    return messages[:first] + messages[start:], dropped
+def without_turns(messages: list[dict[str, Any]], start: int, images: list[Any]
+                  ) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The conversation from message ``start`` on, its leading instructions kept, and its
+    ``images`` (one per ``{"type": "image"}`` part, in order) without the dropped ones."""
+    head = _instructions_head(messages)
+
+    def count(kept: list[dict[str, Any]]) -> int:
+        return sum(1 for m in kept if isinstance(m.get("content"), list)
+                   for part in m["content"] if part.get("type") == "image")
+
+    before, dropped = count(messages[:head]), count(messages[head:start])
+    return (messages[:head] + messages[start:],
+            images[:before] + images[before + dropped:])
+
+
+def _instructions_head(messages: list[dict[str, Any]]) -> int:
+    """How many system and developer messages the conversation starts with."""
+    head = 0
+    while head < len(messages) and messages[head]["role"] in ("system", "developer"):
+        head += 1
+    return head
 
 
 def _storage(body: dict[str, Any], can_store: bool) -> tuple[bool, bool, str | None]:

@@ -130,7 +130,9 @@ class Embeddings:
         """The rows into ``out``, once the device has them."""
         host = self.rows.cpu()
         for rid, row in zip(self.request_ids, host, strict=True):
-            out.embeddings[rid] = row
+            # A row of its own: a view would carry (pickled to the engine core's front end,
+            # or kept alive) the whole step's rows with it.
+            out.embeddings[rid] = row.clone()
 
 
 Deferred = DeferredTokens | PromptLogprobs | Embeddings
