@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
 
 from mmserve.step import TokenLogprobs
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass
@@ -86,9 +85,40 @@ def embedding_of(out: RequestOutput, normalize: bool = True) -> torch.Tensor:
     final hidden state, L2-normalized where ``normalize`` (as embedding models' are, and
     OpenAI's: a dot product is then the cosine similarity). Raises ``RuntimeError`` with
     the engine's reason where the request failed."""
-    import torch.nn.functional as F
-
     if out.embedding is None:
         raise RuntimeError(f"request {out.request_id} has no embedding: "
                            f"{out.error or 'it did not ask for one (return_embedding)'}")
     return F.normalize(out.embedding, dim=0) if normalize else out.embedding
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's score: the cosine similarity of the two prompts' embeddings, as vLLM's
+    ``LLM.score`` gives for an embedding model."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """What ``LLM.score`` returns for one pair, as vLLM's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+def score_pairs(num_left: int, num_right: int) -> list[tuple[int, int]]:
+    """vLLM's pairing of scored items, as indexes into left + right: one left item against
+    every right one, or each against its own (as many of both). ``ValueError`` otherwise."""
+    if num_left != 1 and num_left != num_right:
+        raise ValueError(f"{num_left} first items and {num_right} second ones: score one "
+                         "against all, or as many of each")
+    return [(0 if num_left == 1 else j, num_left + j) for j in range(num_right)]
+
+
+def cosine_scores(embeddings: list[torch.Tensor], pairs: list[tuple[int, int]]) -> list[float]:
+    """The cosine similarity of each pair of ``embeddings`` (indexes into them)."""
+    unit = [F.normalize(e.to(torch.float32), dim=0) for e in embeddings]
+    return [float(unit[a] @ unit[b]) for a, b in pairs]

@@ -230,3 +230,82 @@ def test_return_embedding_reads_the_prompt_once() -> None:
         assert e.value.param == "return_embedding"
     with pytest.raises(InvalidInputError, match="boolean"):
         SamplingParams(max_tokens=1, return_embedding=1)
+
+
+# ----------------------------------------------------------------- scores
+def test_llm_score_is_the_cosine_of_the_embeddings(clip_llama: str) -> None:
+    image_prompt = {"messages": _messages(1, "a picture"), "images": IMAGES[:1]}
+    texts = ["a red square", "two blue circles", "a picture"]
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        embeddings = [torch.tensor(o.outputs.embedding)
+                      for o in llm.embed([image_prompt, *texts])]
+        one_to_many = llm.score(image_prompt, texts)
+        pairwise = llm.score(texts, texts[::-1])
+        with pytest.raises(ValueError, match="as many of each"):
+            llm.score(texts[:2], texts)
+        assert_no_leaks(llm.engine)
+    for out, j in zip(one_to_many, (1, 2, 3), strict=True):
+        assert out.outputs.score == pytest.approx(float(embeddings[0] @ embeddings[j]), abs=1e-5)
+    assert [o.outputs.score for o in pairwise] == pytest.approx(
+        [float(embeddings[1 + i] @ embeddings[3 - i]) for i in range(3)], abs=1e-5)
+    assert pairwise[1].outputs.score == pytest.approx(1.0, abs=1e-5)  # a text and itself
+
+
+def test_score_and_rerank_over_http(served) -> None:
+    """vLLM's ``/score`` (one against many, pairwise; an image as ``{"content": [...]}``)
+    and ``/rerank`` (best first, ``top_n``, the documents returned), as ``LLM.score``."""
+    llm, http, _ = served
+    query, docs = "a red square", ["two blue circles", "a red square", "a green line"]
+    expected = [o.outputs.score for o in llm.score(query, docs)]
+    scored = http.post("/score", json={"model": "tiny", "text_1": query, "text_2": docs})
+    assert scored.status_code == 200, scored.text
+    body = scored.json()
+    assert body["object"] == "list" and body["id"].startswith("score-")
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-5)
+    assert body["usage"]["prompt_tokens"] > 0 and body["usage"]["completion_tokens"] == 0
+    pairwise = http.post("/v1/score", json={"text_1": docs, "text_2": docs}).json()
+    assert [d["score"] for d in pairwise["data"]] == pytest.approx([1.0] * 3, abs=1e-5)
+    # An image among the items, in vLLM's content form: the chat prompt of that message.
+    content = {"content": [{"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}},
+                           {"type": "text", "text": "a picture"}]}
+    with_image = http.post("/score", json={"text_1": content, "text_2": docs}).json()
+    image_prompt = {"messages": _messages(1, "a picture"), "images": IMAGES[:1]}
+    assert [d["score"] for d in with_image["data"]] == pytest.approx(
+        [o.outputs.score for o in llm.score(image_prompt, docs)], abs=1e-5)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = http.post(path, json={"model": "tiny", "query": query, "documents": docs,
+                                       "top_n": 2})
+        assert ranked.status_code == 200, ranked.text
+        results = ranked.json()["results"]
+        best = sorted(range(3), key=lambda i: -expected[i])[:2]
+        assert [r["index"] for r in results] == best == [1, best[1]]
+        assert [r["document"]["text"] for r in results] == [docs[i] for i in best]
+        assert [r["relevance_score"] for r in results] == pytest.approx(
+            [expected[i] for i in best], abs=1e-5)
+    everything = http.post("/rerank", json={"query": query, "documents": docs}).json()
+    assert len(everything["results"]) == 3 and everything["usage"]["total_tokens"] > 0
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/score", {"text_2": "x"}, "text_1"),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
+    ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+    ("/score", {"text_1": "a", "text_2": ["b", 3]}, "text_2[1]"),
+    ("/score", {"text_1": "a", "text_2": ["b", "word " * 400]}, "text_2[1]"),
+    ("/rerank", {"query": ["a", "b"], "documents": ["c"]}, "query"),
+    ("/rerank", {"query": "a", "documents": "c"}, "documents"),
+    ("/rerank", {"query": "a", "documents": ["c"], "top_n": -1}, "top_n"),
+    ("/rerank", {"query": "a", "documents": ["c", {"content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "documents[1]"),
+    ("/rerank", {"query": "a", "documents": ["c", {"text": "d"}]}, "documents[1]"),
+])
+def test_what_score_and_rerank_refuse(served, path: str, body: dict, param: str) -> None:
+    llm, http, _ = served
+    resp = http.post(path, json=body)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param, resp.text
+    deadline = time.monotonic() + 10
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not llm.engine.has_unfinished_requests()

@@ -82,7 +82,7 @@ from mmserve.entrypoints.response_store import (
 from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.errors import EngineDeadError, InvalidInputError, PromptTooLongError
-from mmserve.outputs import RequestOutput, embedding_of
+from mmserve.outputs import RequestOutput, cosine_scores, embedding_of
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import TokenLogprobs
 from mmserve.worker.compute_thread import ComputeThread
@@ -192,7 +192,8 @@ class OpenAIServer:
     async def invocations(self, request: Request) -> Response:
         """SageMaker's ``POST /invocations`` (as vLLM serves it): the endpoint the body's
         shape names, ``messages`` the chat's, ``prompt`` the completions', ``input`` the
-        Responses API's."""
+        Responses API's (vLLM, which has no Responses API there, sends it to embeddings),
+        ``text_1`` the score's, ``query`` the rerank's."""
         try:
             body = await self._read_json(request)
         except ApiError as e:
@@ -200,12 +201,14 @@ class OpenAIServer:
         request.scope[_READ_BODY] = (body,)
         if isinstance(body, dict):
             for field, endpoint in (("messages", self.chat), ("prompt", self.completions),
-                                    ("input", self.responses)):
+                                    ("input", self.responses), ("text_1", self.score),
+                                    ("query", self.rerank)):
                 if field in body:
                     return await endpoint(request)
         return error_response(proto.bad_request(
-            "/invocations answers a chat completion ('messages'), a completion ('prompt') or "
-            "a response ('input'): the body has none of these fields."))
+            "/invocations answers a chat completion ('messages'), a completion ('prompt'), a "
+            "response ('input'), scores ('text_1') or a reranking ('query'): the body has "
+            "none of these fields."))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": mmserve.__version__})
@@ -852,31 +855,83 @@ class OpenAIServer:
         ``messages`` form (one conversation, images included); each prompt an engine
         request of one prefill step."""
         request_id, engine_id = request_ids_of(request, "embd-")
-        streams: list[RequestStream] = []
         try:
             req = proto.parse_embeddings_request(
                 await self._read_json(request), self.max_model_len, self.max_images,
                 self.engine.processor.hidden_size, self.config.enable_mm_embeds)
             self._check_model_and_room(req.model)
-            prompts = req.prompts if req.chat is None else [await self._prompt_of(req.chat)]
-            for i, prompt in enumerate(prompts):
-                try:
-                    streams += await self.engine.add_completions([f"{engine_id}-{i}"], prompt,
-                                                                 req.params)
-                except InvalidInputError as e:  # named as this endpoint's field
-                    if req.chat is not None or e.param != "prompt":
-                        raise
-                    raise type(e)(str(e), "input" if len(prompts) == 1
-                                  else f"input[{i}]") from None
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
-            return self._refused(e, streams)  # (the prompts added before the one refused)
-        outs = await self._final_outputs(request, streams)
+            return self._refused(e)
+        if req.chat is not None:
+            items, fields = [req.chat], ["messages"]
+        else:
+            items = req.prompts
+            fields = ["input"] if len(items) == 1 else [f"input[{i}]" for i in range(len(items))]
+        outs = await self._embed(request, engine_id, items, fields, req.params)
         if isinstance(outs, Response):
             return outs
         data = [_embedding_values(embedding_of(out, req.normalize), req.as_base64)
                 for out in outs]
         return JSONResponse(shapes.embeddings(request_id, self.model, int(time.time()), data,
                                               sum(out.num_prompt_tokens for out in outs)))
+
+    async def score(self, request: Request) -> Response:
+        """vLLM's ``POST /score`` over embeddings: the cosine similarity of each pair."""
+        request_id, engine_id = request_ids_of(request, "score-")
+        req = await self._score_request(request, proto.parse_score_request)
+        if isinstance(req, Response):
+            return req
+        outs = await self._embed(request, engine_id, req.items, req.fields, req.params)
+        if isinstance(outs, Response):
+            return outs
+        scores = cosine_scores([embedding_of(out) for out in outs], req.pairs)
+        return JSONResponse(shapes.scores(request_id, self.model, int(time.time()), scores,
+                                          sum(out.num_prompt_tokens for out in outs)))
+
+    async def rerank(self, request: Request) -> Response:
+        """vLLM's (Jina's, Cohere's) ``POST /rerank`` over embeddings: the documents by the
+        cosine similarity of their embeddings to the query's, best first."""
+        request_id, engine_id = request_ids_of(request, "rerank-")
+        req = await self._score_request(request, proto.parse_rerank_request)
+        if isinstance(req, Response):
+            return req
+        outs = await self._embed(request, engine_id, req.items, req.fields, req.params)
+        if isinstance(outs, Response):
+            return outs
+        scores = cosine_scores([embedding_of(out) for out in outs], req.pairs)
+        return JSONResponse(shapes.reranked(request_id, self.model, req.documents, scores,
+                                            req.top_n,
+                                            sum(out.num_prompt_tokens for out in outs)))
+
+    async def _score_request(self, request: Request, parse: Any
+                             ) -> proto.ScoreRequest | Response:
+        try:
+            req = parse(await self._read_json(request), self.max_model_len, self.max_images,
+                        self.config.enable_mm_embeds)
+            self._check_model_and_room(req.model)
+        except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
+            return self._refused(e)
+        return req
+
+    async def _embed(self, request: Request, engine_id: str,
+                     items: list[dict[str, Any] | proto.ChatRequest], fields: list[str],
+                     params: SamplingParams) -> list[RequestOutput] | Response:
+        """Each item's embedding request (a prompt, or a chat whose images are fetched
+        here), answered whole; a refusal names the item's field (``fields``), and the items
+        added before it are aborted."""
+        streams: list[RequestStream] = []
+        try:
+            for i, item in enumerate(items):
+                try:
+                    prompt = item if isinstance(item, dict) else await self._prompt_of(item)
+                    streams += await self.engine.add_completions([f"{engine_id}-{i}"], prompt,
+                                                                 params)
+                except (ApiError, InvalidInputError) as e:  # named as this endpoint's field
+                    e.param = _in_field(e.param, fields[i])
+                    raise
+        except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
+            return self._refused(e, streams)
+        return await self._final_outputs(request, streams)
 
     # ----------------------------------------------------------------- completions
     async def completions(self, request: Request) -> Response:
@@ -1020,6 +1075,9 @@ class OpenAIServer:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            *(Route(path, self.score, methods=["POST"]) for path in ("/score", "/v1/score")),
+            *(Route(path, self.rerank, methods=["POST"])
+              for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
             Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
@@ -1068,6 +1126,17 @@ def _as_api_error(e: Exception) -> ApiError:
         return ApiError(503, str(e), type="server_overloaded", code="queue_full",
                         headers={"Retry-After": "1"})
     return ApiError(503, str(e), type="server_error", code="engine_unavailable")
+
+
+def _in_field(param: str | None, field: str) -> str | None:
+    """An embedding item's error's ``param`` as the endpoint's ``field`` for the item: the
+    engine names a prompt's ``prompt`` (or ``messages``, ``images``), and a chat item's
+    ``messages[0]...`` (vLLM's ``{"content": [...]}`` items are one user message)."""
+    if field == "messages" or param in ("temperature", "truncate_prompt_tokens", "priority"):
+        return param
+    if param is not None and param.startswith("messages[0]"):
+        return field + param[len("messages[0]"):]
+    return field
 
 
 def _embedding_values(embedding: torch.Tensor, as_base64: bool) -> list[float] | str:

@@ -1,5 +1,5 @@
-"""The Python API: ``LLM(model).generate(...)``, ``.chat(...)``, ``.caption(...)`` and
-``.embed(...)``."""
+"""The Python API: ``LLM(model).generate(...)``, ``.chat(...)``, ``.caption(...)``,
+``.embed(...)`` and ``.score(...)``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from mmserve.beam_search import BeamSearchOutput, BeamSearchParams
@@ -21,7 +22,11 @@ from mmserve.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+    cosine_scores,
     embedding_of,
+    score_pairs,
 )
 from mmserve.processing.chat_template import load_chat_template
 from mmserve.processing.images import ImageLike
@@ -152,6 +157,27 @@ class LLM:
         return [EmbeddingRequestOutput(
             out.request_id, EmbeddingOutput(embedding_of(out, normalize).tolist()),
             out.prompt_token_ids or [], out.num_prompt_tokens) for out in outs]
+
+    def score(
+        self,
+        text_1: dict[str, Any] | str | Sequence[dict[str, Any] | str],
+        text_2: dict[str, Any] | str | Sequence[dict[str, Any] | str],
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score`` for an embedding model: the cosine similarity of the
+        embeddings (``embed``) of one ``text_1`` and each ``text_2``, or of each ``text_1``
+        and its ``text_2`` (as many of both); prompts as ``generate`` takes them, images
+        included (an image scored against captions)."""
+        left = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)
+        right = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
+        pairs = score_pairs(len(left), len(right))
+        outs = self.embed(left + right, normalize=False,
+                          truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        values = cosine_scores([torch.tensor(o.outputs.embedding) for o in outs], pairs)
+        return [ScoringRequestOutput(outs[b].request_id, ScoringOutput(value),
+                                     outs[a].prompt_token_ids + outs[b].prompt_token_ids)
+                for (a, b), value in zip(pairs, values, strict=True)]
 
     def caption(
         self,

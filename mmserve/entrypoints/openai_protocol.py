@@ -19,6 +19,7 @@ from mmserve.entrypoints import tool_calls
 from mmserve.entrypoints.image_embeds import EmbedsPart, parse_embeds_part
 from mmserve.entrypoints.tool_calls import ToolChoice
 from mmserve.errors import InvalidInputError
+from mmserve.outputs import score_pairs
 from mmserve.processing.chat_template import template_kwargs
 from mmserve.processing.chat_tools import template_tool_calls
 from mmserve.sampling_params import (
@@ -279,13 +280,7 @@ def parse_embeddings_request(body: Any, max_model_len: int, max_images: int,
         raise bad_request(f"'add_special_tokens' must be {str(not chat_form).lower()} here "
                           "(the tokenizer's own for text, the chat template's for messages)",
                           "add_special_tokens")
-    try:
-        params = SamplingParams(
-            max_tokens=1, temperature=0.0, return_embedding=True, output_kind="final_only",
-            truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int, None),
-            priority=_get(body, "priority", int, 0))
-    except InvalidInputError as e:
-        raise bad_request(str(e), e.param) from None
+    params = _embedding_params(body)
     normalize = _get(body, "normalize", bool, True)
     as_base64 = encoding == "base64"
     if chat_form:
@@ -297,6 +292,104 @@ def parse_embeddings_request(body: Any, max_model_len: int, max_images: int,
     salt = _cache_salt(body)
     prompts = [{**prompt, **salt} for prompt in _parse_prompts(body["input"], "input")]
     return EmbeddingsRequest(prompts, None, params, model, as_base64, normalize)
+
+
+def _embedding_params(body: dict[str, Any]) -> SamplingParams:
+    """An embedding request's parameters: one prefill, its last hidden state kept; vLLM's
+    ``truncate_prompt_tokens`` and ``priority``."""
+    try:
+        return SamplingParams(
+            max_tokens=1, temperature=0.0, return_embedding=True, output_kind="final_only",
+            truncate_prompt_tokens=_get(body, "truncate_prompt_tokens", int, None),
+            priority=_get(body, "priority", int, 0))
+    except InvalidInputError as e:
+        raise bad_request(str(e), e.param) from None
+
+
+@dataclass
+class ScoreRequest:
+    """A validated ``POST /score`` or ``/rerank`` (vLLM's, over embeddings): the items to
+    embed, each once (``{"prompt": text}``, or a one-message ``ChatRequest`` whose content
+    holds images), each one's field for errors, and the pairs of items scored (cosine
+    similarity), in the answer's order."""
+
+    items: list[dict[str, Any] | ChatRequest]
+    fields: list[str]
+    pairs: list[tuple[int, int]]
+    params: SamplingParams
+    model: str | None = None
+    top_n: int = 0  # /rerank: the best this many (0: all), best first
+    documents: list[Any] | None = None  # /rerank: the documents, to return with the results
+
+
+def parse_score_request(body: Any, max_model_len: int, max_images: int,
+                        mm_embeds: bool = False) -> ScoreRequest:
+    """vLLM's ``POST /score``: ``text_1`` and ``text_2``, each a text, vLLM's ``{"content":
+    [parts]}`` (text and images), or a list of up to 256 of either; one ``text_1`` is scored
+    against every ``text_2``, or each against its own (as many of both)."""
+    model = _model(body)
+    left = _score_items(body.get("text_1"), "text_1", max_model_len, max_images, mm_embeds)
+    right = _score_items(body.get("text_2"), "text_2", max_model_len, max_images, mm_embeds)
+    try:
+        pairs = score_pairs(len(left), len(right))
+    except ValueError:
+        raise bad_request(f"'text_1' has {len(left)} items and 'text_2' {len(right)}: send one "
+                          "'text_1' to score against every 'text_2', or as many of each.",
+                          "text_1") from None
+    items, fields = zip(*(left + right), strict=True)
+    return ScoreRequest(list(items), list(fields), pairs, _embedding_params(body), model)
+
+
+def parse_rerank_request(body: Any, max_model_len: int, max_images: int,
+                         mm_embeds: bool = False) -> ScoreRequest:
+    """vLLM's (Jina's, Cohere's) ``POST /rerank``: a ``query`` and ``documents`` (each a text
+    or vLLM's ``{"content": [parts]}``; up to 256), ``top_n`` (0: all)."""
+    model = _model(body)
+    query = _score_items(body.get("query"), "query", max_model_len, max_images, mm_embeds)
+    if len(query) != 1:
+        raise bad_request("'query' must be one text, or one {'content': [...]}", "query")
+    documents = body.get("documents")
+    if not isinstance(documents, list):
+        raise bad_request("'documents' must be a non-empty list of texts (or of vLLM's "
+                          "{'content': [...]})", "documents")
+    docs = _score_items(documents, "documents", max_model_len, max_images, mm_embeds)
+    top_n = _get(body, "top_n", int, 0)
+    if top_n < 0:
+        raise bad_request("'top_n' must be 0 (all) or more", "top_n")
+    items, fields = zip(*(query + docs), strict=True)
+    return ScoreRequest(list(items), list(fields), score_pairs(1, len(docs)),
+                        _embedding_params(body), model, top_n, documents)
+
+
+def _score_items(value: Any, name: str, max_model_len: int, max_images: int,
+                 mm_embeds: bool) -> list[tuple[dict[str, Any] | ChatRequest, str]]:
+    """A score or rerank field's items, each with its place: a text, vLLM's ``{"content":
+    [parts]}`` (one user message's content, images included), or a list of either."""
+    def one(item: Any, where: str) -> tuple[dict[str, Any] | ChatRequest, str]:
+        if isinstance(item, str):
+            _check_text(item, where)
+            if not item:
+                raise bad_request(f"{where} is empty; send some text", where)
+            return {"prompt": item}, where
+        if isinstance(item, dict) and set(item) == {"content"}:
+            try:
+                return parse_chat_request(
+                    {"max_tokens": 1, "messages": [{"role": "user", "content": item["content"]}]},
+                    max_model_len, max_images, mm_embeds=mm_embeds), where
+            except ApiError as e:  # named as this field's
+                raise bad_request(e.message, where if e.param is None else e.param.replace(
+                    "messages[0]", where, 1)) from None
+        raise bad_request(f"{where} must be a text, or {{'content': [...]}} (text and image "
+                          "parts, vLLM's)", where)
+
+    if not isinstance(value, list):
+        return [one(value, name)]
+    if not value:
+        raise bad_request(f"'{name}' must not be empty", name)
+    if len(value) > MAX_COMPLETION_PROMPTS:
+        raise bad_request(f"'{name}' has {len(value)} items; at most {MAX_COMPLETION_PROMPTS} "
+                          "are allowed in one request", name)
+    return [one(item, f"{name}[{i}]") for i, item in enumerate(value)]
 
 
 @dataclass

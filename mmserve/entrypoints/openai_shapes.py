@@ -193,3 +193,24 @@ def embeddings(request_id: str, model: str, created: int, data: Sequence[list[fl
             "data": [{"object": "embedding", "index": i, "embedding": values}
                      for i, values in enumerate(data)],
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+
+def scores(request_id: str, model: str, created: int, values: Sequence[float],
+           prompt_tokens: int) -> dict[str, Any]:
+    """vLLM's ``POST /score`` answer: each pair's score, in order."""
+    return {"id": request_id, "object": "list", "created": created, "model": model,
+            "data": [{"index": i, "object": "score", "score": value}
+                     for i, value in enumerate(values)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+                      "completion_tokens": 0}}
+
+
+def reranked(request_id: str, model: str, documents: Sequence[Any], values: Sequence[float],
+             top_n: int, prompt_tokens: int) -> dict[str, Any]:
+    """vLLM's (Jina's) ``POST /rerank`` answer: the documents best first (the best ``top_n``;
+    0: all), each with its index, its text (or its content) and its score."""
+    order = sorted(range(len(values)), key=lambda i: -values[i])[:top_n or len(values)]
+    return {"id": request_id, "model": model, "usage": {"total_tokens": prompt_tokens},
+            "results": [{"index": i, "relevance_score": values[i],
+                         "document": ({"text": documents[i]} if isinstance(documents[i], str)
+                                      else documents[i])} for i in order]}
