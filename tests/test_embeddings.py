@@ -31,6 +31,7 @@ from tests.test_step_failures import GREEDY
 from tests.test_tensor_parallel import _settings
 
 IMAGES = [make_image(3, (40, 30)), make_image(4, (64, 48))]
+IMAGE_URL = data_url(IMAGES[0])
 # float32 on both sides, the same arithmetic up to the order of sums.
 ATOL, RTOL = 1e-4, 1e-4
 
@@ -151,11 +152,24 @@ def test_embeddings_from_tensor_parallel_workers(clip_llama: str) -> None:
 @pytest.fixture(scope="module")
 def served(clip_llama: str):
     with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
-        with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as http:
+        server = OpenAIServer(llm.engine, ServerConfig("tiny"))
+        with TestClient(server.app()) as http:
             client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
                                    max_retries=0, http_client=http)
+            llm.server = server  # (for the tests that look into it)
             yield llm, http, client
         assert_no_leaks(llm.engine)
+
+
+def _nothing_left(llm: LLM) -> None:
+    """No request of a refused one left: none in the server's engine client as the answer
+    comes (the items queued before the one refused were aborted, not left to finish), and
+    the engine drains."""
+    assert llm.server.engine.num_in_flight == 0
+    deadline = time.monotonic() + 10
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_the_embeddings_endpoint_answers_as_llm_embed(served) -> None:
@@ -217,10 +231,7 @@ def test_what_the_embeddings_endpoint_refuses(served, body: dict, param: str) ->
     resp = http.post("/v1/embeddings", json=body)
     assert 400 <= resp.status_code < 500, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
-    deadline = time.monotonic() + 10  # (prompts added before the one refused: aborted)
-    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not llm.engine.has_unfinished_requests()
+    _nothing_left(llm)
 
 
 def test_return_embedding_reads_the_prompt_once() -> None:
@@ -266,10 +277,11 @@ def test_score_and_rerank_over_http(served) -> None:
     assert body["usage"]["prompt_tokens"] > 0 and body["usage"]["completion_tokens"] == 0
     pairwise = http.post("/v1/score", json={"text_1": docs, "text_2": docs}).json()
     assert [d["score"] for d in pairwise["data"]] == pytest.approx([1.0] * 3, abs=1e-5)
-    # An image among the items, in vLLM's content form: the chat prompt of that message.
+    # An image among the items, in vLLM's content form (in a list: one item of all its
+    # parts): the chat prompt of that message.
     content = {"content": [{"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}},
                            {"type": "text", "text": "a picture"}]}
-    with_image = http.post("/score", json={"text_1": content, "text_2": docs}).json()
+    with_image = http.post("/score", json={"text_1": [content], "text_2": docs}).json()
     image_prompt = {"messages": _messages(1, "a picture"), "images": IMAGES[:1]}
     assert [d["score"] for d in with_image["data"]] == pytest.approx(
         [o.outputs.score for o in llm.score(image_prompt, docs)], abs=1e-5)
@@ -285,6 +297,19 @@ def test_score_and_rerank_over_http(served) -> None:
             [expected[i] for i in best], abs=1e-5)
     everything = http.post("/rerank", json={"query": query, "documents": docs}).json()
     assert len(everything["results"]) == 3 and everything["usage"]["total_tokens"] > 0
+    # vLLM's lone {"content": [parts]}: each part a document of its own (an image's
+    # returned as its part).
+    image_part = {"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}}
+    parts = http.post("/rerank", json={"query": query, "documents": {"content": [
+        {"type": "text", "text": docs[0]}, image_part]}}).json()["results"]
+    assert sorted(r["index"] for r in parts) == [0, 1]
+    by_index = {r["index"]: r for r in parts}
+    assert by_index[0]["document"] == {"text": docs[0]}
+    assert by_index[1]["document"] == {"multi_modal": image_part}
+    alone = {"messages": [{"role": "user", "content": [{"type": "image"}]}],
+             "images": IMAGES[:1]}
+    assert by_index[1]["relevance_score"] == pytest.approx(
+        llm.score(query, alone)[0].outputs.score, abs=1e-5)
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
@@ -294,10 +319,17 @@ def test_score_and_rerank_over_http(served) -> None:
     ("/score", {"text_1": "a", "text_2": ["b", 3]}, "text_2[1]"),
     ("/score", {"text_1": "a", "text_2": ["b", "word " * 400]}, "text_2[1]"),
     ("/rerank", {"query": ["a", "b"], "documents": ["c"]}, "query"),
+    ("/rerank", {"query": ["a"], "documents": ["c"]}, "query"),
+    ("/rerank", {"query": "a", "documents": ["c", {"content": [], "x": 1}]}, "documents[1]"),
+    ("/score", {"text_1": "a", "text_2": [{"content": [
+        {"type": "image_url", "image_url": {"url": IMAGE_URL}}] * 5}]}, "text_2[0]"),
     ("/rerank", {"query": "a", "documents": "c"}, "documents"),
     ("/rerank", {"query": "a", "documents": ["c"], "top_n": -1}, "top_n"),
     ("/rerank", {"query": "a", "documents": ["c", {"content": [
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "documents[1]"),
+    ("/rerank", {"query": "a", "documents": {"content": [
+        {"type": "text", "text": "c"},
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}}, "documents[1]"),
     ("/rerank", {"query": "a", "documents": ["c", {"text": "d"}]}, "documents[1]"),
 ])
 def test_what_score_and_rerank_refuse(served, path: str, body: dict, param: str) -> None:
@@ -305,7 +337,4 @@ def test_what_score_and_rerank_refuse(served, path: str, body: dict, param: str)
     resp = http.post(path, json=body)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
-    deadline = time.monotonic() + 10
-    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not llm.engine.has_unfinished_requests()
+    _nothing_left(llm)

@@ -301,8 +301,8 @@ def test_followers_of_a_background_stream_end_when_it_is_cancelled(served,
     assert not llm.engine.has_unfinished_requests()
 
 
-@pytest.mark.slow
-def test_a_background_response_cancelled_before_it_ran_ends_its_stream(served) -> None:
+def test_a_background_response_cancelled_before_it_ran_ends_its_stream(served,
+                                                                       slow_steps) -> None:
     """Cancelled in the event loop's turn that started it (a DELETE or a shutdown before
     its task first ran): its engine request is aborted and its stream ends all the same."""
     llm, http, _ = served
@@ -325,12 +325,15 @@ def test_a_background_response_cancelled_before_it_ran_ends_its_stream(served) -
 
     ended, followed = http.portal.call(cancelled_at_once)
     assert ended and followed == []
+    # Aborted, not left to run its 400 tokens (2 s or more at these steps).
+    assert server.engine.num_in_flight == 0
     deadline = time.monotonic() + 10
     while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_a_dropped_background_stream_is_resumed(clip_llama: str, tmp_path) -> None:
     """Over a real socket: a client reads a background stream's first events and drops the
     connection; the response runs on, and the client resumes after the last event it read,

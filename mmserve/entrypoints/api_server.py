@@ -836,15 +836,14 @@ class OpenAIServer:
                 task.cancel()
             self._abort(streams)
 
-    def _abort(self, streams: list[RequestStream]) -> None:
+    def _abort(self, streams: Sequence[RequestStream]) -> None:
         for stream in streams:
             self.engine.abort(stream.request_id)
 
     def _refused(self, error: Exception, streams: Sequence[RequestStream] = ()) -> Response:
         """The error answer of a request refused before its answer began, ``streams`` (its
         prompts added already) aborted."""
-        for stream in streams:
-            self.engine.abort(stream.request_id)
+        self._abort(streams)
         err = _as_api_error(error)
         self.metrics.count("rejected" if err.status < 500 else "error")
         return error_response(err)
@@ -922,6 +921,9 @@ class OpenAIServer:
         streams: list[RequestStream] = []
         try:
             for i, item in enumerate(items):
+                if i and await request.is_disconnected():  # (images fetched one by one)
+                    self._abort(streams)
+                    return Response(status_code=499)
                 try:
                     prompt = item if isinstance(item, dict) else await self._prompt_of(item)
                     streams += await self.engine.add_completions([f"{engine_id}-{i}"], prompt,
@@ -931,7 +933,17 @@ class OpenAIServer:
                     raise
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             return self._refused(e, streams)
-        return await self._final_outputs(request, streams)
+        except BaseException:  # (a bug, or the handler cancelled): none left running
+            self._abort(streams)
+            raise
+        outs = await self._final_outputs(request, streams)
+        if not isinstance(outs, Response) and not all(
+                torch.isfinite(out.embedding).all() for out in outs):
+            return error_response(ApiError(
+                500, "the model's hidden state is not finite for this input (the weights or "
+                "the dtype overflow); no embedding can be given.", type="server_error",
+                code="generation_failed"))
+        return outs
 
     # ----------------------------------------------------------------- completions
     async def completions(self, request: Request) -> Response:
@@ -1132,7 +1144,7 @@ def _in_field(param: str | None, field: str) -> str | None:
     """An embedding item's error's ``param`` as the endpoint's ``field`` for the item: the
     engine names a prompt's ``prompt`` (or ``messages``, ``images``), and a chat item's
     ``messages[0]...`` (vLLM's ``{"content": [...]}`` items are one user message)."""
-    if field == "messages" or param in ("temperature", "truncate_prompt_tokens", "priority"):
+    if field == "messages" or param in ("truncate_prompt_tokens", "priority", "request_id"):
         return param
     if param is not None and param.startswith("messages[0]"):
         return field + param[len("messages[0]"):]

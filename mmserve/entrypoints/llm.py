@@ -168,14 +168,17 @@ class LLM:
         """vLLM's ``LLM.score`` for an embedding model: the cosine similarity of the
         embeddings (``embed``) of one ``text_1`` and each ``text_2``, or of each ``text_1``
         and its ``text_2`` (as many of both); prompts as ``generate`` takes them, images
-        included (an image scored against captions)."""
+        included (an image scored against captions). Each output's ``request_id`` names
+        the pair's two requests, and its ``prompt_token_ids`` are theirs one after the
+        other."""
         left = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)
         right = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
         pairs = score_pairs(len(left), len(right))
         outs = self.embed(left + right, normalize=False,
                           truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
         values = cosine_scores([torch.tensor(o.outputs.embedding) for o in outs], pairs)
-        return [ScoringRequestOutput(outs[b].request_id, ScoringOutput(value),
+        return [ScoringRequestOutput(f"{outs[a].request_id}_{outs[b].request_id}",
+                                     ScoringOutput(value),
                                      outs[a].prompt_token_ids + outs[b].prompt_token_ids)
                 for (a, b), value in zip(pairs, values, strict=True)]
 

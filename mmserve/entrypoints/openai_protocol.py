@@ -345,13 +345,19 @@ def parse_rerank_request(body: Any, max_model_len: int, max_images: int,
     """vLLM's (Jina's, Cohere's) ``POST /rerank``: a ``query`` and ``documents`` (each a text
     or vLLM's ``{"content": [parts]}``; up to 256), ``top_n`` (0: all)."""
     model = _model(body)
+    if isinstance(body.get("query"), list):
+        raise bad_request("'query' must be one text, or one {'content': [...]}", "query")
     query = _score_items(body.get("query"), "query", max_model_len, max_images, mm_embeds)
     if len(query) != 1:
-        raise bad_request("'query' must be one text, or one {'content': [...]}", "query")
+        raise bad_request("'query' must be one text, or one {'content': [...]} of one part",
+                          "query")
     documents = body.get("documents")
+    if _lone_content(documents):
+        documents = _each_part(documents)
     if not isinstance(documents, list):
         raise bad_request("'documents' must be a non-empty list of texts (or of vLLM's "
-                          "{'content': [...]})", "documents")
+                          "{'content': [...]}), or one {'content': [...]} of a part each",
+                          "documents")
     docs = _score_items(documents, "documents", max_model_len, max_images, mm_embeds)
     top_n = _get(body, "top_n", int, 0)
     if top_n < 0:
@@ -363,25 +369,34 @@ def parse_rerank_request(body: Any, max_model_len: int, max_images: int,
 
 def _score_items(value: Any, name: str, max_model_len: int, max_images: int,
                  mm_embeds: bool) -> list[tuple[dict[str, Any] | ChatRequest, str]]:
-    """A score or rerank field's items, each with its place: a text, vLLM's ``{"content":
-    [parts]}`` (one user message's content, images included), or a list of either."""
+    """A score or rerank field's items, each with its place, as vLLM reads them: a text, or
+    a list of texts and ``{"content": [parts]}`` (one user message's content, images
+    included: one item each); a lone ``{"content": [parts]}`` is one item per part."""
     def one(item: Any, where: str) -> tuple[dict[str, Any] | ChatRequest, str]:
         if isinstance(item, str):
             _check_text(item, where)
             if not item:
                 raise bad_request(f"{where} is empty; send some text", where)
             return {"prompt": item}, where
-        if isinstance(item, dict) and set(item) == {"content"}:
+        if isinstance(item, dict) and "content" in item:
+            others = sorted(set(item) - {"content"})
+            if others:
+                raise bad_request(f"{where} has fields other than 'content': "
+                                  f"{', '.join(repr(o[:32]) for o in others[:4])}", where)
             try:
                 return parse_chat_request(
                     {"max_tokens": 1, "messages": [{"role": "user", "content": item["content"]}]},
                     max_model_len, max_images, mm_embeds=mm_embeds), where
             except ApiError as e:  # named as this field's
-                raise bad_request(e.message, where if e.param is None else e.param.replace(
-                    "messages[0]", where, 1)) from None
+                theirs = e.param or "messages"
+                ours = (where + theirs[len("messages[0]"):]
+                        if theirs.startswith("messages[0]") else where)
+                raise bad_request(e.message.replace(theirs, ours), ours) from None
         raise bad_request(f"{where} must be a text, or {{'content': [...]}} (text and image "
                           "parts, vLLM's)", where)
 
+    if _lone_content(value):
+        value, name = _each_part(value), f"{name}.content"
     if not isinstance(value, list):
         return [one(value, name)]
     if not value:
@@ -389,7 +404,25 @@ def _score_items(value: Any, name: str, max_model_len: int, max_images: int,
     if len(value) > MAX_COMPLETION_PROMPTS:
         raise bad_request(f"'{name}' has {len(value)} items; at most {MAX_COMPLETION_PROMPTS} "
                           "are allowed in one request", name)
-    return [one(item, f"{name}[{i}]") for i, item in enumerate(value)]
+    items = [one(item, f"{name}[{i}]") for i, item in enumerate(value)]
+    images = sum(len(item.image_urls) for item, _ in items if isinstance(item, ChatRequest))
+    if images > MAX_COMPLETION_PROMPTS:
+        raise bad_request(f"'{name}' holds {images} images; at most {MAX_COMPLETION_PROMPTS} "
+                          "are taken in one request", name)
+    return items
+
+
+def _lone_content(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"content"} \
+        and isinstance(value["content"], list)
+
+
+def _each_part(value: dict[str, Any]) -> list[Any]:
+    """vLLM's lone ``{"content": [parts]}``: each part an item of its own (a text part its
+    text)."""
+    return [part["text"] if isinstance(part, dict) and part.get("type") == "text"
+            and isinstance(part.get("text"), str) else {"content": [part]}
+            for part in value["content"]]
 
 
 @dataclass

@@ -210,7 +210,15 @@ def reranked(request_id: str, model: str, documents: Sequence[Any], values: Sequ
     """vLLM's (Jina's) ``POST /rerank`` answer: the documents best first (the best ``top_n``;
     0: all), each with its index, its text (or its content) and its score."""
     order = sorted(range(len(values)), key=lambda i: -values[i])[:top_n or len(values)]
-    return {"id": request_id, "model": model, "usage": {"total_tokens": prompt_tokens},
+    return {"id": request_id, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
             "results": [{"index": i, "relevance_score": values[i],
                          "document": ({"text": documents[i]} if isinstance(documents[i], str)
-                                      else documents[i])} for i in order]}
+                                      else {"multi_modal": _part_or_parts(documents[i])})}
+                        for i in order]}
+
+
+def _part_or_parts(document: dict[str, Any]) -> Any:
+    """A multimodal document as vLLM returns it: its one content part (or its parts)."""
+    parts = document["content"]
+    return parts[0] if len(parts) == 1 else parts
