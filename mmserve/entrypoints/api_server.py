@@ -876,41 +876,39 @@ class OpenAIServer:
 
     async def score(self, request: Request) -> Response:
         """vLLM's ``POST /score`` over embeddings: the cosine similarity of each pair."""
-        request_id, engine_id = request_ids_of(request, "score-")
-        req = await self._score_request(request, proto.parse_score_request)
-        if isinstance(req, Response):
-            return req
-        outs = await self._embed(request, engine_id, req.items, req.fields, req.params)
-        if isinstance(outs, Response):
-            return outs
-        scores = cosine_scores([embedding_of(out) for out in outs], req.pairs)
+        scored = await self._scored(request, "score-", proto.parse_score_request)
+        if isinstance(scored, Response):
+            return scored
+        request_id, _, scores, tokens = scored
         return JSONResponse(shapes.scores(request_id, self.model, int(time.time()), scores,
-                                          sum(out.num_prompt_tokens for out in outs)))
+                                          tokens))
 
     async def rerank(self, request: Request) -> Response:
         """vLLM's (Jina's, Cohere's) ``POST /rerank`` over embeddings: the documents by the
         cosine similarity of their embeddings to the query's, best first."""
-        request_id, engine_id = request_ids_of(request, "rerank-")
-        req = await self._score_request(request, proto.parse_rerank_request)
-        if isinstance(req, Response):
-            return req
-        outs = await self._embed(request, engine_id, req.items, req.fields, req.params)
-        if isinstance(outs, Response):
-            return outs
-        scores = cosine_scores([embedding_of(out) for out in outs], req.pairs)
+        scored = await self._scored(request, "rerank-", proto.parse_rerank_request)
+        if isinstance(scored, Response):
+            return scored
+        request_id, req, scores, tokens = scored
         return JSONResponse(shapes.reranked(request_id, self.model, req.documents, scores,
-                                            req.top_n,
-                                            sum(out.num_prompt_tokens for out in outs)))
+                                            req.top_n, tokens))
 
-    async def _score_request(self, request: Request, parse: Any
-                             ) -> proto.ScoreRequest | Response:
+    async def _scored(self, request: Request, prefix: str, parse: Any
+                      ) -> tuple[str, proto.ScoreRequest, list[float], int] | Response:
+        """A score or rerank request's id, the request, its pairs' scores and the prompt
+        tokens of its items (each embedded once)."""
+        request_id, engine_id = request_ids_of(request, prefix)
         try:
             req = parse(await self._read_json(request), self.max_model_len, self.max_images,
                         self.config.enable_mm_embeds)
             self._check_model_and_room(req.model)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             return self._refused(e)
-        return req
+        outs = await self._embed(request, engine_id, req.items, req.fields, req.params)
+        if isinstance(outs, Response):
+            return outs
+        return (request_id, req, cosine_scores([embedding_of(out) for out in outs], req.pairs),
+                sum(out.num_prompt_tokens for out in outs))
 
     async def _embed(self, request: Request, engine_id: str,
                      items: list[dict[str, Any] | proto.ChatRequest], fields: list[str],

@@ -149,7 +149,7 @@ class LLM:
         ``normalize`` is false, in ``outputs.embedding``. Prompts as ``generate`` takes
         them, images included; ``truncate_prompt_tokens`` as ``SamplingParams``'. Each is a
         request of one step's prefill (its sampled token is dropped), batched and cached as
-        any other."""
+        any other; one the engine fails on raises ``RuntimeError`` with the reason."""
         params = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True,
                                 truncate_prompt_tokens=truncate_prompt_tokens,
                                 output_kind="final_only")

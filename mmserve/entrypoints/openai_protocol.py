@@ -235,7 +235,7 @@ def parse_completion_request(body: Any, max_model_len: int,
 
 # Fields of the chat endpoint's the chat form takes (the sampling ones have no use here).
 _EMBEDDING_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
-                "chat_template_kwargs")
+                          "chat_template_kwargs")
 
 
 @dataclass
