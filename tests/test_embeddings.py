@@ -338,3 +338,19 @@ def test_what_score_and_rerank_refuse(served, path: str, body: dict, param: str)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param, resp.text
     _nothing_left(llm)
+
+
+def test_the_embeddings_benchmark_runs(clip_llama: str, capsys) -> None:
+    """``benchmarks/embeddings.py`` at a tiny scale: both sides ran and agree (its figures are
+    not checked: they depend on the machine)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "embeddings.py"
+    spec = importlib.util.spec_from_file_location("embeddings_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--model", clip_llama, "--num-prompts", "3", "--rounds", "1",
+                        "--image-size", "40", "--hf-batch-size", "2"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert "ratio" in line and float(line.rsplit(" ", 1)[1]) < ATOL
