@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny random checkpoints built offline, test images, leak checks."""
+"""Shared fixtures: tiny random checkpoints built offline, test images, leak checks, an LLM
+served by the OpenAI app in this process."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -125,6 +128,26 @@ def assert_no_leaks(engine) -> None:
         finishing = set(engine.scheduler._finished_ids).union(
             *(step.finished_request_ids for step, _ in engine._submitted))
         assert set(history.followed) <= finishing
+
+
+@contextlib.contextmanager
+def openai_app(model: str, **engine_args: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """An ``LLM`` served by the OpenAI server's app in this process (the served model named
+    "tiny"): ``(llm, http, client)``, a Starlette test client and an openai client over it;
+    ``llm.server`` is the ``OpenAIServer``. Leaks are checked once the server's loop stops."""
+    import openai
+    from starlette.testclient import TestClient
+
+    from mmserve import LLM
+    from mmserve.entrypoints.api_server import OpenAIServer
+    from mmserve.entrypoints.serve_args import ServerConfig
+
+    with LLM(model, dtype="float32", **engine_args) as llm:
+        llm.server = OpenAIServer(llm.engine, ServerConfig("tiny"))
+        with TestClient(llm.server.app()) as http:
+            yield llm, http, openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+                                           max_retries=0, http_client=http)
+        assert_no_leaks(llm.engine)
 
 
 def generate_all_at_once(llm, prompts: list, params) -> list:

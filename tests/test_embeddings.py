@@ -11,20 +11,16 @@ import os
 import time
 
 import numpy as np
-import openai
 import pytest
 import torch
-from starlette.testclient import TestClient
 
 from mmserve import LLM, SamplingParams
-from mmserve.entrypoints.api_server import OpenAIServer
-from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.errors import InvalidInputError
 from mmserve.processing.hf_processors import load_qwen2_vl_processor
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.testing.oracle import hf_last_hidden_state, load_hf_processor
 from mmserve.worker.model_runner import CPUModelRunner
-from tests.conftest import assert_no_leaks, make_image
+from tests.conftest import assert_no_leaks, make_image, openai_app
 from tests.test_parity import mixed_batch
 from tests.test_server import data_url
 from tests.test_step_failures import GREEDY
@@ -151,14 +147,8 @@ def test_embeddings_from_tensor_parallel_workers(clip_llama: str) -> None:
 # ----------------------------------------------------------------- over HTTP
 @pytest.fixture(scope="module")
 def served(clip_llama: str):
-    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
-        server = OpenAIServer(llm.engine, ServerConfig("tiny"))
-        with TestClient(server.app()) as http:
-            client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
-                                   max_retries=0, http_client=http)
-            llm.server = server  # (for the tests that look into it)
-            yield llm, http, client
-        assert_no_leaks(llm.engine)
+    with openai_app(clip_llama, max_model_len=256) as app:
+        yield app
 
 
 def _nothing_left(llm: LLM) -> None:

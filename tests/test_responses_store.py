@@ -26,7 +26,7 @@ from mmserve.entrypoints.response_store import (
     input_items_page,
 )
 from mmserve.entrypoints.serve_args import ServerConfig
-from tests.conftest import assert_no_leaks, make_image
+from tests.conftest import assert_no_leaks, make_image, openai_app
 from tests.test_server import Server, data_url, wait_drained
 
 IMAGE = data_url(make_image(5, (48, 40)))
@@ -34,14 +34,8 @@ IMAGE = data_url(make_image(5, (48, 40)))
 
 @pytest.fixture(scope="module")
 def served(clip_llama: str):
-    with LLM(clip_llama, dtype="float32", max_model_len=512) as llm:
-        server = OpenAIServer(llm.engine, ServerConfig("tiny"))
-        with TestClient(server.app()) as http:
-            client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
-                                   max_retries=0, http_client=http)
-            llm.server = server  # (for the tests that reach into it)
-            yield llm, http, client
-        assert_no_leaks(llm.engine)  # once the server's loop has stopped
+    with openai_app(clip_llama, max_model_len=512) as app:
+        yield app
 
 
 @pytest.fixture

@@ -434,7 +434,7 @@ class ModelRunner:
             logits = self.model.compute_logits(rows) if ids else None
             # (Without output rows whenever a request asks for them.)
             prompt_logprobs = self._prompt_logprobs(chunks, hidden, len(decodes))
-            embeddings = self._embeddings(ids, params, rows)
+            embeddings = self._embeddings(sampled, len(decodes), rows)
         t3 = time.perf_counter()
         times.forward += t3 - t2
         if deferred is not None and prompt_logprobs.pieces:
@@ -545,15 +545,17 @@ class ModelRunner:
             yield
 
     @staticmethod
-    def _embeddings(ids: list[str], params: list[SamplingParams],
+    def _embeddings(sampled: list[ScheduledRequest], start: int,
                     rows: torch.Tensor | None) -> Embeddings | None:
-        """The hidden states the sampling ``rows`` of requests asking for their embedding
-        hold (their last prompt token's: such a request samples once), or None."""
-        if rows is None or not any(p.return_embedding for p in params):
+        """The hidden states of the sampling ``rows`` (``sampled``'s from row ``start``, after
+        the decode rows) of requests asking for their embedding, or None. Such a request
+        samples once, at the end of its prompt, so only prompt chunks are looked at: a step
+        of decodes alone costs nothing more."""
+        at = [start + i for i, r in enumerate(sampled) if r.sampling_params.return_embedding]
+        if not at or rows is None:
             return None
-        at = [i for i, p in enumerate(params) if p.return_embedding]
         picked = rows.index_select(0, tensor_on(at, torch.long, rows.device))
-        return Embeddings([ids[i] for i in at], picked.float())
+        return Embeddings([sampled[i - start].request_id for i in at], picked.float())
 
     def _prompt_logprobs(self, chunks: list[ScheduledRequest], hidden: torch.Tensor,
                          start: int) -> PromptLogprobs:
