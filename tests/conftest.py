@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,9 +132,11 @@ def assert_no_leaks(engine) -> None:
 
 
 @contextlib.contextmanager
-def openai_app(model: str, **engine_args: Any) -> Iterator[tuple[Any, Any, Any]]:
+def openai_app(model: str, server: dict[str, Any] | None = None,
+               **engine_args: Any) -> Iterator[tuple[Any, Any, Any]]:
     """An ``LLM`` served by the OpenAI server's app in this process (the served model named
-    "tiny"): ``(llm, http, client)``, a Starlette test client and an openai client over it;
+    "tiny", ``server`` more of its ``ServerConfig``): ``(llm, http, client)``, a Starlette
+    test client and an openai client over it (with the server's API key where it has one);
     ``llm.server`` is the ``OpenAIServer``. Leaks are checked once the server's loop stops."""
     import openai
     from starlette.testclient import TestClient
@@ -143,11 +146,25 @@ def openai_app(model: str, **engine_args: Any) -> Iterator[tuple[Any, Any, Any]]
     from mmserve.entrypoints.serve_args import ServerConfig
 
     with LLM(model, dtype="float32", **engine_args) as llm:
-        llm.server = OpenAIServer(llm.engine, ServerConfig("tiny"))
+        config = ServerConfig("tiny", **(server or {}))
+        llm.server = OpenAIServer(llm.engine, config)
         with TestClient(llm.server.app()) as http:
-            yield llm, http, openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+            yield llm, http, openai.OpenAI(base_url="http://testserver/v1",
+                                           api_key=config.api_key or "unused",
                                            max_retries=0, http_client=http)
         assert_no_leaks(llm.engine)
+
+
+def slow_down_steps(engine, seconds: float, monkeypatch: Any) -> None:
+    """Make each of ``engine``'s steps take ``seconds`` more (till the test ends), so that a
+    long answer is still running when a test acts on it, on any machine."""
+    step = engine._core_step_with_record
+
+    def slowly():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "_core_step_with_record", slowly)
 
 
 def generate_all_at_once(llm, prompts: list, params) -> list:

@@ -26,7 +26,7 @@ from mmserve.entrypoints.response_store import (
     input_items_page,
 )
 from mmserve.entrypoints.serve_args import ServerConfig
-from tests.conftest import assert_no_leaks, make_image, openai_app
+from tests.conftest import assert_no_leaks, make_image, openai_app, slow_down_steps
 from tests.test_server import Server, data_url, wait_drained
 
 IMAGE = data_url(make_image(5, (48, 40)))
@@ -42,14 +42,7 @@ def served(clip_llama: str):
 def slow_steps(served, monkeypatch: pytest.MonkeyPatch) -> None:
     """Steps of at least 5 ms: a 400-token answer takes 2 s or more on any machine, long
     enough to be cancelled while it runs."""
-    engine = served[0].engine
-    step = engine.core_step_with_record
-
-    def slowly():
-        time.sleep(0.005)
-        return step()
-
-    monkeypatch.setattr(engine, "core_step_with_record", slowly)
+    slow_down_steps(served[0].engine, 0.005, monkeypatch)
 
 
 def _chat(http: TestClient, messages: list, max_tokens: int) -> dict:

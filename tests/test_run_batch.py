@@ -349,3 +349,38 @@ def test_a_pipe_is_read_once_and_an_idle_one_does_not_hold_up_the_exit(tmp_path)
     assert not runner.is_alive()
     os.close(write_end)  # the reading thread, still waiting, gets to the end
     idle.close()
+
+
+def test_a_busy_server_is_asked_again_and_errors_go_apart() -> None:
+    """``retry_busy``: a 503 with Retry-After (the queue is full) is posted again after the
+    wait; with ``errors_out``, answers other than 200 go there, each status told."""
+    posts: list[int] = []
+
+    async def app(scope, receive, send) -> None:
+        tag = json.loads((await receive())["body"])["prompt"]
+        posts.append(tag)
+        busy = tag == 1 and posts.count(1) <= 2
+        status = 503 if busy else 400 if tag == 2 else 200
+        headers = [(b"retry-after", b"0")] if busy else []
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps(
+            {"tag": tag, "usage": {"prompt_tokens": 5, "completion_tokens": 2,
+                                   "prompt_tokens_details": {"cached_tokens": 3}}}).encode()})
+
+    out, errors, told = io.StringIO(), io.StringIO(), []
+    summary = asyncio.run(run_batch(app, io.BytesIO(_numbered(4)), out, errors_out=errors,
+                                    max_line_bytes=4096, window_lines=4, retry_busy=True,
+                                    on_written=told.append))
+    assert posts.count(1) == 3 and told == ["200", "200", "400", "200"]
+    assert [json.loads(line)["custom_id"] for line in out.getvalue().splitlines()] == [
+        "n0", "n1", "n3"]
+    assert [json.loads(line)["response"]["status_code"]
+            for line in errors.getvalue().splitlines()] == [400]
+    assert (summary.input_tokens, summary.cached_tokens, summary.output_tokens) == (15, 9, 6)
+    # Without it, the 503 is the line's answer.
+    posts.clear()
+    out = io.StringIO()
+    asyncio.run(run_batch(app, io.BytesIO(_numbered(2)), out, max_line_bytes=4096,
+                          window_lines=4))
+    assert [json.loads(line)["response"]["status_code"]
+            for line in out.getvalue().splitlines()] == [200, 503]

@@ -60,6 +60,7 @@ from mmserve.entrypoints.answers import (
     usage_of,
     without_generated,
 )
+from mmserve.entrypoints.batch_api import BatchApi
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.http_middleware import (
     ApiKeyMiddleware,
@@ -139,6 +140,13 @@ class OpenAIServer:
         self.response_store = (ResponseStore(config.responses_store_bytes)
                                if config.responses_store_bytes > 0 else None)
         self._background: set[asyncio.Future] = set()
+        # OpenAI's Files and Batch APIs: a batch's lines are posted to this server's app.
+        self.batch_api = BatchApi(
+            config.files_store_bytes, model=self.model,
+            max_body_bytes=config.max_request_body_bytes,
+            seats=engine.config.max_num_seqs // 2, body_timeout_s=config.body_timeout_s,
+            api_key=config.api_key, read_json=self._read_json,
+            broken=lambda: self.engine.error)
 
         @functools.lru_cache(maxsize=1 << 16)
         def token_text(token_id: int) -> str:  # what a token stands for, for logprobs
@@ -1070,6 +1078,7 @@ class OpenAIServer:
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
             self.engine.start()
+            self.batch_api.start(app)
             # The event loop's tokenizer, copied off the loop before requests need it.
             await asyncio.get_running_loop().run_in_executor(None, self._copy_tokenizer)
             logger.info("serving %r", self.model)
@@ -1078,6 +1087,7 @@ class OpenAIServer:
             # responses are not requests, and stop here.
             for task in list(self._background):
                 task.cancel()
+            await self.batch_api.stop()
             await self.engine.shutdown()
             self.media.close()
 
@@ -1106,6 +1116,7 @@ class OpenAIServer:
             Route("/stats", self.stats, methods=["GET"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
+            *self.batch_api.routes(),
             *chat_page.routes(),
         ]
         config = self.config

@@ -222,3 +222,33 @@ def _part_or_parts(document: dict[str, Any]) -> Any:
     """A multimodal document as vLLM returns it: its one content part (or its parts)."""
     parts = document["content"]
     return parts[0] if len(parts) == 1 else parts
+
+
+def list_page(items: list[dict[str, Any]], query: dict[str, str], default_limit: int,
+              max_limit: int, what: str, where: str = "") -> dict[str, Any]:
+    """A page of an OpenAI list (oldest first in ``items``) as a ``GET`` with ``query`` asks
+    for it: ``order`` (``desc``, the default, newest first, or ``asc``), at most ``limit``
+    items (1 to ``max_limit``, ``default_limit`` where left out) after the one whose id is
+    ``after``. Raises ``ValueError`` naming a bad parameter."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ValueError("order: must be 'asc' or 'desc'")
+    try:
+        limit = int(query.get("limit", default_limit))
+    except ValueError:
+        raise ValueError(f"limit: must be an integer from 1 to {max_limit}") from None
+    if not 1 <= limit <= max_limit:
+        raise ValueError(f"limit: must be an integer from 1 to {max_limit}")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise ValueError(f"after: no {what} {after!r}{' ' + where if where else ''}")
+        start = ids.index(after) + 1
+    page = ordered[start:start + limit]
+    return {"object": "list", "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": start + limit < len(ordered)}

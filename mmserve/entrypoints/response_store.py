@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from mmserve.entrypoints.openai_shapes import list_page
+
 # Items ``GET .../input_items`` lists at most in one page (OpenAI's limit), and by default.
 MAX_LIST_LIMIT = 100
 DEFAULT_LIST_LIMIT = 20
@@ -270,25 +272,5 @@ def input_items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict
     """A page of ``GET /v1/responses/{id}/input_items``: ``order`` (``desc``, the default,
     newest first, or ``asc``), at most ``limit`` items (1 to 100, 20 by default) after the
     item ``after``. Raises ``ValueError`` naming a bad parameter."""
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ValueError("order: must be 'asc' or 'desc'")
-    try:
-        limit = int(query.get("limit", DEFAULT_LIST_LIMIT))
-    except ValueError:
-        raise ValueError(f"limit: must be an integer from 1 to {MAX_LIST_LIMIT}") from None
-    if not 1 <= limit <= MAX_LIST_LIMIT:
-        raise ValueError(f"limit: must be an integer from 1 to {MAX_LIST_LIMIT}")
-    ordered = items if order == "asc" else items[::-1]
-    start = 0
-    after = query.get("after")
-    if after is not None:
-        ids = [item.get("id") for item in ordered]
-        if after not in ids:
-            raise ValueError(f"after: no input item {after!r} in this response")
-        start = ids.index(after) + 1
-    page = ordered[start:start + limit]
-    return {"object": "list", "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": start + limit < len(ordered)}
+    return list_page(items, query, DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, "input item",
+                     "in this response")

@@ -38,8 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TextIO
 
-from mmserve.entrypoints.api_server import OpenAIServer
-
 logger = logging.getLogger(__name__)
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
@@ -117,10 +115,13 @@ def _as_json(body: dict[str, Any]) -> bytes:
 
 class AsgiClient:
     """Posts requests to an ASGI app in this process: the app sees what a socket would have
-    given it (a client that stays until the answer is whole)."""
+    given it (a client that stays until the answer is whole). ``headers``: sent with each
+    request beside its type and length (the server's API key)."""
 
-    def __init__(self, app: Callable[..., Any]) -> None:
+    def __init__(self, app: Callable[..., Any],
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         self.app = app
+        self.headers = headers
 
     async def post(self, path: str, body: bytes) -> tuple[int, dict[str, str], bytes]:
         """The status, headers and body of the app's answer to ``body`` posted to ``path``."""
@@ -130,7 +131,7 @@ class AsgiClient:
             "root_path": "", "query_string": b"", "client": ("run-batch", 0),
             "server": ("run-batch", 0), "state": {},
             "headers": [(b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode())]}
+                        (b"content-length", str(len(body)).encode()), *self.headers]}
         answered = asyncio.Event()
         pending = [{"type": "http.request", "body": body, "more_body": False}]
         status, headers, chunks = 500, {}, []
@@ -241,6 +242,8 @@ def _settle(future: asyncio.Future, line: bytes, error: Exception | None) -> Non
 @dataclass
 class BatchSummary:
     lines: int = 0  # output lines written
+    input_tokens: int = 0  # the usage of the answers with status 200, summed
+    cached_tokens: int = 0
     output_tokens: int = 0
     statuses: dict[str, int] = field(default_factory=dict)  # "400", "invalid_url", ...
     last_line: int = 0  # the input's physical line the last request read came from
@@ -272,40 +275,49 @@ def _response(status: int, request_id: str | None, body: bytes) -> str:
     return f'{{"status_code": {status}, "request_id": {json.dumps(request_id)}, "body": {text}}}'
 
 
-def _usage_tokens(body: bytes) -> int:
-    """The output tokens an answer's ``usage`` counts (its last ``"usage":`` key, read alone
-    so that a large answer is not parsed again)."""
+def _usage_tokens(body: bytes) -> tuple[int, int, int]:
+    """The input, cached input and output tokens an answer's ``usage`` counts (its last
+    ``"usage":`` key, read alone so that a large answer is not parsed again)."""
     key = b'"usage":'
     at = body.rfind(key)
     if at < 0:
-        return 0
+        return 0, 0, 0
     start = at + len(key)
     try:
         usage, _ = json.JSONDecoder().raw_decode(
             body[start:start + 4096].decode(errors="ignore").lstrip())
     except ValueError:
-        return 0
+        return 0, 0, 0
     if not isinstance(usage, dict):
-        return 0
-    tokens = usage.get("completion_tokens", usage.get("output_tokens", 0))
-    return tokens if isinstance(tokens, int) else 0
+        return 0, 0, 0
+    details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))
+    counts = (usage.get("prompt_tokens", usage.get("input_tokens", 0)),
+              details.get("cached_tokens", 0) if isinstance(details, dict) else 0,
+              usage.get("completion_tokens", usage.get("output_tokens", 0)))
+    return tuple(n if isinstance(n, int) else 0 for n in counts)  # type: ignore[return-value]
 
 
 async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                     max_line_bytes: int, window_lines: int, window_bytes: int = WINDOW_BYTES,
                     broken: Callable[[], BaseException | None] = lambda: None,
-                    on_written: Callable[[], None] = lambda: None,
-                    summary: BatchSummary | None = None) -> BatchSummary:
+                    on_written: Callable[[str], None] = lambda status: None,
+                    summary: BatchSummary | None = None, errors_out: TextIO | None = None,
+                    headers: tuple[tuple[bytes, bytes], ...] = (),
+                    retry_busy: bool = False) -> BatchSummary:
     """Answer every line of ``source`` (bytes, one request a line of at most
-    ``max_line_bytes`` bytes; blank lines skipped) by posting it to ``app``, writing one
-    output line each to ``out`` in the input's order. Reading stops early where ``broken()``
-    names an error (the engine is gone); an output line that cannot be written stops the run
-    with that error. ``summary``: filled in as the run goes (what an interrupted run did)."""
-    client = AsgiClient(app)
+    ``max_line_bytes`` bytes; blank lines skipped) by posting it to ``app`` (with
+    ``headers``), writing one output line each to ``out`` in the input's order, or to
+    ``errors_out`` where given for the lines not answered with status 200. ``on_written``:
+    told each written line's status. Reading stops early where ``broken()`` names an error
+    (the engine is gone); an output line that cannot be written stops the run with that
+    error. ``retry_busy``: a request the server has no room for (503 with Retry-After) waits
+    that long and is posted again, until ``broken()``. ``summary``: filled in as the run
+    goes (what an interrupted run did)."""
+    client = AsgiClient(app, headers)
     window = Window(window_lines, window_bytes)
     reader = LineReader(source)
     summary = BatchSummary() if summary is None else summary
-    ready: dict[int, str] = {}
+    ready: dict[int, tuple[str, str]] = {}  # line, status
     written = 0
     seen: set[bytes] = set()
     tasks: set[asyncio.Task] = set()
@@ -314,21 +326,27 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
         """Line ``index``'s output (its request, of ``size`` bytes, answered); written with
         those after it that are ready, once those before it are."""
         nonlocal written
-        ready[index] = line
+        ready[index] = (line, status)
         window.resize(size, len(line))
         summary.statuses[status] = summary.statuses.get(status, 0) + 1
         while written in ready:
-            text = ready.pop(written)
-            out.write(text)
+            text, status = ready.pop(written)
+            (out if status == "200" or errors_out is None else errors_out).write(text)
             written += 1
             summary.lines += 1
             window.leave(len(text))
-            on_written()
+            on_written(status)
         out.flush()
+        if errors_out is not None:
+            errors_out.flush()
 
     async def answer(index: int, request: BatchRequest, size: int) -> None:
         try:
             status, headers, body = await client.post(request.url, request.body)
+            while (retry_busy and status == 503 and "retry-after" in headers
+                   and broken() is None):
+                await asyncio.sleep(_seconds(headers["retry-after"]))
+                status, headers, body = await client.post(request.url, request.body)
             response = _response(status, headers.get("x-request-id"), body)
         except Exception as e:  # the app answers every request; this is a defect
             logger.exception("run-batch: line %d (custom_id %r) failed", index + 1,
@@ -337,7 +355,10 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
             response = _refusal(f"internal error: {type(e).__name__}", None, 500,
                                 "server_error")
         if status == 200:
-            summary.output_tokens += _usage_tokens(body)
+            tokens = _usage_tokens(body)
+            summary.input_tokens += tokens[0]
+            summary.cached_tokens += tokens[1]
+            summary.output_tokens += tokens[2]
         put(index, _output_line(request.custom_id, response, None), size, str(status))
 
     def finished(task: asyncio.Task) -> None:
@@ -399,6 +420,14 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
     return summary
 
 
+def _seconds(retry_after: str) -> float:
+    """A Retry-After header's wait, between 0.1 and 10 s (1 s where it is no number)."""
+    try:
+        return min(max(float(retry_after), 0.1), 10.0)
+    except ValueError:
+        return 1.0
+
+
 def _refusal(message: str, param: str | None, status: int = 400,
              kind: str = "invalid_request_error") -> str:
     """A ``response`` object of OpenAI's error body, for an answer run-batch makes itself."""
@@ -413,6 +442,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from mmserve.demo.checkpoint import demo_model_path
+    from mmserve.entrypoints.api_server import OpenAIServer
     from mmserve.entrypoints.serve_command import close_engine, front_door_config, open_engine
 
     logging.getLogger().setLevel(args.log_level.upper())
@@ -423,7 +453,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
             model = str(demo_model_path())
         # The window bounds the requests in flight; the engine's own queue needs no bound.
         # Lines are answered apart (and out of order): nothing stored links one to another.
-        config = front_door_config(args, model, max_queue=None, responses_store_bytes=0)
+        config = front_door_config(args, model, max_queue=None, responses_store_bytes=0,
+                                   files_store_bytes=0)
         _check_output(args.output_file, args.input_file)
         source, total = _open_input(args.input_file)
         engine, compute, defaults = open_engine(args, model, config.engine_process)
@@ -443,7 +474,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
             await run_batch(
                 app, source, out, max_line_bytes=config.max_request_body_bytes
                 + LINE_OVERHEAD_BYTES, window_lines=LINES_PER_SEQ * engine.config.max_num_seqs,
-                broken=lambda: server.engine.error, on_written=progress.update,
+                broken=lambda: server.engine.error, on_written=lambda _: progress.update(),
                 summary=summary)
 
     start = time.perf_counter()

@@ -56,6 +56,9 @@ class ServerConfig:
     model_aliases: tuple[str, ...] = ()
     # The Responses API's stored responses, at most this many bytes of JSON (0: none kept).
     responses_store_bytes: int = 64 * 1024 * 1024
+    # The Files API's files (batch inputs and outputs), at most this many bytes on disk
+    # (0: no Files or Batch API).
+    files_store_bytes: int = 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not self.served_model_name or not all(self.model_aliases):
@@ -65,6 +68,9 @@ class ServerConfig:
         if self.responses_store_bytes < 0:
             raise ValueError(f"--responses-store-mib must be >= 0, got "
                              f"{self.responses_store_bytes / 2**20:g}.")
+        if self.files_store_bytes < 0:
+            raise ValueError(f"--files-store-mib must be >= 0, got "
+                             f"{self.files_store_bytes / 2**20:g}.")
         if self.max_request_body_bytes < 1:
             raise ValueError(
                 f"max_request_body_bytes must be positive, got {self.max_request_body_bytes}.")
@@ -230,6 +236,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="memory for the Responses API's stored responses (store, "
                    "previous_response_id, background, GET /v1/responses/{id}), MiB of JSON; "
                    "the least recently used are forgotten past it; 0 stores none")
+    p.add_argument("--files-store-mib", type=float,
+                   default=ServerConfig.files_store_bytes / 2**20,
+                   help="disk for the Files API's files (batch input files and the outputs "
+                   "of batches, /v1/files and /v1/batches), MiB, in a temporary folder "
+                   "removed at exit; 0 turns the Files and Batch APIs off")
     _add_front_door_args(p)
     return p
 

@@ -153,6 +153,7 @@ def serve(args: argparse.Namespace) -> int:
             ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
             ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
             responses_store_bytes=round(args.responses_store_mib * 2**20),
+            files_store_bytes=round(args.files_store_mib * 2**20),
         )
         engine, compute, defaults = open_engine(args, model, config.engine_process)
     except (FileNotFoundError, ValueError) as e:

@@ -1,0 +1,330 @@
+"""OpenAI's Files and Batch APIs through the openai client: an uploaded file of requests is
+answered line by line as the server answers each request (chat with images, embeddings), the
+200s in the output file and the rest in the error file, counted and summed as OpenAI's batch
+object says; a file with bad lines fails whole before anything runs; a batch cancelled or
+expired mid-run keeps what it answered and leaves no request behind; the store's bytes are
+bounded; every refusal names what to change."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+
+from mmserve.entrypoints.api_server import OpenAIServer
+from mmserve.entrypoints.serve_args import ServerConfig
+from tests.conftest import make_image, openai_app, slow_down_steps
+from tests.test_run_batch import _line, _without_ids
+from tests.test_server import data_url, image_message
+
+IMAGES = [data_url(make_image(seed, (40 + 8 * seed, 36))) for seed in range(3)]
+
+
+@pytest.fixture(scope="module")
+def served(clip_llama: str):
+    with openai_app(clip_llama, max_model_len=512, max_num_seqs=8) as app:
+        yield app
+
+
+@pytest.fixture
+def slow_steps(served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of at least 20 ms: a line of 60 tokens takes over a second on any machine."""
+    slow_down_steps(served[0].engine, 0.02, monkeypatch)
+
+
+def _wait(client: openai.OpenAI, batch_id: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        time.sleep(0.05)
+    raise AssertionError(f"batch {batch_id} did not finish in {timeout} s: {batch}")
+
+
+def _lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def _upload(client: openai.OpenAI, lines: list[bytes]):
+    return client.files.create(file=("requests.jsonl", b"".join(lines)), purpose="batch")
+
+
+def _drained(engine, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not engine.has_unfinished_requests()
+
+
+def test_a_batch_answers_each_line_as_the_server_does(served) -> None:
+    llm, http, client = served
+    chats = [(f"chat-{i}", {"model": "tiny", "max_tokens": 12 - i, "temperature": 0,
+                            "messages": image_message(f"describe {i}", IMAGES[i % 3])})
+             for i in range(5)]
+    refused = [("other-model", {"model": "other", "max_tokens": 4,
+                                "messages": [{"role": "user", "content": "hi"}]}),
+               ("bad-tokens", {"max_tokens": -1,
+                               "messages": [{"role": "user", "content": "hi"}]})]
+    requests = [*chats[:2], refused[0], *chats[2:], refused[1]]
+    data = [_line(cid, "/v1/chat/completions", body) for cid, body in requests]
+    uploaded = _upload(client, data)
+    assert (uploaded.purpose, uploaded.filename, uploaded.bytes) == (
+        "batch", "requests.jsonl", len(b"".join(data)))
+    assert client.files.retrieve(uploaded.id).bytes == uploaded.bytes
+    assert uploaded.expires_at == uploaded.created_at + 30 * 24 * 3600  # OpenAI's default
+    assert client.files.content(uploaded.id).content == b"".join(data)
+
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"job": "captions"})
+    assert batch.status in ("validating", "in_progress") and batch.metadata == {
+        "job": "captions"}
+    batch = _wait(client, batch.id)
+    assert batch.status == "completed" and batch.errors is None, batch
+    assert (batch.request_counts.total, batch.request_counts.completed,
+            batch.request_counts.failed) == (7, 5, 2)
+    assert batch.created_at <= batch.in_progress_at <= batch.finalizing_at <= batch.completed_at
+    assert batch.expires_at == batch.created_at + 24 * 3600 and batch.model == "tiny"
+
+    output = _lines(client, batch.output_file_id)
+    assert [line["custom_id"] for line in output] == [cid for cid, _ in chats]
+    for line, (_, body) in zip(output, chats, strict=True):
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        expected = http.post("/v1/chat/completions", json=body)
+        assert _without_ids(line["response"]["body"]) == _without_ids(expected.json())
+    errors = _lines(client, batch.error_file_id)
+    assert [(e["custom_id"], e["response"]["status_code"]) for e in errors] == [
+        ("other-model", 404), ("bad-tokens", 400)]
+    assert errors[1]["response"]["body"]["error"]["param"] == "max_tokens"
+
+    usages = [line["response"]["body"]["usage"] for line in output]
+    assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in usages) > 0
+    assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in usages) > 0
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+
+    outputs = client.files.list(purpose="batch_output").data
+    assert {f.id for f in outputs} >= {batch.output_file_id, batch.error_file_id}
+    assert client.files.retrieve(batch.output_file_id).filename == f"{batch.id}_output.jsonl"
+    assert any(b.id == batch.id for b in client.batches.list().data)
+    assert client.files.delete(batch.output_file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(batch.output_file_id)
+    with pytest.raises(openai.ConflictError, match="completed already"):
+        client.batches.cancel(batch.id)
+    assert _drained(llm.engine)
+
+
+def test_an_embeddings_batch_gives_the_endpoints_vectors(served) -> None:
+    _, http, client = served
+    bodies = [{"input": text, "encoding_format": "base64"}
+              for text in ("the red fox", "once upon a time", "a cat")]
+    uploaded = _upload(client, [_line(f"e{i}", "/v1/embeddings", body)
+                                for i, body in enumerate(bodies)])
+    batch = _wait(client, client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h").id)
+    assert batch.status == "completed" and batch.error_file_id is None
+    for line, body in zip(_lines(client, batch.output_file_id), bodies, strict=True):
+        expected = http.post("/v1/embeddings", json=body).json()
+        assert line["response"]["body"]["data"] == expected["data"]
+
+
+def test_a_file_with_bad_lines_fails_before_anything_runs(served) -> None:
+    llm, _, client = served
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    lines = [_line("a", "/v1/chat/completions", body),
+             _line("b", "/v1/completions", {"prompt": "hi"}),
+             b"not json\n",
+             _line("a", "/v1/chat/completions", body),
+             _line("c", "/v1/chat/completions", {**body, "stream": True})]
+    steps = llm.engine.stats()["num_steps"]
+    batch = _wait(client, client.batches.create(
+        input_file_id=_upload(client, lines).id, endpoint="/v1/chat/completions",
+        completion_window="24h").id)
+    assert batch.status == "failed" and batch.failed_at is not None
+    assert [(e.line, e.code) for e in batch.errors.data] == [
+        (2, "mismatched_url"), (3, "invalid_json_line"), (4, "duplicate_custom_id"),
+        (5, "invalid_request")]
+    assert "/v1/completions" in batch.errors.data[0].message
+    assert batch.output_file_id is None and batch.error_file_id is None
+    assert batch.request_counts.completed == batch.request_counts.failed == 0
+    assert llm.engine.stats()["num_steps"] == steps  # nothing ran
+    empty = _wait(client, client.batches.create(
+        input_file_id=_upload(client, [b"\n"]).id, endpoint="/v1/chat/completions",
+        completion_window="24h").id)
+    assert [e.code for e in empty.errors.data] == ["empty_file"]
+
+
+def _long_lines(count: int, tokens: int = 60) -> list[bytes]:
+    return [_line(f"long-{i}", "/v1/chat/completions", {
+        "messages": image_message(f"tell {i}", IMAGES[i % 3]), "max_tokens": tokens,
+        "min_tokens": tokens, "temperature": 0}) for i in range(count)]
+
+
+def test_a_cancelled_batch_keeps_its_answers_and_leaves_no_request(served,
+                                                                    slow_steps) -> None:
+    llm, http, client = served
+    batch = client.batches.create(input_file_id=_upload(client, _long_lines(12)).id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # Half the engine's 8 seats at most: a client's request runs beside the batch's.
+    assert llm.engine.stats()["num_running"] <= 4
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 200
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
+    batch = _wait(client, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at is not None
+    answered = _lines(client, batch.output_file_id)
+    assert 1 <= len(answered) == batch.request_counts.completed < 12
+    assert all(line["response"]["status_code"] == 200 for line in answered)
+    assert _drained(llm.engine)
+
+
+def test_a_batch_past_its_window_expires_with_what_it_answered(served, slow_steps,
+                                                                monkeypatch) -> None:
+    llm, _, client = served
+    monkeypatch.setattr(llm.server.batch_api, "completion_window_s", 2.0)
+    batch = _wait(client, client.batches.create(
+        input_file_id=_upload(client, _long_lines(16)).id,
+        endpoint="/v1/chat/completions", completion_window="24h").id)
+    assert batch.status == "expired" and batch.expired_at is not None
+    assert len(_lines(client, batch.output_file_id)) == batch.request_counts.completed < 16
+    assert _drained(llm.engine)
+
+
+def test_the_store_is_bounded(served, monkeypatch) -> None:
+    llm, _, client = served
+    store = llm.server.batch_api.store
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "min_tokens": 8, "temperature": 0}
+    data = [_line(f"r{i}", "/v1/chat/completions", body) for i in range(6)]
+    monkeypatch.setattr(store, "capacity", store.used + len(b"".join(data)) + 3000)
+    with pytest.raises(openai.APIStatusError, match="file store") as refused:
+        client.files.create(file=("big.jsonl", b"x" * (store.room + 1)), purpose="batch")
+    assert refused.value.status_code == 413
+    uploaded = _upload(client, data)
+    # Room for a line or two of answers (about 1 KB each), not six.
+    batch = _wait(client, client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+        completion_window="24h").id)
+    assert batch.status == "failed" and batch.errors.data[0].code == "file_store_full"
+    assert 1 <= batch.request_counts.completed < 6
+    assert len(_lines(client, batch.output_file_id)) == batch.request_counts.completed
+    assert store.used <= store.capacity
+    client.files.delete(batch.output_file_id)
+    # A file whose time has come is forgotten, and its bytes with it.
+    short = client.files.create(file=("short.jsonl", b"{}\n"), purpose="batch",
+                                expires_after={"anchor": "created_at", "seconds": 3600})
+    assert short.expires_at == short.created_at + 3600
+    used = store.used
+    store.files[short.id].expires_at = store.files[uploaded.id].expires_at = int(time.time())
+    monkeypatch.setattr(store, "_swept", 0.0)
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(short.id)
+    assert store.used == used - 3 - len(b"".join(data))
+    assert _drained(llm.engine)
+
+
+def test_refusals_say_what_to_change(served) -> None:
+    _, http, client = served
+    uploaded = _upload(client, [_line("a", "/v1/chat/completions", {"messages": []})])
+
+    def refused(call, status: int, param: str | None, words: str) -> None:
+        with pytest.raises(openai.APIStatusError) as e:
+            call()
+        assert e.value.status_code == status, e.value
+        error = e.value.body
+        assert error["param"] == param and words in error["message"], error
+
+    create = client.batches.create
+    refused(lambda: client.files.create(file=("a.jsonl", b"{}\n"), purpose="fine-tune"),
+            400, "purpose", "'batch'")
+    refused(lambda: client.files.create(file=("a.jsonl", b"{}\n"), purpose="batch",
+                                        expires_after={"anchor": "created_at",
+                                                       "seconds": 10}),
+            400, "expires_after", "3600")
+    refused(lambda: create(input_file_id="file-nope", endpoint="/v1/chat/completions",
+                           completion_window="24h"), 404, "input_file_id", "no file")
+    refused(lambda: create(input_file_id=uploaded.id, endpoint="/v1/moderations",
+                           completion_window="24h"), 400, "endpoint", "/v1/embeddings")
+    refused(lambda: create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                           completion_window="48h"), 400, "completion_window", "24h")
+    refused(lambda: create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                           completion_window="24h", metadata={str(i): "v" for i in range(17)}),
+            400, "metadata", "16 keys")
+    refused(lambda: client.batches.retrieve("batch_nope"), 404, "batch_id", "no batch")
+    refused(lambda: client.files.list(limit=0), 400, "limit", "from 1")
+    as_json = http.post("/v1/files", json={"purpose": "batch"})
+    assert as_json.status_code == 400 and "multipart" in as_json.json()["error"]["message"]
+    done = _wait(client, create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                completion_window="24h").id)
+    refused(lambda: create(input_file_id=done.error_file_id, endpoint="/v1/chat/completions",
+                           completion_window="24h"), 400, "input_file_id", "purpose 'batch'")
+    # A file deleted after its batch began: the batch reads it to the end all the same.
+    assert client.files.delete(uploaded.id).deleted
+
+
+def test_lines_pass_the_servers_api_key(clip_llama: str) -> None:
+    with openai_app(clip_llama, server={"api_key": "sekret"}, max_model_len=512) as served:
+        _, http, client = served
+        assert http.get("/v1/files").status_code == 401
+        uploaded = _upload(client, [_line("a", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})])
+        batch = _wait(client, client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+            completion_window="24h").id)
+        assert batch.status == "completed" and batch.request_counts.completed == 1, batch
+
+
+def test_without_a_store_the_endpoints_say_how_to_have_one(served) -> None:
+    from starlette.testclient import TestClient
+
+    llm = served[0]
+    app = OpenAIServer(llm.engine, ServerConfig("tiny", files_store_bytes=0)).app()
+    http = TestClient(app)  # (no lifespan: these answers need no engine loop)
+    for method, path in (("GET", "/v1/files"), ("POST", "/v1/batches"),
+                         ("GET", "/v1/batches/batch_x")):
+        answer = http.request(method, path)
+        assert answer.status_code == 404
+        assert "--files-store-mib" in answer.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_through_a_socket_with_the_openai_client(clip_llama: str, tmp_path) -> None:
+    """``mmserve serve``: an upload over HTTP, a batch, its answers downloaded; on SIGTERM
+    the files' folder goes with the process."""
+    from tests.test_server import Server
+
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    server = Server(clip_llama, "--served-model-name", "tiny", "--max-model-len", "256",
+                    "--api-key", "sekret", "--files-store-mib", "1", log=tmp_path / "log",
+                    env={"TMPDIR": str(folder)})
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sekret", max_retries=0)
+        body = {"messages": image_message("describe", IMAGES[0]), "max_tokens": 6,
+                "temperature": 0}
+        uploaded = _upload(client, [_line("one", "/v1/chat/completions", body)])
+        assert [p.name for p in folder.iterdir()][0].startswith("mmserve-files-")
+        batch = _wait(client, client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+            completion_window="24h").id)
+        assert batch.status == "completed", batch
+        [line] = _lines(client, batch.output_file_id)
+        direct = client.chat.completions.create(model="tiny", **body)
+        assert line["response"]["body"]["choices"][0]["message"]["content"] == (
+            direct.choices[0].message.content)
+        with pytest.raises(openai.APIStatusError) as e:
+            _upload(client, [b"x" * (1 << 20)])
+        assert e.value.status_code == 413
+    finally:
+        assert server.stop() == 0
+    assert not any(p.name.startswith("mmserve-files-") for p in folder.iterdir())
