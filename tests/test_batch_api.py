@@ -8,6 +8,7 @@ bounded; every refusal names what to change."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import openai
@@ -139,16 +140,22 @@ def test_a_file_with_bad_lines_fails_before_anything_runs(served) -> None:
              _line("b", "/v1/completions", {"prompt": "hi"}),
              b"not json\n",
              _line("a", "/v1/chat/completions", body),
-             _line("c", "/v1/chat/completions", {**body, "stream": True})]
+             _line("c", "/v1/chat/completions", {**body, "stream": True}),
+             _line("d", "/v1/chat/completions", {**body, "background": True}),
+             _line("x" * 5000, "/v1/chat/completions", body),
+             _line("e", "x" * 5000, body)]
     steps = llm.engine.stats()["num_steps"]
     batch = _wait(client, client.batches.create(
         input_file_id=_upload(client, lines).id, endpoint="/v1/chat/completions",
         completion_window="24h").id)
     assert batch.status == "failed" and batch.failed_at is not None
-    assert [(e.line, e.code) for e in batch.errors.data] == [
-        (2, "mismatched_url"), (3, "invalid_json_line"), (4, "duplicate_custom_id"),
-        (5, "invalid_request")]
+    assert [(e.line, e.code, e.param) for e in batch.errors.data] == [
+        (2, "mismatched_url", "url"), (3, "invalid_json_line", None),
+        (4, "duplicate_custom_id", None), (5, "invalid_request", "body.stream"),
+        (6, "invalid_request", "body.background"), (7, "invalid_custom_id", None),
+        (8, "invalid_url", None)]
     assert "/v1/completions" in batch.errors.data[0].message
+    assert max(len(e.message) for e in batch.errors.data) < 300  # no field echoed whole
     assert batch.output_file_id is None and batch.error_file_id is None
     assert batch.request_counts.completed == batch.request_counts.failed == 0
     assert llm.engine.stats()["num_steps"] == steps  # nothing ran
@@ -169,12 +176,13 @@ def test_a_cancelled_batch_keeps_its_answers_and_leaves_no_request(served,
     llm, http, client = served
     batch = client.batches.create(input_file_id=_upload(client, _long_lines(12)).id,
                                   endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.monotonic() + 60
+    deadline, peak = time.monotonic() + 60, 0
     while client.batches.retrieve(batch.id).request_counts.completed < 1:
         assert time.monotonic() < deadline
+        peak = max(peak, llm.engine.stats()["num_running"])
         time.sleep(0.02)
-    # Half the engine's 8 seats at most: a client's request runs beside the batch's.
-    assert llm.engine.stats()["num_running"] <= 4
+    # Half the engine's 8 seats: a client's request runs beside the batch's.
+    assert peak == 4
     chat = http.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert chat.status_code == 200
@@ -206,6 +214,7 @@ def test_the_store_is_bounded(served, monkeypatch) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
             "min_tokens": 8, "temperature": 0}
     data = [_line(f"r{i}", "/v1/chat/completions", body) for i in range(6)]
+    before = store.used
     monkeypatch.setattr(store, "capacity", store.used + len(b"".join(data)) + 3000)
     with pytest.raises(openai.APIStatusError, match="file store") as refused:
         client.files.create(file=("big.jsonl", b"x" * (store.room + 1)), purpose="batch")
@@ -220,6 +229,7 @@ def test_the_store_is_bounded(served, monkeypatch) -> None:
     assert len(_lines(client, batch.output_file_id)) == batch.request_counts.completed
     assert store.used <= store.capacity
     client.files.delete(batch.output_file_id)
+    assert store.used == before + len(b"".join(data))  # the input's bytes only
     # A file whose time has come is forgotten, and its bytes with it.
     short = client.files.create(file=("short.jsonl", b"{}\n"), purpose="batch",
                                 expires_after={"anchor": "created_at", "seconds": 3600})
@@ -268,8 +278,69 @@ def test_refusals_say_what_to_change(served) -> None:
                                 completion_window="24h").id)
     refused(lambda: create(input_file_id=done.error_file_id, endpoint="/v1/chat/completions",
                            completion_window="24h"), 400, "input_file_id", "purpose 'batch'")
-    # A file deleted after its batch began: the batch reads it to the end all the same.
     assert client.files.delete(uploaded.id).deleted
+
+
+def test_batches_run_in_turn_and_an_input_deleted_mid_run_is_read_to_its_end(
+        served, slow_steps) -> None:
+    llm, _, client = served
+    first_file = _upload(client, _long_lines(6, tokens=20))
+    second_file = _upload(client, _long_lines(2, tokens=4))
+    first = client.batches.create(input_file_id=first_file.id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    second = client.batches.create(input_file_id=second_file.id,
+                                   endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(first.id).status == "validating":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert client.files.delete(first_file.id).deleted  # while the first runs
+    assert client.batches.retrieve(second.id).status == "validating"  # its turn is next
+    first, second = _wait(client, first.id), _wait(client, second.id)
+    assert (first.status, first.request_counts.completed) == ("completed", 6)
+    assert (second.status, second.request_counts.completed) == ("completed", 2)
+    assert second.in_progress_at >= first.completed_at
+    # An input deleted before its batch's turn fails it.
+    third_file = _upload(client, _long_lines(2, tokens=4))
+    blocker = client.batches.create(input_file_id=second_file.id,
+                                    endpoint="/v1/chat/completions", completion_window="24h")
+    third = client.batches.create(input_file_id=third_file.id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    client.files.delete(third_file.id)
+    third = _wait(client, third.id)
+    assert third.status == "failed" and third.errors.data[0].code == "input_file_deleted"
+    assert _wait(client, blocker.id).status == "completed"
+    assert _drained(llm.engine)
+
+
+def test_a_batchs_responses_are_stored_only_where_a_line_asks(served) -> None:
+    _, http, client = served
+    body = {"input": "hi", "max_output_tokens": 3}
+    batch = _wait(client, client.batches.create(
+        input_file_id=_upload(client, [_line("plain", "/v1/responses", body),
+                                       _line("kept", "/v1/responses",
+                                             {**body, "store": True})]).id,
+        endpoint="/v1/responses", completion_window="24h").id)
+    plain, kept = (line["response"]["body"] for line in _lines(client, batch.output_file_id))
+    assert (plain["store"], kept["store"]) == (False, True)
+    assert http.get(f"/v1/responses/{plain['id']}").status_code == 404
+    assert http.get(f"/v1/responses/{kept['id']}").status_code == 200
+
+
+def test_a_server_stopping_mid_batch_leaves_no_request(clip_llama: str, monkeypatch) -> None:
+    with openai_app(clip_llama, max_model_len=512) as served:
+        llm, _, client = served
+        slow_down_steps(llm.engine, 0.02, monkeypatch)
+        batch = client.batches.create(input_file_id=_upload(client, _long_lines(4)).id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.monotonic() + 60
+        while llm.engine.stats()["num_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        folder = llm.server.batch_api.store.folder
+    # (openai_app checks for leaks once the server's loop has stopped)
+    assert llm.server.batch_api.batches[batch.id].status == "cancelled"
+    assert not os.path.exists(folder)
 
 
 def test_lines_pass_the_servers_api_key(clip_llama: str) -> None:

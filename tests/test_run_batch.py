@@ -320,7 +320,7 @@ def test_a_pipe_is_read_once_and_an_idle_one_does_not_hold_up_the_exit(tmp_path)
     import os
     import threading
 
-    from mmserve.entrypoints.run_batch import _open_input
+    from mmserve.entrypoints.batch_command import _open_input
 
     fifo = tmp_path / "requests"
     os.mkfifo(fifo)

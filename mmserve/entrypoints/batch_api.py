@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 MAX_FILE_BYTES = 200 * 1024 * 1024  # an upload, as OpenAI's batch input files
 MAX_REQUESTS = 50_000  # in one batch, as OpenAI's
 MAX_LINE_ERRORS = 100  # a failed batch's errors listed (the count of the rest after them)
+MAX_ERROR_CHARS = 300  # of each error's message
 MAX_BATCHES = 1_000  # records kept; the oldest finished are forgotten past it
 COMPLETION_WINDOW_S = 24 * 3600  # "24h", the one window OpenAI takes
 # A file's life, unless its upload (or its batch, for outputs) says otherwise: 30 days, as
@@ -196,9 +197,7 @@ class BatchApi:
             raise bad_request("upload the file as multipart/form-data, with the fields 'file' "
                               "(the JSON lines) and 'purpose' ('batch'), as the openai "
                               "client's files.create does.")
-        if len(store.files) >= MAX_FILES:
-            raise ApiError(409, f"the server keeps at most {MAX_FILES} files; delete "
-                           "some before uploading more.", code="too_many_files")
+        self._check_file_count(store)
         cap = min(MAX_FILE_BYTES, store.room)
         too_big = ApiError(413, f"the file is over {cap} bytes: the most the file store takes "
                            f"now ({store.used} of {store.capacity} bytes used, "
@@ -207,6 +206,18 @@ class BatchApi:
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > cap + FORM_OVERHEAD_BYTES:
             raise too_big
+        # Held while the form is read (Starlette spools it to a temporary file first), so
+        # that uploads at once cannot together take more than the store has room for.
+        held = min(int(length), cap) if length.isdigit() else cap
+        store.reserve(held)
+        try:
+            stored = await self._receive_upload(request, store, cap, too_big)
+        finally:
+            store.used -= held
+        return JSONResponse(stored.body())
+
+    async def _receive_upload(self, request: Request, store: FileStore, cap: int,
+                              too_big: ApiError) -> StoredFile:
         received = 0
 
         async def receive() -> dict[str, Any]:
@@ -241,24 +252,19 @@ class BatchApi:
             size = upload.size or 0
             if size > cap:
                 raise too_big
-            try:
-                store.reserve(size)
-            except StoreFull:
-                raise too_big from None
             file_id, path = store.new_path()
             try:
-                await asyncio.to_thread(_copy, upload.file, path)
+                await _in_thread(_copy, upload.file, path)
             except BaseException:
-                store.used -= size
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                 raise
         finally:
             await form.close()
+        store.used += size  # (the upload's hold is released by the caller)
         name = os.path.basename(upload.filename or "") or "upload.jsonl"
-        stored = store.add(file_id, path, name[:255], "batch", size,
-                           DEFAULT_EXPIRY_S if expiry is None else expiry)
-        return JSONResponse(stored.body())
+        return store.add(file_id, path, name[:255], "batch", size,
+                         DEFAULT_EXPIRY_S if expiry is None else expiry)
 
     async def list_files(self, request: Request, store: FileStore) -> Response:
         query = dict(request.query_params)
@@ -302,23 +308,22 @@ class BatchApi:
         output = output or {}
         expiry = _expiry(output.get("anchor"), output.get("seconds"), "output_expires_after")
         try:
-            stored, source = store.open(file_id)
+            stored = store.get(file_id)
         except ApiError as e:
             e.param = "input_file_id"
             raise
         if stored.purpose != "batch":
-            source.close()
             raise bad_request(f"{file_id} is a batch's output ('purpose' {stored.purpose!r}); "
                               "a batch reads a file uploaded with purpose 'batch'.",
                               "input_file_id")
         if not self._forget_finished():
-            source.close()
             raise ApiError(429, f"{MAX_BATCHES} batches have not finished; wait for some or "
                            "cancel them.", type="rate_limit_error", code="too_many_batches")
+        self._check_file_count(store)
         batch = Batch(f"batch_{uuid.uuid4().hex}", endpoint, file_id, self.model, metadata,
                       DEFAULT_EXPIRY_S if expiry is None else expiry)
         self.batches[batch.id] = batch
-        batch.task = asyncio.create_task(self._run(batch, source, store))
+        batch.task = asyncio.create_task(self._run(batch, store))
         return JSONResponse(batch.body())
 
     async def list_batches(self, request: Request, store: FileStore) -> Response:
@@ -349,6 +354,16 @@ class BatchApi:
                            code="batch_not_found")
         return batch
 
+    def _check_file_count(self, store: FileStore) -> None:
+        """Refuse a new file where the store, with the two outputs each batch not finished
+        yet will keep, holds ``MAX_FILES`` already."""
+        store.sweep()
+        pending = 2 * sum(b.status not in FINISHED for b in self.batches.values())
+        if len(store.files) + pending >= MAX_FILES:
+            raise ApiError(409, f"the server keeps at most {MAX_FILES} files, counting the "
+                           f"outputs of batches still running ({pending}); delete files no "
+                           "longer needed.", code="too_many_files")
+
     def _forget_finished(self) -> bool:
         """Make room for one more batch record; False where every one kept is running."""
         while len(self.batches) >= MAX_BATCHES:
@@ -359,68 +374,102 @@ class BatchApi:
         return True
 
     # ----------------------------------------------------------------- running
-    async def _run(self, batch: Batch, source: BinaryIO, store: FileStore) -> None:
-        """Check the batch's file, wait for its turn, answer its lines, keep the outputs.
-        Cancelling the task cancels the batch."""
+    async def _run(self, batch: Batch, store: FileStore) -> None:
+        """Wait for the batch's turn, check its file, answer its lines, keep the outputs.
+        Cancelling the task cancels the batch; past its window it expires."""
         outputs: list[OutputFile] = []
         status, errors = "completed", None
         try:
-            with source:
-                count, errors = await asyncio.to_thread(
-                    check_input, source, batch.endpoint, self.max_line_bytes)
-                if errors:
-                    status = "failed"
-                    return
-                batch.total = count
-                left = batch.created_at + self.completion_window_s - time.time()
-                await asyncio.wait_for(self._answer(batch, source, store, outputs), left)
+            left = batch.created_at + self.completion_window_s - time.time()
+            await asyncio.wait_for(self._take_turn(batch, store, outputs), left)
         except asyncio.TimeoutError:
             status = "expired"
         except asyncio.CancelledError:
             status = "cancelled"  # (its task ends here: nothing waits on it)
-        except (StoreFull, EngineStopped) as e:
-            status, errors = "failed", [_error(
-                "file_store_full" if isinstance(e, StoreFull) else "engine_stopped", str(e))]
+        except BatchFailed as e:
+            status, errors = "failed", e.errors
+        except StoreFull as e:
+            status, errors = "failed", [_error("file_store_full", str(e))]
         except Exception as e:  # a defect: the batch fails, the server goes on
             logger.exception("batch %s failed", batch.id)
             status, errors = "failed", [_error("server_error",
                                                f"internal error: {type(e).__name__}")]
         finally:
-            if outputs:
-                out, err = outputs
-                batch.output_file_id = out.keep(batch.output_expiry_s)
-                batch.error_file_id = err.keep(batch.output_expiry_s)
+            try:
+                kept = [out.keep(batch.output_expiry_s) for out in outputs]
+            except OSError as e:  # a full disk: nothing is kept
+                for out in outputs:
+                    out.discard()
+                kept, status = [], "failed"
+                errors = [_error("output_not_written", f"the outputs could not be written: {e}")]
+            batch.output_file_id, batch.error_file_id = (kept + [None, None])[:2]
             batch.errors = errors or None
             batch.mark(status)
 
-    async def _answer(self, batch: Batch, source: BinaryIO, store: FileStore,
-                      outputs: list[OutputFile]) -> None:
+    async def _take_turn(self, batch: Batch, store: FileStore,
+                         outputs: list[OutputFile]) -> None:
+        """Batches run one at a time, in the order they were made (``validating`` till
+        then); ``outputs``: the batch's output and error files, once it runs."""
         async with self._turn:
-            batch.mark("in_progress")
-            source.seek(0)
-            outputs += [OutputFile(store, f"{batch.id}_output.jsonl"),
-                        OutputFile(store, f"{batch.id}_error.jsonl")]
+            try:
+                _, source = store.open(batch.input_file_id)
+            except ApiError:
+                raise BatchFailed([_error("input_file_deleted", f"the input file "
+                                          f"{batch.input_file_id} was deleted before the "
+                                          "batch's turn came")]) from None
+            with source:
+                count, errors = await _in_thread(check_input, source, batch.endpoint,
+                                                 self.max_line_bytes)
+                if errors:
+                    raise BatchFailed(errors)
+                batch.total = count
+                batch.mark("in_progress")
+                source.seek(0)
+                outputs.append(OutputFile(store, f"{batch.id}_output.jsonl"))
+                outputs.append(OutputFile(store, f"{batch.id}_error.jsonl"))
+                await self._answer(batch, source, outputs)
 
-            def written(status: str) -> None:
-                if status == "200":
-                    batch.completed += 1
-                else:
-                    batch.failed += 1
+    async def _answer(self, batch: Batch, source: BinaryIO, outputs: list[OutputFile]
+                      ) -> None:
+        def written(status: str) -> None:
+            if status == "200":
+                batch.completed += 1
+            else:
+                batch.failed += 1
 
-            assert self.app is not None, "BatchApi.start was not called"
-            await run_batch(self.app, source, outputs[0], errors_out=outputs[1],
-                            max_line_bytes=self.max_line_bytes, window_lines=self.seats,
-                            window_bytes=WINDOW_BYTES, broken=self.broken,
-                            on_written=written, summary=batch.summary,
-                            headers=self.headers, retry_busy=True)
-            if batch.summary.stopped is not None:
-                raise EngineStopped(f"{batch.summary.stopped}; the lines answered before "
-                                    "it are in the output and error files")
-            batch.mark("finalizing")
+        assert self.app is not None, "BatchApi.start was not called"
+        # A batch's responses are not stored unless a line asks: they would push clients'
+        # stored responses out of the store.
+        defaults = {"store": False} if batch.endpoint == "/v1/responses" else None
+        await run_batch(self.app, source, outputs[0], errors_out=outputs[1],
+                        max_line_bytes=self.max_line_bytes, window_lines=self.seats,
+                        window_bytes=WINDOW_BYTES, broken=self.broken, on_written=written,
+                        summary=batch.summary, headers=self.headers, retry_busy=True,
+                        defaults=defaults)
+        if batch.summary.stopped is not None:
+            raise BatchFailed([_error("engine_stopped", f"{batch.summary.stopped}; the lines "
+                                      "answered before it are in the output and error "
+                                      "files")])
+        batch.mark("finalizing")
 
 
-class EngineStopped(Exception):
-    """The engine broke while a batch ran."""
+class BatchFailed(Exception):
+    """A batch that cannot go on: its file has bad lines, or the engine broke."""
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        super().__init__(errors[0]["message"])
+        self.errors = errors
+
+
+async def _in_thread(func: Callable[..., Any], *args: Any) -> Any:
+    """``func(*args)`` on a thread; a cancellation waits for it to return before it goes on
+    (``func`` uses files the caller closes or removes)."""
+    future = asyncio.ensure_future(asyncio.to_thread(func, *args))
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        await asyncio.wait([future])
+        raise
 
 
 def _error(code: str, message: str) -> dict[str, Any]:
@@ -449,7 +498,8 @@ def check_input(source: BinaryIO, endpoint: str, max_line_bytes: int
     def error(code: str, message: str, param: str | None = None) -> None:
         nonlocal more
         if len(errors) < MAX_LINE_ERRORS:
-            errors.append({"code": code, "line": number, "message": message, "param": param})
+            errors.append({"code": code, "line": number, "message": message[:MAX_ERROR_CHARS],
+                           "param": param})
         else:
             more += 1
 
@@ -474,6 +524,9 @@ def check_input(source: BinaryIO, endpoint: str, max_line_bytes: int
         elif request.stream:
             error("invalid_request", f"{request.url} is answered whole in a batch; leave "
                   "'stream' out", "body.stream")
+        elif request.background:
+            error("invalid_request", "a batch's requests are answered in it; leave "
+                  "'background' out", "body.background")
         count += 1
         if count > MAX_REQUESTS:
             error("too_many_requests", f"a batch holds at most {MAX_REQUESTS} requests; split "

@@ -77,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run_batch(args: argparse.Namespace) -> int:
-    from mmserve.entrypoints.run_batch import run_batch_command
+    from mmserve.entrypoints.batch_command import run_batch_command
 
     return run_batch_command(args)
 

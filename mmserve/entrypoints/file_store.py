@@ -10,6 +10,7 @@ restarts).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -63,6 +64,8 @@ class FileStore:
 
     def reserve(self, size: int) -> None:
         """Take ``size`` bytes, or raise ``StoreFull``."""
+        if size > self.room:
+            self.sweep()  # expired files make room
         if size > self.room:
             raise StoreFull(f"the file store is full: {self.used} of its {self.capacity} "
                             "bytes are used (--files-store-mib); delete files or batches' "
@@ -138,7 +141,8 @@ class OutputFile:
         self.store, self.filename = store, filename
         self.id, self.path = store.new_path()
         self.bytes = 0
-        self._file = open(self.path, "wb")  # noqa: SIM115 (closed by keep)
+        self._file = open(self.path, "wb")  # noqa: SIM115 (closed by keep or discard)
+        self.kept = False
 
     def write(self, text: str) -> int:
         data = text.encode()
@@ -159,4 +163,17 @@ class OutputFile:
             return None
         self.store.add(self.id, self.path, self.filename, "batch_output", self.bytes,
                        expires_after_s)
+        self.kept = True
         return self.id
+
+    def discard(self) -> None:
+        """Remove what was written (unless it was kept), its bytes given back."""
+        if self.kept:
+            self.store.delete(self.id)
+            return
+        with contextlib.suppress(OSError):
+            self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        self.store.used -= self.bytes
+        self.bytes = 0

@@ -1,5 +1,6 @@
-"""``mmserve run-batch``: a file of OpenAI batch requests answered offline, each line as the
-server answers it, with no socket in between.
+"""A file of OpenAI batch requests answered each line as the server answers it, with no
+socket in between: ``mmserve run-batch`` (``batch_command.py``) and the server's Batch API
+(``batch_api.py``) both run files through ``run_batch``.
 
 The input is OpenAI's batch format, one JSON object a line: ``custom_id`` (a string, unique in
 the file), ``method`` (``POST``), ``url`` (``/v1/chat/completions``, ``/v1/completions``,
@@ -22,17 +23,12 @@ back the reading, not the memory.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import json
 import logging
-import os
 import queue
-import stat
-import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -64,11 +60,14 @@ class BatchRequest:
     url: str
     body: bytes  # the request's JSON, as a client would post it
     stream: bool  # asks for a stream, which a batch cannot give
+    background: bool  # asks to be answered later (a Responses API request)
 
 
-def parse_line(line: bytes, seen: set[bytes]) -> BatchRequest:
+def parse_line(line: bytes, seen: set[bytes],
+               defaults: dict[str, Any] | None = None) -> BatchRequest:
     """One input line as a request; ``LineError`` for one that is none. ``seen``: digests of
-    the custom ids of the requests so far (this line's is added once it is one)."""
+    the custom ids of the requests so far (this line's is added once it is one);
+    ``defaults``: fields the body takes where it has none of its own."""
     try:
         item = json.loads(line)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -85,21 +84,30 @@ def parse_line(line: bytes, seen: set[bytes]) -> BatchRequest:
                         "characters")
     digest = hashlib.blake2b(custom_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
     if digest in seen:
-        raise LineError("duplicate_custom_id", f"the custom_id {custom_id!r} names an earlier "
-                        "line too; give each line its own", custom_id)
+        raise LineError("duplicate_custom_id", f"the custom_id {_quoted(custom_id)} names an "
+                        "earlier line too; give each line its own", custom_id)
     if item.get("method") != "POST":
         raise LineError("invalid_method", f"'method' must be \"POST\", got "
-                        f"{json.dumps(item.get('method'))}", custom_id)
+                        f"{_quoted(item.get('method'))}", custom_id)
     url = item.get("url")
     if url not in URLS:
         raise LineError("invalid_url", f"'url' must be one of {', '.join(URLS)}; got "
-                        f"{json.dumps(url)}", custom_id)
+                        f"{_quoted(url)}", custom_id)
     body = item.get("body")
     if not isinstance(body, dict):
         raise LineError("invalid_body", "'body' must be a JSON object: the request",
                         custom_id)
     seen.add(digest)  # (a line refused is no request: a corrected copy may follow)
-    return BatchRequest(custom_id, url, _as_json(body), body.get("stream") is True)
+    for name, value in (defaults or {}).items():
+        body.setdefault(name, value)
+    return BatchRequest(custom_id, url, _as_json(body), body.get("stream") is True,
+                        body.get("background") is True)
+
+
+def _quoted(value: Any) -> str:
+    """``value`` as JSON, cut short: what an error message shows of a line's field."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _as_json(body: dict[str, Any]) -> bytes:
@@ -302,8 +310,8 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                     broken: Callable[[], BaseException | None] = lambda: None,
                     on_written: Callable[[str], None] = lambda status: None,
                     summary: BatchSummary | None = None, errors_out: TextIO | None = None,
-                    headers: tuple[tuple[bytes, bytes], ...] = (),
-                    retry_busy: bool = False) -> BatchSummary:
+                    headers: tuple[tuple[bytes, bytes], ...] = (), retry_busy: bool = False,
+                    defaults: dict[str, Any] | None = None) -> BatchSummary:
     """Answer every line of ``source`` (bytes, one request a line of at most
     ``max_line_bytes`` bytes; blank lines skipped) by posting it to ``app`` (with
     ``headers``), writing one output line each to ``out`` in the input's order, or to
@@ -311,8 +319,9 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
     told each written line's status. Reading stops early where ``broken()`` names an error
     (the engine is gone); an output line that cannot be written stops the run with that
     error. ``retry_busy``: a request the server has no room for (503 with Retry-After) waits
-    that long and is posted again, until ``broken()``. ``summary``: filled in as the run
-    goes (what an interrupted run did)."""
+    that long and is posted again, until ``broken()``. ``defaults``: fields each request's
+    body takes where it has none of its own. ``summary``: filled in as the run goes (what an
+    interrupted run did)."""
     client = AsgiClient(app, headers)
     window = Window(window_lines, window_bytes)
     reader = LineReader(source)
@@ -396,7 +405,7 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
             try:
                 if failure is not None:
                     raise failure
-                request = parse_line(line, seen)
+                request = parse_line(line, seen, defaults)
             except LineError as e:
                 put(index, _output_line(e.custom_id, None, {"code": e.code, "message": str(e)}),
                     size, e.code)
@@ -433,119 +442,3 @@ def _refusal(message: str, param: str | None, status: int = 400,
     """A ``response`` object of OpenAI's error body, for an answer run-batch makes itself."""
     body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
     return json.dumps({"status_code": status, "request_id": uuid.uuid4().hex, "body": body})
-
-
-def run_batch_command(args: argparse.Namespace) -> int:
-    """``mmserve run-batch``: status 0 when every line has its output line (whatever its
-    status), 1 when the engine broke on the way or the output could not be written, 2 for
-    settings or files that cannot work, 130 when interrupted (Ctrl-C)."""
-    from tqdm import tqdm
-
-    from mmserve.demo.checkpoint import demo_model_path
-    from mmserve.entrypoints.api_server import OpenAIServer
-    from mmserve.entrypoints.serve_command import close_engine, front_door_config, open_engine
-
-    logging.getLogger().setLevel(args.log_level.upper())
-    model = args.model_path or args.model
-    source = None
-    try:
-        if model is None:
-            model = str(demo_model_path())
-        # The window bounds the requests in flight; the engine's own queue needs no bound.
-        # Lines are answered apart (and out of order): nothing stored links one to another.
-        config = front_door_config(args, model, max_queue=None, responses_store_bytes=0,
-                                   files_store_bytes=0)
-        _check_output(args.output_file, args.input_file)
-        source, total = _open_input(args.input_file)
-        engine, compute, defaults = open_engine(args, model, config.engine_process)
-    except (OSError, ValueError) as e:
-        if source not in (None, sys.stdin.buffer):
-            source.close()
-        print(f"mmserve run-batch: {e}", file=sys.stderr)
-        return 2
-    server = OpenAIServer(engine, config, compute, defaults)
-    app = server.app()
-    progress = tqdm(total=total, unit="req", desc="run-batch", disable=None, file=sys.stderr)
-    summary = BatchSummary()
-    out: TextIO | None = None
-
-    async def run() -> None:
-        async with app.router.lifespan_context(app):
-            await run_batch(
-                app, source, out, max_line_bytes=config.max_request_body_bytes
-                + LINE_OVERHEAD_BYTES, window_lines=LINES_PER_SEQ * engine.config.max_num_seqs,
-                broken=lambda: server.engine.error, on_written=lambda _: progress.update(),
-                summary=summary)
-
-    start = time.perf_counter()
-    status = 0
-    try:
-        # Opened once the engine is up, so that a checkpoint that cannot load leaves an
-        # earlier output file as it was.
-        out = sys.stdout if args.output_file == "-" else open(args.output_file, "w",
-                                                             encoding="utf-8")
-        asyncio.run(run())
-        progress.total = summary.lines  # blank lines were counted
-    except KeyboardInterrupt:
-        status = 130
-        print(f"\nmmserve run-batch: interrupted; the first {summary.lines} lines' answers "
-              "are written", file=sys.stderr)
-    except (OSError, UnicodeError) as e:  # the output: a closed pipe, a full disk
-        status = 1
-        print(f"mmserve run-batch: cannot write the answers: {e}", file=sys.stderr)
-    finally:
-        progress.close()
-        server.engine.stop()
-        close_engine(engine, compute)
-        # A pipe is left to the process's exit: the reading thread may still be waiting on
-        # it, holding its lock.
-        if total is not None:
-            source.close()
-        if out not in (None, sys.stdout):
-            out.close()
-    if status:
-        return status
-    elapsed = time.perf_counter() - start
-    counts = ", ".join(f"{k}: {v}" for k, v in sorted(summary.statuses.items()))
-    print(f"mmserve run-batch: {summary.lines} lines in {elapsed:.1f} s ({counts}); "
-          f"{summary.output_tokens} output tokens, {summary.output_tokens / elapsed:.1f} "
-          "tokens/s", file=sys.stderr)
-    if summary.stopped is not None:
-        rest = ("every input line was read" if summary.read_all else
-                f"input lines after line {summary.last_line} were not read")
-        print(f"mmserve run-batch: {summary.stopped}; lines answered with status 500 or 503 "
-              f"failed with it, and {rest}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _open_input(path: str) -> tuple[BinaryIO, int | None]:
-    """The input's bytes, and how many lines it has where it is a file that can be read
-    twice (a pipe or a FIFO is read once, as it comes)."""
-    if path == "-":
-        return sys.stdin.buffer, None
-    source = open(path, "rb")  # noqa: SIM115 (closed by the caller)
-    if not stat.S_ISREG(os.fstat(source.fileno()).st_mode):
-        return source, None
-    lines, last = 0, b"\n"
-    while chunk := source.read(1 << 20):
-        lines += chunk.count(b"\n")
-        last = chunk[-1:]
-    source.seek(0)
-    return source, lines + (last != b"\n")
-
-
-def _check_output(path: str, input_path: str) -> None:
-    """A ``ValueError`` where the answers could not be written to ``path``."""
-    if path == "-":
-        return
-    if os.path.isdir(path):
-        raise ValueError(f"--output-file {path} is a directory; name a file")
-    if input_path != "-" and os.path.exists(path) and os.path.samefile(path, input_path):
-        raise ValueError(f"--output-file {path} is the input file; write the answers "
-                         "elsewhere")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-        raise ValueError(f"--output-file {path}: cannot write in {folder}")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise ValueError(f"--output-file {path} is not writable")
