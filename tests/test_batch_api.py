@@ -7,6 +7,7 @@ bounded; every refusal names what to change."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -399,3 +400,59 @@ def test_through_a_socket_with_the_openai_client(clip_llama: str, tmp_path) -> N
     finally:
         assert server.stop() == 0
     assert not any(p.name.startswith("mmserve-files-") for p in folder.iterdir())
+
+
+def test_requests_name_uploaded_images_by_file_id(served) -> None:
+    """An image uploaded with purpose "vision" is the same image to a request that names it
+    (a Responses API input_image's file_id, a chat file part) as its data: URL."""
+    _, http, client = served
+    image = make_image(7, (44, 40))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    uploaded = client.files.create(file=("cat.png", buf.getvalue()), purpose="vision")
+    assert uploaded.purpose == "vision"
+
+    def response(image_part: dict) -> dict:
+        answer = http.post("/v1/responses", json={
+            "input": [{"role": "user", "content": [
+                image_part, {"type": "input_text", "text": "what is it"}]}],
+            "max_output_tokens": 8, "temperature": 0, "store": False})
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    by_file = response({"type": "input_image", "file_id": uploaded.id})
+    by_url = response({"type": "input_image", "image_url": data_url(image)})
+    assert by_file["output"][0]["content"][0]["text"] == (
+        by_url["output"][0]["content"][0]["text"])
+    other = response({"type": "input_image", "image_url": data_url(make_image(8, (44, 40)))})
+    assert other["output"][0]["content"][0]["text"] != by_file["output"][0]["content"][0]["text"]
+    text_only = response({"type": "input_text", "text": ""})
+    assert by_file["usage"]["input_tokens"] == by_url["usage"]["input_tokens"] > (
+        text_only["usage"]["input_tokens"])  # the image is in the prompt
+
+    def chat(part: dict) -> dict:
+        return http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}],
+            "max_tokens": 8, "temperature": 0})
+
+    by_file = chat({"type": "file", "file": {"file_id": uploaded.id}}).json()
+    by_url = chat({"type": "image_url", "image_url": {"url": data_url(image)}}).json()
+    assert by_file["choices"][0]["message"] == by_url["choices"][0]["message"]
+    assert by_file["usage"] == by_url["usage"]
+
+    jsonl = _upload(client, [b"{}\n"])
+    for part, words in (({"type": "file", "file": {"file_id": "file-nope"}}, "no file has"),
+                        ({"type": "file", "file": {"file_data": "aGk="}}, "file_id"),
+                        ({"type": "file", "file": {"file_id": jsonl.id}}, "not a PNG")):
+        refused = chat(part)
+        assert refused.status_code == 400 and words in refused.json()["error"]["message"], (
+            refused.text)
+    refused = http.post("/v1/responses", json={"input": [{"role": "user", "content": [
+        {"type": "input_image"}]}]})
+    assert refused.status_code == 400 and "file_id" in refused.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="purpose 'batch'"):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    client.files.delete(uploaded.id)
+    refused = chat({"type": "file", "file": {"file_id": uploaded.id}})
+    assert refused.status_code == 400 and "no file has" in refused.json()["error"]["message"]

@@ -2,7 +2,9 @@
 upload a file of batch requests (``POST /v1/files``, ``purpose: "batch"``), start a batch over
 it (``POST /v1/batches``), follow it (``GET /v1/batches/{id}``, ``GET /v1/batches``), cancel it
 (``POST /v1/batches/{id}/cancel``) and download its answers (``GET /v1/files/{id}/content``);
-files are listed, looked up and deleted (``GET``/``DELETE /v1/files/{id}``).
+files are listed, looked up and deleted (``GET``/``DELETE /v1/files/{id}``). Images uploaded
+(``purpose`` ``vision`` or ``user_data``) are named by requests: a Responses API
+``input_image``'s ``file_id``, a chat ``file`` part's (``open_image``).
 
 A batch is checked whole first (``validating``): every line a request for the batch's
 endpoint, custom ids unique, at most ``MAX_REQUESTS``; a file that is not fails the batch
@@ -51,6 +53,7 @@ from mmserve.entrypoints.run_batch import (
     parse_line,
     run_batch,
 )
+from mmserve.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ FORM_OVERHEAD_BYTES = 64 * 1024  # an upload's form fields and part headers besi
 WINDOW_BYTES = 64 * 1024 * 1024  # a batch's requests and answers held at once
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 FINISHED = ("completed", "failed", "expired", "cancelled")
+PURPOSES = ("batch", "vision", "user_data")  # of uploads
 
 
 @dataclass
@@ -163,6 +167,17 @@ class BatchApi:
         if self.store is not None:
             self.store.close()
 
+    def open_image(self, file_id: str) -> BinaryIO:
+        """The bytes of an uploaded file, open, for a request's image that names it; an
+        ``InvalidInputError`` where there is none."""
+        assert self.store is not None, "BatchApi.start made no store"
+        try:
+            return self.store.open(file_id)[1]
+        except ApiError:
+            raise InvalidInputError(f"an image names the file {file_id!r}, and no file has "
+                                    "that id: upload the image first (files.create, purpose "
+                                    "'vision').") from None
+
     def routes(self) -> list[Route]:
         return [
             Route("/v1/files", self._handle(self.upload), methods=["POST"]),
@@ -195,8 +210,8 @@ class BatchApi:
     async def upload(self, request: Request, store: FileStore) -> Response:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise bad_request("upload the file as multipart/form-data, with the fields 'file' "
-                              "(the JSON lines) and 'purpose' ('batch'), as the openai "
-                              "client's files.create does.")
+                              "and 'purpose' ('batch', 'vision' or 'user_data'), as the "
+                              "openai client's files.create does.")
         self._check_file_count(store)
         cap = min(MAX_FILE_BYTES, store.room)
         too_big = ApiError(413, f"the file is over {cap} bytes: the most the file store takes "
@@ -242,9 +257,10 @@ class BatchApi:
                            code="request_timeout", headers={"Connection": "close"}) from None
         try:
             upload, purpose = form.get("file"), form.get("purpose")
-            if purpose != "batch":
-                raise bad_request(f"'purpose' must be 'batch' (the files this server keeps are "
-                                  f"batch input files), got {purpose!r}.", "purpose")
+            if purpose not in PURPOSES:
+                raise bad_request(f"'purpose' must be 'batch' (a batch's requests), or 'vision' "
+                                  f"or 'user_data' (images requests name by file_id), got "
+                                  f"{purpose!r}.", "purpose")
             if not isinstance(upload, UploadFile):
                 raise bad_request("the form has no file: send it as the 'file' field.", "file")
             expiry = _expiry(form.get("expires_after[anchor]"),
@@ -263,7 +279,7 @@ class BatchApi:
             await form.close()
         store.used += size  # (the upload's hold is released by the caller)
         name = os.path.basename(upload.filename or "") or "upload.jsonl"
-        return store.add(file_id, path, name[:255], "batch", size,
+        return store.add(file_id, path, name[:255], purpose, size,
                          DEFAULT_EXPIRY_S if expiry is None else expiry)
 
     async def list_files(self, request: Request, store: FileStore) -> Response:
@@ -313,9 +329,8 @@ class BatchApi:
             e.param = "input_file_id"
             raise
         if stored.purpose != "batch":
-            raise bad_request(f"{file_id} is a batch's output ('purpose' {stored.purpose!r}); "
-                              "a batch reads a file uploaded with purpose 'batch'.",
-                              "input_file_id")
+            raise bad_request(f"{file_id} has the purpose {stored.purpose!r}; a batch reads a "
+                              "file uploaded with purpose 'batch'.", "input_file_id")
         if not self._forget_finished():
             raise ApiError(429, f"{MAX_BATCHES} batches have not finished; wait for some or "
                            "cancel them.", type="rate_limit_error", code="too_many_batches")

@@ -1,6 +1,6 @@
-"""The files of OpenAI's Files API as the server keeps them: batch input files clients upload
-and the output files batches write (``batch_api.py`` serves both), in a folder of their own,
-at most ``capacity`` bytes of them together.
+"""The files of OpenAI's Files API as the server keeps them: the files clients upload (batch
+inputs, images) and the output files batches write (``batch_api.py`` serves them), in a folder
+of their own, at most ``capacity`` bytes of them together.
 
 Books only, on the event loop: ids, sizes, expiry times. The bytes are copied in and read out
 by the caller, on threads where they are large; a file is unlinked when it is deleted or
@@ -33,7 +33,7 @@ class StoreFull(OSError):
 class StoredFile:
     id: str
     filename: str
-    purpose: str  # "batch" (uploaded) or "batch_output" (a batch's answers)
+    purpose: str  # uploaded: "batch", "vision", "user_data"; "batch_output": a batch's
     bytes: int
     created_at: int
     expires_at: int | None

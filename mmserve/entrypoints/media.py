@@ -23,9 +23,11 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from PIL import Image
@@ -67,6 +69,14 @@ class MediaPolicy:
                            tuple(d.strip().lower() for d in self.allowed_domains if d.strip()))
 
 
+@dataclass(frozen=True)
+class FilePart:
+    """An image uploaded through the Files API, named by its id (a Responses API
+    ``input_image``'s ``file_id``, a chat ``file`` part's)."""
+
+    file_id: str
+
+
 class MediaLoader:
     """Reads request images and checks them from their headers (format, size, aspect ratio)
     on a thread pool of its own. It hands on the bytes: the pixels are decoded where the
@@ -86,14 +96,40 @@ class MediaLoader:
         self.policy = policy
         self.max_pixels = max_pixels
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="mmserve-media")
+        # An uploaded file's bytes, open, by its id (or ``InvalidInputError``): set by a
+        # server that keeps files; called on the event loop.
+        self.open_file: Callable[[str], BinaryIO] | None = None
 
-    async def load(self, url: str | EmbedsPart, param: str = "messages") -> bytes | ImageEmbeds:
-        """The bytes of the image at ``url``, its header checked, or ``InvalidInputError``
-        (with ``param``) saying why not; for an image sent as its embeddings, their tensors."""
+    async def load(self, url: str | EmbedsPart | FilePart,
+                   param: str = "messages") -> bytes | ImageEmbeds:
+        """The bytes of the image at ``url`` (or uploaded, a ``FilePart``), its header
+        checked, or ``InvalidInputError`` (with ``param``) saying why not; for an image sent
+        as its embeddings, their tensors."""
         loop = asyncio.get_running_loop()
         if isinstance(url, EmbedsPart):
             return await loop.run_in_executor(self._executor, load_embeds, url, param)
+        if isinstance(url, FilePart):
+            if self.open_file is None:
+                raise InvalidInputError(f"an image names the uploaded file {url.file_id!r}, "
+                                        "but this server keeps no files (--files-store-mib "
+                                        "0); send it as an image URL.", param=param)
+            try:
+                source = self.open_file(url.file_id)
+            except InvalidInputError as e:
+                e.param = e.param or param
+                raise
+            return await loop.run_in_executor(self._executor, self._read_file, source, param)
         return await loop.run_in_executor(self._executor, self._load, url, param)
+
+    def _read_file(self, source: BinaryIO, param: str) -> bytes:
+        with source:
+            data = source.read(self.policy.max_bytes + 1)
+        if len(data) > self.policy.max_bytes:
+            raise InvalidInputError(
+                f"an uploaded image is over the limit of {self.policy.max_bytes} bytes; send a "
+                "smaller image, or raise --max-image-bytes.", param=param)
+        check_image_format(data, param)
+        return self._checked(data, param)
 
     def close(self) -> None:
         """Stop taking images and drop queued ones. Fetches in progress are not waited for:
@@ -101,7 +137,9 @@ class MediaLoader:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _load(self, url: str, param: str) -> bytes:
-        data = load_image_url(url, self.policy, param)
+        return self._checked(load_image_url(url, self.policy, param), param)
+
+    def _checked(self, data: bytes, param: str) -> bytes:
         try:
             check_image(data, self.max_pixels)
         except InvalidInputError as e:

@@ -17,6 +17,7 @@ from mmserve.beam_search import BeamSearchParams
 from mmserve.engine.request_maker import cache_salt
 from mmserve.entrypoints import tool_calls
 from mmserve.entrypoints.image_embeds import EmbedsPart, parse_embeds_part
+from mmserve.entrypoints.media import FilePart
 from mmserve.entrypoints.tool_calls import ToolChoice
 from mmserve.errors import InvalidInputError
 from mmserve.outputs import score_pairs
@@ -31,6 +32,9 @@ from mmserve.sampling_params import (
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
+
+# Where a request's image comes from: a URL, its embeddings, or an uploaded file.
+ImageSource = str | EmbedsPart | FilePart
 
 class ApiError(Exception):
     """An HTTP error with OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -64,7 +68,7 @@ class ChatRequest:
     the answer is read as (``tool_calls.py``)."""
 
     messages: list[dict[str, Any]]
-    image_urls: list[str | EmbedsPart]
+    image_urls: list[ImageSource]
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False
@@ -432,7 +436,7 @@ class TokenizeRequest:
     image URLs in ``image_urls``)."""
 
     prompt: dict[str, Any]
-    image_urls: list[str | EmbedsPart]
+    image_urls: list[ImageSource]
     return_token_strs: bool = False
     model: str | None = None
 
@@ -802,13 +806,13 @@ def _check_text(text: str, where: str) -> None:
 
 
 def _parse_messages(messages: Any, max_images: int, mm_embeds: bool = False
-                    ) -> tuple[list[dict[str, Any]], list[str | EmbedsPart]]:
+                    ) -> tuple[list[dict[str, Any]], list[ImageSource]]:
     """Chat messages checked, with the URLs of their images (at most ``max_images``), and
     where the server takes them (``mm_embeds``) the images sent as embeddings."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of messages", "messages")
     out: list[dict[str, Any]] = []
-    urls: list[str | EmbedsPart] = []
+    urls: list[ImageSource] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -856,6 +860,16 @@ def _parse_messages(messages: Any, max_images: int, mm_embeds: bool = False
                     urls.append(parse_embeds_part(part.get("image_embeds"), pwhere))
                 except InvalidInputError as e:
                     raise bad_request(str(e), e.param) from None
+                parts.append({"type": "image"})
+            elif kind == "file" and role != "tool":
+                file = part.get("file")
+                file_id = file.get("file_id") if isinstance(file, dict) else None
+                if not isinstance(file_id, str) or not file_id:
+                    raise bad_request(f"{pwhere}.file needs 'file_id': an image uploaded with "
+                                      "files.create (files sent inline, 'file_data', are not "
+                                      "taken; send images as image_url parts).",
+                                      f"{pwhere}.file")
+                urls.append(FilePart(file_id))
                 parts.append({"type": "image"})
             elif kind in ("video_url", "video", "input_video"):
                 raise bad_request(f"{pwhere} is a video part ({kind!r}); video is not "

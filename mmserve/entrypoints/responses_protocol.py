@@ -306,11 +306,14 @@ def _content(item: dict[str, Any], at: str) -> Any:
         if kind in ("input_text", "output_text", "text"):
             parts.append({"type": "text", "text": part.get("text")})
         elif kind == "input_image":
-            if part.get("file_id") is not None or not part.get("image_url"):
+            if part.get("image_url"):
+                parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            elif part.get("file_id"):  # an uploaded image: the chat's file part
+                parts.append({"type": "file", "file": {"file_id": part["file_id"]}})
+            else:
                 raise bad_request(f"{at}.content[{j}] needs 'image_url' (an http(s) or data: "
-                                  "URL); uploaded files ('file_id') are not supported",
+                                  "URL) or 'file_id' (an image uploaded with files.create)",
                                   f"{at}.content[{j}]")
-            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
             raise bad_request(f"{at}.content[{j}] has type {kind!r}; supported: 'input_text', "
                               "'input_image', 'output_text'", f"{at}.content[{j}].type")
