@@ -440,19 +440,69 @@ def test_requests_name_uploaded_images_by_file_id(served) -> None:
     assert by_file["choices"][0]["message"] == by_url["choices"][0]["message"]
     assert by_file["usage"] == by_url["usage"]
 
+    as_user_data = client.files.create(file=("cat.png", buf.getvalue()), purpose="user_data")
+    assert chat({"type": "file", "file": {"file_id": as_user_data.id}}).json()["choices"] == (
+        by_url["choices"])
+
     jsonl = _upload(client, [b"{}\n"])
+    text = client.files.create(file=("notes.txt", b"not an image"), purpose="vision")
     for part, words in (({"type": "file", "file": {"file_id": "file-nope"}}, "no file has"),
+                        ({"type": "file", "file": {"file_id": "f" * 10_000}}, "no file has"),
                         ({"type": "file", "file": {"file_data": "aGk="}}, "file_id"),
-                        ({"type": "file", "file": {"file_id": jsonl.id}}, "not a PNG")):
+                        ({"type": "file", "file": {"file_id": jsonl.id}}, "purpose 'batch'"),
+                        ({"type": "file", "file": {"file_id": text.id}}, "not a PNG")):
         refused = chat(part)
         assert refused.status_code == 400 and words in refused.json()["error"]["message"], (
             refused.text)
-    refused = http.post("/v1/responses", json={"input": [{"role": "user", "content": [
-        {"type": "input_image"}]}]})
-    assert refused.status_code == 400 and "file_id" in refused.json()["error"]["message"]
+        assert len(refused.json()["error"]["message"]) < 400
+    for part, param in (({"type": "input_image"}, "input[0].content[0]"),
+                        ({"type": "input_image", "file_id": uploaded.id,
+                          "image_url": data_url(image)}, "input[0].content[0]"),
+                        ({"type": "input_image", "file_id": 123},
+                         "input[0].content[0].file_id")):
+        refused = http.post("/v1/responses", json={"input": [{"role": "user",
+                                                              "content": [part]}]})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (
+            refused.text)
     with pytest.raises(openai.BadRequestError, match="purpose 'batch'"):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                               completion_window="24h")
     client.files.delete(uploaded.id)
     refused = chat({"type": "file", "file": {"file_id": uploaded.id}})
     assert refused.status_code == 400 and "no file has" in refused.json()["error"]["message"]
+
+
+def test_an_upload_holds_its_room_while_it_arrives(served, monkeypatch) -> None:
+    """A body of unknown length (chunked) holds the bytes it has sent so far, not the whole
+    store; one that outgrows the room is a 413; either way the hold is given back."""
+    llm, http, client = served
+    store = llm.server.batch_api.store
+    before = store.used
+    monkeypatch.setattr(store, "capacity", before + 200_000)
+    seen: list[int] = []
+
+    def upload(size: int):
+        boundary = "b0undary"
+        head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n"
+                f"batch\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+                f"filename=\"a.jsonl\"\r\nContent-Type: application/octet-stream\r\n\r\n")
+
+        def chunks():  # (a generator: sent chunked, with no Content-Length)
+            yield head.encode()
+            for _ in range(size // 10_000):
+                seen.append(store.used)
+                yield b"x" * 10_000
+            yield f"\r\n--{boundary}--\r\n".encode()
+
+        return http.post("/v1/files", content=chunks(),
+                         headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+
+    small = upload(50_000)
+    assert small.status_code == 200, small.text
+    assert max(seen) < before + 100_000  # what had arrived, not the store's 200 KB
+    assert store.used == before + 50_000
+    too_big = upload(300_000)
+    assert too_big.status_code == 413, too_big.text
+    assert store.used == before + 50_000
+    client.files.delete(small.json()["id"])
+    assert store.used == before

@@ -4,7 +4,7 @@ it (``POST /v1/batches``), follow it (``GET /v1/batches/{id}``, ``GET /v1/batche
 (``POST /v1/batches/{id}/cancel``) and download its answers (``GET /v1/files/{id}/content``);
 files are listed, looked up and deleted (``GET``/``DELETE /v1/files/{id}``). Images uploaded
 (``purpose`` ``vision`` or ``user_data``) are named by requests: a Responses API
-``input_image``'s ``file_id``, a chat ``file`` part's (``open_image``).
+``input_image``'s ``file_id``, a chat ``file`` part's (``image_path``).
 
 A batch is checked whole first (``validating``): every line a request for the batch's
 endpoint, custom ids unique, at most ``MAX_REQUESTS``; a file that is not fails the batch
@@ -73,6 +73,7 @@ WINDOW_BYTES = 64 * 1024 * 1024  # a batch's requests and answers held at once
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 FINISHED = ("completed", "failed", "expired", "cancelled")
 PURPOSES = ("batch", "vision", "user_data")  # of uploads
+IMAGE_PURPOSES = ("vision", "user_data")  # of the files requests may name as images
 
 
 @dataclass
@@ -167,16 +168,20 @@ class BatchApi:
         if self.store is not None:
             self.store.close()
 
-    def open_image(self, file_id: str) -> BinaryIO:
-        """The bytes of an uploaded file, open, for a request's image that names it; an
-        ``InvalidInputError`` where there is none."""
+    def image_path(self, file_id: str) -> str:
+        """Where an uploaded image a request names is; an ``InvalidInputError`` where no
+        image was uploaded with that id."""
         assert self.store is not None, "BatchApi.start made no store"
-        try:
-            return self.store.open(file_id)[1]
-        except ApiError:
-            raise InvalidInputError(f"an image names the file {file_id!r}, and no file has "
-                                    "that id: upload the image first (files.create, purpose "
-                                    "'vision').") from None
+        stored = self.store.files.get(file_id)
+        if stored is None:
+            raise InvalidInputError(f"an image names the file {_shown(file_id)}, and no file "
+                                    "has that id: upload the image first (files.create, "
+                                    "purpose 'vision').")
+        if stored.purpose not in IMAGE_PURPOSES:
+            raise InvalidInputError(f"an image names the file {_shown(file_id)}, which has "
+                                    f"the purpose {stored.purpose!r}; upload images with "
+                                    "purpose 'vision' or 'user_data'.")
+        return stored.path
 
     def routes(self) -> list[Route]:
         return [
@@ -221,18 +226,20 @@ class BatchApi:
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > cap + FORM_OVERHEAD_BYTES:
             raise too_big
-        # Held while the form is read (Starlette spools it to a temporary file first), so
-        # that uploads at once cannot together take more than the store has room for.
-        held = min(int(length), cap) if length.isdigit() else cap
-        store.reserve(held)
-        try:
-            stored = await self._receive_upload(request, store, cap, too_big)
-        finally:
-            store.used -= held
-        return JSONResponse(stored.body())
+        # The bytes received are held in the store while the form is read (Starlette spools
+        # it to a temporary file first), so that uploads at once cannot together take more
+        # than it has room for; a body of known length holds its room at once.
+        held = 0
 
-    async def _receive_upload(self, request: Request, store: FileStore, cap: int,
-                              too_big: ApiError) -> StoredFile:
+        def hold(size: int) -> None:
+            nonlocal held
+            if size > held:
+                try:
+                    store.reserve(size - held)
+                except StoreFull:
+                    raise too_big from None
+                held = size
+
         received = 0
 
         async def receive() -> dict[str, Any]:
@@ -241,12 +248,22 @@ class BatchApi:
             received += len(message.get("body", b""))
             if received > cap + FORM_OVERHEAD_BYTES:
                 raise too_big
+            hold(received)
             return message
 
         try:
-            form = await asyncio.wait_for(
-                Request(request.scope, receive).form(max_files=1, max_fields=8),
-                self.upload_timeout_s)
+            hold(min(int(length), cap) if length.isdigit() else 0)
+            stored = await self._receive_upload(Request(request.scope, receive), store, cap,
+                                                too_big)
+        finally:
+            store.used -= held
+        return JSONResponse(stored.body())
+
+    async def _receive_upload(self, request: Request, store: FileStore, cap: int,
+                              too_big: ApiError) -> StoredFile:
+        try:
+            form = await asyncio.wait_for(request.form(max_files=1, max_fields=8),
+                                          self.upload_timeout_s)
         except HTTPException as e:  # the form could not be read
             raise bad_request(f"the upload is not a form that can be read: {e.detail}") from None
         except ClientDisconnect:
@@ -260,7 +277,7 @@ class BatchApi:
             if purpose not in PURPOSES:
                 raise bad_request(f"'purpose' must be 'batch' (a batch's requests), or 'vision' "
                                   f"or 'user_data' (images requests name by file_id), got "
-                                  f"{purpose!r}.", "purpose")
+                                  f"{_shown(purpose)}.", "purpose")
             if not isinstance(upload, UploadFile):
                 raise bad_request("the form has no file: send it as the 'file' field.", "file")
             expiry = _expiry(form.get("expires_after[anchor]"),
@@ -275,12 +292,12 @@ class BatchApi:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                 raise
+            store.used += size  # (the upload's hold is released by the caller)
+            name = os.path.basename(upload.filename or "") or "upload.jsonl"
+            return store.add(file_id, path, name[:255], purpose, size,
+                             DEFAULT_EXPIRY_S if expiry is None else expiry)
         finally:
             await form.close()
-        store.used += size  # (the upload's hold is released by the caller)
-        name = os.path.basename(upload.filename or "") or "upload.jsonl"
-        return store.add(file_id, path, name[:255], purpose, size,
-                         DEFAULT_EXPIRY_S if expiry is None else expiry)
 
     async def list_files(self, request: Request, store: FileStore) -> Response:
         query = dict(request.query_params)
@@ -329,7 +346,8 @@ class BatchApi:
             e.param = "input_file_id"
             raise
         if stored.purpose != "batch":
-            raise bad_request(f"{file_id} has the purpose {stored.purpose!r}; a batch reads a "
+            raise bad_request(f"{_shown(file_id)} has the purpose {stored.purpose!r}; a "
+                              "batch reads a "
                               "file uploaded with purpose 'batch'.", "input_file_id")
         if not self._forget_finished():
             raise ApiError(429, f"{MAX_BATCHES} batches have not finished; wait for some or "
@@ -483,7 +501,9 @@ async def _in_thread(func: Callable[..., Any], *args: Any) -> Any:
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
-        await asyncio.wait([future])
+        while not future.done():  # (however often it is cancelled meanwhile)
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([future])
         raise
 
 
@@ -581,6 +601,12 @@ def _metadata(metadata: Any) -> dict[str, str] | None:
                           f"to {METADATA_KEY_CHARS} characters, with strings of up to "
                           f"{METADATA_VALUE_CHARS} characters as values.", "metadata")
     return metadata
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error message shows it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _copy(source: BinaryIO, path: str) -> None:

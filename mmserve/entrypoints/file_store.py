@@ -91,7 +91,8 @@ class FileStore:
         self.sweep()
         stored = self.files.get(file_id)
         if stored is None:
-            raise ApiError(404, f"no file has the id {file_id!r} (files are kept until "
+            shown = file_id if len(file_id) <= 80 else f"{file_id[:77]}..."
+            raise ApiError(404, f"no file has the id {shown!r} (files are kept until "
                            "deleted or expired, and not across restarts).",
                            param="file_id", code="file_not_found")
         return stored

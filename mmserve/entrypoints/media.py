@@ -27,7 +27,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
 from PIL import Image
@@ -96,9 +95,9 @@ class MediaLoader:
         self.policy = policy
         self.max_pixels = max_pixels
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="mmserve-media")
-        # An uploaded file's bytes, open, by its id (or ``InvalidInputError``): set by a
+        # Where an uploaded image is, by its file id (or ``InvalidInputError``): set by a
         # server that keeps files; called on the event loop.
-        self.open_file: Callable[[str], BinaryIO] | None = None
+        self.file_path: Callable[[str], str] | None = None
 
     async def load(self, url: str | EmbedsPart | FilePart,
                    param: str = "messages") -> bytes | ImageEmbeds:
@@ -109,21 +108,26 @@ class MediaLoader:
         if isinstance(url, EmbedsPart):
             return await loop.run_in_executor(self._executor, load_embeds, url, param)
         if isinstance(url, FilePart):
-            if self.open_file is None:
-                raise InvalidInputError(f"an image names the uploaded file {url.file_id!r}, "
-                                        "but this server keeps no files (--files-store-mib "
-                                        "0); send it as an image URL.", param=param)
+            if self.file_path is None:
+                raise InvalidInputError(f"an image names the uploaded file {_short(url.file_id)}"
+                                        ", but no files are kept here (mmserve serve keeps "
+                                        "them unless --files-store-mib is 0); send it as an "
+                                        "image URL.", param=param)
             try:
-                source = self.open_file(url.file_id)
+                path = self.file_path(url.file_id)
             except InvalidInputError as e:
                 e.param = e.param or param
                 raise
-            return await loop.run_in_executor(self._executor, self._read_file, source, param)
+            return await loop.run_in_executor(self._executor, self._read_file, path, param)
         return await loop.run_in_executor(self._executor, self._load, url, param)
 
-    def _read_file(self, source: BinaryIO, param: str) -> bytes:
-        with source:
-            data = source.read(self.policy.max_bytes + 1)
+    def _read_file(self, path: str, param: str) -> bytes:
+        try:
+            with open(path, "rb") as source:
+                data = source.read(self.policy.max_bytes + 1)
+        except FileNotFoundError:  # deleted since the request named it
+            raise InvalidInputError("an image names an uploaded file that was deleted "
+                                    "meanwhile; upload it again.", param=param) from None
         if len(data) > self.policy.max_bytes:
             raise InvalidInputError(
                 f"an uploaded image is over the limit of {self.policy.max_bytes} bytes; send a "

@@ -878,7 +878,8 @@ def _parse_messages(messages: Any, max_images: int, mm_embeds: bool = False
             else:
                 supported = "'text'"
                 if role != "tool":
-                    supported += ", 'image_url'" + (", 'image_embeds'" if mm_embeds else "")
+                    supported += ", 'image_url', 'file'" + (", 'image_embeds'" if mm_embeds
+                                                           else "")
                 raise bad_request(f"{pwhere} has type {kind!r}; supported: {supported}",
                                   f"{pwhere}.type")
         out.append({"role": role, "content": parts, **extra})

@@ -296,7 +296,8 @@ def _messages(items: Any, instructions: Any, earlier: list[dict[str, Any]]
 
 def _content(item: dict[str, Any], at: str) -> Any:
     """A message item's content as chat content: ``input_text`` and ``output_text`` parts as
-    text, ``input_image`` as an ``image_url`` part."""
+    text, ``input_image`` as an ``image_url`` part (a ``file`` part where it names an uploaded
+    image by ``file_id``)."""
     content = item.get("content")
     if isinstance(content, str) or not isinstance(content, list):
         return content  # the chat checks say what is wrong with anything else
@@ -306,14 +307,18 @@ def _content(item: dict[str, Any], at: str) -> Any:
         if kind in ("input_text", "output_text", "text"):
             parts.append({"type": "text", "text": part.get("text")})
         elif kind == "input_image":
-            if part.get("image_url"):
-                parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
-            elif part.get("file_id"):  # an uploaded image: the chat's file part
-                parts.append({"type": "file", "file": {"file_id": part["file_id"]}})
+            url, file_id = part.get("image_url"), part.get("file_id")
+            if (url is None) == (file_id is None):
+                raise bad_request(f"{at}.content[{j}] needs one of 'image_url' (an http(s) or "
+                                  "data: URL) and 'file_id' (an image uploaded with "
+                                  "files.create)", f"{at}.content[{j}]")
+            if file_id is None:
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+            elif isinstance(file_id, str) and file_id:  # an uploaded image: a chat file part
+                parts.append({"type": "file", "file": {"file_id": file_id}})
             else:
-                raise bad_request(f"{at}.content[{j}] needs 'image_url' (an http(s) or data: "
-                                  "URL) or 'file_id' (an image uploaded with files.create)",
-                                  f"{at}.content[{j}]")
+                raise bad_request(f"{at}.content[{j}].file_id must be a file's id",
+                                  f"{at}.content[{j}].file_id")
         else:
             raise bad_request(f"{at}.content[{j}] has type {kind!r}; supported: 'input_text', "
                               "'input_image', 'output_text'", f"{at}.content[{j}].type")
