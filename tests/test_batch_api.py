@@ -506,3 +506,39 @@ def test_an_upload_holds_its_room_while_it_arrives(served, monkeypatch) -> None:
     assert store.used == before + 50_000
     client.files.delete(small.json()["id"])
     assert store.used == before
+
+
+def test_a_batch_line_goes_only_while_nothing_waits_one_a_step() -> None:
+    """``_admit``: with lines in flight, the next waits for a step after the last one went
+    and for the engine's queue to be empty; with none in flight it goes at once."""
+    import asyncio
+
+    from mmserve.entrypoints.batch_api import BatchApi
+
+    stats = {"num_steps": 10, "num_waiting": 0}
+    api = BatchApi(1, model="m", max_body_bytes=1024, seats=4, body_timeout_s=1.0,
+                   api_key=None, read_json=None, broken=lambda: None,
+                   engine_stats=lambda: dict(stats))
+
+    async def scenario() -> list[str]:
+        seen: list[str] = []
+        await api._admit(0)  # nothing in flight: at once
+        seen.append("first")
+        second = asyncio.create_task(api._admit(1))
+        await asyncio.sleep(0.05)
+        seen.append(f"second before a step: {second.done()}")
+        stats.update(num_steps=11, num_waiting=2)  # a step, but clients' requests wait
+        await asyncio.sleep(0.05)
+        seen.append(f"second while requests wait: {second.done()}")
+        stats.update(num_waiting=0)
+        await asyncio.wait_for(second, 1.0)
+        seen.append("second")
+        third = asyncio.create_task(api._admit(2))
+        await asyncio.sleep(0.05)
+        seen.append(f"third in the same step: {third.done()}")
+        third.cancel()
+        return seen
+
+    assert asyncio.run(scenario()) == [
+        "first", "second before a step: False", "second while requests wait: False",
+        "second", "third in the same step: False"]

@@ -146,7 +146,7 @@ class OpenAIServer:
             max_body_bytes=config.max_request_body_bytes,
             seats=engine.config.max_num_seqs // 2, body_timeout_s=config.body_timeout_s,
             api_key=config.api_key, read_json=self._read_json,
-            broken=lambda: self.engine.error)
+            broken=lambda: self.engine.error, engine_stats=self._stats)
 
         @functools.lru_cache(maxsize=1 << 16)
         def token_text(token_id: int) -> str:  # what a token stands for, for logprobs

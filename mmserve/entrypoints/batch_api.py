@@ -11,9 +11,10 @@ endpoint, custom ids unique, at most ``MAX_REQUESTS``; a file that is not fails 
 with the errors of its lines, and nothing runs. Then its lines are answered as ``mmserve
 run-batch`` answers them (``run_batch.py``): posted to this server's own app in this process,
 so with the same validation, answers and errors as a client's request. Batches run one at a
-time, in the order they were made, holding at most half of the engine's ``max_num_seqs``
-requests at once so that clients' requests keep the other half; a line the queue has no room
-for (503 with Retry-After) waits and is sent again. The answers with status 200 go to the
+time, in the order they were made, and yield to clients: a line goes to the engine only while
+nothing waits there, one a step (``_admit``), and at most half of the engine's
+``max_num_seqs`` are a batch's; a line the queue has no room for (503 with Retry-After) waits
+and is sent again. The answers with status 200 go to the
 batch's output file, the others to its error file (OpenAI's ``output_file_id`` and
 ``error_file_id``); a batch cancelled, expired (past its 24 hours) or failing for want of room
 in the store keeps what it answered before.
@@ -70,6 +71,7 @@ MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600
 UPLOAD_TIMEOUT_FACTOR = 10  # an upload may take ten times --body-timeout
 FORM_OVERHEAD_BYTES = 64 * 1024  # an upload's form fields and part headers beside the file
 WINDOW_BYTES = 64 * 1024 * 1024  # a batch's requests and answers held at once
+ADMIT_POLL_S = 0.005  # how often a batch's next line looks for room in the engine (_admit)
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 FINISHED = ("completed", "failed", "expired", "cancelled")
 PURPOSES = ("batch", "vision", "user_data")  # of uploads
@@ -130,12 +132,14 @@ class BatchApi:
     is 0: each endpoint then says how to turn them on). ``read_json``: the server's bounded
     reading of a request's JSON body (of at most ``max_body_bytes``, as a batch's lines);
     ``broken``: the engine's error once it has failed for good; ``seats``: the requests a
-    batch may have in the engine at once."""
+    batch may have in the engine at once; ``engine_stats``: the engine's counters as of its
+    last step (``num_waiting``, ``num_steps``)."""
 
     def __init__(self, capacity: int, *, model: str, max_body_bytes: int, seats: int,
                  body_timeout_s: float, api_key: str | None,
                  read_json: Callable[[Request], Awaitable[Any]],
-                 broken: Callable[[], BaseException | None]) -> None:
+                 broken: Callable[[], BaseException | None],
+                 engine_stats: Callable[[], dict[str, Any]]) -> None:
         self.capacity = capacity
         self.store: FileStore | None = None  # made by ``start``
         self.model = model
@@ -146,6 +150,8 @@ class BatchApi:
                         ((b"authorization", f"Bearer {api_key}".encode()),))
         self.read_json = read_json
         self.broken = broken
+        self.engine_stats = engine_stats
+        self._admitted_at_step = -1  # the engine's step count when a batch's last line went
         self.completion_window_s: float = COMPLETION_WINDOW_S
         self.batches: dict[str, Batch] = {}  # in the order they were made
         self.app: Callable[..., Any] | None = None  # set by ``start``
@@ -478,12 +484,29 @@ class BatchApi:
                         max_line_bytes=self.max_line_bytes, window_lines=self.seats,
                         window_bytes=WINDOW_BYTES, broken=self.broken, on_written=written,
                         summary=batch.summary, headers=self.headers, retry_busy=True,
-                        defaults=defaults)
+                        defaults=defaults, admit=self._admit)
         if batch.summary.stopped is not None:
             raise BatchFailed([_error("engine_stopped", f"{batch.summary.stopped}; the lines "
                                       "answered before it are in the output and error "
                                       "files")])
         batch.mark("finalizing")
+
+
+    async def _admit(self, in_flight: int) -> None:
+        """Wait till a batch's next line may go to the engine: one a step at most, and only
+        while nothing waits there, so that a client's request that comes meanwhile finds at
+        most one of the batch's ahead of it in the queue (the engine's counters are those of
+        its last step: the line that went before has had a step to be taken in). Where none
+        of the batch's ``in_flight`` lines is (at its start, or after lines refused at once),
+        a line goes without waiting for a step."""
+        while True:
+            stats = self.engine_stats()
+            steps = stats.get("num_steps", 0)
+            if stats.get("num_waiting", 0) == 0 and (steps > self._admitted_at_step
+                                                     or in_flight == 0):
+                self._admitted_at_step = steps
+                return
+            await asyncio.sleep(ADMIT_POLL_S)
 
 
 class BatchFailed(Exception):

@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, TextIO
 
@@ -311,7 +311,8 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                     on_written: Callable[[str], None] = lambda status: None,
                     summary: BatchSummary | None = None, errors_out: TextIO | None = None,
                     headers: tuple[tuple[bytes, bytes], ...] = (), retry_busy: bool = False,
-                    defaults: dict[str, Any] | None = None) -> BatchSummary:
+                    defaults: dict[str, Any] | None = None,
+                    admit: Callable[[int], Awaitable[None]] | None = None) -> BatchSummary:
     """Answer every line of ``source`` (bytes, one request a line of at most
     ``max_line_bytes`` bytes; blank lines skipped) by posting it to ``app`` (with
     ``headers``), writing one output line each to ``out`` in the input's order, or to
@@ -320,8 +321,9 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
     (the engine is gone); an output line that cannot be written stops the run with that
     error. ``retry_busy``: a request the server has no room for (503 with Retry-After) waits
     that long and is posted again, until ``broken()``. ``defaults``: fields each request's
-    body takes where it has none of its own. ``summary``: filled in as the run goes (what an
-    interrupted run did)."""
+    body takes where it has none of its own. ``admit(requests in flight)``: awaited before
+    each request is posted (a server's batch yields to its clients). ``summary``: filled in
+    as the run goes (what an interrupted run did)."""
     client = AsgiClient(app, headers)
     window = Window(window_lines, window_bytes)
     reader = LineReader(source)
@@ -415,6 +417,8 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                                        "'stream' out", "stream")
                     put(index, _output_line(request.custom_id, refusal, None), size, "400")
                 else:
+                    if admit is not None:
+                        await admit(len(tasks))
                     task = asyncio.create_task(answer(index, request, size))
                     tasks.add(task)
                     task.add_done_callback(finished)
