@@ -542,3 +542,23 @@ def test_a_batch_line_goes_only_while_nothing_waits_one_a_step() -> None:
     assert asyncio.run(scenario()) == [
         "first", "second before a step: False", "second while requests wait: False",
         "second", "third in the same step: False"]
+
+
+@pytest.mark.slow
+def test_the_batch_benchmark_runs(clip_llama: str, capsys) -> None:
+    """``benchmarks/batch_api.py`` at a tiny scale: its three runs report (the figures are
+    not checked: they depend on the machine)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "batch_api.py"
+    spec = importlib.util.spec_from_file_location("batch_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--model", clip_llama, "--lines", "3", "--max-tokens", "4",
+                        "--clients", "1", "--requests", "2", "--image-size", "40",
+                        "--serve-args", "--max-model-len 512"]) == 0
+    rows = capsys.readouterr().out.splitlines()[-3:]
+    assert [row.split()[0] for row in rows] == ["alone", "batch", "flood"]
+    assert all(float(row.split()[1]) > 0 for row in rows)
+    assert rows[0].split()[3] == "-" and float(rows[1].split()[3]) > 0
