@@ -562,3 +562,47 @@ def test_the_batch_benchmark_runs(clip_llama: str, capsys) -> None:
     assert [row.split()[0] for row in rows] == ["alone", "batch", "flood"]
     assert all(float(row.split()[1]) > 0 for row in rows)
     assert rows[0].split()[3] == "-" and float(rows[1].split()[3]) > 0
+
+
+def test_a_broken_engine_lets_the_lines_go_to_be_refused() -> None:
+    """Once the engine is broken its counters stop (a client's request may look waiting for
+    ever): ``_admit`` lets the line go, to be refused, rather than hold the batch."""
+    import asyncio
+
+    from mmserve.entrypoints.batch_api import BatchApi
+
+    broken: list[BaseException] = []
+    api = BatchApi(1, model="m", max_body_bytes=1024, seats=4, body_timeout_s=1.0,
+                   api_key=None, read_json=None, broken=lambda: broken[0] if broken else None,
+                   engine_stats=lambda: {"num_steps": 3, "num_waiting": 2})
+
+    async def scenario() -> bool:
+        waiting = asyncio.create_task(api._admit(1))
+        await asyncio.sleep(0.05)
+        held = not waiting.done()
+        broken.append(RuntimeError("the engine stopped"))
+        await asyncio.wait_for(waiting, 1.0)
+        return held
+
+    assert asyncio.run(scenario())
+
+
+def test_the_file_count_counts_the_outputs_of_batches_to_come(served, monkeypatch) -> None:
+    from mmserve.entrypoints import batch_api
+
+    llm, _, client = served
+    store = llm.server.batch_api.store
+    uploaded = _upload(client, [_line("a", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})])
+    monkeypatch.setattr(batch_api, "MAX_FILES", len(store.files) + 1)
+    with pytest.raises(openai.ConflictError, match="at most"):
+        client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                              completion_window="24h")  # (its two outputs would not fit)
+    monkeypatch.setattr(batch_api, "MAX_FILES", len(store.files))
+    with pytest.raises(openai.ConflictError, match="at most"):
+        _upload(client, [b"{}\n"])
+    monkeypatch.setattr(batch_api, "MAX_FILES", len(store.files) + 2)
+    batch = _wait(client, client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+        completion_window="24h").id)
+    assert batch.status == "completed" and len(store.files) <= batch_api.MAX_FILES

@@ -131,9 +131,10 @@ class BatchApi:
     """The Files and Batch endpoints over a ``FileStore`` of ``capacity`` bytes (none where it
     is 0: each endpoint then says how to turn them on). ``read_json``: the server's bounded
     reading of a request's JSON body (of at most ``max_body_bytes``, as a batch's lines);
-    ``broken``: the engine's error once it has failed for good; ``seats``: the requests a
-    batch may have in the engine at once; ``engine_stats``: the engine's counters as of its
-    last step (``num_waiting``, ``num_steps``)."""
+    ``broken``: the engine's error once it has failed for good; ``seats``: the lines a batch
+    may have in flight at once (a line asking for several answers counts once);
+    ``engine_stats``: the engine's counters as of its last step (``num_waiting``,
+    ``num_steps``)."""
 
     def __init__(self, capacity: int, *, model: str, max_body_bytes: int, seats: int,
                  body_timeout_s: float, api_key: str | None,
@@ -358,7 +359,7 @@ class BatchApi:
         if not self._forget_finished():
             raise ApiError(429, f"{MAX_BATCHES} batches have not finished; wait for some or "
                            "cancel them.", type="rate_limit_error", code="too_many_batches")
-        self._check_file_count(store)
+        self._check_file_count(store, new=2)  # (its outputs)
         batch = Batch(f"batch_{uuid.uuid4().hex}", endpoint, file_id, self.model, metadata,
                       DEFAULT_EXPIRY_S if expiry is None else expiry)
         self.batches[batch.id] = batch
@@ -393,12 +394,12 @@ class BatchApi:
                            code="batch_not_found")
         return batch
 
-    def _check_file_count(self, store: FileStore) -> None:
-        """Refuse a new file where the store, with the two outputs each batch not finished
-        yet will keep, holds ``MAX_FILES`` already."""
+    def _check_file_count(self, store: FileStore, new: int = 1) -> None:
+        """Refuse ``new`` files more where the store, with the two outputs each batch not
+        finished yet will keep, would hold more than ``MAX_FILES``."""
         store.sweep()
         pending = 2 * sum(b.status not in FINISHED for b in self.batches.values())
-        if len(store.files) + pending >= MAX_FILES:
+        if len(store.files) + pending + new > MAX_FILES:
             raise ApiError(409, f"the server keeps at most {MAX_FILES} files, counting the "
                            f"outputs of batches still running ({pending}); delete files no "
                            "longer needed.", code="too_many_files")
@@ -491,15 +492,15 @@ class BatchApi:
                                       "files")])
         batch.mark("finalizing")
 
-
     async def _admit(self, in_flight: int) -> None:
         """Wait till a batch's next line may go to the engine: one a step at most, and only
-        while nothing waits there, so that a client's request that comes meanwhile finds at
-        most one of the batch's ahead of it in the queue (the engine's counters are those of
-        its last step: the line that went before has had a step to be taken in). Where none
-        of the batch's ``in_flight`` lines is (at its start, or after lines refused at once),
-        a line goes without waiting for a step."""
-        while True:
+        while nothing waits in the engine's queue, so that the batch's lines do not pile up
+        there ahead of clients' requests (the engine's counters are those of its last step;
+        lines still being prepared, their images read and processed, are not in the queue
+        yet and may reach it together, up to ``seats``). Where none of the batch's
+        ``in_flight`` lines is (at its start, or after lines refused at once), a line goes
+        without waiting for a step; once the engine is broken, at once (it is refused)."""
+        while self.broken() is None:
             stats = self.engine_stats()
             steps = stats.get("num_steps", 0)
             if stats.get("num_waiting", 0) == 0 and (steps > self._admitted_at_step
@@ -510,7 +511,8 @@ class BatchApi:
 
 
 class BatchFailed(Exception):
-    """A batch that cannot go on: its file has bad lines, or the engine broke."""
+    """A batch that cannot go on: its file has bad lines or was deleted before its turn, or
+    the engine broke."""
 
     def __init__(self, errors: list[dict[str, Any]]) -> None:
         super().__init__(errors[0]["message"])

@@ -36,6 +36,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # Where a request's image comes from: a URL, its embeddings, or an uploaded file.
 ImageSource = str | EmbedsPart | FilePart
 
+
 class ApiError(Exception):
     """An HTTP error with OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``."""
 

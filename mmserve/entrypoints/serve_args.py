@@ -56,8 +56,8 @@ class ServerConfig:
     model_aliases: tuple[str, ...] = ()
     # The Responses API's stored responses, at most this many bytes of JSON (0: none kept).
     responses_store_bytes: int = 64 * 1024 * 1024
-    # The Files API's files (batch inputs and outputs), at most this many bytes on disk
-    # (0: no Files or Batch API).
+    # The Files API's files (uploads: batch inputs and images; batches' outputs), at most
+    # this many bytes on disk (0: no Files or Batch API).
     files_store_bytes: int = 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
@@ -238,8 +238,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    "the least recently used are forgotten past it; 0 stores none")
     p.add_argument("--files-store-mib", type=float,
                    default=ServerConfig.files_store_bytes / 2**20,
-                   help="disk for the Files API's files (batch input files and the outputs "
-                   "of batches, /v1/files and /v1/batches), MiB, in a temporary folder "
+                   help="disk for the Files API's files (uploaded batch inputs and images, "
+                   "batches' outputs: /v1/files and /v1/batches), MiB, in a temporary folder "
                    "removed at exit; 0 turns the Files and Batch APIs off")
     _add_front_door_args(p)
     return p
