@@ -588,21 +588,21 @@ def test_a_broken_engine_lets_the_lines_go_to_be_refused() -> None:
 
 
 def test_the_file_count_counts_the_outputs_of_batches_to_come(served, monkeypatch) -> None:
-    from mmserve.entrypoints import batch_api
+    from mmserve.entrypoints import files_api
 
     llm, _, client = served
     store = llm.server.batch_api.store
     uploaded = _upload(client, [_line("a", "/v1/chat/completions", {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})])
-    monkeypatch.setattr(batch_api, "MAX_FILES", len(store.files) + 1)
+    monkeypatch.setattr(files_api, "MAX_FILES", len(store.files) + 1)
     with pytest.raises(openai.ConflictError, match="at most"):
         client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                               completion_window="24h")  # (its two outputs would not fit)
-    monkeypatch.setattr(batch_api, "MAX_FILES", len(store.files))
+    monkeypatch.setattr(files_api, "MAX_FILES", len(store.files))
     with pytest.raises(openai.ConflictError, match="at most"):
         _upload(client, [b"{}\n"])
-    monkeypatch.setattr(batch_api, "MAX_FILES", len(store.files) + 2)
+    monkeypatch.setattr(files_api, "MAX_FILES", len(store.files) + 2)
     batch = _wait(client, client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions",
         completion_window="24h").id)
-    assert batch.status == "completed" and len(store.files) <= batch_api.MAX_FILES
+    assert batch.status == "completed" and len(store.files) <= files_api.MAX_FILES

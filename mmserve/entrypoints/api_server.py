@@ -1080,7 +1080,7 @@ class OpenAIServer:
             self.engine.start()
             self.batch_api.start(app)
             if self.batch_api.store is not None:  # images may name uploaded files
-                self.media.file_path = self.batch_api.image_path
+                self.media.file_path = self.batch_api.files.image_path
             # The event loop's tokenizer, copied off the loop before requests need it.
             await asyncio.get_running_loop().run_in_executor(None, self._copy_tokenizer)
             logger.info("serving %r", self.model)
