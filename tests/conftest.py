@@ -155,6 +155,19 @@ def openai_app(model: str, server: dict[str, Any] | None = None,
         assert_no_leaks(llm.engine)
 
 
+def load_benchmark(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module (the folder is no package), for tests that run a
+    benchmark at a tiny scale."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def slow_down_steps(engine, seconds: float, monkeypatch: Any) -> None:
     """Make each of ``engine``'s steps take ``seconds`` more (till the test ends), so that a
     long answer is still running when a test acts on it, on any machine."""

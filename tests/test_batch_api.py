@@ -17,7 +17,7 @@ import pytest
 
 from mmserve.entrypoints.api_server import OpenAIServer
 from mmserve.entrypoints.serve_args import ServerConfig
-from tests.conftest import make_image, openai_app, slow_down_steps
+from tests.conftest import load_benchmark, make_image, openai_app, slow_down_steps
 from tests.test_run_batch import _line, _without_ids
 from tests.test_server import data_url, image_message
 
@@ -548,16 +548,9 @@ def test_a_batch_line_goes_only_while_nothing_waits_one_a_step() -> None:
 def test_the_batch_benchmark_runs(clip_llama: str, capsys) -> None:
     """``benchmarks/batch_api.py`` at a tiny scale: its three runs report (the figures are
     not checked: they depend on the machine)."""
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "batch_api.py"
-    spec = importlib.util.spec_from_file_location("batch_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--model", clip_llama, "--lines", "3", "--max-tokens", "4",
-                        "--clients", "1", "--requests", "2", "--image-size", "40",
-                        "--serve-args", "--max-model-len 512"]) == 0
+    assert load_benchmark("batch_api").main([
+        "--model", clip_llama, "--lines", "3", "--max-tokens", "4", "--clients", "1",
+        "--requests", "2", "--image-size", "40", "--serve-args", "--max-model-len 512"]) == 0
     rows = capsys.readouterr().out.splitlines()[-3:]
     assert [row.split()[0] for row in rows] == ["alone", "batch", "flood"]
     assert all(float(row.split()[1]) > 0 for row in rows)

@@ -20,7 +20,7 @@ from mmserve.processing.hf_processors import load_qwen2_vl_processor
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.testing.oracle import hf_last_hidden_state, load_hf_processor
 from mmserve.worker.model_runner import CPUModelRunner
-from tests.conftest import assert_no_leaks, make_image, openai_app
+from tests.conftest import assert_no_leaks, load_benchmark, make_image, openai_app
 from tests.test_parity import mixed_batch
 from tests.test_server import data_url
 from tests.test_step_failures import GREEDY
@@ -333,14 +333,8 @@ def test_what_score_and_rerank_refuse(served, path: str, body: dict, param: str)
 def test_the_embeddings_benchmark_runs(clip_llama: str, capsys) -> None:
     """``benchmarks/embeddings.py`` at a tiny scale: both sides ran and agree (its figures are
     not checked: they depend on the machine)."""
-    import importlib.util
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "embeddings.py"
-    spec = importlib.util.spec_from_file_location("embeddings_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--model", clip_llama, "--num-prompts", "3", "--rounds", "1",
-                        "--image-size", "40", "--hf-batch-size", "2"]) == 0
+    assert load_benchmark("embeddings").main([
+        "--model", clip_llama, "--num-prompts", "3", "--rounds", "1", "--image-size", "40",
+        "--hf-batch-size", "2"]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert "ratio" in line and float(line.rsplit(" ", 1)[1]) < ATOL

@@ -4,20 +4,14 @@ figures are not checked: a step's time depends on the machine.)"""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "simulated_device.py"
+from tests.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def simulated_device():
-    spec = importlib.util.spec_from_file_location("simulated_device", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("simulated_device")
 
 
 @pytest.mark.parametrize("mode", ["in step", "ahead"])

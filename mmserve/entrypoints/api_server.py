@@ -526,8 +526,7 @@ class OpenAIServer:
         try:
             page = input_items_page(entry.input_items, dict(request.query_params))
         except ValueError as e:
-            param, _, why = str(e).partition(": ")
-            return error_response(proto.bad_request(f"{param}: {why}", param))
+            return error_response(proto.bad_page(e))
         return JSONResponse(page)
 
     def _stored(self, request: Request) -> Stored | Response:

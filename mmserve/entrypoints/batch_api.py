@@ -34,14 +34,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mmserve.entrypoints.file_store import FileStore, OutputFile, StoreFull
+from mmserve.entrypoints.file_store import FileStore, OutputFile, StoreFull, shown
 from mmserve.entrypoints.files_api import (
     DEFAULT_EXPIRY_S,
     FilesApi,
     expiry_of,
     in_thread,
     paged,
-    shown,
 )
 from mmserve.entrypoints.openai_protocol import ApiError, bad_request
 from mmserve.entrypoints.run_batch import (

@@ -25,6 +25,13 @@ MAX_FILES = 10_000  # uploads refused past it (a batch's outputs are bounded by 
 SWEEP_INTERVAL_S = 1.0  # expired files are looked for at most this often
 
 
+def shown(value: object) -> str:
+    """``value`` as an error message shows it (a file id a client sent): its repr, cut
+    short."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
 class StoreFull(OSError):
     """A file, or a batch's output, that would not fit in the store."""
 
@@ -91,8 +98,7 @@ class FileStore:
         self.sweep()
         stored = self.files.get(file_id)
         if stored is None:
-            shown = file_id if len(file_id) <= 80 else f"{file_id[:77]}..."
-            raise ApiError(404, f"no file has the id {shown!r} (files are kept until "
+            raise ApiError(404, f"no file has the id {shown(file_id)} (files are kept until "
                            "deleted or expired, and not across restarts).",
                            param="file_id", code="file_not_found")
         return stored

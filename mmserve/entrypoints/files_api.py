@@ -26,9 +26,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mmserve.entrypoints.file_store import MAX_FILES, FileStore, StoredFile, StoreFull
+from mmserve.entrypoints.file_store import MAX_FILES, FileStore, StoredFile, StoreFull, shown
 from mmserve.entrypoints.http_middleware import error_response
-from mmserve.entrypoints.openai_protocol import ApiError, bad_request
+from mmserve.entrypoints.openai_protocol import ApiError, bad_page, bad_request
 from mmserve.entrypoints.openai_shapes import list_page
 from mmserve.errors import InvalidInputError
 
@@ -238,8 +238,7 @@ def paged(items: list[dict[str, Any]], query: dict[str, str], default_limit: int
     try:
         return list_page(items, query, default_limit, max_limit, what)
     except ValueError as e:  # "limit: must be ..."
-        param, _, message = str(e).partition(": ")
-        raise bad_request(f"'{param}' {message}.", param) from None
+        raise bad_page(e) from None
 
 
 def expiry_of(anchor: Any, seconds: Any, param: str) -> int | None:
@@ -255,12 +254,6 @@ def expiry_of(anchor: Any, seconds: Any, param: str) -> int | None:
         raise bad_request(f"'{param}' must have 'anchor' 'created_at' and 'seconds' from "
                           f"{MIN_EXPIRY_S} to {MAX_EXPIRY_S}.", param)
     return value
-
-
-def shown(value: Any) -> str:
-    """``value`` as an error message shows it: its repr, cut short."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _copy(source: BinaryIO, path: str) -> None:

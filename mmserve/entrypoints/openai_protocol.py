@@ -60,6 +60,13 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def bad_page(e: ValueError) -> ApiError:
+    """A list's bad query parameter (``openai_shapes.list_page``'s ``ValueError``, "param:
+    why") as a 400 naming it."""
+    param, _, why = str(e).partition(": ")
+    return bad_request(f"{param}: {why}", param)
+
+
 @dataclass
 class ChatRequest:
     """A validated chat request. ``messages`` hold ``{"type": "image"}`` parts in place of
