@@ -2,7 +2,8 @@
 answered line by line as the server answers each request (chat with images, embeddings), the
 200s in the output file and the rest in the error file, counted and summed as OpenAI's batch
 object says; a file with bad lines fails whole before anything runs; a batch cancelled or
-expired mid-run keeps what it answered and leaves no request behind; the store's bytes are
+expired mid-run keeps what it answered, writes the lines it did not answer to its error file
+and leaves no request behind; the store's bytes are
 bounded; every refusal names what to change."""
 
 from __future__ import annotations
@@ -194,7 +195,21 @@ def test_a_cancelled_batch_keeps_its_answers_and_leaves_no_request(served,
     answered = _lines(client, batch.output_file_id)
     assert 1 <= len(answered) == batch.request_counts.completed < 12
     assert all(line["response"]["status_code"] == 200 for line in answered)
+    _assert_left_with(client, batch, "batch_cancelled", 12)
     assert _drained(llm.engine)
+
+
+def _assert_left_with(client: openai.OpenAI, batch, code: str, total: int) -> None:
+    """Each line the batch did not answer is in its error file with ``code``: every line is
+    in one of its files once, and the counts add up."""
+    answered = _lines(client, batch.output_file_id)
+    left = _lines(client, batch.error_file_id)
+    assert left and all(line["error"]["code"] == code and line["response"] is None
+                        for line in left)
+    assert sorted(line["custom_id"] for line in answered + left) == sorted(
+        f"long-{i}" for i in range(total))
+    counts = batch.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (total, len(answered), len(left))
 
 
 def test_a_batch_past_its_window_expires_with_what_it_answered(served, slow_steps,
@@ -206,6 +221,7 @@ def test_a_batch_past_its_window_expires_with_what_it_answered(served, slow_step
         endpoint="/v1/chat/completions", completion_window="24h").id)
     assert batch.status == "expired" and batch.expired_at is not None
     assert len(_lines(client, batch.output_file_id)) == batch.request_counts.completed < 16
+    _assert_left_with(client, batch, "batch_expired", 16)
     assert _drained(llm.engine)
 
 

@@ -384,3 +384,70 @@ def test_a_busy_server_is_asked_again_and_errors_go_apart() -> None:
                           window_lines=4))
     assert [json.loads(line)["response"]["status_code"]
             for line in out.getvalue().splitlines()] == [200, 503]
+
+
+LEFT = {"code": "batch_cancelled", "message": "cancelled"}
+
+
+@pytest.mark.parametrize("left", [LEFT, None])
+def test_a_cancelled_run_writes_each_line_left_with_the_error_it_is_given(left) -> None:
+    """Cancelled with line 0 held in flight, lines 1-4 answered behind it and line 5 waiting
+    for room: the answers are written, and ``left_error``'s error for line 0, line 5 and
+    every line not yet read (a blank one skipped, a too-long one without its custom id)."""
+    data = (_numbered(12) + b"\n" + b"x" * 5000 + b"\n"
+            + _line("n19", "/v1/completions", {"prompt": 19}))
+    lines_in = [line for line in data.splitlines() if line.strip()]
+
+    async def scenario() -> tuple[object, list[str]]:
+        app, told = HeldApp(), []
+        out, errors = io.StringIO(), io.StringIO()
+        task = asyncio.create_task(run_batch(
+            app, io.BytesIO(data), out, errors_out=errors, max_line_bytes=4096,
+            window_lines=5, on_written=told.append, left_error=lambda: left))
+        while len(app.started) < 5 or app.active > 1:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)  # line 5 read, waiting for room in the window
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return told, out.getvalue(), errors.getvalue()
+
+    told, out, errors = asyncio.run(scenario())
+    if left is None:  # nothing: line 0's place is never filled
+        assert told == [] and out == errors == ""
+        return
+    answered = [json.loads(line) for line in out.splitlines()]
+    assert [line["custom_id"] for line in answered] == ["n1", "n2", "n3", "n4"]
+    refused = [json.loads(line) for line in errors.splitlines()]
+    assert len(lines_in) == 14 and told == ["batch_cancelled"] + ["200"] * 4 + [
+        "batch_cancelled"] * 9
+    assert [line["custom_id"] for line in refused] == [
+        "n0", *(f"n{i}" for i in range(5, 12)), None, "n19"]
+    assert all(line["error"] == LEFT and line["response"] is None for line in refused)
+
+
+def test_a_read_whose_caller_is_cancelled_goes_to_the_next_call() -> None:
+    import threading
+
+    from mmserve.entrypoints.run_batch import LineReader
+
+    class Slow(io.BytesIO):
+        gate = threading.Event()
+
+        def readline(self, limit=-1):
+            self.gate.wait(5)
+            return super().readline(limit)
+
+    async def scenario() -> list[bytes]:
+        reader = LineReader(Slow(b"one\ntwo\n"))
+        first = asyncio.create_task(reader.readline(100))
+        await asyncio.sleep(0.02)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        Slow.gate.set()
+        lines = [await reader.readline(100) for _ in range(3)]
+        reader.close()
+        return lines
+
+    assert asyncio.run(scenario()) == [b"one\n", b"two\n", b""]

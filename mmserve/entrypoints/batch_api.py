@@ -14,7 +14,9 @@ nothing waits there, one a step (``_admit``), and at most half of the engine's
 and is sent again. The answers with status 200 go to the
 batch's output file, the others to its error file (OpenAI's ``output_file_id`` and
 ``error_file_id``); a batch cancelled, expired (past its 24 hours) or failing for want of room
-in the store keeps what it answered before.
+in the store keeps what it answered before, and a cancelled or expired one writes each line it
+did not answer to its error file (``batch_cancelled``, ``batch_expired``), so that every line
+is in one of its files.
 
 A batch's record is kept while the server runs (the ``MAX_BATCHES`` newest); its files,
 until deleted or expired.
@@ -63,6 +65,11 @@ WINDOW_BYTES = 64 * 1024 * 1024  # a batch's requests and answers held at once
 ADMIT_POLL_S = 0.005  # how often a batch's next line looks for room in the engine (_admit)
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 FINISHED = ("completed", "failed", "expired", "cancelled")
+LEFT_ERRORS = {  # written for each line a batch did not answer, by why it ended
+    "cancelled": {"code": "batch_cancelled",
+                  "message": "the batch was cancelled before this request was answered"},
+    "expired": {"code": "batch_expired", "message": "the batch's completion window ended "
+                "before this request was answered"}}
 
 
 @dataclass
@@ -84,6 +91,7 @@ class Batch:
     failed: int = 0
     summary: BatchSummary = field(default_factory=BatchSummary)
     task: asyncio.Task | None = None
+    ending: str | None = None  # "cancelled" or "expired": why its task is cancelled
 
     def mark(self, status: str) -> None:
         """Enter ``status`` now (``in_progress_at``, ``failed_at``... say when)."""
@@ -235,8 +243,7 @@ class BatchApi:
                            code="batch_finished")
         if batch.status != "cancelling":
             batch.mark("cancelling")
-            assert batch.task is not None
-            batch.task.cancel()
+            _end(batch, "cancelled")
         return JSONResponse(batch.body())
 
     def _batch(self, request: Request) -> Batch:
@@ -263,13 +270,13 @@ class BatchApi:
         Cancelling the task cancels the batch; past its window it expires."""
         outputs: list[OutputFile] = []
         status, errors = "completed", None
+        left = batch.created_at + self.completion_window_s - time.time()
+        deadline = asyncio.get_running_loop().call_later(max(left, 0.0), _end, batch,
+                                                          "expired")
         try:
-            left = batch.created_at + self.completion_window_s - time.time()
-            await asyncio.wait_for(self._take_turn(batch, store, outputs), left)
-        except asyncio.TimeoutError:
-            status = "expired"
-        except asyncio.CancelledError:
-            status = "cancelled"  # (its task ends here: nothing waits on it)
+            await self._take_turn(batch, store, outputs)
+        except asyncio.CancelledError:  # (its task ends here: nothing waits on it)
+            status = batch.ending or "cancelled"  # (or the server stops)
         except BatchFailed as e:
             status, errors = "failed", e.errors
         except StoreFull as e:
@@ -279,6 +286,7 @@ class BatchApi:
             status, errors = "failed", [_error("server_error",
                                                f"internal error: {type(e).__name__}")]
         finally:
+            deadline.cancel()
             try:
                 kept = [out.keep(batch.output_expiry_s) for out in outputs]
             except OSError as e:  # a full disk: nothing is kept
@@ -329,7 +337,8 @@ class BatchApi:
                         max_line_bytes=self.max_line_bytes, window_lines=self.seats,
                         window_bytes=WINDOW_BYTES, broken=self.broken, on_written=written,
                         summary=batch.summary, headers=self.headers, retry_busy=True,
-                        defaults=defaults, admit=self._admit)
+                        defaults=defaults, admit=self._admit,
+                        left_error=lambda: LEFT_ERRORS.get(batch.ending or ""))
         if batch.summary.stopped is not None:
             raise BatchFailed([_error("engine_stopped", f"{batch.summary.stopped}; the lines "
                                       "answered before it are in the output and error "
@@ -361,6 +370,14 @@ class BatchFailed(Exception):
     def __init__(self, errors: list[dict[str, Any]]) -> None:
         super().__init__(errors[0]["message"])
         self.errors = errors
+
+
+def _end(batch: Batch, why: str) -> None:
+    """Cancel ``batch``'s task, saying ``why`` (the first reason given stays)."""
+    if batch.ending is None:
+        batch.ending = why
+        assert batch.task is not None
+        batch.task.cancel()
 
 
 def _error(code: str, message: str) -> dict[str, Any]:

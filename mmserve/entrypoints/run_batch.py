@@ -214,6 +214,7 @@ class LineReader:
     def __init__(self, source: BinaryIO) -> None:
         self._source = source
         self._asks: queue.SimpleQueue = queue.SimpleQueue()
+        self._unclaimed: asyncio.Future | None = None  # a read whose caller was cancelled
         threading.Thread(target=self._serve, name="run-batch-reader", daemon=True).start()
 
     def _serve(self) -> None:
@@ -229,10 +230,21 @@ class LineReader:
                 return
 
     async def readline(self, limit: int) -> bytes:
-        """The next line, or its first ``limit`` bytes; b"" at the end."""
-        future = asyncio.get_running_loop().create_future()
-        self._asks.put((asyncio.get_running_loop(), future, limit))
-        return await future
+        """The next line, or its first ``limit`` bytes; b"" at the end. A call cancelled
+        while the line is read leaves it to the next call (whose ``limit`` is not used)."""
+        if self._unclaimed is None:
+            loop = asyncio.get_running_loop()
+            self._unclaimed = loop.create_future()
+            self._asks.put((loop, self._unclaimed, limit))
+        try:
+            line = await asyncio.shield(self._unclaimed)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._unclaimed = None
+            raise
+        self._unclaimed = None
+        return line
 
     def close(self) -> None:
         self._asks.put(None)
@@ -254,7 +266,7 @@ class BatchSummary:
     cached_tokens: int = 0
     output_tokens: int = 0
     statuses: dict[str, int] = field(default_factory=dict)  # "400", "invalid_url", ...
-    last_line: int = 0  # the input's physical line the last request read came from
+    last_line: int = 0  # the input's physical lines read so far
     read_all: bool = False  # the input was read to its end
     stopped: str | None = None  # the engine broke on the way
 
@@ -312,7 +324,9 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                     summary: BatchSummary | None = None, errors_out: TextIO | None = None,
                     headers: tuple[tuple[bytes, bytes], ...] = (), retry_busy: bool = False,
                     defaults: dict[str, Any] | None = None,
-                    admit: Callable[[int], Awaitable[None]] | None = None) -> BatchSummary:
+                    admit: Callable[[int], Awaitable[None]] | None = None,
+                    left_error: Callable[[], dict[str, str] | None] = lambda: None
+                    ) -> BatchSummary:
     """Answer every line of ``source`` (bytes, one request a line of at most
     ``max_line_bytes`` bytes; blank lines skipped) by posting it to ``app`` (with
     ``headers``), writing one output line each to ``out`` in the input's order, or to
@@ -322,8 +336,11 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
     error. ``retry_busy``: a request the server has no room for (503 with Retry-After) waits
     that long and is posted again, until ``broken()``. ``defaults``: fields each request's
     body takes where it has none of its own. ``admit(requests in flight)``: awaited before
-    each request is posted (a server's batch yields to its clients). ``summary``: filled in
-    as the run goes (what an interrupted run did)."""
+    each request is posted (a server's batch yields to its clients). ``left_error()``: asked
+    when the run is cancelled; an error (``code`` and ``message``) it gives is written, with
+    its custom id, for each line not answered by then (those in flight are aborted), the rest
+    of ``source`` read for them (OpenAI's ``batch_cancelled`` and ``batch_expired`` lines).
+    ``summary``: filled in as the run goes (what an interrupted run did)."""
     client = AsgiClient(app, headers)
     window = Window(window_lines, window_bytes)
     reader = LineReader(source)
@@ -331,7 +348,7 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
     ready: dict[int, tuple[str, str]] = {}  # line, status
     written = 0
     seen: set[bytes] = set()
-    tasks: set[asyncio.Task] = set()
+    tasks: dict[asyncio.Task, tuple[int, str, int]] = {}  # its line's index, custom id, size
 
     def put(index: int, line: str, size: int, status: str) -> None:
         """Line ``index``'s output (its request, of ``size`` bytes, answered); written with
@@ -373,37 +390,61 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
         put(index, _output_line(request.custom_id, response, None), size, str(status))
 
     def finished(task: asyncio.Task) -> None:
-        tasks.discard(task)
+        tasks.pop(task, None)
         if task.cancelled():
             window.fail(RuntimeError("a line's answer was cancelled"))
         elif task.exception() is not None:  # its output line could not be written
             window.fail(task.exception())
 
-    index = physical = 0
+    async def next_line() -> tuple[bytes, LineError | None] | None:
+        """The next line that is not blank, with the error of one that is too long (and
+        skipped, a piece at a time); None at the end."""
+        while line := await reader.readline(max_line_bytes + 2):
+            summary.last_line += 1
+            if len(line) - line.endswith(b"\n") > max_line_bytes:
+                while line and not line.endswith(b"\n"):
+                    line = await reader.readline(1 << 20)
+                return b"", LineError("line_too_long", f"the line is over {max_line_bytes} "
+                                      "bytes (--max-request-body-bytes); send smaller images "
+                                      "or fewer of them")
+            if line.strip():
+                return line, None
+        return None
+
+    async def write_left(error: dict[str, str], current: tuple[int, bytes, int] | None,
+                         index: int) -> None:
+        """Abort the lines in flight; write ``error`` for each line not answered, from those
+        in flight and ``current`` (read, not yet posted) to the end of the input."""
+        flying = list(tasks.values())
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if current is not None:
+            flying.append((current[0], _custom_id_of(current[1]), current[2]))
+        for at, custom_id, size in sorted(flying):
+            if at >= written and at not in ready:
+                put(at, _output_line(custom_id, None, error), size, error["code"])
+        while (read := await next_line()) is not None:
+            line, failure = read
+            custom_id = None if failure is not None else _custom_id_of(line)
+            put(index, _output_line(custom_id, None, error), len(line), error["code"])
+            index += 1
+
+    index = 0
+    current: tuple[int, bytes, int] | None = None  # the line read and not yet posted
     try:
         while True:
             if (error := broken()) is not None:
                 summary.stopped = f"the engine stopped: {error}"
                 break
-            line = await reader.readline(max_line_bytes + 2)
-            if not line:
+            read = await next_line()
+            if read is None:
                 summary.read_all = True
                 break
-            physical += 1
-            ended = line.endswith(b"\n")
-            if len(line) - ended > max_line_bytes:  # skip the rest of it, a piece at a time
-                while line and not line.endswith(b"\n"):
-                    line = await reader.readline(1 << 20)
-                failure = LineError("line_too_long", f"the line is over {max_line_bytes} "
-                                    "bytes (--max-request-body-bytes); send smaller images "
-                                    "or fewer of them")
-                size = max_line_bytes
-            elif not line.strip():
-                continue
-            else:
-                failure, size = None, len(line)
+            line, failure = read
+            size = max_line_bytes if failure is not None else len(line)
+            current = (index, line, size)
             await window.enter(size)
-            summary.last_line = physical
             try:
                 if failure is not None:
                     raise failure
@@ -420,17 +461,35 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                     if admit is not None:
                         await admit(len(tasks))
                     task = asyncio.create_task(answer(index, request, size))
-                    tasks.add(task)
+                    tasks[task] = (index, request.custom_id, size)
                     task.add_done_callback(finished)
+            current = None
             index += 1
         await asyncio.gather(*tasks)
         if summary.stopped is None and (error := broken()) is not None:
             summary.stopped = f"the engine stopped: {error}"
+    except asyncio.CancelledError:
+        if (left := left_error()) is not None:
+            try:
+                await write_left(left, current, index + (current is not None))
+            except Exception as e:  # (an output that cannot be written: what was, stays)
+                logger.warning("run-batch: the lines left could not all be written: %s", e)
+        raise
     finally:
         reader.close()
-        for task in tasks:
+        for task in list(tasks):
             task.cancel()
     return summary
+
+
+def _custom_id_of(line: bytes) -> str | None:
+    """A line's ``custom_id``, where it has one."""
+    try:
+        item = json.loads(line)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    custom_id = item.get("custom_id") if isinstance(item, dict) else None
+    return custom_id if isinstance(custom_id, str) else None
 
 
 def _seconds(retry_after: str) -> float:
