@@ -21,6 +21,7 @@ from mmserve import LLM, SamplingParams
 from mmserve.config import EngineConfig
 from mmserve.entrypoints.cli import build_parser, main
 from mmserve.entrypoints.engine_args import engine_argv, engine_kwargs
+from mmserve.errors import InvalidInputError
 from mmserve.processing.images import image_hash
 from mmserve.processing.processor import InputProcessor
 from tests.conftest import assert_no_leaks, make_image
@@ -216,3 +217,22 @@ def test_hash_follows_the_settings(clip_llama: str) -> None:
     assert plain == [image_hash(image)]  # unchanged without settings
     assert len({plain[0], no_norm[0], other_mean[0]}) == 3
     assert hashes(dict(SETTINGS[0])) == no_norm  # the same settings: the same entry
+
+
+def test_a_request_of_a_fixed_size_model_is_told_its_settings_change_nothing(
+        clip_llama: str) -> None:
+    """A LLaVA image is always the same tokens: a request's own ``mm_processor_kwargs``
+    (vLLM's) are refused with the reason, the server's settings still apply, and the engine
+    goes on."""
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        prompt = {"prompt": "<image> what?", "images": [make_image(0, (40, 30))],
+                  "mm_processor_kwargs": {"max_pixels": 1000}}
+        with pytest.raises(InvalidInputError, match="nothing to change") as e:
+            llm.generate(prompt, SamplingParams(max_tokens=2))
+        assert e.value.param == "mm_processor_kwargs"
+        del prompt["mm_processor_kwargs"]
+        assert len(llm.generate(prompt, SamplingParams(max_tokens=2))[0].token_ids) == 2
+        # An empty object is no setting at all.
+        prompt["mm_processor_kwargs"] = {}
+        assert len(llm.generate(prompt, SamplingParams(max_tokens=2))[0].token_ids) == 2
+        assert_no_leaks(llm.engine)

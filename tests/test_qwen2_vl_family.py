@@ -12,7 +12,9 @@ import transformers
 from transformers import AutoConfig
 
 from mmserve import LLM, SamplingParams
+from mmserve.errors import InvalidInputError
 from mmserve.inputs import ImageInput
+from mmserve.processing.processor import InputProcessor
 from mmserve.processing.registry import family_for
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.testing.oracle import hf_greedy_generate, load_hf_processor
@@ -163,3 +165,31 @@ def test_profile_batch_spends_the_whole_encoder_budget(qwen2_vl: str) -> None:
     assert sum(tokens) == budget.compute_tokens == 300
     for h, n in batch.scheduler_output.images_to_encode.items():
         assert int(batch.encoder_pixels[h]["image_grid_thw"].prod()) == 4 * n
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"max_pixels": 10**9}, "at most max_pixels="),
+    ({"min_pixels": 28 * 28 * 9, "max_pixels": 28 * 28 * 4}, "more than max_pixels"),
+    ({"min_pixels": 10, "max_pixels": 10}, "at least 784"),
+    ({"max_pixels": "big"}, "positive whole number"),
+    ({"max_pixels": True}, "positive whole number"),
+    ({"do_resize": False}, "not 'do_resize'"),
+    ([1], "must be an object"),
+])
+def test_a_requests_settings_beyond_the_servers_are_refused(qwen2_vl: str, kwargs,
+                                                            says: str) -> None:
+    """A request's ``mm_processor_kwargs`` may shrink its images, never grow them past what
+    the encoder budget was sized for, and only the pixel bounds are a request's."""
+    processor = InputProcessor(qwen2_vl, AutoConfig.from_pretrained(qwen2_vl), 10**8,
+                               {"max_pixels": 28 * 28 * 64})
+    prompt = {"prompt": f"{processor.image_token} hi", "images": [make_image(0, (90, 60))],
+              "mm_processor_kwargs": kwargs}
+    with pytest.raises(InvalidInputError, match=says) as e:
+        processor.process(prompt)
+    assert e.value.param == "mm_processor_kwargs"
+    # The server's own bounds, sent again, are the server's family.
+    assert processor._family_for({"max_pixels": 28 * 28 * 64}) is processor.family
+    small = processor._family_for({"max_pixels": 28 * 28 * 4})
+    assert small.max_pixels == 28 * 28 * 4
+    assert small.max_tokens_per_item < processor.tokens_per_image
+    assert small is processor._family_for({"max_pixels": 28 * 28 * 4})  # (made once)

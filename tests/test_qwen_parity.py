@@ -179,3 +179,30 @@ def test_parity_with_borrowed_encoder_outputs_under_kv_pressure(qwen: dict[str, 
     stats = llm.stats()
     assert stats["encoder_cache_spills"] > 0 and stats["encoder_cache_restores"] > 0
     assert stats["encoder_cache_kv_pressure_evictions"] > 0
+
+
+def test_parity_with_a_requests_own_pixel_bounds(qwen: dict[str, str]) -> None:
+    """vLLM's per-request ``mm_processor_kwargs``: each request's images resized within its
+    own ``min_pixels`` / ``max_pixels``, in one batch beside requests of the server's
+    settings; the same tokens as transformers' processor given each request's setting, and
+    the same image under other settings hashes apart (encoded again), under the same, not."""
+    path = qwen["qwen2_vl"]
+    checkpoint_min = _template(path).image_processor.size["shortest_edge"]
+    bounds = [None, {"max_pixels": 28 * 28 * 6}, {"min_pixels": 28 * 28 * 20},
+              {"max_pixels": 28 * 28 * 6}, None]
+    prompts = [{**_conversation(text, [i]), **({} if b is None else {"mm_processor_kwargs": b})}
+               for text, i, b in zip(["describe", "what is it", "colours?", "again", "more"],
+                                     [3, 3, 0, 3, 0], bounds, strict=True)]
+    llm = LLM(path, dtype="float32", max_num_seqs=8)
+    expected = []
+    for prompt, b in zip(prompts, bounds, strict=True):
+        b = b or {}
+        size = {"shortest_edge": b.get("min_pixels", checkpoint_min),
+                "longest_edge": b.get("max_pixels", _template(path).image_processor.size[
+                    "longest_edge"])}
+        expected += reference(path, [prompt], size=size)
+    assert run(llm, prompts) == expected
+    lengths = [llm.engine.processor.process(p).images[0].length for p in prompts]
+    assert lengths[1] == lengths[3] <= 6 < lengths[0] and lengths[2] >= 20 > lengths[4]
+    # Image 3 under two settings, image 0 under two: four encoder runs, one hit.
+    assert llm.stats()["encoder_items_computed"] == 4

@@ -176,6 +176,39 @@ def test_video_is_refused_and_the_server_keeps_serving(client: openai.OpenAI, ll
     wait_drained(server.url)
 
 
+def test_a_requests_own_max_pixels_over_http(client: openai.OpenAI, llm: LLM, server: Server,
+                                             qwen: str) -> None:
+    """vLLM's per-request ``mm_processor_kwargs``: the chat endpoint and the Responses API
+    resize the request's images within its ``max_pixels``, as the Python API and
+    transformers' processor do; more than the server's is a 400 that names the field."""
+    image, small = IMAGES[3], {"max_pixels": 28 * 28 * 4}
+    prompt = {"messages": [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "what is it?"}]}], "images": [image],
+        "mm_processor_kwargs": small}
+    expected = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))[0]
+    (placeholder,) = llm.engine.processor.process(prompt).images
+    assert placeholder.length == hf_tokens(qwen, image, small["max_pixels"]) <= 4
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, messages=image_message("what is it?", data_url(image)),
+        max_tokens=MAX_TOKENS, temperature=0, extra_body={"mm_processor_kwargs": small})
+    assert answer.choices[0].message.content == expected.text
+    assert answer.usage.prompt_tokens == expected.num_prompt_tokens
+    response = client.responses.create(
+        model=MODEL_NAME, max_output_tokens=MAX_TOKENS, temperature=0,
+        input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(image)},
+            {"type": "input_text", "text": "what is it?"}]}],
+        extra_body={"mm_processor_kwargs": small})
+    assert response.usage.input_tokens == expected.num_prompt_tokens
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=image_message("what is it?", data_url(image)),
+            max_tokens=2, extra_body={"mm_processor_kwargs": {"max_pixels": 10 ** 8}})
+    assert caught.value.body["param"] == "mm_processor_kwargs"
+    assert f"at most max_pixels={SERVE_MAX_PIXELS}" in caught.value.body["message"]
+    wait_drained(server.url)
+
+
 @pytest.mark.parametrize("part", [{"type": "video", "video": "clip.mp4"},
                                   {"type": "video_url", "video_url": {"url": "clip.mp4"}},
                                   {"type": "input_video", "input_video": "clip.mp4"}],

@@ -121,18 +121,23 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations; ``tools``: the
         functions (OpenAI's ``tools``) the chat template shows the model. As vLLM's: the
         prompt ends with the start of a new assistant turn (``add_generation_prompt``), or
         inside the last message, an assistant's, for the model to go on writing it
         (``continue_final_message``, with ``add_generation_prompt=False``);
-        ``chat_template_kwargs``: more variables for the template."""
+        ``chat_template_kwargs``: more variables for the template; ``mm_processor_kwargs``:
+        image-processor settings for these prompts' images over the engine's (Qwen2-VL's
+        ``min_pixels`` and ``max_pixels``, up to the engine's), as a prompt's own key of that
+        name is in ``generate``."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [{"messages": conv, "images": images or [],
                     "add_generation_prompt": add_generation_prompt,
                     "continue_final_message": continue_final_message,
                     "chat_template_kwargs": chat_template_kwargs,
+                    "mm_processor_kwargs": mm_processor_kwargs,
                     **({} if tools is None else {"tools": tools})} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

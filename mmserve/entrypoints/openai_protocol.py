@@ -132,7 +132,8 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
                           "'use_beam_search' or leave the tools out.", "use_beam_search")
     return ChatRequest(messages, image_urls, params, stream=stream, include_usage=include_usage,
                        continuous_usage=continuous_usage, model=model, tools=tools,
-                       tool_choice=tool_choice, turn={**_turn(body), **_cache_salt(body)},
+                       tool_choice=tool_choice,
+                       turn={**_turn(body), **_cache_salt(body), **_mm_kwargs(body)},
                        beam=beam, prompt_logprobs=prompt_logprobs,
                        tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None))
 
@@ -146,6 +147,18 @@ def _cache_salt(body: dict[str, Any]) -> dict[str, str]:
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
     return {} if salt is None else {"cache_salt": salt}
+
+
+def _mm_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``mm_processor_kwargs``, where given: image-processor settings for this request's
+    images over the server's (the processor says which a model takes)."""
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("'mm_processor_kwargs' must be an object of image-processor "
+                          "settings, such as {\"max_pixels\": 200704}", "mm_processor_kwargs")
+    return {"mm_processor_kwargs": kwargs}
 
 
 def _turn(body: dict[str, Any]) -> dict[str, Any]:
@@ -247,7 +260,7 @@ def parse_completion_request(body: Any, max_model_len: int,
 
 # Fields of the chat endpoint's the chat form takes (the sampling ones have no use here).
 _EMBEDDING_CHAT_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
-                          "chat_template_kwargs")
+                          "chat_template_kwargs", "mm_processor_kwargs")
 
 
 @dataclass

@@ -95,7 +95,8 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("stream", "stream"), ("model", "model"),
                          ("parallel_tool_calls", "parallel_tool_calls"),
-                         ("priority", "priority"), ("cache_salt", "cache_salt")):
+                         ("priority", "priority"), ("cache_salt", "cache_salt"),
+                         ("mm_processor_kwargs", "mm_processor_kwargs")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     if body.get("tools"):

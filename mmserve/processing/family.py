@@ -184,6 +184,17 @@ class MultiModalFamily(ABC):
         """The settings that bound the largest image, as a user would pass them."""
         return f"mm_processor_kwargs={self.mm_processor_kwargs}"
 
+    def for_request(self, kwargs: dict[str, Any]) -> MultiModalFamily:
+        """This family under a request's own image-processor settings (vLLM's per-request
+        ``mm_processor_kwargs``, over the server's), or ``InvalidInputError`` saying what to
+        change: they may make a request's images fewer tokens, never more than
+        ``max_tokens_per_item`` (the encoder's budget was sized for it). The default takes
+        none: the family's images are all one size."""
+        raise InvalidInputError(
+            f"{type(self.image_processor).__name__} makes every image "
+            f"{self.max_tokens_per_item} tokens; a request's 'mm_processor_kwargs' have "
+            "nothing to change for this model: leave them out.", param="mm_processor_kwargs")
+
     def resized_pixels(self, width: int, height: int) -> int:
         """Pixels of the image processor's resize output (before any crop) for a ``width`` x
         ``height`` image, for the estimate of preprocessing's memory. The default reads the

@@ -38,6 +38,7 @@ from mmserve.processing.chat_template import (
     template_kwargs,
 )
 from mmserve.processing.chat_tools import template_tool_calls, template_tools
+from mmserve.processing.family import MultiModalFamily
 from mmserve.processing.images import ImageLike, InvalidInputError, image_hash, load_image
 from mmserve.processing.registry import family_for
 
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 # A prompt to be truncated (``truncate_prompt_tokens``) may be this many times max_model_len
 # tokens before it is: the tokenizer, which requests take in turn, reads all of it.
 TRUNCATED_PROMPT_FACTOR = 4
+MAX_REQUEST_MM_KWARGS = 16  # settings in one prompt's mm_processor_kwargs
 
 IMAGE_PART_HINT = ("send images as image parts ({\"type\": \"image_url\", \"image_url\": "
                    "{\"url\": ...}}, or {\"type\": \"image\"} with 'images' in the Python API)")
@@ -155,6 +157,7 @@ class InputProcessor:
                 "a prompt must be a string or a dict with 'prompt' or 'messages' (and 'images')")
         if "multi_modal_data" in prompt:
             prompt = _images_from_multi_modal_data(prompt)
+        family = self._family_for(prompt.get("mm_processor_kwargs"))
         if "prompt_token_ids" in prompt:
             if prompt.get("images"):
                 raise InvalidInputError("a prompt of token ids takes no images; send the text "
@@ -199,7 +202,7 @@ class InputProcessor:
                 f"the prompt has {len(images)} images but limit_mm_per_prompt is {max_images}; "
                 "send fewer images or raise limit_mm_per_prompt.", param="images")
         # One image at a time, so only one decoded image and its resize are alive at once.
-        processed = self._tokenize(text, [self._preprocess_image(im) for im in images])
+        processed = self._tokenize(text, [self._preprocess_image(im, family) for im in images])
         return self._with_positions(self._truncated(processed, keep_last, self._added_prefix))
 
     def render_chat(self, messages: Any, images: list[ImageLike], max_chars: int | None = None,
@@ -376,19 +379,33 @@ class InputProcessor:
                 f"{IMAGE_PART_HINT}, not as placeholder text, and remove {self.image_token!r} "
                 "from the text.", param=where)
 
-    def _preprocess_image(self, image: ImageLike | ImageEmbeds) -> _PreprocessedImage:
-        """Decode, hash and run the image processor on one image. No lock: PIL, numpy and torch
-        release the GIL in their heavy loops, so other requests proceed meanwhile."""
+    def _family_for(self, kwargs: Any) -> MultiModalFamily:
+        """The family under a prompt's own ``mm_processor_kwargs`` (vLLM's), where it has
+        any: image-processor settings over the server's, for its images
+        (``MultiModalFamily.for_request`` says which)."""
+        if kwargs is None:
+            return self.family
+        if not isinstance(kwargs, dict) or len(kwargs) > MAX_REQUEST_MM_KWARGS:
+            raise InvalidInputError(f"'mm_processor_kwargs' must be an object of at most "
+                                    f"{MAX_REQUEST_MM_KWARGS} image-processor settings",
+                                    param="mm_processor_kwargs")
+        return self.family.for_request(kwargs) if kwargs else self.family
+
+    def _preprocess_image(self, image: ImageLike | ImageEmbeds,
+                          family: MultiModalFamily) -> _PreprocessedImage:
+        """Decode, hash and run ``family``'s image processor on one image. No lock: PIL, numpy
+        and torch release the GIL in their heavy loops, so other requests proceed
+        meanwhile."""
         if isinstance(image, ImageEmbeds):
             return self._preprocess_embeds(image)
         img = load_image(image, self.max_image_pixels)
-        digest = image_hash(img, self.mm_processor_kwargs)
-        pixel_values = (self.family.encoder_input(img) if self.pixel_arithmetic is None
-                        else self.family.device_encoder_input(img, self.pixel_arithmetic))
-        peak = _preprocess_peak_bytes(img.size, self.family.resized_pixels(*img.size),
+        digest = image_hash(img, family.mm_processor_kwargs)
+        pixel_values = (family.encoder_input(img) if self.pixel_arithmetic is None
+                        else family.device_encoder_input(img, self.pixel_arithmetic))
+        peak = _preprocess_peak_bytes(img.size, family.resized_pixels(*img.size),
                                       pixel_values, self._decoded_copies)
-        return _PreprocessedImage(digest, pixel_values,
-                                  self.family.num_image_tokens(*img.size), peak)
+        return _PreprocessedImage(digest, pixel_values, family.num_image_tokens(*img.size),
+                                  peak)
 
     def _preprocess_embeds(self, item: ImageEmbeds) -> _PreprocessedImage:
         """An image given as its embeddings: checked against the model (the decoder's hidden

@@ -16,6 +16,8 @@ image starts, and the text after it continues from there plus the grid's longer 
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import math
 from typing import Any
@@ -144,6 +146,54 @@ class Qwen2VLFamily(MultiModalFamily):
                 f"'{json.dumps(pixels)}', or declare the largest "
                 f"image, e.g. --limit-mm-per-prompt '{{\"image\": {{\"count\": 1, "
                 f"\"width\": {side}, \"height\": {side}}}}}')")
+
+    def for_request(self, kwargs: dict[str, Any]) -> Qwen2VLFamily:
+        """``min_pixels`` and ``max_pixels`` (the area an image is resized into) for one
+        request's images: ``max_pixels`` up to the server's, and no pair that can make an
+        image more tokens than the server's largest."""
+        unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels"})
+        if unknown:
+            raise InvalidInputError(
+                f"a request's mm_processor_kwargs may set min_pixels and max_pixels (the area "
+                f"an image is resized into), not {', '.join(map(repr, unknown))}; the other "
+                "settings are the server's (--mm-processor-kwargs).",
+                param="mm_processor_kwargs")
+        low = kwargs.get("min_pixels", self.min_pixels)
+        high = kwargs.get("max_pixels", self.max_pixels)
+        for name, value in (("min_pixels", low), ("max_pixels", high)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidInputError(f"mm_processor_kwargs: {name} must be a positive "
+                                        f"whole number of pixels, got {value!r:.40}",
+                                        param="mm_processor_kwargs")
+        if (low, high) == (self.min_pixels, self.max_pixels):
+            return self
+        variant = None
+        if high <= self.max_pixels:
+            try:
+                variant = self._variant(low, high)
+            except ValueError as e:
+                raise InvalidInputError(f"mm_processor_kwargs: {e}",
+                                        param="mm_processor_kwargs") from None
+        if variant is None or variant.max_tokens_per_item > self.max_tokens_per_item:
+            can = "" if variant is None else (
+                f" (min_pixels={low} can make an image of {variant.max_tokens_per_item})")
+            raise InvalidInputError(
+                f"mm_processor_kwargs: this server's images are at most max_pixels="
+                f"{self.max_pixels}, {self.max_tokens_per_item} tokens, the size its encoder "
+                f"budget holds{can}: ask for at most that.", param="mm_processor_kwargs")
+        return variant
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 (a family lives as long as its engine)
+    def _variant(self, min_pixels: int, max_pixels: int) -> Qwen2VLFamily:
+        """A copy of this family with other pixel bounds, sharing its processor."""
+        low, high = self._pixel_bounds({"min_pixels": min_pixels, "max_pixels": max_pixels})
+        variant = copy.copy(self)
+        variant.min_pixels, variant.max_pixels = low, high
+        size = {"shortest_edge": low, "longest_edge": high}
+        variant.processor_kwargs = {**self.processor_kwargs, "size": size}
+        variant.mm_processor_kwargs = {**self.mm_processor_kwargs, "size": size}
+        variant._max_tokens, variant._worst_size = variant._largest_item()
+        return variant
 
     def resized_pixels(self, width: int, height: int) -> int:
         rows, cols = self.grid(width, height)
