@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from mmserve.entrypoints.api_server import OpenAIServer
+from mmserve.entrypoints.batch_api import BATCH_PRIORITY
 from mmserve.entrypoints.serve_args import ServerConfig
 from tests.conftest import load_benchmark, make_image, openai_app, slow_down_steps
 from tests.test_run_batch import _line, _without_ids
@@ -358,6 +359,32 @@ def test_a_server_stopping_mid_batch_leaves_no_request(clip_llama: str, monkeypa
     # (openai_app checks for leaks once the server's loop has stopped)
     assert llm.server.batch_api.batches[batch.id].status == "cancelled"
     assert not os.path.exists(folder)
+
+
+def test_under_priority_scheduling_a_batchs_lines_run_last(clip_llama: str,
+                                                          monkeypatch) -> None:
+    """``--scheduling-policy priority``: a batch's lines that name no priority get the lowest
+    (after clients' requests of any priority, preempted first); a line's own is kept, and a
+    client's request keeps the default."""
+    with openai_app(clip_llama, max_model_len=512, scheduling_policy="priority") as served:
+        llm, http, client = served
+        engine, seen = llm.server.engine, []
+        add = engine.add_completions
+
+        async def recorded(request_ids, prompt, params):
+            seen.append(params.priority)
+            return await add(request_ids, prompt, params)
+
+        monkeypatch.setattr(engine, "add_completions", recorded)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        batch = _wait(client, client.batches.create(
+            input_file_id=_upload(client, [_line("a", "/v1/chat/completions", body),
+                                           _line("b", "/v1/chat/completions",
+                                                 {**body, "priority": 5})]).id,
+            endpoint="/v1/chat/completions", completion_window="24h").id)
+        assert batch.status == "completed" and batch.request_counts.completed == 2
+        assert http.post("/v1/chat/completions", json=body).status_code == 200
+        assert sorted(seen[:2]) == [5, BATCH_PRIORITY] and seen[2:] == [0]
 
 
 def test_lines_pass_the_servers_api_key(clip_llama: str) -> None:

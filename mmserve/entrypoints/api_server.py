@@ -145,6 +145,7 @@ class OpenAIServer:
             config.files_store_bytes, model=self.model,
             max_body_bytes=config.max_request_body_bytes,
             seats=engine.config.max_num_seqs // 2, body_timeout_s=config.body_timeout_s,
+            by_priority=engine.config.scheduling_policy == "priority",
             api_key=config.api_key, read_json=self._read_json,
             broken=lambda: self.engine.error, engine_stats=self._stats)
 

@@ -63,6 +63,7 @@ MAX_BATCHES = 1_000  # records kept; the oldest finished are forgotten past it
 COMPLETION_WINDOW_S = 24 * 3600  # "24h", the one window OpenAI takes
 WINDOW_BYTES = 64 * 1024 * 1024  # a batch's requests and answers held at once
 ADMIT_POLL_S = 0.005  # how often a batch's next line looks for room in the engine (_admit)
+BATCH_PRIORITY = 2**63 - 1  # a line's under --scheduling-policy priority: the last to run
 METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 FINISHED = ("completed", "failed", "expired", "cancelled")
 LEFT_ERRORS = {  # written for each line a batch did not answer, by why it ended
@@ -130,10 +131,12 @@ class BatchApi:
     ``broken``: the engine's error once it has failed for good; ``seats``: the lines a batch
     may have in flight at once (a line asking for several answers counts once);
     ``engine_stats``: the engine's counters as of its last step (``num_waiting``,
-    ``num_steps``)."""
+    ``num_steps``); ``by_priority``: the engine schedules by priority, and a batch's lines
+    that name none get ``BATCH_PRIORITY`` (they run after clients' requests of any priority
+    and are preempted first)."""
 
     def __init__(self, capacity: int, *, model: str, max_body_bytes: int, seats: int,
-                 body_timeout_s: float, api_key: str | None,
+                 body_timeout_s: float, api_key: str | None, by_priority: bool = False,
                  read_json: Callable[[Request], Awaitable[Any]],
                  broken: Callable[[], BaseException | None],
                  engine_stats: Callable[[], dict[str, Any]]) -> None:
@@ -146,6 +149,7 @@ class BatchApi:
         self.read_json = read_json
         self.broken = broken
         self.engine_stats = engine_stats
+        self.by_priority = by_priority
         self._admitted_at_step = -1  # the engine's step count when a batch's last line went
         self.completion_window_s: float = COMPLETION_WINDOW_S
         self.batches: dict[str, Batch] = {}  # in the order they were made
@@ -332,7 +336,9 @@ class BatchApi:
         assert self.app is not None, "BatchApi.start was not called"
         # A batch's responses are not stored unless a line asks: they would push clients'
         # stored responses out of the store.
-        defaults = {"store": False} if batch.endpoint == "/v1/responses" else None
+        defaults: dict[str, Any] = {"store": False} if batch.endpoint == "/v1/responses" else {}
+        if self.by_priority:
+            defaults["priority"] = BATCH_PRIORITY
         await run_batch(self.app, source, outputs[0], errors_out=outputs[1],
                         max_line_bytes=self.max_line_bytes, window_lines=self.seats,
                         window_bytes=WINDOW_BYTES, broken=self.broken, on_written=written,
