@@ -32,7 +32,8 @@ class StandInEngine:
     """What ``OpenAIServer`` reads of an engine when it builds its app."""
 
     config = SimpleNamespace(max_model_len=64, limit_mm_per_prompt=1, max_image_pixels=10**6,
-                             max_num_seqs=1, model="", generation_config="vllm")
+                             max_num_seqs=1, model="", generation_config="vllm",
+                             scheduling_policy="fcfs")
 
     def stats(self) -> dict[str, Any]:
         return {}

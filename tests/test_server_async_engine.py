@@ -240,7 +240,8 @@ def test_health_answers_503_once_the_engine_died() -> None:
 
     fake = FakeEngine(crash_at_step=1)
     fake.config = SimpleNamespace(max_num_seqs=2, max_model_len=64, limit_mm_per_prompt=1,
-                                  max_image_pixels=1 << 20, model="", generation_config="vllm")
+                                  max_image_pixels=1 << 20, model="", generation_config="vllm",
+                                  scheduling_policy="fcfs")
     server = OpenAIServer(fake, ServerConfig("fake"))
     server.http_server = SimpleNamespace(should_exit=False)
     with TestClient(server.app()) as http:
@@ -325,7 +326,8 @@ def test_a_chat_streams_role_with_its_first_output(crash: bool) -> None:
 
     fake = FakeEngine(crash_at_step=1 if crash else None)
     fake.config = SimpleNamespace(max_num_seqs=2, max_model_len=64, limit_mm_per_prompt=1,
-                                  max_image_pixels=1 << 20, model="", generation_config="vllm")
+                                  max_image_pixels=1 << 20, model="", generation_config="vllm",
+                                  scheduling_policy="fcfs")
     server = OpenAIServer(fake, ServerConfig("fake"))
     body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 3, "stream": True}
