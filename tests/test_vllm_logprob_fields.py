@@ -2,7 +2,7 @@
 token's log-probability, rank and most likely alternatives, as vLLM shapes them, equal to the
 Python API's, images' placeholders included) and ``return_tokens_as_token_ids`` (tokens named
 "token_id:N", per request or by the server's ``--return-tokens-as-token-ids``), whole and
-streamed."""
+streamed; and ``return_token_ids`` (the prompt's and the answer's token ids)."""
 
 from __future__ import annotations
 
@@ -187,6 +187,43 @@ def test_tokens_as_token_ids_whole_and_streamed(served) -> None:
                     logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True)
     assert sum((chat_tokens(c["choices"][0]["logprobs"]["content"]) for c in streamed
                 if c["choices"] and c["choices"][0]["logprobs"]), []) == chat_tokens(content)
+
+
+def test_return_token_ids_whole_and_streamed(served) -> None:
+    """vLLM's ``return_token_ids``: the prompt's token ids (images' placeholders expanded) and
+    each choice's generated ids, equal to the Python API's; streamed, the prompt's in the
+    first chunk alone and each chunk's new ids, which add up to the whole; none without it."""
+    llm, http, references = served
+    chat_ref, text_ref = references["chat"], references["text"]
+    chat = _post(http, "/v1/chat/completions", messages=MESSAGES, max_tokens=4, n=2,
+                 return_token_ids=True)
+    assert chat["prompt_token_ids"] == chat_ref.prompt_token_ids
+    assert [c["token_ids"] for c in chat["choices"]] == [chat_ref.token_ids] * 2
+    assert chat_ref.prompt_token_ids.count(llm.engine.processor.image_token_id) > 1
+    chunks = _sse(http, "/v1/chat/completions", messages=MESSAGES, max_tokens=4,
+                  return_token_ids=True)
+    assert chunks[0]["prompt_token_ids"] == chat_ref.prompt_token_ids
+    assert not any("prompt_token_ids" in c for c in chunks[1:])
+    assert sum((c["choices"][0].get("token_ids") or [] for c in chunks if c["choices"]),
+               []) == chat_ref.token_ids
+
+    text = _post(http, "/v1/completions", prompt=[PROMPT, PROMPT], max_tokens=4,
+                 return_token_ids=True)
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in text["choices"]] == [
+        (text_ref.prompt_token_ids, text_ref.token_ids)] * 2
+    chunks = _sse(http, "/v1/completions", prompt=PROMPT, max_tokens=4, return_token_ids=True)
+    firsts = [c for c in chunks if c["choices"] and "prompt_token_ids" in c["choices"][0]]
+    assert len(firsts) == 1 and firsts[0]["choices"][0]["prompt_token_ids"] == (
+        text_ref.prompt_token_ids)
+    assert sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"]), []) == (
+        text_ref.token_ids)
+
+    plain = _post(http, "/v1/chat/completions", messages=MESSAGES, max_tokens=4)
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    assert not any("token_ids" in c["choices"][0] for c in _sse(
+        http, "/v1/completions", prompt=PROMPT, max_tokens=4) if c["choices"])
+    refused = http.post("/v1/completions", json={"prompt": PROMPT, "return_token_ids": "yes"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_token_ids"
 
 
 def test_the_servers_default_and_a_requests_override(clip_llama: str) -> None:

@@ -276,7 +276,8 @@ class OpenAIServer:
         if chat.stream:
             return self._event_stream(
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
-                          chat.continuous_usage, self._as_ids(chat.tokens_as_ids)))
+                          chat.continuous_usage, self._as_ids(chat.tokens_as_ids),
+                          chat.token_ids))
         return await self._complete(request, request_id, streams, chat)
 
     # ----------------------------------------------------------------- responses
@@ -733,6 +734,10 @@ class OpenAIServer:
                 i, content, tool_calls.finish_reason(out.finish_reason, tool_choice, reader),
                 logprobs, calls))
         body = shapes.completion(request_id, self.model, choices, usage_of([outs]))
+        if chat.token_ids:  # vLLM's return_token_ids
+            body["prompt_token_ids"] = outs[0].prompt_token_ids
+            for choice, out in zip(choices, outs, strict=True):
+                choice["token_ids"] = out.token_ids
         large = LargeParts()
         if chat.prompt_logprobs is not None:  # vLLM's: the prompt's, once (every choice's
             body["prompt_logprobs"] = self._prompt_logprobs(  # is the same)
@@ -754,26 +759,35 @@ class OpenAIServer:
 
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
                    tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False,
-                   as_ids: bool = False) -> AsyncIterator[str]:
+                   as_ids: bool = False, token_ids: bool = False) -> AsyncIterator[str]:
         """A chat answer's chunks: each choice's role first, with the choice's first output
         (as OpenAI and vLLM send it: a client that times the first chunk times the first
         token), then its text as it comes (or the tool calls read from it), in the order the
         choices produce it (``index`` says whose), the usage last when asked (and in every
-        chunk, that choice's so far, with ``continuous_usage``)."""
+        chunk, that choice's so far, with ``continuous_usage``). ``token_ids`` (vLLM's
+        ``return_token_ids``): the prompt's token ids in the first chunk, and in each chunk
+        of a choice the ids of its tokens since the one before."""
         created = int(time.time())
         answers = [Answer() for _ in streams]
         readers = [tool_calls.reader_for(tool_choice, self.tool_parser) for _ in streams]
+        prompt_ids: list[int] | None = None  # the prompt's, for the next chunk to carry
 
         def event(index: int, delta: dict[str, Any] | None, reason: str | None = None,
                   usage: dict[str, Any] | None = None, out: RequestOutput | None = None) -> str:
-            logprobs = None
-            if out is not None and out.logprobs is not None:  # the tokens since the last chunk
-                logprobs = shapes.logprobs_content(*answers[index].unsent(), self._token_text,
-                                                   as_ids)
+            nonlocal prompt_ids
+            logprobs, ids = None, []
+            if out is not None and (out.logprobs is not None or token_ids):
+                ids, entries = answers[index].unsent()  # the tokens since the last chunk
+                if out.logprobs is not None:
+                    logprobs = shapes.logprobs_content(ids, entries, self._token_text, as_ids)
             if continuous_usage and delta is not None and usage is None:
                 usage = answers[index].usage_so_far()
             body = shapes.chunk(rid, self.model, created, delta, reason, include_usage, usage,
                                 logprobs, index)
+            if token_ids and delta is not None:
+                body["choices"][0]["token_ids"] = ids
+                if prompt_ids is not None:
+                    body["prompt_token_ids"], prompt_ids = prompt_ids, None
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -785,6 +799,8 @@ class OpenAIServer:
                         yield f"data: {json.dumps(out.body())}\n\n"
                         break
                     if not started[index]:
+                        if token_ids and not any(started):  # the stream's first chunk
+                            prompt_ids = out.prompt_token_ids
                         started[index] = True
                         yield event(index, {"role": "assistant", "content": ""}, usage=(
                             shapes.usage(out.num_prompt_tokens, 0, out.num_cached_tokens)
@@ -976,7 +992,7 @@ class OpenAIServer:
             return self._event_stream(
                 self._completion_sse(request_id, streams, req.include_usage, n, echoes,
                                      req.prompt_only, req.continuous_usage,
-                                     self._as_ids(req.tokens_as_ids)))
+                                     self._as_ids(req.tokens_as_ids), req.token_ids))
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
             return outs
@@ -997,6 +1013,9 @@ class OpenAIServer:
                                                      req.params.logprobs)
             text = out.text if echoes is None else echoes[i] + out.text
             choices.append(shapes.completion_choice(i, text, out.finish_reason, logprobs))
+            if req.token_ids:  # vLLM's return_token_ids
+                choices[-1]["prompt_token_ids"] = out.prompt_token_ids
+                choices[-1]["token_ids"] = out.token_ids
             if req.prompt_logprobs is not None:
                 choices[-1]["prompt_logprobs"] = self._prompt_logprobs(first, large,
                                                                        req.prompt_logprobs)
@@ -1026,12 +1045,15 @@ class OpenAIServer:
     async def _completion_sse(self, rid: str, streams: list[RequestStream],
                               include_usage: bool, n: int, echoes: list[str] | None = None,
                               prompt_only: bool = False, continuous_usage: bool = False,
-                              as_ids: bool = False) -> AsyncIterator[str]:
+                              as_ids: bool = False, token_ids: bool = False
+                              ) -> AsyncIterator[str]:
         """The choices' streams merged into one, each chunk one choice's new text (``index``
         says which), after a chunk of each choice's prompt where ``echoes`` has them (with
         ``prompt_only``, nothing generated follows); the usage of them all last when asked
         for (and in each chunk of new text, its choice's so far, with
-        ``continuous_usage``)."""
+        ``continuous_usage``). ``token_ids`` (vLLM's ``return_token_ids``): each choice's
+        prompt token ids in its first chunk of new text, and in each such chunk the ids of
+        its tokens since the one before."""
         created = int(time.time())
 
         def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
@@ -1041,6 +1063,7 @@ class OpenAIServer:
 
         answers = [Answer() for _ in streams]
         offsets = [0] * len(streams)  # the text of the tokens chunks carried logprobs for
+        answered = [False] * len(streams)  # a chunk of the choice's new text went out
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
             for index, text in enumerate(echoes or ()):
@@ -1055,14 +1078,21 @@ class OpenAIServer:
                     answers[index].add(out)
                     if not (out.new_text or out.finished):
                         continue
-                    logprobs = None
-                    if out.logprobs is not None:
+                    logprobs, ids = None, []
+                    if out.logprobs is not None or token_ids:
                         ids, entries = answers[index].unsent()
+                    if out.logprobs is not None:
                         logprobs = shapes.completion_logprobs(
                             ids, entries, self._token_text, offsets[index], as_ids)
                         offsets[index] += sum(len(self._token_text(t)) for t in ids)
                     reason = out.finish_reason if out.finished else None
-                    yield event(shapes.completion_choice(index, out.new_text, reason, logprobs),
+                    choice = shapes.completion_choice(index, out.new_text, reason, logprobs)
+                    if token_ids:
+                        if not answered[index]:
+                            choice["prompt_token_ids"] = out.prompt_token_ids
+                        choice["token_ids"] = ids
+                    answered[index] = True
+                    yield event(choice,
                                 answers[index].usage_so_far() if continuous_usage else None)
                     if out.finished:
                         finals[index] = answers[index].whole(out)

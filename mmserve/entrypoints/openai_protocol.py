@@ -93,6 +93,8 @@ class ChatRequest:
     # log-probabilities as "token_id:N" (None: the server's default).
     prompt_logprobs: int | None = None
     tokens_as_ids: bool | None = None
+    # vLLM's return_token_ids: the prompt's token ids and each choice's generated ones.
+    token_ids: bool = False
 
 
 def parse_chat_request(body: Any, max_model_len: int, max_images: int,
@@ -135,7 +137,8 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
                        tool_choice=tool_choice,
                        turn={**_turn(body), **_cache_salt(body), **_mm_kwargs(body)},
                        beam=beam, prompt_logprobs=prompt_logprobs,
-                       tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None))
+                       tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None),
+                       token_ids=_get(body, "return_token_ids", bool, False))
 
 
 def _cache_salt(body: dict[str, Any]) -> dict[str, str]:
@@ -195,6 +198,7 @@ class CompletionRequest:
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: params then unused
     prompt_logprobs: int | None = None  # as ``ChatRequest``'s, in each choice
     tokens_as_ids: bool | None = None
+    token_ids: bool = False  # as ``ChatRequest``'s, the prompt's in each choice
 
 
 # The highest temperature either endpoint takes (OpenAI's).
@@ -255,7 +259,8 @@ def parse_completion_request(body: Any, max_model_len: int,
                              continuous_usage=continuous_usage, model=model, echo=echo,
                              prompt_only=prompt_only, beam=beam,
                              prompt_logprobs=prompt_logprobs,
-                             tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None))
+                             tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None),
+                             token_ids=_get(body, "return_token_ids", bool, False))
 
 
 # Fields of the chat endpoint's the chat form takes (the sampling ones have no use here).
