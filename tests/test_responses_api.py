@@ -191,7 +191,7 @@ def test_output_text_logprobs_are_the_chat_endpoints(http: TestClient,
 
 
 @pytest.mark.parametrize("body, param, fragment", [
-    ({"conversation": "conv_1"}, "conversation", "not stored"),
+    ({"conversation": 5}, "conversation", "a conversation's id"),
     ({"previous_response_id": 5}, "previous_response_id", "a response's id"),
     ({"store": "yes"}, "store", "true or false"),
     ({"include": ["file_search_call.results"]}, "include[0]", "no 'file_search_call"),
@@ -221,7 +221,7 @@ def test_output_text_logprobs_are_the_chat_endpoints(http: TestClient,
     ({"input": [{"role": "user", "content": "a"},
                 {"type": "function_call", "call_id": "c", "name": "f", "arguments": "nope"}]},
      "input[1].arguments", "not valid JSON"),
-    ({"metadata": {"k": 5}}, "metadata", "at most 16 strings"),
+    ({"metadata": {"k": 5}}, "metadata", "at most 16 keys"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE}] * 5}]},
      "input", "the input carries 5 images"),
     ({"input": []}, "input", "non-empty list"),

@@ -61,6 +61,7 @@ from mmserve.entrypoints.answers import (
     without_generated,
 )
 from mmserve.entrypoints.batch_api import BatchApi
+from mmserve.entrypoints.conversations import ConversationsApi
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.http_middleware import (
     ApiKeyMiddleware,
@@ -141,6 +142,8 @@ class OpenAIServer:
                                if config.responses_store_bytes > 0 else None)
         self._background: set[asyncio.Future] = set()
         # OpenAI's Files and Batch APIs: a batch's lines are posted to this server's app.
+        # Conversations are kept beside the responses, in as many bytes.
+        self.conversations = ConversationsApi(config.responses_store_bytes, self._read_json)
         self.batch_api = BatchApi(
             config.files_store_bytes, model=self.model,
             max_body_bytes=config.max_request_body_bytes,
@@ -291,12 +294,17 @@ class OpenAIServer:
         try:
             body = await self._read_json(request)
             previous = body.get("previous_response_id") if isinstance(body, dict) else None
-            earlier = None
+            named = body.get("conversation") if isinstance(body, dict) else None
+            earlier, conversation = None, None
             if isinstance(previous, str):
                 earlier = self._conversation(previous)
+            if named is not None:
+                found = self.conversations.named(named)
+                earlier, conversation = list(found.items), found.id
             req = responses.parse_responses_request(
                 body, self.max_model_len, self.max_images, self.sampling_defaults,
-                self.tool_parser, earlier, can_store=self.response_store is not None)
+                self.tool_parser, earlier, can_store=self.response_store is not None,
+                conversation=conversation)
             chat = req.chat
             self._check_model_and_room(chat.model)
             prompt = await self._prompt_of(chat)
@@ -394,10 +402,26 @@ class OpenAIServer:
 
     def _keep(self, req: responses.ResponsesRequest, response: dict[str, Any]) -> None:
         """Store a finished response where it asks; one that does not fit says so
-        (``store`` false, where it is still to be sent)."""
+        (``store`` false, where it is still to be sent). Add it to its conversation."""
+        self._add_to_conversation(req, response)
         if req.store and self.response_store is not None:
             if self.response_store.put(response, req.input_items, req.previous) is None:
                 response["store"] = False
+
+    def _add_to_conversation(self, req: responses.ResponsesRequest,
+                             response: dict[str, Any]) -> None:
+        """A response that completed (or stopped at its token limit) adds its input and
+        output items to the conversation it names, if that is still kept."""
+        if req.conversation is None or response.get("status") not in ("completed",
+                                                                      "incomplete"):
+            return
+        store = self.conversations.store
+        found = None if store is None else store.get(req.conversation)
+        if found is not None and not store.add(found, [*req.input_items,
+                                                       *response.get("output", ())]):
+            logger.warning("response %s was not added to conversation %s: the store of "
+                           "conversations has no room for it (--responses-store-mib)",
+                           response.get("id"), req.conversation)
 
     def _run_in_background(self, req: responses.ResponsesRequest,
                            events: responses.ResponseEvents, stream: RequestStream,
@@ -435,6 +459,7 @@ class OpenAIServer:
                                                        "finished")):
                     store.record(entry, event)
             store.update(events.final)
+            self._add_to_conversation(req, events.final)
 
         def ended(task: asyncio.Future) -> None:
             """Ended, cancelled or deleted (even before it began to run): its engine request
@@ -1149,6 +1174,7 @@ class OpenAIServer:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             *self.batch_api.routes(),
+            *self.conversations.routes(),
             *chat_page.routes(),
         ]
         config = self.config

@@ -45,6 +45,7 @@ from mmserve.entrypoints.files_api import (
     paged,
 )
 from mmserve.entrypoints.openai_protocol import ApiError, bad_request
+from mmserve.entrypoints.responses_protocol import metadata_of
 from mmserve.entrypoints.run_batch import (
     LINE_OVERHEAD_BYTES,
     URLS,
@@ -64,7 +65,6 @@ COMPLETION_WINDOW_S = 24 * 3600  # "24h", the one window OpenAI takes
 WINDOW_BYTES = 64 * 1024 * 1024  # a batch's requests and answers held at once
 ADMIT_POLL_S = 0.005  # how often a batch's next line looks for room in the engine (_admit)
 BATCH_PRIORITY = 2**63 - 1  # a line's under --scheduling-policy priority: the last to run
-METADATA_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 FINISHED = ("completed", "failed", "expired", "cancelled")
 LEFT_ERRORS = {  # written for each line a batch did not answer, by why it ended
     "cancelled": {"code": "batch_cancelled",
@@ -206,7 +206,7 @@ class BatchApi:
         if not isinstance(file_id, str):
             raise bad_request("'input_file_id' must be the id of an uploaded file.",
                               "input_file_id")
-        metadata = _metadata(body.get("metadata"))
+        metadata = None if body.get("metadata") is None else metadata_of(body["metadata"])
         output = body.get("output_expires_after")
         if output is not None and not isinstance(output, dict):
             raise bad_request("'output_expires_after' must be an object with 'anchor' and "
@@ -442,22 +442,6 @@ def check_input(source: BinaryIO, endpoint: str, max_line_bytes: int
     if not count and not errors:
         errors.append(_error("empty_file", "the file holds no requests"))
     return count, errors
-
-
-def _metadata(metadata: Any) -> dict[str, str] | None:
-    """OpenAI's ``metadata``: at most 16 string keys of up to 64 characters, with string
-    values of up to 512."""
-    if metadata is None:
-        return None
-    if not (isinstance(metadata, dict) and len(metadata) <= METADATA_KEYS and all(
-            isinstance(k, str) and len(k) <= METADATA_KEY_CHARS and isinstance(v, str)
-            and len(v) <= METADATA_VALUE_CHARS for k, v in metadata.items())):
-        raise bad_request(f"'metadata' must be an object of at most {METADATA_KEYS} keys of up "
-                          f"to {METADATA_KEY_CHARS} characters, with strings of up to "
-                          f"{METADATA_VALUE_CHARS} characters as values.", "metadata")
-    return metadata
-
-
 
 
 __all__ = ["BatchApi", "check_input"]

@@ -36,8 +36,6 @@ from mmserve.sampling_params import MAX_LOGPROBS
 
 # Fields that need state or machinery mmserve does not keep: refused, never ignored.
 _REFUSED = {
-    "conversation": "conversations are not stored: send 'previous_response_id' or the whole "
-                    "conversation in 'input'",
     "prompt": "stored prompts are not supported: send the text in 'input'",
 }
 
@@ -59,6 +57,7 @@ class ResponsesRequest:
     background: bool = False
     previous: str | None = None
     truncate: bool = False  # ``truncation: "auto"``: drop the earliest turns to fit
+    conversation: str | None = None  # the id of the conversation it goes on and adds to
 
     def renamed(self, err: ApiError) -> ApiError:
         """An error about the chat request (an image that cannot be fetched, a template that
@@ -70,27 +69,36 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
                             defaults: Mapping[str, Any] | None = None,
                             tool_parser: str | None = None,
                             earlier: list[dict[str, Any]] | None = None,
-                            can_store: bool = False) -> ResponsesRequest:
+                            can_store: bool = False,
+                            conversation: str | None = None) -> ResponsesRequest:
     """Check a decoded JSON body of ``POST /v1/responses``; a 400 names the Responses API's
     field (``input[2].content[0]``, ``max_output_tokens``), not the chat request's.
-    ``earlier``: the stored conversation ``previous_response_id`` names, whose items go
-    before ``input``; ``can_store``: whether the server keeps responses."""
+    ``earlier``: the items of the stored conversation ``previous_response_id`` names, or of
+    the ``conversation`` (its id) the body names, which go before ``input``; ``can_store``:
+    whether the server keeps responses."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     for name, why in _REFUSED.items():
         if body.get(name) is not None:
             raise bad_request(f"'{name}' is not supported: {why}.", name)
     store, background, previous = _storage(body, can_store)
-    if previous is not None and earlier is None:
-        raise ValueError("previous_response_id without the conversation it names")
+    if previous is not None and conversation is not None:
+        raise bad_request("send one of 'previous_response_id' and 'conversation': a response "
+                          "goes on from one of them", "conversation")
+    if (previous is not None or conversation is not None) and earlier is None:
+        raise ValueError("previous_response_id or conversation without the items it names")
+    if body.get("conversation") is not None and conversation is None:
+        raise ValueError("a conversation the server did not look up")
     logprobs = _logprobs(body)
     truncation = body.get("truncation")
     if truncation not in (None, "auto", "disabled"):
         raise bad_request("'truncation' must be \"auto\" (drop the conversation's earliest "
                           "turns where it does not fit) or \"disabled\" (the default)",
                           "truncation")
-    messages, where = _messages(body.get("input"), body.get("instructions"), earlier or [])
-    metadata = _metadata(body.get("metadata"))
+    messages, where = _messages(body.get("input"), body.get("instructions"), earlier or [],
+                                earlier_name="conversation" if conversation else
+                                "previous_response_id")
+    metadata = metadata_of(body.get("metadata"))
     chat: dict[str, Any] = {"messages": messages}
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
                          ("top_p", "top_p"), ("stream", "stream"), ("model", "model"),
@@ -124,10 +132,11 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "top_logprobs": body.get("top_logprobs") or 0, "metadata": metadata,
             "store": store, "background": background, "previous_response_id": previous,
-            "truncation": truncation or "disabled"}
+            "truncation": truncation or "disabled",
+            "conversation": None if conversation is None else {"id": conversation}}
     return ResponsesRequest(parsed, echo, where, logprobs is not None, store,
-                            _input_items(body["input"]) if store else [], background, previous,
-                            truncation == "auto")
+                            _input_items(body["input"]) if store or conversation else [],
+                            background, previous, truncation == "auto", conversation)
 
 
 def truncation_starts(messages: list[dict[str, Any]]) -> list[int]:
@@ -184,6 +193,20 @@ def _storage(body: dict[str, Any], can_store: bool) -> tuple[bool, bool, str | N
     return store and can_store, background, previous
 
 
+def conversation_items(items: list[Any], name: str) -> list[dict[str, Any]]:
+    """Items a client adds to a conversation (the Conversations API's ``items``), checked as
+    a request's ``input`` is (a 400 names ``name[i]``), as the conversation keeps them."""
+    if not items:
+        return []
+    _messages(items, None, [], name)
+    for i, item in enumerate(items):
+        if item.get("type", "message") == "message" and item.get("role") not in (
+                "user", "assistant", "system", "developer"):
+            raise bad_request(f"{name}[{i}].role must be 'user', 'assistant', 'system' or "
+                              "'developer'", f"{name}[{i}].role")
+    return _input_items(items)
+
+
 def _input_items(items: Any) -> list[dict[str, Any]]:
     """``input`` as the store keeps it and lists it (already checked), in OpenAI's shape: a
     list of items, a string a user message, a message's string content a text part, each
@@ -229,22 +252,25 @@ def _logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if LOGPROBS_INCLUDE in include else None
 
 
-def _metadata(value: Any) -> dict[str, str]:
+def metadata_of(value: Any) -> dict[str, str]:
     """OpenAI's ``metadata``: at most 16 string keys (64 characters) and values (512)."""
     if value is None:
         return {}
     if not (isinstance(value, dict) and len(value) <= 16
             and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
                     for k, v in value.items())):
-        raise bad_request("'metadata' must be an object of at most 16 strings (keys of at most "
-                          "64 characters, values of at most 512)", "metadata")
+        raise bad_request("'metadata' must be an object of at most 16 keys of up to 64 "
+                          "characters, with strings of up to 512 characters as values",
+                          "metadata")
     return value
 
 
-def _messages(items: Any, instructions: Any, earlier: list[dict[str, Any]]
+def _messages(items: Any, instructions: Any, earlier: list[dict[str, Any]],
+              name: str = "input", earlier_name: str = "previous_response_id"
               ) -> tuple[list[dict[str, Any]], list[str]]:
-    """``instructions``, the ``earlier`` conversation's items and ``input`` as chat messages,
-    and each message's field in the request (for errors)."""
+    """``instructions``, the ``earlier`` conversation's items and ``items`` (the request's
+    ``name``) as chat messages, and each message's field in the request (for errors; the
+    earlier ones are ``earlier_name``'s)."""
     messages: list[dict[str, Any]] = []
     where: list[str] = []
     if instructions is not None:
@@ -253,14 +279,14 @@ def _messages(items: Any, instructions: Any, earlier: list[dict[str, Any]]
         messages.append({"role": "system", "content": instructions})
         where.append("instructions")
     if isinstance(items, str):
-        labelled = [("input", {"role": "user", "content": items})]
+        labelled = [(name, {"role": "user", "content": items})]
     elif isinstance(items, list) and items:
-        labelled = [(f"input[{i}]", item) for i, item in enumerate(items)]
+        labelled = [(f"{name}[{i}]", item) for i, item in enumerate(items)]
     else:
-        raise bad_request("'input' must be a string or a non-empty list of items", "input")
+        raise bad_request(f"'{name}' must be a string or a non-empty list of items", name)
     # The stored items were checked when they came (and answered): an error about one of
     # them now (an image URL that no longer loads) names the previous response.
-    labelled[:0] = [("previous_response_id", item) for item in earlier]
+    labelled[:0] = [(earlier_name, item) for item in earlier]
     for at, item in labelled:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":

@@ -1,0 +1,296 @@
+"""OpenAI's Conversations API, as the openai client's ``conversations`` calls it: a
+conversation is a list of items (the Responses API's: messages, with images, function calls
+and their outputs) that the server keeps, so that a client names it instead of sending its
+history again.
+
+- ``POST /v1/conversations`` (``items``, at most ``MAX_NEW_ITEMS``, and ``metadata``),
+  ``GET``/``POST``/``DELETE /v1/conversations/{id}`` (read, update its metadata, forget it);
+- ``GET``/``POST /v1/conversations/{id}/items`` (list, add), and ``GET``/``DELETE
+  /v1/conversations/{id}/items/{item_id}``;
+- a Responses API request with ``conversation`` reads the conversation's items before its
+  ``input``, and once the response has completed, its input and output items are added to
+  the conversation (``api_server.py``).
+
+Conversations live in the server's memory, at most ``max_bytes`` of their items' JSON; past it
+the conversations used longest ago are forgotten first, as stored responses are. Nothing
+outlives the process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mmserve.entrypoints.http_middleware import error_response
+from mmserve.entrypoints.openai_protocol import ApiError, bad_page, bad_request
+from mmserve.entrypoints.openai_shapes import list_page
+from mmserve.entrypoints.responses_protocol import conversation_items, metadata_of, new_id
+
+MAX_NEW_ITEMS = 20  # items one request adds (OpenAI's)
+DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT = 20, 100
+
+
+@dataclass
+class Conversation:
+    id: str
+    created_at: int
+    metadata: dict[str, str]
+    items: list[dict[str, Any]]
+    nbytes: int = 0
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's conversation object."""
+        return {"id": self.id, "object": "conversation", "created_at": self.created_at,
+                "metadata": self.metadata}
+
+
+class ConversationStore:
+    """Conversation id -> ``Conversation``, least recently used first, at most ``max_bytes``
+    of JSON (metadata and items)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, Conversation] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def create(self, metadata: dict[str, str], items: list[dict[str, Any]]
+               ) -> Conversation | None:
+        """A new conversation, others forgotten to make room; None where it does not fit."""
+        conversation = Conversation(new_id("conv"), int(time.time()), metadata, [])
+        conversation.nbytes = _size(metadata)
+        if not self._fit(conversation.nbytes, None):
+            return None
+        self._entries[conversation.id] = conversation
+        self.nbytes += conversation.nbytes
+        if not self.add(conversation, items):
+            self.delete(conversation.id)
+            return None
+        return conversation
+
+    def get(self, conversation_id: str) -> Conversation | None:
+        """The conversation, counted as used now; None where it is not (or no longer) kept."""
+        conversation = self._entries.get(conversation_id)
+        if conversation is not None:
+            self._entries.move_to_end(conversation_id)
+        return conversation
+
+    def delete(self, conversation_id: str) -> bool:
+        conversation = self._entries.pop(conversation_id, None)
+        if conversation is None:
+            return False
+        self.nbytes -= conversation.nbytes
+        return True
+
+    def add(self, conversation: Conversation, items: list[dict[str, Any]]) -> bool:
+        """Append ``items`` (each with an id), others forgotten to make room; False, and
+        nothing added, where they do not fit (or the conversation is no longer kept)."""
+        nbytes = sum(map(_size, items))
+        if self._entries.get(conversation.id) is not conversation or not self._fit(
+                nbytes, conversation.id):
+            return False
+        conversation.items += items
+        conversation.nbytes += nbytes
+        self.nbytes += nbytes
+        return True
+
+    def update(self, conversation: Conversation, metadata: dict[str, str]) -> bool:
+        """Replace the metadata; False where it does not fit."""
+        change = _size(metadata) - _size(conversation.metadata)
+        if not self._fit(change, conversation.id):
+            return False
+        conversation.metadata = metadata
+        conversation.nbytes += change
+        self.nbytes += change
+        return True
+
+    def remove_item(self, conversation: Conversation, item_id: str) -> bool:
+        for i, item in enumerate(conversation.items):
+            if item.get("id") == item_id:
+                del conversation.items[i]
+                nbytes = _size(item)
+                conversation.nbytes -= nbytes
+                self.nbytes -= nbytes
+                return True
+        return False
+
+    def _fit(self, nbytes: int, keep: str | None) -> bool:
+        """Whether ``nbytes`` more fit, once the least recently used conversations but
+        ``keep`` are forgotten as need be (none is, where forgetting all would not do)."""
+        kept = self._entries[keep].nbytes if keep in self._entries else 0
+        if kept + nbytes > self.max_bytes:
+            return False
+        for conversation_id in list(self._entries):
+            if self.nbytes + nbytes <= self.max_bytes:
+                break
+            if conversation_id != keep:
+                self.delete(conversation_id)
+        return self.nbytes + nbytes <= self.max_bytes
+
+
+def _size(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":")))
+
+
+class ConversationsApi:
+    """The Conversations endpoints over a ``ConversationStore`` of ``max_bytes`` (none where
+    it is 0: each endpoint then says how to have one). ``read_json``: the server's bounded
+    reading of a request's JSON body."""
+
+    def __init__(self, max_bytes: int, read_json: Callable[[Request], Awaitable[Any]]) -> None:
+        self.store = ConversationStore(max_bytes) if max_bytes > 0 else None
+        self.read_json = read_json
+
+    def routes(self) -> list[Route]:
+        base = "/v1/conversations/{conversation_id}"
+        items = f"{base}/items"
+        return [
+            Route("/v1/conversations", self._handle(self.create), methods=["POST"]),
+            Route(base, self._handle(self.retrieve), methods=["GET"]),
+            Route(base, self._handle(self.update), methods=["POST"]),
+            Route(base, self._handle(self.delete), methods=["DELETE"]),
+            Route(items, self._handle(self.list_items), methods=["GET"]),
+            Route(items, self._handle(self.create_items), methods=["POST"]),
+            Route(items + "/{item_id}", self._handle(self.retrieve_item), methods=["GET"]),
+            Route(items + "/{item_id}", self._handle(self.delete_item), methods=["DELETE"]),
+        ]
+
+    def named(self, value: Any) -> Conversation:
+        """The conversation a Responses API request's ``conversation`` names (its id, or
+        ``{"id": ...}``); a 404 where it is not kept, a 400 where it names none."""
+        if isinstance(value, dict):
+            value = value.get("id")
+        if not isinstance(value, str):
+            raise bad_request("'conversation' must be a conversation's id, or an object with "
+                              "its 'id'", "conversation")
+        return self._conversation(value, "conversation")
+
+    # ----------------------------------------------------------------- endpoints
+    async def create(self, request: Request, store: ConversationStore) -> Response:
+        body = await self._body(request)
+        metadata = metadata_of(body.get("metadata"))
+        items = self._new_items(body.get("items") or [])
+        conversation = store.create(metadata, items)
+        if conversation is None:
+            raise _full(store)
+        return JSONResponse(conversation.body())
+
+    async def retrieve(self, request: Request, store: ConversationStore) -> Response:
+        return JSONResponse(self._conversation(request.path_params["conversation_id"]).body())
+
+    async def update(self, request: Request, store: ConversationStore) -> Response:
+        conversation = self._conversation(request.path_params["conversation_id"])
+        body = await self._body(request)
+        if "metadata" not in body:
+            raise bad_request("send the conversation's new 'metadata'", "metadata")
+        if not store.update(conversation, metadata_of(body["metadata"])):
+            raise _full(store)
+        return JSONResponse(conversation.body())
+
+    async def delete(self, request: Request, store: ConversationStore) -> Response:
+        conversation = self._conversation(request.path_params["conversation_id"])
+        store.delete(conversation.id)
+        return JSONResponse({"id": conversation.id, "object": "conversation.deleted",
+                             "deleted": True})
+
+    async def list_items(self, request: Request, store: ConversationStore) -> Response:
+        conversation = self._conversation(request.path_params["conversation_id"])
+        try:
+            page = list_page(conversation.items, dict(request.query_params),
+                             DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, "item", "in this conversation")
+        except ValueError as e:
+            raise bad_page(e) from None
+        return JSONResponse(page)
+
+    async def create_items(self, request: Request, store: ConversationStore) -> Response:
+        conversation = self._conversation(request.path_params["conversation_id"])
+        body = await self._body(request)
+        if not body.get("items"):
+            raise bad_request("'items' must be a non-empty list of items to add", "items")
+        items = self._new_items(body["items"])
+        if not store.add(conversation, items):
+            raise _full(store)
+        return JSONResponse({"object": "list", "data": items, "first_id": items[0]["id"],
+                             "last_id": items[-1]["id"], "has_more": False})
+
+    async def retrieve_item(self, request: Request, store: ConversationStore) -> Response:
+        conversation = self._conversation(request.path_params["conversation_id"])
+        return JSONResponse(self._item(conversation, request.path_params["item_id"]))
+
+    async def delete_item(self, request: Request, store: ConversationStore) -> Response:
+        conversation = self._conversation(request.path_params["conversation_id"])
+        store.remove_item(conversation, self._item(conversation,
+                                                   request.path_params["item_id"])["id"])
+        return JSONResponse(conversation.body())
+
+    # ----------------------------------------------------------------- helpers
+    def _handle(self, handler: Callable[[Request, ConversationStore], Awaitable[Response]]
+                ) -> Callable[[Request], Awaitable[Response]]:
+        """``handler(request, store)`` as an endpoint: its ``ApiError`` as OpenAI's error
+        body; without a store, a 404 that says how to have one."""
+        async def endpoint(request: Request) -> Response:
+            try:
+                if self.store is None:
+                    raise _disabled()
+                return await handler(request, self.store)
+            except ApiError as e:
+                return error_response(e)
+        return endpoint
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        body = await self.read_json(request)
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        return body
+
+    def _conversation(self, conversation_id: str, param: str = "conversation_id"
+                      ) -> Conversation:
+        if self.store is None:
+            raise _disabled()
+        conversation = self.store.get(conversation_id)
+        if conversation is None:
+            raise ApiError(404, f"no conversation has the id {conversation_id[:64]!r} "
+                           "(conversations are kept in the server's memory while it runs, "
+                           "the least recently used forgotten past --responses-store-mib)",
+                           param, code="conversation_not_found")
+        return conversation
+
+    @staticmethod
+    def _new_items(items: Any) -> list[dict[str, Any]]:
+        if not isinstance(items, list) or len(items) > MAX_NEW_ITEMS:
+            raise bad_request(f"'items' must be a list of at most {MAX_NEW_ITEMS} items "
+                              "(messages, function calls and their outputs)", "items")
+        return conversation_items(items, "items")
+
+    @staticmethod
+    def _item(conversation: Conversation, item_id: str) -> dict[str, Any]:
+        for item in conversation.items:
+            if item.get("id") == item_id:
+                return item
+        raise ApiError(404, f"the conversation has no item {item_id[:64]!r}", "item_id",
+                       code="item_not_found")
+
+
+def _disabled() -> ApiError:
+    return ApiError(404, "this server keeps no conversations: start it with "
+                    "--responses-store-mib above 0.", code="conversations_disabled")
+
+
+def _full(store: ConversationStore) -> ApiError:
+    return ApiError(400, f"the conversation does not fit the server's store of conversations "
+                    f"({store.max_bytes} bytes of JSON, --responses-store-mib): send fewer or "
+                    "smaller items, or start the server with a larger store.",
+                    code="conversation_too_large")
+
+
+__all__ = ["Conversation", "ConversationStore", "ConversationsApi"]

@@ -1,0 +1,158 @@
+"""OpenAI's Conversations API through the openai client: a conversation's items are kept,
+listed, added and deleted; a Responses API request that names it reads its items before its
+input, as the same history sent whole would be read, and adds its input and output once it
+has completed; refusals name the field; the store of conversations is bounded."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from mmserve.entrypoints.conversations import ConversationStore
+from tests.conftest import make_image, openai_app
+from tests.test_server import data_url
+
+IMAGE = data_url(make_image(1, (40, 30)))
+
+
+@pytest.fixture(scope="module")
+def served(clip_llama: str):
+    with openai_app(clip_llama, max_model_len=512) as app:
+        yield app
+
+
+def _user(text: str, image: str | None = None) -> dict:
+    content = [{"type": "input_text", "text": text}]
+    if image is not None:
+        content.insert(0, {"type": "input_image", "image_url": image})
+    return {"type": "message", "role": "user", "content": content}
+
+
+def _ask(client: openai.OpenAI, **kwargs):
+    return client.responses.create(model="tiny", temperature=0, max_output_tokens=5, **kwargs)
+
+
+def test_a_conversations_items_are_kept_listed_added_and_deleted(served) -> None:
+    _, _, client = served
+    conversation = client.conversations.create(items=[_user("hello", IMAGE)],
+                                               metadata={"topic": "fox"})
+    assert conversation.id.startswith("conv_") and conversation.metadata == {"topic": "fox"}
+    assert client.conversations.retrieve(conversation.id).created_at == conversation.created_at
+    updated = client.conversations.update(conversation.id, metadata={"topic": "bird"})
+    assert updated.metadata == {"topic": "bird"}
+
+    added = client.conversations.items.create(conversation.id, items=[
+        {"role": "assistant", "content": "hi there"}, _user("and then?")])
+    assert [item.type for item in added.data] == ["message", "message"]
+    newest_first = client.conversations.items.list(conversation.id)
+    assert [item.role for item in newest_first.data] == ["user", "assistant", "user"]
+    oldest_first = client.conversations.items.list(conversation.id, order="asc", limit=2)
+    assert [item.id for item in oldest_first.data] == [
+        newest_first.data[2].id, newest_first.data[1].id] and oldest_first.has_more
+    assert oldest_first.data[1].content[0].text == "hi there"  # (as an output_text part)
+    item = client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)
+    assert item.id == added.data[0].id
+    client.conversations.items.delete(added.data[0].id, conversation_id=conversation.id)
+    assert len(client.conversations.items.list(conversation.id).data) == 2
+    with pytest.raises(openai.NotFoundError):
+        client.conversations.items.retrieve(added.data[0].id, conversation_id=conversation.id)
+
+    deleted = client.conversations.delete(conversation.id)
+    assert deleted.deleted and deleted.id == conversation.id
+    with pytest.raises(openai.NotFoundError) as e:
+        client.conversations.retrieve(conversation.id)
+    assert e.value.body["code"] == "conversation_not_found"
+
+
+def test_a_response_reads_its_conversation_and_adds_to_it(served) -> None:
+    """Two turns through a conversation answer as the same history sent whole does, and the
+    conversation ends up holding that history."""
+    _, _, client = served
+    first = [_user("what is in the picture?", IMAGE)]
+    conversation = client.conversations.create(items=first)
+    one = _ask(client, conversation=conversation.id, input="describe it")
+    assert one.conversation.id == conversation.id and one.status == "incomplete"
+    two = _ask(client, conversation={"id": conversation.id}, input="and the colours?",
+               store=False)
+    history = [*first, _user("describe it"),
+               {"role": "assistant", "content": one.output_text},
+               _user("and the colours?")]
+    whole = _ask(client, input=history, store=False)
+    assert two.output_text == whole.output_text
+    assert two.usage.input_tokens == whole.usage.input_tokens
+    items = client.conversations.items.list(conversation.id, order="asc", limit=100).data
+    assert [item.role for item in items] == ["user", "user", "assistant", "user", "assistant"]
+    assert items[2].content[0].text == one.output_text
+    assert items[4].content[0].text == two.output_text
+
+
+def test_a_background_response_adds_to_its_conversation_once_it_ends(served) -> None:
+    _, _, client = served
+    conversation = client.conversations.create()
+    queued = _ask(client, conversation=conversation.id, input="hello", background=True)
+    deadline = time.monotonic() + 60
+    while client.responses.retrieve(queued.id).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    items = client.conversations.items.list(conversation.id, order="asc").data
+    assert [item.role for item in items] == ["user", "assistant"]
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"conversation": "conv_missing"}, 404, "conversation"),
+    ({"conversation": 5}, 400, "conversation"),
+    ({"conversation": "CONV", "previous_response_id": "resp_x"}, 400, "conversation"),
+])
+def test_responses_refusals_name_the_field(served, body: dict, status: int, param: str) -> None:
+    _, http, client = served
+    if body.get("conversation") == "CONV":
+        body = {**body, "conversation": client.conversations.create().id}
+        stored = _ask(client, input="hi")
+        body["previous_response_id"] = stored.id
+    resp = http.post("/v1/responses", json={"model": "tiny", "input": "hi", **body})
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("items, param", [
+    ([_user("ok"), {"type": "web_search_call"}], "items[1].type"),
+    ([{"role": "robot", "content": "hi"}], "items[0].role"),
+    ([{"role": "user", "content": [{"type": "input_image"}]}], "items[0].content[0]"),
+    ([_user("x")] * 21, "items"),
+])
+def test_items_are_checked_as_a_requests_input(served, items: list, param: str) -> None:
+    _, http, client = served
+    resp = http.post("/v1/conversations", json={"items": items})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    conversation = client.conversations.create()
+    resp = http.post(f"/v1/conversations/{conversation.id}/items", json={"items": items})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    assert client.conversations.items.list(conversation.id).data == []
+
+
+def test_the_store_forgets_the_least_recently_used_to_make_room() -> None:
+    store = ConversationStore(max_bytes=600)
+    item = {"id": "msg_1", "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "x" * 100}]}
+    old, new = store.create({}, [item]), store.create({}, [item])
+    assert old is not None and new is not None
+    assert store.get(old.id) is old  # used now: ``new`` is the least recently used
+    third = store.create({}, [item, {**item, "id": "msg_2"}])
+    assert third is not None and store.get(new.id) is None and store.get(old.id) is old
+    assert not store.add(third, [{**item, "id": "msg_3"}] * 4)  # never fits: nothing added
+    assert len(third.items) == 2 and store.nbytes == sum(
+        c.nbytes for c in (old, third)) <= store.max_bytes
+    assert store.create({}, [{**item, "content": "y" * 700}]) is None
+
+
+def test_without_a_store_the_endpoints_say_how_to_have_one(clip_llama: str) -> None:
+    with openai_app(clip_llama, server={"responses_store_bytes": 0}, max_model_len=256) as app:
+        _, http, _ = app
+        resp = http.post("/v1/conversations", json={})
+        assert resp.status_code == 404 and "--responses-store-mib" in resp.text
+        resp = http.post("/v1/responses", json={"input": "hi", "conversation": "conv_1",
+                                                "store": False})
+        assert resp.status_code == 404
+        assert resp.json()["error"]["code"] == "conversations_disabled"
