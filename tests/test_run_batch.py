@@ -451,3 +451,30 @@ def test_a_read_whose_caller_is_cancelled_goes_to_the_next_call() -> None:
         return lines
 
     assert asyncio.run(scenario()) == [b"one\n", b"two\n", b""]
+
+
+def test_a_line_counts_the_sequences_it_asks_for() -> None:
+    """A line's ``n`` answers of each of its prompts take as many of the window's places:
+    with 4, line 0 (held) and line 1 (n=3) fill it and line 2 waits."""
+    from mmserve.entrypoints.run_batch import _seats
+
+    async def scenario() -> list[int]:
+        app = HeldApp()
+        lines = [_line("a", "/v1/completions", {"prompt": 0}),
+                 _line("b", "/v1/completions", {"prompt": 1, "n": 3}),
+                 _line("c", "/v1/completions", {"prompt": 2})]
+        task = asyncio.create_task(run_batch(app, io.BytesIO(b"".join(lines)), io.StringIO(),
+                                             max_line_bytes=4096, window_lines=4))
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+        held = list(app.started)
+        app.release.set()
+        await task
+        return held
+
+    assert asyncio.run(scenario()) == [0, 1]
+    assert _seats("/v1/completions", {"prompt": ["a", "b"], "n": 2}) == 4
+    assert _seats("/v1/completions", {"prompt": [1, 2, 3]}) == 1  # (one prompt of token ids)
+    assert _seats("/v1/completions", {"prompt": [[1], [2]]}) == 2
+    assert _seats("/v1/embeddings", {"input": ["a", "b", "c"]}) == 3
+    assert _seats("/v1/chat/completions", {"messages": [], "n": True}) == 1

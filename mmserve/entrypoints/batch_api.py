@@ -129,7 +129,7 @@ class BatchApi:
     says how to have one). ``read_json``: the server's bounded
     reading of a request's JSON body (of at most ``max_body_bytes``, as a batch's lines);
     ``broken``: the engine's error once it has failed for good; ``seats``: the lines a batch
-    may have in flight at once (a line asking for several answers counts once);
+    may have in flight at once (a line counts its sequences: ``n`` answers of each prompt);
     ``engine_stats``: the engine's counters as of its last step (``num_waiting``,
     ``num_steps``); ``by_priority``: the engine schedules by priority, and a batch's lines
     that name none get ``BATCH_PRIORITY`` (they run after clients' requests of any priority

@@ -61,6 +61,7 @@ class BatchRequest:
     body: bytes  # the request's JSON, as a client would post it
     stream: bool  # asks for a stream, which a batch cannot give
     background: bool  # asks to be answered later (a Responses API request)
+    seats: int = 1  # the sequences it asks the engine for (``n`` answers of each prompt)
 
 
 def parse_line(line: bytes, seen: set[bytes],
@@ -101,7 +102,18 @@ def parse_line(line: bytes, seen: set[bytes],
     for name, value in (defaults or {}).items():
         body.setdefault(name, value)
     return BatchRequest(custom_id, url, _as_json(body), body.get("stream") is True,
-                        body.get("background") is True)
+                        body.get("background") is True, _seats(url, body))
+
+
+def _seats(url: str, body: dict[str, Any]) -> int:
+    """The sequences a request asks the engine for: ``n`` answers (or beams) of each of its
+    prompts (a completions request's, or an embeddings request's inputs), as far as the body
+    says (the server refuses what it must)."""
+    n = body.get("n", 1)
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    prompts = body.get({"/v1/completions": "prompt", "/v1/embeddings": "input"}.get(url, ""))
+    many = isinstance(prompts, list) and prompts and not isinstance(prompts[0], int)
+    return n * (len(prompts) if many else 1)
 
 
 def _quoted(value: Any) -> str:
@@ -169,10 +181,11 @@ class AsgiClient:
 
 
 class Window:
-    """Lines read and not yet written: at most ``lines`` of them, holding at most ``size``
-    bytes (a line's request while it is answered, then its answer till it is written; one
-    line larger than that goes alone). The reader waits in ``enter``; the rest is
-    synchronous, so that a task's callback may ``fail`` it."""
+    """Lines read and not yet written: their sequences (a line's ``seats``: the answers it
+    asks for) at most ``lines``, holding at most ``size`` bytes (a line's request while it is
+    answered, then its answer till it is written; one line larger than either goes alone).
+    The reader waits in ``enter``; the rest is synchronous, so that a task's callback may
+    ``fail`` it."""
 
     def __init__(self, lines: int, size: int) -> None:
         self.lines, self.size = lines, size
@@ -180,23 +193,24 @@ class Window:
         self.failure: BaseException | None = None
         self._changed = asyncio.Event()
 
-    async def enter(self, size: int) -> None:
-        """Wait for room for a line of ``size`` bytes; raise the error that ``fail`` gave."""
+    async def enter(self, size: int, seats: int = 1) -> None:
+        """Wait for room for a line of ``size`` bytes and ``seats`` sequences; raise the
+        error that ``fail`` gave."""
         while self.failure is None and self.count and (
-                self.count >= self.lines or self.bytes + size > self.size):
+                self.count + seats > self.lines or self.bytes + size > self.size):
             self._changed.clear()
             await self._changed.wait()
         if self.failure is not None:
             raise self.failure
-        self.count += 1
+        self.count += seats
         self.bytes += size
 
     def resize(self, old: int, new: int) -> None:
         self.bytes += new - old
         self._changed.set()
 
-    def leave(self, size: int) -> None:
-        self.count -= 1
+    def leave(self, size: int, seats: int = 1) -> None:
+        self.count -= seats
         self.bytes -= size
         self._changed.set()
 
@@ -345,30 +359,31 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
     window = Window(window_lines, window_bytes)
     reader = LineReader(source)
     summary = BatchSummary() if summary is None else summary
-    ready: dict[int, tuple[str, str]] = {}  # line, status
+    ready: dict[int, tuple[str, str, int]] = {}  # line, status, seats
     written = 0
     seen: set[bytes] = set()
-    tasks: dict[asyncio.Task, tuple[int, str, int]] = {}  # its line's index, custom id, size
+    # Lines in flight: index, custom id, size, seats.
+    tasks: dict[asyncio.Task, tuple[int, str, int, int]] = {}
 
-    def put(index: int, line: str, size: int, status: str) -> None:
-        """Line ``index``'s output (its request, of ``size`` bytes, answered); written with
-        those after it that are ready, once those before it are."""
+    def put(index: int, line: str, size: int, status: str, seats: int = 1) -> None:
+        """Line ``index``'s output (its request, of ``size`` bytes and ``seats`` sequences,
+        answered); written with those after it that are ready, once those before it are."""
         nonlocal written
-        ready[index] = (line, status)
+        ready[index] = (line, status, seats)
         window.resize(size, len(line))
         summary.statuses[status] = summary.statuses.get(status, 0) + 1
         while written in ready:
-            text, status = ready.pop(written)
+            text, status, seats = ready.pop(written)
             (out if status == "200" or errors_out is None else errors_out).write(text)
             written += 1
             summary.lines += 1
-            window.leave(len(text))
+            window.leave(len(text), seats)
             on_written(status)
         out.flush()
         if errors_out is not None:
             errors_out.flush()
 
-    async def answer(index: int, request: BatchRequest, size: int) -> None:
+    async def answer(index: int, request: BatchRequest, size: int, seats: int) -> None:
         try:
             status, headers, body = await client.post(request.url, request.body)
             while (retry_busy and status == 503 and "retry-after" in headers
@@ -387,7 +402,8 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
             summary.input_tokens += tokens[0]
             summary.cached_tokens += tokens[1]
             summary.output_tokens += tokens[2]
-        put(index, _output_line(request.custom_id, response, None), size, str(status))
+        put(index, _output_line(request.custom_id, response, None), size, str(status),
+            seats)
 
     def finished(task: asyncio.Task) -> None:
         tasks.pop(task, None)
@@ -411,7 +427,7 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                 return line, None
         return None
 
-    async def write_left(error: dict[str, str], current: tuple[int, bytes, int] | None,
+    async def write_left(error: dict[str, str], current: tuple[int, bytes, int, int] | None,
                          index: int) -> None:
         """Abort the lines in flight; write ``error`` for each line not answered, from those
         in flight and ``current`` (read, not yet posted) to the end of the input."""
@@ -420,18 +436,20 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if current is not None:
-            flying.append((current[0], _custom_id_of(current[1]), current[2]))
-        for at, custom_id, size in sorted(flying):
+            at, line, size, seats = current
+            flying.append((at, _custom_id_of(line), size, seats))
+        for at, custom_id, size, seats in sorted(flying):
             if at >= written and at not in ready:
-                put(at, _output_line(custom_id, None, error), size, error["code"])
+                put(at, _output_line(custom_id, None, error), size, error["code"], seats)
         while (read := await next_line()) is not None:
             line, failure = read
             custom_id = None if failure is not None else _custom_id_of(line)
-            put(index, _output_line(custom_id, None, error), len(line), error["code"])
+            put(index, _output_line(custom_id, None, error), len(line), error["code"], 0)
             index += 1
 
     index = 0
-    current: tuple[int, bytes, int] | None = None  # the line read and not yet posted
+    # The line read and not yet posted: index, line, size, seats.
+    current: tuple[int, bytes, int, int] | None = None
     try:
         while True:
             if (error := broken()) is not None:
@@ -443,26 +461,28 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                 break
             line, failure = read
             size = max_line_bytes if failure is not None else len(line)
-            current = (index, line, size)
-            await window.enter(size)
             try:
                 if failure is not None:
                     raise failure
-                request = parse_line(line, seen, defaults)
+                request: BatchRequest | LineError = parse_line(line, seen, defaults)
             except LineError as e:
-                put(index, _output_line(e.custom_id, None, {"code": e.code, "message": str(e)}),
-                    size, e.code)
+                request = e
+            seats = min(request.seats, window.lines) if isinstance(request, BatchRequest) else 1
+            current = (index, line, size, seats)
+            await window.enter(size, seats)
+            if isinstance(request, LineError):
+                put(index, _output_line(request.custom_id, None, {
+                    "code": request.code, "message": str(request)}), size, request.code)
+            elif request.stream:
+                refusal = _refusal(f"{request.url} is answered whole in a batch; leave "
+                                   "'stream' out", "stream")
+                put(index, _output_line(request.custom_id, refusal, None), size, "400", seats)
             else:
-                if request.stream:
-                    refusal = _refusal(f"{request.url} is answered whole in a batch; leave "
-                                       "'stream' out", "stream")
-                    put(index, _output_line(request.custom_id, refusal, None), size, "400")
-                else:
-                    if admit is not None:
-                        await admit(len(tasks))
-                    task = asyncio.create_task(answer(index, request, size))
-                    tasks[task] = (index, request.custom_id, size)
-                    task.add_done_callback(finished)
+                if admit is not None:
+                    await admit(len(tasks))
+                task = asyncio.create_task(answer(index, request, size, seats))
+                tasks[task] = (index, request.custom_id, size, seats)
+                task.add_done_callback(finished)
             current = None
             index += 1
         await asyncio.gather(*tasks)
