@@ -377,12 +377,15 @@ def test_under_priority_scheduling_a_batchs_lines_run_last(clip_llama: str,
 
         monkeypatch.setattr(engine, "add_completions", recorded)
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        beams = {**body, "use_beam_search": True, "n": 2, "temperature": 0}
         batch = _wait(client, client.batches.create(
             input_file_id=_upload(client, [_line("a", "/v1/chat/completions", body),
                                            _line("b", "/v1/chat/completions",
-                                                 {**body, "priority": 5})]).id,
+                                                 {**body, "priority": 5}),
+                                           _line("c", "/v1/chat/completions", beams)]).id,
             endpoint="/v1/chat/completions", completion_window="24h").id)
-        assert batch.status == "completed" and batch.request_counts.completed == 2
+        # (a beam search's rounds run at priority 0: its line keeps that)
+        assert batch.status == "completed" and batch.request_counts.completed == 3, batch
         assert http.post("/v1/chat/completions", json=body).status_code == 200
         assert sorted(seen[:2]) == [5, BATCH_PRIORITY] and seen[2:] == [0]
 

@@ -478,3 +478,29 @@ def test_a_line_counts_the_sequences_it_asks_for() -> None:
     assert _seats("/v1/completions", {"prompt": [[1], [2]]}) == 2
     assert _seats("/v1/embeddings", {"input": ["a", "b", "c"]}) == 3
     assert _seats("/v1/chat/completions", {"messages": [], "n": True}) == 1
+
+
+def test_a_run_cancelled_with_every_line_in_flight_writes_each_of_them() -> None:
+    """Cancelled while its last lines are answered (all read, none written), each of them is
+    written with the error it is given."""
+    release = asyncio.Event()
+
+    async def app(scope, receive, send) -> None:
+        await receive()
+        await release.wait()
+
+    async def scenario() -> tuple[list[str], list[dict]]:
+        told, errors = [], io.StringIO()
+        task = asyncio.create_task(run_batch(
+            app, io.BytesIO(_numbered(3)), io.StringIO(), errors_out=errors,
+            max_line_bytes=4096, window_lines=5, on_written=told.append,
+            left_error=lambda: LEFT))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return told, [json.loads(line) for line in errors.getvalue().splitlines()]
+
+    told, refused = asyncio.run(scenario())
+    assert told == ["batch_cancelled"] * 3
+    assert [line["custom_id"] for line in refused] == ["n0", "n1", "n2"]

@@ -204,6 +204,9 @@ def test_return_token_ids_whole_and_streamed(served) -> None:
                   return_token_ids=True)
     assert chunks[0]["prompt_token_ids"] == chat_ref.prompt_token_ids
     assert not any("prompt_token_ids" in c for c in chunks[1:])
+    two = _sse(http, "/v1/chat/completions", messages=MESSAGES, max_tokens=4, n=2,
+               return_token_ids=True)  # (each choice's first chunk, as vLLM's)
+    assert [c["choices"][0]["index"] for c in two if "prompt_token_ids" in c] == [0, 1]
     assert sum((c["choices"][0].get("token_ids") or [] for c in chunks if c["choices"]),
                []) == chat_ref.token_ids
 

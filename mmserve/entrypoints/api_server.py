@@ -790,8 +790,8 @@ class OpenAIServer:
         token), then its text as it comes (or the tool calls read from it), in the order the
         choices produce it (``index`` says whose), the usage last when asked (and in every
         chunk, that choice's so far, with ``continuous_usage``). ``token_ids`` (vLLM's
-        ``return_token_ids``): the prompt's token ids in the first chunk, and in each chunk
-        of a choice the ids of its tokens since the one before."""
+        ``return_token_ids``): the prompt's token ids in each choice's first chunk, and in
+        each chunk of a choice the ids of its tokens since the one before."""
         created = int(time.time())
         answers = [Answer() for _ in streams]
         readers = [tool_calls.reader_for(tool_choice, self.tool_parser) for _ in streams]
@@ -824,7 +824,7 @@ class OpenAIServer:
                         yield f"data: {json.dumps(out.body())}\n\n"
                         break
                     if not started[index]:
-                        if token_ids and not any(started):  # the stream's first chunk
+                        if token_ids:  # in each choice's first chunk, as vLLM's
                             prompt_ids = out.prompt_token_ids
                         started[index] = True
                         yield event(index, {"role": "assistant", "content": ""}, usage=(

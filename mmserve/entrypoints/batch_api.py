@@ -334,16 +334,21 @@ class BatchApi:
                 batch.failed += 1
 
         assert self.app is not None, "BatchApi.start was not called"
-        # A batch's responses are not stored unless a line asks: they would push clients'
-        # stored responses out of the store.
-        defaults: dict[str, Any] = {"store": False} if batch.endpoint == "/v1/responses" else {}
-        if self.by_priority:
-            defaults["priority"] = BATCH_PRIORITY
+
+        def prepare(body: dict[str, Any]) -> None:
+            # A batch's responses are not stored unless a line asks: they would push
+            # clients' stored responses out of the store.
+            if batch.endpoint == "/v1/responses":
+                body.setdefault("store", False)
+            # Its lines run after clients' requests (a beam search's rounds run at 0).
+            if self.by_priority and body.get("use_beam_search") is not True:
+                body.setdefault("priority", BATCH_PRIORITY)
+
         await run_batch(self.app, source, outputs[0], errors_out=outputs[1],
                         max_line_bytes=self.max_line_bytes, window_lines=self.seats,
                         window_bytes=WINDOW_BYTES, broken=self.broken, on_written=written,
                         summary=batch.summary, headers=self.headers, retry_busy=True,
-                        defaults=defaults, admit=self._admit,
+                        prepare=prepare, admit=self._admit,
                         left_error=lambda: LEFT_ERRORS.get(batch.ending or ""))
         if batch.summary.stopped is not None:
             raise BatchFailed([_error("engine_stopped", f"{batch.summary.stopped}; the lines "

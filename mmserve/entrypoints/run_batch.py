@@ -65,10 +65,10 @@ class BatchRequest:
 
 
 def parse_line(line: bytes, seen: set[bytes],
-               defaults: dict[str, Any] | None = None) -> BatchRequest:
+               prepare: Callable[[dict[str, Any]], None] | None = None) -> BatchRequest:
     """One input line as a request; ``LineError`` for one that is none. ``seen``: digests of
     the custom ids of the requests so far (this line's is added once it is one);
-    ``defaults``: fields the body takes where it has none of its own."""
+    ``prepare``: told each request's body, which it may change (defaults of its own)."""
     try:
         item = json.loads(line)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -99,8 +99,8 @@ def parse_line(line: bytes, seen: set[bytes],
         raise LineError("invalid_body", "'body' must be a JSON object: the request",
                         custom_id)
     seen.add(digest)  # (a line refused is no request: a corrected copy may follow)
-    for name, value in (defaults or {}).items():
-        body.setdefault(name, value)
+    if prepare is not None:
+        prepare(body)
     return BatchRequest(custom_id, url, _as_json(body), body.get("stream") is True,
                         body.get("background") is True, _seats(url, body))
 
@@ -337,7 +337,7 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                     on_written: Callable[[str], None] = lambda status: None,
                     summary: BatchSummary | None = None, errors_out: TextIO | None = None,
                     headers: tuple[tuple[bytes, bytes], ...] = (), retry_busy: bool = False,
-                    defaults: dict[str, Any] | None = None,
+                    prepare: Callable[[dict[str, Any]], None] | None = None,
                     admit: Callable[[int], Awaitable[None]] | None = None,
                     left_error: Callable[[], dict[str, str] | None] = lambda: None
                     ) -> BatchSummary:
@@ -348,8 +348,8 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
     told each written line's status. Reading stops early where ``broken()`` names an error
     (the engine is gone); an output line that cannot be written stops the run with that
     error. ``retry_busy``: a request the server has no room for (503 with Retry-After) waits
-    that long and is posted again, until ``broken()``. ``defaults``: fields each request's
-    body takes where it has none of its own. ``admit(requests in flight)``: awaited before
+    that long and is posted again, until ``broken()``. ``prepare``: told each request's
+    body, which it may change (defaults of its own). ``admit(requests in flight)``: awaited before
     each request is posted (a server's batch yields to its clients). ``left_error()``: asked
     when the run is cancelled; an error (``code`` and ``message``) it gives is written, with
     its custom id, for each line not answered by then (those in flight are aborted), the rest
@@ -362,13 +362,15 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
     ready: dict[int, tuple[str, str, int]] = {}  # line, status, seats
     written = 0
     seen: set[bytes] = set()
-    # Lines in flight: index, custom id, size, seats.
-    tasks: dict[asyncio.Task, tuple[int, str, int, int]] = {}
+    tasks: set[asyncio.Task] = set()
+    # Lines posted and not yet answered: index -> custom id, size, seats.
+    posted: dict[int, tuple[str, int, int]] = {}
 
     def put(index: int, line: str, size: int, status: str, seats: int = 1) -> None:
         """Line ``index``'s output (its request, of ``size`` bytes and ``seats`` sequences,
         answered); written with those after it that are ready, once those before it are."""
         nonlocal written
+        posted.pop(index, None)
         ready[index] = (line, status, seats)
         window.resize(size, len(line))
         summary.statuses[status] = summary.statuses.get(status, 0) + 1
@@ -406,7 +408,7 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
             seats)
 
     def finished(task: asyncio.Task) -> None:
-        tasks.pop(task, None)
+        tasks.discard(task)
         if task.cancelled():
             window.fail(RuntimeError("a line's answer was cancelled"))
         elif task.exception() is not None:  # its output line could not be written
@@ -430,17 +432,16 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
     async def write_left(error: dict[str, str], current: tuple[int, bytes, int, int] | None,
                          index: int) -> None:
         """Abort the lines in flight; write ``error`` for each line not answered, from those
-        in flight and ``current`` (read, not yet posted) to the end of the input."""
-        flying = list(tasks.values())
+        posted and ``current`` (read, not yet posted) to the end of the input."""
         for task in list(tasks):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        left = [(at, *line) for at, line in posted.items()]
         if current is not None:
             at, line, size, seats = current
-            flying.append((at, _custom_id_of(line), size, seats))
-        for at, custom_id, size, seats in sorted(flying):
-            if at >= written and at not in ready:
-                put(at, _output_line(custom_id, None, error), size, error["code"], seats)
+            left.append((at, _custom_id_of(line), size, seats))
+        for at, custom_id, size, seats in sorted(left):
+            put(at, _output_line(custom_id, None, error), size, error["code"], seats)
         while (read := await next_line()) is not None:
             line, failure = read
             custom_id = None if failure is not None else _custom_id_of(line)
@@ -464,7 +465,7 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
             try:
                 if failure is not None:
                     raise failure
-                request: BatchRequest | LineError = parse_line(line, seen, defaults)
+                request: BatchRequest | LineError = parse_line(line, seen, prepare)
             except LineError as e:
                 request = e
             seats = min(request.seats, window.lines) if isinstance(request, BatchRequest) else 1
@@ -481,7 +482,8 @@ async def run_batch(app: Callable[..., Any], source: BinaryIO, out: TextIO, *,
                 if admit is not None:
                     await admit(len(tasks))
                 task = asyncio.create_task(answer(index, request, size, seats))
-                tasks[task] = (index, request.custom_id, size, seats)
+                tasks.add(task)
+                posted[index] = (request.custom_id, size, seats)
                 task.add_done_callback(finished)
             current = None
             index += 1
