@@ -645,3 +645,38 @@ def test_the_file_count_counts_the_outputs_of_batches_to_come(served, monkeypatc
         input_file_id=uploaded.id, endpoint="/v1/chat/completions",
         completion_window="24h").id)
     assert batch.status == "completed" and len(store.files) <= files_api.MAX_FILES
+
+
+def test_an_engine_that_dies_mid_batch_fails_it_with_what_it_answered() -> None:
+    """The engine stops by itself while a batch runs: the lines answered before are kept, the
+    rest are refused or never sent, and the batch fails saying why (``engine_stopped``)."""
+    from types import SimpleNamespace
+
+    from starlette.testclient import TestClient
+
+    from tests.test_server_async_engine import FakeEngine
+
+    fake = FakeEngine(crash_at_step=25)
+    fake.config = SimpleNamespace(max_num_seqs=4, max_model_len=64, limit_mm_per_prompt=1,
+                                  max_image_pixels=1 << 20, model="", generation_config="vllm",
+                                  scheduling_policy="fcfs")
+    server = OpenAIServer(fake, ServerConfig("fake"))
+    server.http_server = SimpleNamespace(should_exit=False)  # (told to exit: nothing here)
+    with TestClient(server.app()) as http:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused",
+                               max_retries=0, http_client=http)
+        lines = [_line(f"l{i}", "/v1/completions", {"model": "fake", "prompt": "hi",
+                                                    "max_tokens": 5}) for i in range(16)]
+        batch = _wait(client, client.batches.create(
+            input_file_id=_upload(client, lines).id, endpoint="/v1/completions",
+            completion_window="24h").id)
+        assert batch.status == "failed" and batch.errors.data[0].code == "engine_stopped"
+        assert "boom" in batch.errors.data[0].message
+        answered = _lines(client, batch.output_file_id)
+        refused = _lines(client, batch.error_file_id)
+        assert answered and all(line["response"]["status_code"] == 200 for line in answered)
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (
+            len(answered), len(refused))
+        # Two lines at a time, five steps each: at most 12 sent by step 25, and none after.
+        assert len(answered) + len(refused) <= 12
+        assert len({line["custom_id"] for line in answered + refused}) == len(answered + refused)
