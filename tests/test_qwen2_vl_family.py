@@ -190,6 +190,19 @@ def test_a_requests_settings_beyond_the_servers_are_refused(qwen2_vl: str, kwarg
     # The server's own bounds, sent again, are the server's family.
     assert processor._family_for({"max_pixels": 28 * 28 * 64}) is processor.family
     small = processor._family_for({"max_pixels": 28 * 28 * 4})
-    assert small.max_pixels == 28 * 28 * 4
-    assert small.max_tokens_per_item < processor.tokens_per_image
+    assert small.max_pixels == 28 * 28 * 4 and small.min_pixels <= small.max_pixels
     assert small is processor._family_for({"max_pixels": 28 * 28 * 4})  # (made once)
+    assert processor.process({**prompt, "mm_processor_kwargs": {"max_pixels": 28 * 28 * 4}}
+                             ).images[0].length <= 4
+    # A large min_pixels scales a thin image up past the server's largest: that image is
+    # refused, another under the same settings is not.
+    most = {"min_pixels": 28 * 28 * 64, "max_pixels": 28 * 28 * 64}
+    variant = processor._family_for(most)
+    thin = next(size for size in ((1, h) for h in range(20, 400, 7))
+                if variant.num_image_tokens(*size) > processor.tokens_per_image)
+    with pytest.raises(InvalidInputError, match="more than the") as e:
+        processor.process({**prompt, "images": [make_image(1, thin)],
+                           "mm_processor_kwargs": most})
+    assert e.value.param == "mm_processor_kwargs"
+    assert processor.process({**prompt, "mm_processor_kwargs": most}).images[0].length <= (
+        processor.tokens_per_image)

@@ -187,7 +187,7 @@ class MultiModalFamily(ABC):
     def for_request(self, kwargs: dict[str, Any]) -> MultiModalFamily:
         """This family under a request's own image-processor settings (vLLM's per-request
         ``mm_processor_kwargs``, over the server's), or ``InvalidInputError`` saying what to
-        change: they may make a request's images fewer tokens, never more than
+        change. The processor checks each image it makes against this family's
         ``max_tokens_per_item`` (the encoder's budget was sized for it). The default takes
         none: the family's images are all one size."""
         raise InvalidInputError(

@@ -157,7 +157,6 @@ class InputProcessor:
                 "a prompt must be a string or a dict with 'prompt' or 'messages' (and 'images')")
         if "multi_modal_data" in prompt:
             prompt = _images_from_multi_modal_data(prompt)
-        family = self._family_for(prompt.get("mm_processor_kwargs"))
         if "prompt_token_ids" in prompt:
             if prompt.get("images"):
                 raise InvalidInputError("a prompt of token ids takes no images; send the text "
@@ -202,6 +201,8 @@ class InputProcessor:
                 f"the prompt has {len(images)} images but limit_mm_per_prompt is {max_images}; "
                 "send fewer images or raise limit_mm_per_prompt.", param="images")
         # One image at a time, so only one decoded image and its resize are alive at once.
+        # A prompt's own settings apply to its images (text alone ignores them, as vLLM).
+        family = self._family_for(prompt.get("mm_processor_kwargs")) if images else self.family
         processed = self._tokenize(text, [self._preprocess_image(im, family) for im in images])
         return self._with_positions(self._truncated(processed, keep_last, self._added_prefix))
 
@@ -399,13 +400,19 @@ class InputProcessor:
         if isinstance(image, ImageEmbeds):
             return self._preprocess_embeds(image)
         img = load_image(image, self.max_image_pixels)
+        num_tokens = family.num_image_tokens(*img.size)
+        if num_tokens > self.family.max_tokens_per_item:  # (a prompt's own settings)
+            raise InvalidInputError(
+                f"under the prompt's mm_processor_kwargs a {img.size[0]}x{img.size[1]} image "
+                f"becomes {num_tokens} tokens, more than the {self.family.max_tokens_per_item} "
+                "of this server's largest image: ask for a smaller min_pixels.",
+                param="mm_processor_kwargs")
         digest = image_hash(img, family.mm_processor_kwargs)
         pixel_values = (family.encoder_input(img) if self.pixel_arithmetic is None
                         else family.device_encoder_input(img, self.pixel_arithmetic))
         peak = _preprocess_peak_bytes(img.size, family.resized_pixels(*img.size),
                                       pixel_values, self._decoded_copies)
-        return _PreprocessedImage(digest, pixel_values, family.num_image_tokens(*img.size),
-                                  peak)
+        return _PreprocessedImage(digest, pixel_values, num_tokens, peak)
 
     def _preprocess_embeds(self, item: ImageEmbeds) -> _PreprocessedImage:
         """An image given as its embeddings: checked against the model (the decoder's hidden

@@ -36,6 +36,10 @@ MAX_ASPECT_RATIO = 200
 _MODEL_SETTINGS = ("patch_size", "merge_size", "temporal_patch_size")
 
 
+def _is_pixels(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int,
                  max_pixels: int) -> tuple[int, int]:
     """The processor's resize rule (transformers' ``smart_resize``): the image's size after
@@ -149,8 +153,10 @@ class Qwen2VLFamily(MultiModalFamily):
 
     def for_request(self, kwargs: dict[str, Any]) -> Qwen2VLFamily:
         """``min_pixels`` and ``max_pixels`` (the area an image is resized into) for one
-        request's images: ``max_pixels`` up to the server's, and no pair that can make an
-        image more tokens than the server's largest."""
+        request's images: ``max_pixels`` up to the server's (``min_pixels`` at most the
+        ``max_pixels`` given); each image is still checked against the server's largest
+        (``max_tokens_per_item`` stays the server's, which rounding up to a large
+        ``min_pixels`` could pass)."""
         unknown = sorted(set(kwargs) - {"min_pixels", "max_pixels"})
         if unknown:
             raise InvalidInputError(
@@ -158,30 +164,25 @@ class Qwen2VLFamily(MultiModalFamily):
                 f"an image is resized into), not {', '.join(map(repr, unknown))}; the other "
                 "settings are the server's (--mm-processor-kwargs).",
                 param="mm_processor_kwargs")
-        low = kwargs.get("min_pixels", self.min_pixels)
         high = kwargs.get("max_pixels", self.max_pixels)
+        low = kwargs.get("min_pixels", min(self.min_pixels, high) if _is_pixels(high) else 0)
         for name, value in (("min_pixels", low), ("max_pixels", high)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_pixels(value):
                 raise InvalidInputError(f"mm_processor_kwargs: {name} must be a positive "
                                         f"whole number of pixels, got {value!r:.40}",
                                         param="mm_processor_kwargs")
-        if (low, high) == (self.min_pixels, self.max_pixels):
-            return self
-        variant = None
-        if high <= self.max_pixels:
-            try:
-                variant = self._variant(low, high)
-            except ValueError as e:
-                raise InvalidInputError(f"mm_processor_kwargs: {e}",
-                                        param="mm_processor_kwargs") from None
-        if variant is None or variant.max_tokens_per_item > self.max_tokens_per_item:
-            can = "" if variant is None else (
-                f" (min_pixels={low} can make an image of {variant.max_tokens_per_item})")
+        if high > self.max_pixels:
             raise InvalidInputError(
                 f"mm_processor_kwargs: this server's images are at most max_pixels="
-                f"{self.max_pixels}, {self.max_tokens_per_item} tokens, the size its encoder "
-                f"budget holds{can}: ask for at most that.", param="mm_processor_kwargs")
-        return variant
+                f"{self.max_pixels} ({self.max_tokens_per_item} tokens), the size its encoder "
+                "budget holds: ask for at most that.", param="mm_processor_kwargs")
+        if (low, high) == (self.min_pixels, self.max_pixels):
+            return self
+        try:
+            return self._variant(low, high)
+        except ValueError as e:
+            raise InvalidInputError(f"mm_processor_kwargs: {e}",
+                                    param="mm_processor_kwargs") from None
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 (a family lives as long as its engine)
     def _variant(self, min_pixels: int, max_pixels: int) -> Qwen2VLFamily:
@@ -192,7 +193,6 @@ class Qwen2VLFamily(MultiModalFamily):
         size = {"shortest_edge": low, "longest_edge": high}
         variant.processor_kwargs = {**self.processor_kwargs, "size": size}
         variant.mm_processor_kwargs = {**self.mm_processor_kwargs, "size": size}
-        variant._max_tokens, variant._worst_size = variant._largest_item()
         return variant
 
     def resized_pixels(self, width: int, height: int) -> int:
