@@ -121,6 +121,11 @@ def test_responses_refusals_name_the_field(served, body: dict, status: int, para
     ([{"role": "robot", "content": "hi"}], "items[0].role"),
     ([{"role": "user", "content": [{"type": "input_image"}]}], "items[0].content[0]"),
     ([_user("x")] * 21, "items"),
+    ([{"role": "user", "content": 123}], "items[0].content"),
+    ([{"role": "user", "content": [{"type": "input_text", "text": None}]}],
+     "items[0].content[0].text"),
+    ([{"role": "user", "content": [{"type": "input_image", "image_url": 5}]}],
+     "items[0].content[0].image_url"),
 ])
 def test_items_are_checked_as_a_requests_input(served, items: list, param: str) -> None:
     _, http, client = served
@@ -156,3 +161,72 @@ def test_without_a_store_the_endpoints_say_how_to_have_one(clip_llama: str) -> N
                                                 "store": False})
         assert resp.status_code == 404
         assert resp.json()["error"]["code"] == "conversations_disabled"
+
+
+def test_items_sent_again_get_ids_of_their_own(served) -> None:
+    """A client that sends an answer's items back (their ids included) adds copies with new
+    ids: every id names one item, and the pages after it go on."""
+    _, _, client = served
+    conversation = client.conversations.create()
+    item = {**_user("again"), "id": "msg_same"}
+    client.conversations.items.create(conversation.id, items=[item, item])
+    client.conversations.items.create(conversation.id, items=[item])
+    ids = [i.id for i in client.conversations.items.list(conversation.id, order="asc").data]
+    assert len(ids) == len(set(ids)) == 3 and ids[0] == "msg_same"
+    paged = client.conversations.items.list(conversation.id, order="asc", limit=1,
+                                            after=ids[0])
+    assert [i.id for i in paged.data] == [ids[1]]
+
+
+def test_a_streamed_response_is_in_its_conversation_before_it_says_it_completed(
+        served) -> None:
+    """The finished response is added (``on_final``) before the event that says it
+    completed goes out, so that a client's next turn finds it there."""
+    import asyncio
+
+    from mmserve.entrypoints import responses_protocol as responses
+    from mmserve.outputs import RequestOutput
+
+    llm, _, client = served
+    conversation = client.conversations.create()
+
+    class Finished:
+        request_id = "fake-stream"
+
+        async def __aiter__(self):
+            yield RequestOutput("fake-stream", "hello", [1, 2], 3, finished=True,
+                                finish_reason="stop", new_text="hello", new_token_ids=[1, 2])
+
+    async def run() -> list[str]:
+        seen: list[str] = []
+        events = responses.ResponseEvents("resp_fake", "tiny", {}, 0)
+        async for event in llm.server._response_events(
+                events, Finished(), None, on_final=lambda final: seen.append("final")):
+            seen.append(event.partition("\n")[0])
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen[-1] == "event: response.completed" and "final" in seen[:-1]
+    # Through the server: the turn is in the conversation once the stream ends.
+    for _ in _ask(client, conversation=conversation.id, input="hi", stream=True):
+        pass
+    assert [i.role for i in client.conversations.items.list(conversation.id).data] == [
+        "assistant", "user"]
+
+
+def test_a_function_call_cut_off_is_left_out_of_the_conversation(served) -> None:
+    """A call cut off by ``max_output_tokens`` has arguments that are no JSON: the
+    conversation keeps the turn's input without it, and goes on."""
+    _, _, client = served
+    conversation = client.conversations.create()
+    tool = {"type": "function", "name": "look", "parameters": {
+        "type": "object", "properties": {"what": {"type": "string"}}, "required": ["what"]}}
+    cut = client.responses.create(model="tiny", temperature=0, max_output_tokens=2,
+                                  conversation=conversation.id, input="call it",
+                                  tools=[tool], tool_choice={"type": "function",
+                                                             "name": "look"})
+    assert cut.status == "incomplete" and cut.output[0].type == "function_call"
+    items = client.conversations.items.list(conversation.id).data
+    assert [i.type for i in items] == ["message"]
+    assert _ask(client, conversation=conversation.id, input="go on").status in (
+        "completed", "incomplete")

@@ -31,7 +31,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import torch
@@ -143,7 +143,10 @@ class OpenAIServer:
         self._background: set[asyncio.Future] = set()
         # OpenAI's Files and Batch APIs: a batch's lines are posted to this server's app.
         # Conversations are kept beside the responses, in as many bytes.
-        self.conversations = ConversationsApi(config.responses_store_bytes, self._read_json)
+        self.conversations = ConversationsApi(
+            config.responses_store_bytes, self._read_json,
+            lambda messages: proto.parse_chat_request(
+                {"messages": messages, "max_tokens": 1}, self.max_model_len, self.max_images))
         self.batch_api = BatchApi(
             config.files_store_bytes, model=self.model,
             max_body_bytes=config.max_request_body_bytes,
@@ -334,7 +337,9 @@ class OpenAIServer:
         if req.background:
             return self._run_in_background(req, events, stream, reader)
         if chat.stream:
-            return self._event_stream(self._response_events(events, stream, reader, req))
+            return self._event_stream(self._response_events(
+                events, stream, reader, req,
+                on_final=lambda final: self._add_to_conversation(req, final)))
         outs = await self._final_outputs(request, [stream])
         if isinstance(outs, Response):
             return outs
@@ -342,6 +347,7 @@ class OpenAIServer:
         whole = (self._text_delta(out.text, out) if reader is None
                  else reader.feed(out.text) + reader.finish())
         response = events.whole(whole, out.finish_reason, responses_usage(out))
+        self._add_to_conversation(req, response)
         self._keep(req, response)
         return JSONResponse(response)
 
@@ -403,7 +409,6 @@ class OpenAIServer:
     def _keep(self, req: responses.ResponsesRequest, response: dict[str, Any]) -> None:
         """Store a finished response where it asks; one that does not fit says so
         (``store`` false, where it is still to be sent). Add it to its conversation."""
-        self._add_to_conversation(req, response)
         if req.store and self.response_store is not None:
             if self.response_store.put(response, req.input_items, req.previous) is None:
                 response["store"] = False
@@ -417,8 +422,8 @@ class OpenAIServer:
             return
         store = self.conversations.store
         found = None if store is None else store.get(req.conversation)
-        if found is not None and not store.add(found, [*req.input_items,
-                                                       *response.get("output", ())]):
+        items = [*req.input_items, *responses.finished_items(response.get("output") or [])]
+        if found is not None and not store.add(found, items):
             logger.warning("response %s was not added to conversation %s: the store of "
                            "conversations has no room for it (--responses-store-mib)",
                            response.get("id"), req.conversation)
@@ -446,8 +451,9 @@ class OpenAIServer:
 
         async def run() -> None:
             try:
-                async for event in self._response_events(events, stream, reader,
-                                                         queued=True):
+                async for event in self._response_events(
+                        events, stream, reader, queued=True,
+                        on_final=lambda final: self._add_to_conversation(req, final)):
                     store.record(entry, event)
             except Exception as e:  # noqa: BLE001 (a bug here must not leave it running)
                 logger.exception("background response %s failed", events.response_id)
@@ -459,7 +465,6 @@ class OpenAIServer:
                                                        "finished")):
                     store.record(entry, event)
             store.update(events.final)
-            self._add_to_conversation(req, events.final)
 
         def ended(task: asyncio.Future) -> None:
             """Ended, cancelled or deleted (even before it began to run): its engine request
@@ -576,9 +581,12 @@ class OpenAIServer:
     async def _response_events(self, events: responses.ResponseEvents, stream: RequestStream,
                                reader: tool_calls.CallReader | None,
                                req: responses.ResponsesRequest | None = None,
-                               queued: bool = False) -> AsyncIterator[str]:
+                               queued: bool = False,
+                               on_final: Callable[[dict[str, Any]], None] | None = None
+                               ) -> AsyncIterator[str]:
         """A response's events as its answer comes; a failure ends them with
-        ``response.failed``. The finished response is kept where ``req`` asks."""
+        ``response.failed``. ``on_final`` is told of the finished response before its last
+        event is sent (it adds it to its conversation); it is kept where ``req`` asks."""
         answer = Answer()
         try:
             for event in events.start(queued):
@@ -595,8 +603,11 @@ class OpenAIServer:
                         for event in events.delta(delta):
                             yield event
                     if out.finished:
-                        for event in events.finish(out.finish_reason,
-                                                   responses_usage(answer.whole(out))):
+                        last = events.finish(out.finish_reason,
+                                             responses_usage(answer.whole(out)))
+                        if on_final is not None:
+                            on_final(events.final)
+                        for event in last:
                             yield event
         finally:
             self._abort([stream])

@@ -93,8 +93,18 @@ class ConversationStore:
         return True
 
     def add(self, conversation: Conversation, items: list[dict[str, Any]]) -> bool:
-        """Append ``items`` (each with an id), others forgotten to make room; False, and
-        nothing added, where they do not fit (or the conversation is no longer kept)."""
+        """Append ``items`` (each with an id; one the conversation holds already, as a client
+        sends an earlier answer's items again, gets a new one), others forgotten to make
+        room; False, and nothing added, where they do not fit (or the conversation is no
+        longer kept)."""
+        ids = {item["id"] for item in conversation.items}
+        fresh = []
+        for item in items:
+            if item["id"] in ids:
+                item = {**item, "id": new_id(item["id"].partition("_")[0] or "item")}
+            ids.add(item["id"])
+            fresh.append(item)
+        items[:] = fresh
         nbytes = sum(map(_size, items))
         if self._entries.get(conversation.id) is not conversation or not self._fit(
                 nbytes, conversation.id):
@@ -145,11 +155,15 @@ def _size(value: Any) -> int:
 class ConversationsApi:
     """The Conversations endpoints over a ``ConversationStore`` of ``max_bytes`` (none where
     it is 0: each endpoint then says how to have one). ``read_json``: the server's bounded
-    reading of a request's JSON body."""
+    reading of a request's JSON body; ``check_messages``: the chat endpoint's checks of
+    messages (``ApiError`` naming ``messages[i]...``), which new items pass as a request's
+    ``input`` does."""
 
-    def __init__(self, max_bytes: int, read_json: Callable[[Request], Awaitable[Any]]) -> None:
+    def __init__(self, max_bytes: int, read_json: Callable[[Request], Awaitable[Any]],
+                 check_messages: Callable[[list[dict[str, Any]]], None]) -> None:
         self.store = ConversationStore(max_bytes) if max_bytes > 0 else None
         self.read_json = read_json
+        self.check_messages = check_messages
 
     def routes(self) -> list[Route]:
         base = "/v1/conversations/{conversation_id}"
@@ -189,8 +203,8 @@ class ConversationsApi:
         return JSONResponse(self._conversation(request.path_params["conversation_id"]).body())
 
     async def update(self, request: Request, store: ConversationStore) -> Response:
-        conversation = self._conversation(request.path_params["conversation_id"])
         body = await self._body(request)
+        conversation = self._conversation(request.path_params["conversation_id"])
         if "metadata" not in body:
             raise bad_request("send the conversation's new 'metadata'", "metadata")
         if not store.update(conversation, metadata_of(body["metadata"])):
@@ -213,8 +227,8 @@ class ConversationsApi:
         return JSONResponse(page)
 
     async def create_items(self, request: Request, store: ConversationStore) -> Response:
-        conversation = self._conversation(request.path_params["conversation_id"])
         body = await self._body(request)
+        conversation = self._conversation(request.path_params["conversation_id"])
         if not body.get("items"):
             raise bad_request("'items' must be a non-empty list of items to add", "items")
         items = self._new_items(body["items"])
@@ -265,12 +279,11 @@ class ConversationsApi:
                            param, code="conversation_not_found")
         return conversation
 
-    @staticmethod
-    def _new_items(items: Any) -> list[dict[str, Any]]:
+    def _new_items(self, items: Any) -> list[dict[str, Any]]:
         if not isinstance(items, list) or len(items) > MAX_NEW_ITEMS:
             raise bad_request(f"'items' must be a list of at most {MAX_NEW_ITEMS} items "
                               "(messages, function calls and their outputs)", "items")
-        return conversation_items(items, "items")
+        return conversation_items(items, "items", self.check_messages)
 
     @staticmethod
     def _item(conversation: Conversation, item_id: str) -> dict[str, Any]:

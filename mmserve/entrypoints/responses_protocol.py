@@ -20,7 +20,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,18 +193,31 @@ def _storage(body: dict[str, Any], can_store: bool) -> tuple[bool, bool, str | N
     return store and can_store, background, previous
 
 
-def conversation_items(items: list[Any], name: str) -> list[dict[str, Any]]:
+def conversation_items(items: list[Any], name: str,
+                       check: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Items a client adds to a conversation (the Conversations API's ``items``), checked as
-    a request's ``input`` is (a 400 names ``name[i]``), as the conversation keeps them."""
+    a request's ``input`` is, by ``check`` too (the chat endpoint's checks of the messages
+    they amount to; a 400 names ``name[i]...``), as the conversation keeps them."""
     if not items:
         return []
-    _messages(items, None, [], name)
+    messages, where = _messages(items, None, [], name)
     for i, item in enumerate(items):
         if item.get("type", "message") == "message" and item.get("role") not in (
                 "user", "assistant", "system", "developer"):
             raise bad_request(f"{name}[{i}].role must be 'user', 'assistant', 'system' or "
                               "'developer'", f"{name}[{i}].role")
+    try:
+        check(messages)
+    except ApiError as e:
+        raise _renamed(e, where) from None
     return _input_items(items)
+
+
+def finished_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items a conversation keeps: all but function calls cut off
+    (``max_output_tokens``), whose arguments are not whole JSON."""
+    return [item for item in items
+            if item.get("type") != "function_call" or item.get("status") == "completed"]
 
 
 def _input_items(items: Any) -> list[dict[str, Any]]:
@@ -286,7 +299,8 @@ def _messages(items: Any, instructions: Any, earlier: list[dict[str, Any]],
         raise bad_request(f"'{name}' must be a string or a non-empty list of items", name)
     # The stored items were checked when they came (and answered): an error about one of
     # them now (an image URL that no longer loads) names the previous response.
-    labelled[:0] = [(earlier_name, item) for item in earlier]
+    labelled[:0] = [(earlier_name if earlier_name != "conversation" else
+                     f"conversation.items[{item.get('id')}]", item) for item in earlier]
     for at, item in labelled:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message":
