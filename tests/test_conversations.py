@@ -149,7 +149,9 @@ def test_the_store_forgets_the_least_recently_used_to_make_room() -> None:
     assert not store.add(third, [{**item, "id": "msg_3"}] * 4)  # never fits: nothing added
     assert len(third.items) == 2 and store.nbytes == sum(
         c.nbytes for c in (old, third)) <= store.max_bytes
+    kept = len(store)
     assert store.create({}, [{**item, "content": "y" * 700}]) is None
+    assert len(store) == kept  # (none forgotten for what could not fit anyway)
 
 
 def test_without_a_store_the_endpoints_say_how_to_have_one(clip_llama: str) -> None:

@@ -23,7 +23,6 @@ from mmserve.entrypoints.response_store import (
     EventLog,
     InProgressError,
     ResponseStore,
-    input_items_page,
 )
 from mmserve.entrypoints.serve_args import ServerConfig
 from tests.conftest import assert_no_leaks, make_image, openai_app, slow_down_steps
@@ -555,6 +554,11 @@ def test_a_loop_of_links_is_no_conversation() -> None:
 
 
 def test_input_item_pages() -> None:
+    from mmserve.entrypoints.openai_protocol import ApiError, paged
+
+    def input_items_page(items: list, query: dict) -> dict:
+        return paged(items, query, 20, 100, "input item", "in this response")
+
     items = [{"id": f"i{n}"} for n in range(5)]
     page = input_items_page(items, {"limit": "2"})
     assert [i["id"] for i in page["data"]] == ["i4", "i3"] and page["has_more"]
@@ -563,5 +567,6 @@ def test_input_item_pages() -> None:
     page = input_items_page(items, {"order": "asc", "after": "i3"})
     assert [i["id"] for i in page["data"]] == ["i4"] and not page["has_more"]
     assert input_items_page([], {})["first_id"] is None
-    with pytest.raises(ValueError, match="limit"):
+    with pytest.raises(ApiError, match="limit") as e:
         input_items_page(items, {"limit": "101"})
+    assert e.value.status == 400 and e.value.param == "limit"

@@ -75,11 +75,12 @@ from mmserve.entrypoints.media import MediaLoader
 from mmserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mmserve.entrypoints.openai_protocol import ApiError
 from mmserve.entrypoints.response_store import (
+    DEFAULT_LIST_LIMIT,
+    MAX_LIST_LIMIT,
     EventLog,
     InProgressError,
     ResponseStore,
     Stored,
-    input_items_page,
 )
 from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
@@ -141,12 +142,12 @@ class OpenAIServer:
         self.response_store = (ResponseStore(config.responses_store_bytes)
                                if config.responses_store_bytes > 0 else None)
         self._background: set[asyncio.Future] = set()
-        # OpenAI's Files and Batch APIs: a batch's lines are posted to this server's app.
         # Conversations are kept beside the responses, in as many bytes.
         self.conversations = ConversationsApi(
             config.responses_store_bytes, self._read_json,
             lambda messages: proto.parse_chat_request(
                 {"messages": messages, "max_tokens": 1}, self.max_model_len, self.max_images))
+        # OpenAI's Files and Batch APIs: a batch's lines are posted to this server's app.
         self.batch_api = BatchApi(
             config.files_store_bytes, model=self.model,
             max_body_bytes=config.max_request_body_bytes,
@@ -298,6 +299,10 @@ class OpenAIServer:
             body = await self._read_json(request)
             previous = body.get("previous_response_id") if isinstance(body, dict) else None
             named = body.get("conversation") if isinstance(body, dict) else None
+            if previous is not None and named is not None:
+                raise proto.bad_request("send one of 'previous_response_id' and "
+                                        "'conversation': a response goes on from one of them",
+                                        "conversation")
             earlier, conversation = None, None
             if isinstance(previous, str):
                 earlier = self._conversation(previous)
@@ -408,7 +413,7 @@ class OpenAIServer:
 
     def _keep(self, req: responses.ResponsesRequest, response: dict[str, Any]) -> None:
         """Store a finished response where it asks; one that does not fit says so
-        (``store`` false, where it is still to be sent). Add it to its conversation."""
+        (``store`` false, where it is still to be sent)."""
         if req.store and self.response_store is not None:
             if self.response_store.put(response, req.input_items, req.previous) is None:
                 response["store"] = False
@@ -556,10 +561,11 @@ class OpenAIServer:
         if isinstance(entry, Response):
             return entry
         try:
-            page = input_items_page(entry.input_items, dict(request.query_params))
-        except ValueError as e:
-            return error_response(proto.bad_page(e))
-        return JSONResponse(page)
+            return JSONResponse(proto.paged(entry.input_items, request.query_params,
+                                            DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, "input item",
+                                            "in this response"))
+        except ApiError as e:
+            return error_response(e)
 
     def _stored(self, request: Request) -> Stored | Response:
         """The stored response a path names, or the 404 that says it is not stored."""

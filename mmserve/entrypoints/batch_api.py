@@ -16,7 +16,7 @@ batch's output file, the others to its error file (OpenAI's ``output_file_id`` a
 ``error_file_id``); a batch cancelled, expired (past its 24 hours) or failing for want of room
 in the store keeps what it answered before, and a cancelled or expired one writes each line it
 did not answer to its error file (``batch_cancelled``, ``batch_expired``), so that every line
-is in one of its files.
+is in one of its files (one that ends before its turn has none).
 
 A batch's record is kept while the server runs (the ``MAX_BATCHES`` newest); its files,
 until deleted or expired.
@@ -42,9 +42,8 @@ from mmserve.entrypoints.files_api import (
     FilesApi,
     expiry_of,
     in_thread,
-    paged,
 )
-from mmserve.entrypoints.openai_protocol import ApiError, bad_request
+from mmserve.entrypoints.openai_protocol import ApiError, bad_request, paged
 from mmserve.entrypoints.responses_protocol import metadata_of
 from mmserve.entrypoints.run_batch import (
     LINE_OVERHEAD_BYTES,

@@ -18,7 +18,6 @@ outlives the process.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -29,13 +28,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mmserve.entrypoints.http_middleware import error_response
-from mmserve.entrypoints.openai_protocol import ApiError, bad_page, bad_request
-from mmserve.entrypoints.openai_shapes import list_page
+from mmserve.entrypoints.http_middleware import store_endpoint
+from mmserve.entrypoints.openai_protocol import ApiError, bad_request, paged
+from mmserve.entrypoints.response_store import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, json_size
 from mmserve.entrypoints.responses_protocol import conversation_items, metadata_of, new_id
 
 MAX_NEW_ITEMS = 20  # items one request adds (OpenAI's)
-DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT = 20, 100
 
 
 @dataclass
@@ -66,16 +64,15 @@ class ConversationStore:
 
     def create(self, metadata: dict[str, str], items: list[dict[str, Any]]
                ) -> Conversation | None:
-        """A new conversation, others forgotten to make room; None where it does not fit."""
-        conversation = Conversation(new_id("conv"), int(time.time()), metadata, [])
-        conversation.nbytes = _size(metadata)
+        """A new conversation, others forgotten to make room; None (and none forgotten)
+        where it does not fit."""
+        items = _with_own_ids(set(), items)
+        conversation = Conversation(new_id("conv"), int(time.time()), metadata, items)
+        conversation.nbytes = json_size(metadata) + sum(map(json_size, items))
         if not self._fit(conversation.nbytes, None):
             return None
         self._entries[conversation.id] = conversation
         self.nbytes += conversation.nbytes
-        if not self.add(conversation, items):
-            self.delete(conversation.id)
-            return None
         return conversation
 
     def get(self, conversation_id: str) -> Conversation | None:
@@ -97,15 +94,8 @@ class ConversationStore:
         sends an earlier answer's items again, gets a new one), others forgotten to make
         room; False, and nothing added, where they do not fit (or the conversation is no
         longer kept)."""
-        ids = {item["id"] for item in conversation.items}
-        fresh = []
-        for item in items:
-            if item["id"] in ids:
-                item = {**item, "id": new_id(item["id"].partition("_")[0] or "item")}
-            ids.add(item["id"])
-            fresh.append(item)
-        items[:] = fresh
-        nbytes = sum(map(_size, items))
+        items[:] = _with_own_ids({item["id"] for item in conversation.items}, items)
+        nbytes = sum(map(json_size, items))
         if self._entries.get(conversation.id) is not conversation or not self._fit(
                 nbytes, conversation.id):
             return False
@@ -116,7 +106,7 @@ class ConversationStore:
 
     def update(self, conversation: Conversation, metadata: dict[str, str]) -> bool:
         """Replace the metadata; False where it does not fit."""
-        change = _size(metadata) - _size(conversation.metadata)
+        change = json_size(metadata) - json_size(conversation.metadata)
         if not self._fit(change, conversation.id):
             return False
         conversation.metadata = metadata
@@ -128,7 +118,7 @@ class ConversationStore:
         for i, item in enumerate(conversation.items):
             if item.get("id") == item_id:
                 del conversation.items[i]
-                nbytes = _size(item)
+                nbytes = json_size(item)
                 conversation.nbytes -= nbytes
                 self.nbytes -= nbytes
                 return True
@@ -148,8 +138,15 @@ class ConversationStore:
         return self.nbytes + nbytes <= self.max_bytes
 
 
-def _size(value: Any) -> int:
-    return len(json.dumps(value, separators=(",", ":")))
+def _with_own_ids(ids: set[str], items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``items``, each whose id is among ``ids`` (or an earlier one's) with a new one."""
+    out = []
+    for item in items:
+        if item["id"] in ids:
+            item = {**item, "id": new_id(item["id"].partition("_")[0] or "item")}
+        ids.add(item["id"])
+        out.append(item)
+    return out
 
 
 class ConversationsApi:
@@ -160,7 +157,7 @@ class ConversationsApi:
     ``input`` does."""
 
     def __init__(self, max_bytes: int, read_json: Callable[[Request], Awaitable[Any]],
-                 check_messages: Callable[[list[dict[str, Any]]], None]) -> None:
+                 check_messages: Callable[[list[dict[str, Any]]], object]) -> None:
         self.store = ConversationStore(max_bytes) if max_bytes > 0 else None
         self.read_json = read_json
         self.check_messages = check_messages
@@ -219,12 +216,8 @@ class ConversationsApi:
 
     async def list_items(self, request: Request, store: ConversationStore) -> Response:
         conversation = self._conversation(request.path_params["conversation_id"])
-        try:
-            page = list_page(conversation.items, dict(request.query_params),
-                             DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, "item", "in this conversation")
-        except ValueError as e:
-            raise bad_page(e) from None
-        return JSONResponse(page)
+        return JSONResponse(paged(conversation.items, request.query_params, DEFAULT_LIST_LIMIT,
+                                  MAX_LIST_LIMIT, "item", "in this conversation"))
 
     async def create_items(self, request: Request, store: ConversationStore) -> Response:
         body = await self._body(request)
@@ -252,14 +245,7 @@ class ConversationsApi:
                 ) -> Callable[[Request], Awaitable[Response]]:
         """``handler(request, store)`` as an endpoint: its ``ApiError`` as OpenAI's error
         body; without a store, a 404 that says how to have one."""
-        async def endpoint(request: Request) -> Response:
-            try:
-                if self.store is None:
-                    raise _disabled()
-                return await handler(request, self.store)
-            except ApiError as e:
-                return error_response(e)
-        return endpoint
+        return store_endpoint(handler, lambda: self.store, _disabled)
 
     async def _body(self, request: Request) -> dict[str, Any]:
         body = await self.read_json(request)

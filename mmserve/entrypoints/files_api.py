@@ -27,9 +27,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mmserve.entrypoints.file_store import MAX_FILES, FileStore, StoredFile, StoreFull, shown
-from mmserve.entrypoints.http_middleware import error_response
-from mmserve.entrypoints.openai_protocol import ApiError, bad_page, bad_request
-from mmserve.entrypoints.openai_shapes import list_page
+from mmserve.entrypoints.http_middleware import store_endpoint
+from mmserve.entrypoints.openai_protocol import ApiError, bad_request, paged
 from mmserve.errors import InvalidInputError
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # an upload, as OpenAI's batch input files
@@ -78,16 +77,9 @@ class FilesApi:
                ) -> Callable[[Request], Awaitable[Response]]:
         """``handler(request, store)`` as an endpoint: its ``ApiError`` as OpenAI's error
         body; without a store, a 404 that says how to have one."""
-        async def endpoint(request: Request) -> Response:
-            if self.capacity == 0 or self.store is None:
-                return error_response(ApiError(
-                    404, "this server keeps no files, so it runs no batches: start it with "
-                    "--files-store-mib above 0.", code="files_disabled"))
-            try:
-                return await handler(request, self.store)
-            except ApiError as e:
-                return error_response(e)
-        return endpoint
+        return store_endpoint(handler, lambda: self.store, lambda: ApiError(
+            404, "this server keeps no files, so it runs no batches: start it with "
+            "--files-store-mib above 0.", code="files_disabled"))
 
     def image_path(self, file_id: str) -> str:
         """Where an uploaded image a request names is; an ``InvalidInputError`` where no
@@ -231,14 +223,6 @@ async def in_thread(func: Callable[..., Any], *args: Any) -> Any:
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([future])
         raise
-
-
-def paged(items: list[dict[str, Any]], query: dict[str, str], default_limit: int,
-          max_limit: int, what: str) -> dict[str, Any]:
-    try:
-        return list_page(items, query, default_limit, max_limit, what)
-    except ValueError as e:  # "limit: must be ..."
-        raise bad_page(e) from None
 
 
 def expiry_of(anchor: Any, seconds: Any, param: str) -> int | None:

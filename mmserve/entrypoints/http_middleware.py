@@ -10,7 +10,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -110,6 +110,23 @@ def request_ids_of(request: Request, prefix: str) -> tuple[str, str]:
 
 def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def store_endpoint(handler: Callable[[Request, Any], Awaitable[Response]],
+                   store: Callable[[], Any], missing: Callable[[], ApiError]
+                   ) -> Callable[[Request], Awaitable[Response]]:
+    """``handler(request, store())`` as an endpoint of an API over a store the server may
+    keep none of (``missing()``, the error that says how to have one); an ``ApiError`` it
+    raises is OpenAI's error body."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            kept = store()
+            if kept is None:
+                raise missing()
+            return await handler(request, kept)
+        except ApiError as e:
+            return error_response(e)
+    return endpoint
 
 
 async def http_exception(request: Request, exc: HTTPException) -> Response:

@@ -18,6 +18,7 @@ from mmserve.engine.request_maker import cache_salt
 from mmserve.entrypoints import tool_calls
 from mmserve.entrypoints.image_embeds import EmbedsPart, parse_embeds_part
 from mmserve.entrypoints.media import FilePart
+from mmserve.entrypoints.openai_shapes import list_page
 from mmserve.entrypoints.tool_calls import ToolChoice
 from mmserve.errors import InvalidInputError
 from mmserve.outputs import score_pairs
@@ -58,6 +59,15 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def paged(items: list[dict[str, Any]], query: Mapping[str, str], default_limit: int,
+          max_limit: int, what: str, where: str = "") -> dict[str, Any]:
+    """``openai_shapes.list_page`` of ``items``, a bad query parameter a 400 naming it."""
+    try:
+        return list_page(items, dict(query), default_limit, max_limit, what, where)
+    except ValueError as e:  # "limit: must be ..."
+        raise bad_page(e) from None
 
 
 def bad_page(e: ValueError) -> ApiError:
@@ -500,7 +510,8 @@ def parse_tokenize_request(body: Any, max_images: int,
         tools, _ = tool_calls.parse_tools({"tools": body.get("tools")}, None)
     except InvalidInputError as e:
         raise bad_request(str(e), e.param) from None
-    chat = {"messages": messages, **({} if tools is None else {"tools": tools}), **_turn(body)}
+    chat = {"messages": messages, **({} if tools is None else {"tools": tools}), **_turn(body),
+            **_mm_kwargs(body)}
     return TokenizeRequest(chat, urls, strs, model)
 
 

@@ -26,9 +26,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from mmserve.entrypoints.openai_shapes import list_page
-
-# Items ``GET .../input_items`` lists at most in one page (OpenAI's limit), and by default.
+# Items a list of a response's input items or a conversation's items holds at most in one
+# page (OpenAI's limit), and by default.
 MAX_LIST_LIMIT = 100
 DEFAULT_LIST_LIMIT = 20
 # A background stream's events are kept up to this share of the store (1 / MAX_LOG_SHARE).
@@ -156,7 +155,7 @@ class ResponseStore:
         if response_id in self._entries:
             return None
         entry = Stored(response, input_items, previous)
-        entry.nbytes = _size(response) + _size(input_items)
+        entry.nbytes = json_size(response) + json_size(input_items)
         if self.running_bytes + entry.nbytes > self.max_bytes:
             return None  # (before forgetting anything for it)
         self._make_room(entry.nbytes)
@@ -183,7 +182,7 @@ class ResponseStore:
         entry.response = response
         if entry.log is not None and entry.log.cut:
             entry.log.forget()
-        entry.nbytes = (_size(response) + _size(entry.input_items)
+        entry.nbytes = (json_size(response) + json_size(entry.input_items)
                         + (0 if entry.log is None else entry.log.nbytes))
         self.nbytes += entry.nbytes
         self._make_room(0)
@@ -264,13 +263,5 @@ class ResponseStore:
                     return
 
 
-def _size(value: Any) -> int:
+def json_size(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":")))
-
-
-def input_items_page(items: list[dict[str, Any]], query: dict[str, str]) -> dict[str, Any]:
-    """A page of ``GET /v1/responses/{id}/input_items``: ``order`` (``desc``, the default,
-    newest first, or ``asc``), at most ``limit`` items (1 to 100, 20 by default) after the
-    item ``after``. Raises ``ValueError`` naming a bad parameter."""
-    return list_page(items, query, DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, "input item",
-                     "in this response")

@@ -10,8 +10,10 @@ What it takes: ``input`` as a string or a list of items (messages whose content 
 ``truncation`` (``"auto"``: the server drops the earliest turns where told the prompt is too
 long, at the places ``truncation_starts`` gives);
 with the server's store (``response_store.py``), ``store``, ``previous_response_id`` (the
-server passes the stored conversation in as ``earlier``) and ``background``. ``conversation``
-and stored prompts are refused with a 400 saying so, as are tools other than functions.
+server passes the stored conversation in as ``earlier``) and ``background``; ``conversation``
+(the server passes the items of the conversation it names, ``conversations.py``, in as
+``earlier``). Stored prompts are refused with a 400 saying so, as are tools other than
+functions.
 """
 
 from __future__ import annotations
@@ -82,9 +84,6 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
         if body.get(name) is not None:
             raise bad_request(f"'{name}' is not supported: {why}.", name)
     store, background, previous = _storage(body, can_store)
-    if previous is not None and conversation is not None:
-        raise bad_request("send one of 'previous_response_id' and 'conversation': a response "
-                          "goes on from one of them", "conversation")
     if (previous is not None or conversation is not None) and earlier is None:
         raise ValueError("previous_response_id or conversation without the items it names")
     if body.get("conversation") is not None and conversation is None:
@@ -194,7 +193,8 @@ def _storage(body: dict[str, Any], can_store: bool) -> tuple[bool, bool, str | N
 
 
 def conversation_items(items: list[Any], name: str,
-                       check: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+                       check: Callable[[list[dict[str, Any]]], object]
+                       ) -> list[dict[str, Any]]:
     """Items a client adds to a conversation (the Conversations API's ``items``), checked as
     a request's ``input`` is, by ``check`` too (the chat endpoint's checks of the messages
     they amount to; a 400 names ``name[i]...``), as the conversation keeps them."""
@@ -298,7 +298,8 @@ def _messages(items: Any, instructions: Any, earlier: list[dict[str, Any]],
     else:
         raise bad_request(f"'{name}' must be a string or a non-empty list of items", name)
     # The stored items were checked when they came (and answered): an error about one of
-    # them now (an image URL that no longer loads) names the previous response.
+    # them now (an image URL that no longer loads) names the previous response, or the
+    # conversation's item.
     labelled[:0] = [(earlier_name if earlier_name != "conversation" else
                      f"conversation.items[{item.get('id')}]", item) for item in earlier]
     for at, item in labelled:

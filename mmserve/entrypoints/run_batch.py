@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 LINE_OVERHEAD_BYTES = 64 * 1024  # a line's custom_id, method and url beside its body
 MAX_CUSTOM_ID_CHARS = 1024
-# Lines read but not yet written: at most this many per request the engine runs at once,
+# Lines read but not yet written: at most this many sequences (a line's ``n`` answers of each
+# of its prompts) per request the engine runs at once,
 # holding at most this many bytes of requests and answers (a larger line goes alone).
 LINES_PER_SEQ = 4
 WINDOW_BYTES = 256 * 1024 * 1024
@@ -252,9 +253,7 @@ class LineReader:
             self._asks.put((loop, self._unclaimed, limit))
         try:
             line = await asyncio.shield(self._unclaimed)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
+        except Exception:  # (not a cancellation: the read goes on for the next call)
             self._unclaimed = None
             raise
         self._unclaimed = None

@@ -234,8 +234,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--responses-store-mib", type=float,
                    default=ServerConfig.responses_store_bytes / 2**20,
                    help="memory for the Responses API's stored responses (store, "
-                   "previous_response_id, background, GET /v1/responses/{id}), MiB of JSON; "
-                   "the least recently used are forgotten past it; 0 stores none")
+                   "previous_response_id, background, GET /v1/responses/{id}), MiB of JSON, "
+                   "and as much again for conversations (/v1/conversations); the least "
+                   "recently used are forgotten past it; 0 stores none")
     p.add_argument("--files-store-mib", type=float,
                    default=ServerConfig.files_store_bytes / 2**20,
                    help="disk for the Files API's files (uploaded batch inputs and images, "

@@ -111,7 +111,6 @@ class InputProcessor:
                                              chat_template_content_format)
         self.tokenizer = self.family.tokenizer
         self.image_processor = self.family.image_processor
-        self.mm_processor_kwargs = self.family.mm_processor_kwargs
         self.image_token_id: int = self.family.image_token_id
         self.image_token: str = self.family.image_token
         self.max_image_pixels = max_image_pixels

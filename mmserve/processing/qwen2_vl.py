@@ -165,9 +165,9 @@ class Qwen2VLFamily(MultiModalFamily):
                 "settings are the server's (--mm-processor-kwargs).",
                 param="mm_processor_kwargs")
         high = kwargs.get("max_pixels", self.max_pixels)
-        low = kwargs.get("min_pixels", min(self.min_pixels, high) if _is_pixels(high) else 0)
-        for name, value in (("min_pixels", low), ("max_pixels", high)):
-            if not _is_pixels(value):
+        low = kwargs.get("min_pixels", min(self.min_pixels, high) if _is_pixels(high) else 1)
+        for name, value in (("max_pixels", high), ("min_pixels", low)):
+            if not _is_pixels(value):  # (before comparing it with the server's)
                 raise InvalidInputError(f"mm_processor_kwargs: {name} must be a positive "
                                         f"whole number of pixels, got {value!r:.40}",
                                         param="mm_processor_kwargs")
