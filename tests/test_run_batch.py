@@ -465,8 +465,11 @@ def test_a_line_counts_the_sequences_it_asks_for() -> None:
                  _line("c", "/v1/completions", {"prompt": 2})]
         task = asyncio.create_task(run_batch(app, io.BytesIO(b"".join(lines)), io.StringIO(),
                                              max_line_bytes=4096, window_lines=4))
-        for _ in range(100):
+        for _ in range(1000):  # (up to 5 s for lines 0 and 1 to be posted)
+            if len(app.started) >= 2:
+                break
             await asyncio.sleep(0.005)
+        await asyncio.sleep(0.2)  # time enough for line 2 to go, were there room
         held = list(app.started)
         app.release.set()
         await task
