@@ -86,6 +86,9 @@ def check_mm_processor_kwargs(value: Any) -> dict[str, Any] | None:
 # How a chat template takes each message's content (``chat_template_content_format``).
 CONTENT_FORMATS = ("auto", "string", "openai")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# How an embedding pools the prompt's final hidden states (``SamplingParams.pooling``):
+# its last token's, the mean of all, or its first token's (vLLM's LAST, MEAN and CLS).
+POOLING_TYPES = ("last", "mean", "cls")
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,11 @@ class EngineConfig:
         "first: fcfs (arrival order; the newest is preempted) or priority (a request's "
         "priority, lower first, then arrival; the lowest priority is preempted), as vLLM's",
         choices=SCHEDULING_POLICIES)
+    pooling_type: str = flag(
+        "last", "how an embedding (LLM.embed, /v1/embeddings) pools the prompt's final hidden "
+        "states: last (its last token's), mean (every token's mean) or cls (its first "
+        "token's), as vLLM's --pooler-config pooling_type; mean and cls compute every prompt "
+        "token (no prefix-cache hits for such requests)", choices=POOLING_TYPES)
     # KV cache.
     block_size: int = flag(16, "tokens per KV-cache block")
     enable_prefix_caching: bool = flag(
@@ -245,6 +253,9 @@ class EngineConfig:
         if self.mm_encoder_tp_mode not in ("data", "weights"):
             raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'weights', got "
                              f"{self.mm_encoder_tp_mode!r}.")
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                             f"{self.pooling_type!r}.")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
                              f", got {self.scheduling_policy!r}.")

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mmserve.config import POOLING_TYPES
 from mmserve.errors import InvalidInputError
 
 # Below this (and above 0, which is greedy) logits / temperature overflows float32 for
@@ -183,7 +184,9 @@ class SamplingParams:
     stop string that ended the text at its end (both vLLM's). ``return_embedding`` (with
     ``max_tokens=1``, ``n=1``; what ``LLM.embed`` sends): the output's ``embedding`` is the
     final hidden state of the prompt's last token (last-token pooling, as embedding models
-    built on a decoder, E5-V and VLM2Vec among them, read a prompt), not normalized.
+    built on a decoder, E5-V and VLM2Vec among them, read a prompt), not normalized;
+    ``pooling`` ``"mean"`` makes it the mean of every prompt token's, ``"cls"`` the first
+    token's (``POOLING_TYPES``; the engine sets it from ``EngineConfig.pooling_type``).
     ``output_kind`` (``OUTPUT_KINDS``, as vLLM's ``RequestOutputKind``): what the engine's
     step outputs for the request hold. ``cumulative``: everything generated so far, and in
     ``new_text`` / ``new_token_ids`` what the step added. ``delta``: only what the step added,
@@ -219,6 +222,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_embedding: bool = False
+    pooling: str = "last"
     # Whether the logits the next token is picked from (greedily too) are the model's
     # changed: by logit_bias, a penalty or min_tokens (set from them: the sampler's test,
     # which most rows pass in one read).
@@ -274,6 +278,10 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"{name} must be None or an integer from 0 to {MAX_LOGPROBS} "
                           f"(alternatives per token), got {_short(value)}.")
+        if self.pooling not in POOLING_TYPES or (self.pooling != "last"
+                                                 and not self.return_embedding):
+            raise bad("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)} (not "
+                      f"'last' only with return_embedding), got {_short(self.pooling)}.")
         if self.return_embedding and (self.max_tokens != 1 or self.n != 1):
             raise bad("return_embedding", "return_embedding reads the prompt once: send it "
                       f"with max_tokens=1 and n=1 (got {_short(self.max_tokens)} and "

@@ -49,10 +49,10 @@ def _messages(n: int, text: str) -> list[dict]:
                                                                      "text": text}]}]
 
 
-def _reference(path: str, n: int, text: str) -> torch.Tensor:
+def _reference(path: str, n: int, text: str, pooling: str = "last") -> torch.Tensor:
     prompt = _template(path).apply_chat_template(_messages(n, text), add_generation_prompt=True,
                                                  tokenize=False)
-    return hf_last_hidden_state(path, prompt, IMAGES[:n])
+    return hf_last_hidden_state(path, prompt, IMAGES[:n], pooling)
 
 
 @pytest.mark.parametrize("name", ["llava", "qwen2_vl", "qwen2_5_vl"])
@@ -132,6 +132,39 @@ def test_embeddings_through_chunked_prefill_preemption_and_async_scheduling(
             torch.testing.assert_close(a.embedding, s.embedding, atol=ATOL, rtol=RTOL)
         else:
             assert a.token_ids == s.token_ids and a.embedding is None
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_pooled_embeddings_are_transformers_through_chunks_and_preemption(
+        clip_llama: str, qwen: dict[str, str], pooling: str, deferred: str) -> None:
+    """``pooling_type`` mean and cls (vLLM's MEAN and CLS): the mean of every prompt token's
+    final hidden state, or the first token's, as transformers' model gives them, for prompts
+    split into chunks across steps, among generating requests in a KV cache small enough to
+    preempt, with asynchronous scheduling too; the prefix cache does not skip their tokens
+    (a prompt seen before is computed again, and equal)."""
+    batch = mixed_batch()
+    cases = [(2, "what is in these two pictures, in some detail?"), (0, "only words here")]
+    chats = [{"messages": _messages(n, text), "images": IMAGES[:n]} for n, text in cases]
+    expected = [_reference(clip_llama, n, text, pooling) for n, text in cases]
+    embed = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True)
+    params = [GREEDY] * len(batch) + [embed] * 2
+    for flags in ({}, {"async_scheduling": True}):
+        with LLM(clip_llama, **_settings(clip_llama, 1), pooling_type=pooling,
+                 **flags) as llm:
+            outs = llm.generate(batch + chats, params)
+            again = llm.generate(chats, embed)  # (from the prefix cache, were it read)
+            stats = llm.stats()
+            assert_no_leaks(llm.engine)
+        assert stats["num_preemptions"] > 0 or flags
+        for out, ref in zip(outs[-2:] + again, expected * 2, strict=True):
+            torch.testing.assert_close(out.embedding, ref, atol=ATOL, rtol=RTOL)
+    # Qwen2-VL's M-RoPE prompts pool the same way.
+    path = qwen["qwen2_vl"]
+    with LLM(path, dtype="float32", max_model_len=512, max_num_batched_tokens=24,
+             pooling_type=pooling) as llm:
+        (out,) = llm.embed(chats[0], normalize=False)
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding),
+                               _reference(path, 2, cases[0][1], pooling), atol=ATOL, rtol=RTOL)
 
 
 def test_embeddings_from_tensor_parallel_workers(clip_llama: str) -> None:

@@ -199,7 +199,7 @@ class LLMEngine:
         self.request_maker = RequestMaker(
             self.processor, self.grammars, self.plan.max_model_len, config.limit_mm_per_prompt,
             self.encoder_budget.cache_tokens, max(64 << 20, self.plan.activation_bytes),
-            config.scheduling_policy)
+            config.scheduling_policy, config.pooling_type)
         self._failed_steps_in_a_row = 0
         self._failing: set[str] = set()  # requests whose num_failed_steps is not 0
         self._dead: str | None = None

@@ -40,9 +40,11 @@ class RequestMaker:
 
     def __init__(self, processor: InputProcessor, grammars: GrammarCompiler, max_model_len: int,
                  limit_mm_per_prompt: dict[str, int], encoder_cache_tokens: int,
-                 release_threshold: int, scheduling_policy: str = "fcfs") -> None:
+                 release_threshold: int, scheduling_policy: str = "fcfs",
+                 pooling_type: str = "last") -> None:
         self.processor = processor
         self.scheduling_policy = scheduling_policy
+        self.pooling_type = pooling_type  # an embedding's (``SamplingParams.pooling``)
         self.grammars = grammars
         self.max_model_len = max_model_len
         self.limit_mm_per_prompt = limit_mm_per_prompt
@@ -56,6 +58,8 @@ class RequestMaker:
         """Validate and tokenize a prompt into a ``Request``; ``InvalidInputError`` saying what
         to change."""
         salt = cache_salt(prompt)
+        if params.return_embedding and params.pooling != self.pooling_type:
+            params = dataclasses.replace(params, pooling=self.pooling_type)
         keep_last = params.truncate_prompt_tokens
         if keep_last == -1:
             keep_last = self.max_model_len

@@ -294,8 +294,10 @@ class Scheduler:
         while (admit and self.waiting and token_budget > 0 and not short
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
-            # Prompt logprobs need every prompt position computed, cached or not.
-            hits = ([] if req.sampling_params.prompt_logprobs is not None
+            # Prompt logprobs, and an embedding pooled over the prompt, need every prompt
+            # position computed, cached or not.
+            params = req.sampling_params
+            hits = ([] if params.prompt_logprobs is not None or params.pooling != "last"
                     else self.kv_cache.get_computed_blocks(req))
             num_computed = len(hits) * self.kv_cache.block_size
             num_new = min(req.num_tokens - num_computed, token_budget)

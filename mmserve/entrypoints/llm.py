@@ -150,7 +150,8 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding, as vLLM's ``LLM.embed``: the final hidden state of its
         last token (last-token pooling, how embedding models built on a vision-language
-        decoder, E5-V and VLM2Vec among them, read a prompt), L2-normalized unless
+        decoder, E5-V and VLM2Vec among them, read a prompt; the engine's ``pooling_type``
+        may make it the mean of every token's, or the first token's), L2-normalized unless
         ``normalize`` is false, in ``outputs.embedding``. Prompts as ``generate`` takes
         them, images included; ``truncate_prompt_tokens`` as ``SamplingParams``'. Each is a
         request of one step's prefill (its sampled token is dropped), batched and cached as

@@ -173,15 +173,20 @@ def hf_beam_search(
 
 @torch.no_grad()
 def hf_last_hidden_state(path: str | os.PathLike[str], prompt_text: str,
-                         images: list[Image.Image], **processor_kwargs: Any) -> torch.Tensor:
+                         images: list[Image.Image], pooling: str = "last",
+                         **processor_kwargs: Any) -> torch.Tensor:
     """The reference model's final hidden state (after the decoder's last norm, what the LM
     head reads) at the templated ``prompt_text``'s last token: what an embedding of the
-    prompt pools, ``[hidden]``, float32."""
+    prompt pools, ``[hidden]``, float32; with ``pooling`` "mean" the mean of every token's,
+    "cls" the first token's."""
     model, processor = _load_hf(path)
     inputs = processor(text=prompt_text, images=images or None, return_tensors="pt",
                        **processor_kwargs)
     out = model(**inputs, output_hidden_states=True)
-    return out.hidden_states[-1][0, -1].float().clone()
+    states = out.hidden_states[-1][0].float()
+    pooled = {"last": lambda: states[-1], "mean": lambda: states.mean(0),
+              "cls": lambda: states[0]}[pooling]()
+    return pooled.clone()
 
 
 @torch.no_grad()

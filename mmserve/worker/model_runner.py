@@ -207,6 +207,11 @@ class ModelRunner:
         # tokens on the device, and the row. A step scheduled ahead of it (PENDING_TOKEN,
         # asynchronous scheduling) computes from it, read there.
         self.last_sampled: dict[str, tuple[torch.Tensor, int]] = {}
+        # Embeddings pooled over a prompt that came in several chunks: request id -> (the
+        # position its next chunk starts at, the sum of the rows so far or the first row),
+        # and the updates of the step being run, kept once it has run (``_note_sampled``).
+        self._pooled: dict[str, tuple[int, torch.Tensor]] = {}
+        self._pooled_step: dict[str, tuple[int, torch.Tensor] | None] = {}
         # The tokens before of the requests whose penalties or min_tokens need them.
         self.token_history = TokenHistory(model.vocab_size, self.device)
         # Every running request's KV block ids: a step sends only the ones it adds.
@@ -256,6 +261,7 @@ class ModelRunner:
         for rid in scheduler_output.finished_request_ids:
             self.generators.pop(rid, None)
             self.last_sampled.pop(rid, None)
+            self._pooled.pop(rid, None)
         if len(self.token_history):
             self.token_history.drop(scheduler_output.finished_request_ids)
         out = ModelOutput()
@@ -298,7 +304,14 @@ class ModelRunner:
 
     def _note_sampled(self, where: dict[str, tuple[torch.Tensor, int]]) -> None:
         """A step's attempt has succeeded: remember where each request's token is (the next
-        step reads it there), and count it for the requests whose history is kept."""
+        step reads it there), and count it for the requests whose history is kept; keep what
+        it pooled of prompts that go on in later chunks."""
+        for rid, pooled in self._pooled_step.items():
+            if pooled is None:
+                self._pooled.pop(rid, None)
+            else:
+                self._pooled[rid] = pooled
+        self._pooled_step = {}
         self.last_sampled.update(where)
         self.token_history.record(where)
 
@@ -434,7 +447,7 @@ class ModelRunner:
             logits = self.model.compute_logits(rows) if ids else None
             # (Without output rows whenever a request asks for them.)
             prompt_logprobs = self._prompt_logprobs(chunks, hidden, len(decodes))
-            embeddings = self._embeddings(sampled, len(decodes), rows)
+            embeddings = self._embeddings(chunks, sampled, len(decodes), rows, hidden)
         t3 = time.perf_counter()
         times.forward += t3 - t2
         if deferred is not None and prompt_logprobs.pieces:
@@ -544,18 +557,53 @@ class ModelRunner:
         with phase(name), nullcontext() if timer is None else timer.span():
             yield
 
-    @staticmethod
-    def _embeddings(sampled: list[ScheduledRequest], start: int,
-                    rows: torch.Tensor | None) -> Embeddings | None:
-        """The hidden states of the sampling ``rows`` (``sampled``'s from row ``start``, after
-        the decode rows) of requests asking for their embedding, or None. Such a request
-        samples once, at the end of its prompt, so only prompt chunks are looked at: a step
-        of decodes alone costs nothing more."""
-        at = [start + i for i, r in enumerate(sampled) if r.sampling_params.return_embedding]
-        if not at or rows is None:
+    def _embeddings(self, chunks: list[ScheduledRequest], sampled: list[ScheduledRequest],
+                    start: int, rows: torch.Tensor | None, hidden: torch.Tensor
+                    ) -> Embeddings | None:
+        """The embeddings of the requests that asked and sample in this step (once, at the
+        end of their prompts, so only prompt chunks are looked at: a step of decodes alone
+        costs nothing more), or None. Last-token pooling reads their sampling ``rows``
+        (``sampled``'s from row ``start``, after the decode rows); mean and first-token
+        pooling read every row of their chunks in ``hidden`` (which then has them all), a
+        prompt in several chunks pooled a chunk at a time (``_pooled``)."""
+        self._pooled_step = {}
+        at = [start + i for i, r in enumerate(sampled) if r.sampling_params.return_embedding
+              and r.sampling_params.pooling == "last"]
+        request_ids, vectors = [], []
+        if at and rows is not None:
+            picked = rows.index_select(0, tensor_on(at, torch.long, rows.device))
+            request_ids += [sampled[i - start].request_id for i in at]
+            vectors.append(picked.float())
+        for r in chunks:
+            pooling = r.sampling_params.pooling
+            if pooling != "last":
+                pooled = self._pool(r, hidden[start:start + len(r.token_ids)], pooling)
+                if r.sample:
+                    self._pooled_step[r.request_id] = None
+                    total = pooled[1]
+                    vector = total / pooled[0] if pooling == "mean" else total
+                    request_ids.append(r.request_id)
+                    vectors.append(vector[None])
+                else:
+                    self._pooled_step[r.request_id] = pooled
+            start += len(r.token_ids)
+        if not request_ids:
             return None
-        picked = rows.index_select(0, tensor_on(at, torch.long, rows.device))
-        return Embeddings([sampled[i - start].request_id for i in at], picked.float())
+        return Embeddings(request_ids, torch.cat(vectors) if len(vectors) > 1 else vectors[0])
+
+    def _pool(self, r: ScheduledRequest, rows: torch.Tensor, pooling: str
+              ) -> tuple[int, torch.Tensor]:
+        """The chunk's ``rows`` pooled with what its prompt's earlier chunks pooled: (the
+        position the next chunk starts at, their sum, or the first row), in float32."""
+        end = r.start_pos + len(r.token_ids)
+        if r.start_pos == 0:
+            first = rows.float().sum(0) if pooling == "mean" else rows[0].float()
+            return end, first
+        before = self._pooled.get(r.request_id)
+        if before is None or before[0] != r.start_pos:
+            raise RuntimeError(f"request {r.request_id}'s prompt is pooled from position "
+                               f"{r.start_pos}, but its earlier chunks were not")
+        return end, before[1] + rows.float().sum(0) if pooling == "mean" else before[1]
 
     def _prompt_logprobs(self, chunks: list[ScheduledRequest], hidden: torch.Tensor,
                          start: int) -> PromptLogprobs:
@@ -597,7 +645,8 @@ class ModelRunner:
         steps)."""
         num_sampled = len(sampling_ids)
         if (not self.computes_sampled_rows_only or num_sampled == num_rows
-                or any(r.prompt_logprob_targets for r in chunks)):
+                or any(r.prompt_logprob_targets or r.sampling_params.pooling != "last"
+                       for r in chunks)):
             return None
         seq_lens = ([s + 1 for s in decodes.start_pos]
                     + [r.start_pos + len(r.token_ids) for r in sampled])
