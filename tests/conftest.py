@@ -124,7 +124,10 @@ def assert_no_leaks(engine) -> None:
     # A runner in this process forgets a request's token history in the step after it
     # finished, which sends its id: only those waiting for that step, or sent in a step
     # still in flight (scheduled ahead, on the runner's thread), are left.
-    history = getattr(getattr(engine, "runner", None), "token_history", None)
+    runner = getattr(engine, "runner", None)
+    # Nor a prompt pooled in part (only a step in flight may still hold one).
+    assert not getattr(runner, "_pooled", None) or engine._submitted
+    history = getattr(runner, "token_history", None)
     if history is not None:
         finishing = set(engine.scheduler._finished_ids).union(
             *(step.finished_request_ids for step, _ in engine._submitted))

@@ -418,6 +418,7 @@ class ModelRunner:
         only once the attempt has succeeded: a rerun reads the step before's tokens)."""
         times = out.times
         chunks, decodes = scheduler_output.chunks, scheduler_output.decodes
+        self._pooled_step = {}  # (what a failed attempt pooled is not kept)
         t0 = time.perf_counter()
         with self._phase("encoder"):
             self._run_encoder(scheduler_output, encoder_pixels)
@@ -566,7 +567,6 @@ class ModelRunner:
         (``sampled``'s from row ``start``, after the decode rows); mean and first-token
         pooling read every row of their chunks in ``hidden`` (which then has them all), a
         prompt in several chunks pooled a chunk at a time (``_pooled``)."""
-        self._pooled_step = {}
         at = [start + i for i, r in enumerate(sampled) if r.sampling_params.return_embedding
               and r.sampling_params.pooling == "last"]
         request_ids, vectors = [], []
@@ -597,7 +597,8 @@ class ModelRunner:
         position the next chunk starts at, their sum, or the first row), in float32."""
         end = r.start_pos + len(r.token_ids)
         if r.start_pos == 0:
-            first = rows.float().sum(0) if pooling == "mean" else rows[0].float()
+            # (A copy of the first row: a view would keep the step's rows alive.)
+            first = rows.float().sum(0) if pooling == "mean" else rows[0].float().clone()
             return end, first
         before = self._pooled.get(r.request_id)
         if before is None or before[0] != r.start_pos:
@@ -680,6 +681,8 @@ class ModelRunner:
         self._pixel_tables.clear()
         self.generators.clear()
         self.last_sampled.clear()
+        self._pooled.clear()
+        self._pooled_step = {}
         self.token_history.drop(self.token_history.followed)
         self.block_tables.clear()
         self.model = None
