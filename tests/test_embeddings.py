@@ -184,6 +184,14 @@ def served(clip_llama: str):
         yield app
 
 
+@pytest.fixture(scope="module")
+def python_api(clip_llama: str):
+    """The Python API's answers come from an engine of their own: the server's is stepped by
+    its loop's thread, which ``LLM.embed`` on it would step beside."""
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        yield llm
+
+
 def _nothing_left(llm: LLM) -> None:
     """No request of a refused one left: none in the server's engine client as the answer
     comes (the items queued before the one refused were aborted, not left to finish), and
@@ -195,17 +203,17 @@ def _nothing_left(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_the_embeddings_endpoint_answers_as_llm_embed(served) -> None:
+def test_the_embeddings_endpoint_answers_as_llm_embed(served, python_api: LLM) -> None:
     """OpenAI's ``input`` forms with the openai client (which asks for base64 and decodes
     it), floats, vLLM's chat form with an image, and its ``normalize``."""
     llm, http, client = served
     texts = ["a red square", "two blue circles"]
-    expected = [o.outputs.embedding for o in llm.embed(texts)]
+    expected = [o.outputs.embedding for o in python_api.embed(texts)]
     made = client.embeddings.create(model="tiny", input=texts)
     assert [d.index for d in made.data] == [0, 1]
     for got, want in zip(made.data, expected, strict=True):
         np.testing.assert_allclose(got.embedding, want, rtol=1e-5, atol=1e-6)
-    assert made.usage.prompt_tokens == sum(o.num_prompt_tokens for o in llm.embed(texts))
+    assert made.usage.prompt_tokens == sum(o.num_prompt_tokens for o in python_api.embed(texts))
     floats = http.post("/v1/embeddings", json={"model": "tiny", "input": texts[0],
                                                 "encoding_format": "float"}).json()
     assert floats["object"] == "list" and floats["id"].startswith("embd-")
@@ -214,7 +222,7 @@ def test_the_embeddings_endpoint_answers_as_llm_embed(served) -> None:
     raw = http.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"})
     decoded = np.frombuffer(base64.b64decode(raw.json()["data"][0]["embedding"]), "<f4")
     np.testing.assert_allclose(decoded, expected[0], rtol=1e-5, atol=1e-6)
-    ids = llm.embed(texts[1])[0].prompt_token_ids
+    ids = python_api.embed(texts[1])[0].prompt_token_ids
     by_ids = client.embeddings.create(model="tiny", input=[ids], encoding_format="float")
     np.testing.assert_allclose(by_ids.data[0].embedding, expected[1], rtol=1e-5, atol=1e-6)
     # vLLM's chat form, an image in it: transformers' hidden state, not normalized.
@@ -285,12 +293,12 @@ def test_llm_score_is_the_cosine_of_the_embeddings(clip_llama: str) -> None:
     assert pairwise[1].outputs.score == pytest.approx(1.0, abs=1e-5)  # a text and itself
 
 
-def test_score_and_rerank_over_http(served) -> None:
+def test_score_and_rerank_over_http(served, python_api: LLM) -> None:
     """vLLM's ``/score`` (one against many, pairwise; an image as ``{"content": [...]}``)
     and ``/rerank`` (best first, ``top_n``, the documents returned), as ``LLM.score``."""
     llm, http, _ = served
     query, docs = "a red square", ["two blue circles", "a red square", "a green line"]
-    expected = [o.outputs.score for o in llm.score(query, docs)]
+    expected = [o.outputs.score for o in python_api.score(query, docs)]
     scored = http.post("/score", json={"model": "tiny", "text_1": query, "text_2": docs})
     assert scored.status_code == 200, scored.text
     body = scored.json()
@@ -307,7 +315,7 @@ def test_score_and_rerank_over_http(served) -> None:
     with_image = http.post("/score", json={"text_1": [content], "text_2": docs}).json()
     image_prompt = {"messages": _messages(1, "a picture"), "images": IMAGES[:1]}
     assert [d["score"] for d in with_image["data"]] == pytest.approx(
-        [o.outputs.score for o in llm.score(image_prompt, docs)], abs=1e-5)
+        [o.outputs.score for o in python_api.score(image_prompt, docs)], abs=1e-5)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         ranked = http.post(path, json={"model": "tiny", "query": query, "documents": docs,
                                        "top_n": 2})
@@ -332,7 +340,7 @@ def test_score_and_rerank_over_http(served) -> None:
     alone = {"messages": [{"role": "user", "content": [{"type": "image"}]}],
              "images": IMAGES[:1]}
     assert by_index[1]["relevance_score"] == pytest.approx(
-        llm.score(query, alone)[0].outputs.score, abs=1e-5)
+        python_api.score(query, alone)[0].outputs.score, abs=1e-5)
 
 
 @pytest.mark.parametrize(("path", "body", "param"), [
