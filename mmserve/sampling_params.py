@@ -280,8 +280,9 @@ class SamplingParams:
                           f"(alternatives per token), got {_short(value)}.")
         if self.pooling not in POOLING_TYPES or (self.pooling != "last"
                                                  and not self.return_embedding):
-            raise bad("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)} (not "
-                      f"'last' only with return_embedding), got {_short(self.pooling)}.")
+            raise bad("pooling", f"pooling must be one of {', '.join(POOLING_TYPES)}, and "
+                      f"'mean' or 'cls' only with return_embedding; got "
+                      f"{_short(self.pooling)}.")
         if self.return_embedding and (self.max_tokens != 1 or self.n != 1):
             raise bad("return_embedding", "return_embedding reads the prompt once: send it "
                       f"with max_tokens=1 and n=1 (got {_short(self.max_tokens)} and "

@@ -184,9 +184,9 @@ def hf_last_hidden_state(path: str | os.PathLike[str], prompt_text: str,
                        **processor_kwargs)
     out = model(**inputs, output_hidden_states=True)
     states = out.hidden_states[-1][0].float()
-    pooled = {"last": lambda: states[-1], "mean": lambda: states.mean(0),
-              "cls": lambda: states[0]}[pooling]()
-    return pooled.clone()
+    if pooling == "mean":
+        return states.mean(0)
+    return states[0 if pooling == "cls" else -1].clone()
 
 
 @torch.no_grad()
