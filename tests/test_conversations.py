@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from mmserve.entrypoints.conversations import ConversationStore
-from tests.conftest import make_image, openai_app
+from tests.conftest import make_image, openai_app, slow_down_steps
 from tests.test_server import data_url
 
 IMAGE = data_url(make_image(1, (40, 30)))
@@ -232,3 +232,77 @@ def test_a_function_call_cut_off_is_left_out_of_the_conversation(served) -> None
     assert [i.type for i in items] == ["message"]
     assert _ask(client, conversation=conversation.id, input="go on").status in (
         "completed", "incomplete")
+
+
+def test_a_conversation_runs_one_response_at_a_time(served, monkeypatch) -> None:
+    """While a response naming a conversation runs, another naming it is refused with
+    OpenAI's ``conversation_locked``; once it has ended, however it ended, the next one
+    runs. A request refused before it ran holds nothing."""
+    llm, http, client = served
+    conversation = client.conversations.create()
+    refused = http.post("/v1/responses", json={"model": "tiny", "input": "hi",
+                                               "conversation": conversation.id,
+                                               "temperature": 9})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
+
+    slow_down_steps(llm.engine, 0.05, monkeypatch)
+    running = client.responses.create(model="tiny", input="hello", max_output_tokens=40,
+                                      temperature=0, conversation=conversation.id,
+                                      background=True)
+    for body in ({"input": "again"}, {"input": "streamed", "stream": True},
+                 {"input": "later", "background": True}):
+        locked = http.post("/v1/responses", json={"model": "tiny", "max_output_tokens": 2,
+                                                  "conversation": conversation.id, **body})
+        assert locked.status_code == 400, locked.text
+        error = locked.json()["error"]
+        assert error["code"] == "conversation_locked" and error["param"] == "conversation"
+    other = client.conversations.create()  # (other conversations are not held)
+    assert _ask(client, conversation=other.id, input="hi").conversation.id == other.id
+    client.responses.cancel(running.id)
+    assert _ask(client, conversation=conversation.id, input="next").status in (
+        "completed", "incomplete")
+    for _ in _ask(client, conversation=conversation.id, input="streamed", stream=True):
+        pass
+    assert _ask(client, conversation=conversation.id, input="last").status in (
+        "completed", "incomplete")
+    roles = [i.role for i in client.conversations.items.list(conversation.id,
+                                                             order="asc").data]
+    assert roles == ["user", "assistant"] * 3  # (the cancelled one added nothing)
+
+
+def test_a_held_conversation_is_not_forgotten_to_make_room() -> None:
+    store = ConversationStore(max_bytes=400)
+    item = {"id": "msg_1", "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "x" * 100}]}
+    held = store.create({}, [item])
+    assert held is not None and store.hold(held) and not store.hold(held)
+    assert store.create({}, [item, {**item, "id": "msg_2"}]) is None  # (only by forgetting it)
+    assert store.get(held.id) is held
+    store.release(held.id)
+    assert store.create({}, [item, {**item, "id": "msg_2"}]) is not None
+    assert store.get(held.id) is None and store.hold(held) is True  # (free again)
+
+
+def test_a_stream_closed_before_its_first_event_still_ends_its_request() -> None:
+    """A client gone while the answer's headers are sent cancels the stream before its
+    body's generator starts, so the generator's own ``finally`` never runs; the stream's
+    ``on_close`` (the engine request's abort, the conversation's release) still does."""
+    import asyncio
+
+    from mmserve.entrypoints.http_middleware import ClosingStream
+
+    started, closed = [], []
+
+    async def events():
+        started.append(True)
+        yield "data: never\n\n"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        await asyncio.sleep(1)  # (the headers still going out when the client leaves)
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    asyncio.run(ClosingStream(events(), lambda: closed.append(True))(scope, receive, send))
+    assert closed == [True] and started == []

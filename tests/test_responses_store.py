@@ -301,7 +301,7 @@ def test_a_background_response_cancelled_before_it_ran_ends_its_stream(served,
         (stream,) = await server.engine.add_completions(
             ["early"], await server._prompt_of(req.chat), req.chat.params)
         events = responses.ResponseEvents("resp_early", "tiny", req.echo)
-        server._run_in_background(req, events, stream, None)
+        server._run_in_background(req, events, stream, None, release=lambda: None)
         entry = server.response_store.get("resp_early")
         entry.task.cancel()  # (before its first turn)
         await asyncio.sleep(0.2)

@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import mmserve
@@ -61,10 +61,11 @@ from mmserve.entrypoints.answers import (
     without_generated,
 )
 from mmserve.entrypoints.batch_api import BatchApi
-from mmserve.entrypoints.conversations import ConversationsApi
+from mmserve.entrypoints.conversations import Conversation, ConversationsApi
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.http_middleware import (
     ApiKeyMiddleware,
+    ClosingStream,
     LargeParts,
     RequestIdMiddleware,
     error_response,
@@ -284,14 +285,23 @@ class OpenAIServer:
             return self._event_stream(
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
                           chat.continuous_usage, self._as_ids(chat.tokens_as_ids),
-                          chat.token_ids))
+                          chat.token_ids), on_close=lambda: self._abort(streams))
         return await self._complete(request, request_id, streams, chat)
 
     # ----------------------------------------------------------------- responses
     async def responses(self, request: Request) -> Response:
         """OpenAI's ``POST /v1/responses`` (``responses_protocol.py``): the chat request it
         amounts to, answered as a response object or its stream of events, or at once and
-        run on (``background``); kept in the store where it asks (``store``)."""
+        run on (``background``); kept in the store where it asks (``store``). A request that
+        names a conversation holds it until its answer ends, however it ends."""
+        held: list[Conversation] = []  # (emptied where the answer's end releases it)
+        try:
+            return await self._respond(request, held)
+        finally:
+            for conversation in held:
+                self.conversations.release(conversation)
+
+    async def _respond(self, request: Request, held: list[Conversation]) -> Response:
         response_id, engine_id = request_ids_of(request, "resp_")
         created = int(time.time())
         req = None
@@ -307,8 +317,8 @@ class OpenAIServer:
             if isinstance(previous, str):
                 earlier = self._conversation(previous)
             if named is not None:
-                found = self.conversations.named(named)
-                earlier, conversation = list(found.items), found.id
+                held.append(self.conversations.hold(named))
+                earlier, conversation = list(held[0].items), held[0].id
             req = responses.parse_responses_request(
                 body, self.max_model_len, self.max_images, self.sampling_defaults,
                 self.tool_parser, earlier, can_store=self.response_store is not None,
@@ -339,12 +349,15 @@ class OpenAIServer:
             # once (``ResponseStore.put`` replaces nothing).
             response_id = engine_id
         events = responses.ResponseEvents(response_id, self.model, req.echo, created)
-        if req.background:
-            return self._run_in_background(req, events, stream, reader)
-        if chat.stream:
+        if req.background or chat.stream:  # the conversation is released once it ends
+            release = functools.partial(self.conversations.release,
+                                        held.pop() if held else None)
+            if req.background:
+                return self._run_in_background(req, events, stream, reader, release)
             return self._event_stream(self._response_events(
                 events, stream, reader, req,
-                on_final=lambda final: self._add_to_conversation(req, final)))
+                on_final=lambda final: self._add_to_conversation(req, final)),
+                on_close=lambda: (self._abort([stream]), release()))
         outs = await self._final_outputs(request, [stream])
         if isinstance(outs, Response):
             return outs
@@ -435,14 +448,16 @@ class OpenAIServer:
 
     def _run_in_background(self, req: responses.ResponsesRequest,
                            events: responses.ResponseEvents, stream: RequestStream,
-                           reader: tool_calls.CallReader | None) -> Response:
+                           reader: tool_calls.CallReader | None,
+                           release: Callable[[], None]) -> Response:
         """Answer a ``background`` request at once (queued) and run it on a task of its own;
-        the store holds it, in progress, until it ends or is cancelled."""
+        the store holds it, in progress, until it ends or is cancelled (then ``release``)."""
         store = self.response_store
         assert store is not None  # (the request was refused otherwise)
         entry = store.put(events.snapshot("queued"), req.input_items, req.previous)
         if entry is None:
             self._abort([stream])
+            release()
             self.metrics.count("rejected")
             return error_response(ApiError(
                 503, f"the response store ({store.max_bytes} bytes of JSON, "
@@ -476,6 +491,7 @@ class OpenAIServer:
             is aborted, and its followers' streams end."""
             self._background.discard(task)
             self._abort([stream])
+            release()
             if entry.log is not None:
                 entry.log.end()
 
@@ -580,9 +596,13 @@ class OpenAIServer:
         return entry
 
     @staticmethod
-    def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def _event_stream(events: AsyncIterator[str], on_close: Callable[[], object] | None = None
+                      ) -> ClosingStream:
+        """Server-sent ``events``; ``on_close`` is called once the answer has ended, however
+        it ended (a client gone before its first event never starts ``events``, whose own
+        ``finally`` then never runs)."""
+        return ClosingStream(events, on_close, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _response_events(self, events: responses.ResponseEvents, stream: RequestStream,
                                reader: tool_calls.CallReader | None,
@@ -1034,7 +1054,8 @@ class OpenAIServer:
             return self._event_stream(
                 self._completion_sse(request_id, streams, req.include_usage, n, echoes,
                                      req.prompt_only, req.continuous_usage,
-                                     self._as_ids(req.tokens_as_ids), req.token_ids))
+                                     self._as_ids(req.tokens_as_ids), req.token_ids),
+                on_close=lambda: self._abort(streams))
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
             return outs

@@ -9,7 +9,9 @@ history again.
   /v1/conversations/{id}/items/{item_id}``;
 - a Responses API request with ``conversation`` reads the conversation's items before its
   ``input``, and once the response has completed, its input and output items are added to
-  the conversation (``api_server.py``).
+  the conversation (``api_server.py``). The conversation is held while the response runs:
+  another response naming it meanwhile is refused (``conversation_locked``, as OpenAI's), and
+  it is not forgotten to make room.
 
 Conversations live in the server's memory, at most ``max_bytes`` of their items' JSON; past it
 the conversations used longest ago are forgotten first, as stored responses are. Nothing
@@ -58,6 +60,7 @@ class ConversationStore:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._entries: OrderedDict[str, Conversation] = OrderedDict()
+        self._held: set[str] = set()  # conversations a running response will add to
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -88,6 +91,17 @@ class ConversationStore:
             return False
         self.nbytes -= conversation.nbytes
         return True
+
+    def hold(self, conversation: Conversation) -> bool:
+        """Hold the conversation for a response that will add to it (never forgotten to make
+        room meanwhile); False where another response holds it."""
+        if conversation.id in self._held:
+            return False
+        self._held.add(conversation.id)
+        return True
+
+    def release(self, conversation_id: str) -> None:
+        self._held.discard(conversation_id)
 
     def add(self, conversation: Conversation, items: list[dict[str, Any]]) -> bool:
         """Append ``items`` (each with an id; one the conversation holds already, as a client
@@ -126,14 +140,15 @@ class ConversationStore:
 
     def _fit(self, nbytes: int, keep: str | None) -> bool:
         """Whether ``nbytes`` more fit, once the least recently used conversations but
-        ``keep`` are forgotten as need be (none is, where forgetting all would not do)."""
-        kept = self._entries[keep].nbytes if keep in self._entries else 0
+        ``keep`` and those held are forgotten as need be (none is, where forgetting all of
+        them would not do)."""
+        kept = sum(self._entries[i].nbytes for i in self._held | {keep} if i in self._entries)
         if kept + nbytes > self.max_bytes:
             return False
         for conversation_id in list(self._entries):
             if self.nbytes + nbytes <= self.max_bytes:
                 break
-            if conversation_id != keep:
+            if conversation_id != keep and conversation_id not in self._held:
                 self.delete(conversation_id)
         return self.nbytes + nbytes <= self.max_bytes
 
@@ -176,15 +191,27 @@ class ConversationsApi:
             Route(items + "/{item_id}", self._handle(self.delete_item), methods=["DELETE"]),
         ]
 
-    def named(self, value: Any) -> Conversation:
+    def hold(self, value: Any) -> Conversation:
         """The conversation a Responses API request's ``conversation`` names (its id, or
-        ``{"id": ...}``); a 404 where it is not kept, a 400 where it names none."""
+        ``{"id": ...}``), held for it until ``release``: a 404 where it is not kept, a 400
+        where it names none or another response holds it (OpenAI's ``conversation_locked``)."""
         if isinstance(value, dict):
             value = value.get("id")
         if not isinstance(value, str):
             raise bad_request("'conversation' must be a conversation's id, or an object with "
                               "its 'id'", "conversation")
-        return self._conversation(value, "conversation")
+        conversation = self._conversation(value, "conversation")
+        if not self.store.hold(conversation):
+            raise ApiError(400, f"another response is running on conversation "
+                           f"{conversation.id[:64]!r}: retry once it has ended (responses "
+                           "that name one conversation run one at a time).", "conversation",
+                           code="conversation_locked")
+        return conversation
+
+    def release(self, conversation: Conversation | None) -> None:
+        """Let other responses name the conversation ``hold`` gave (None: none held)."""
+        if conversation is not None and self.store is not None:
+            self.store.release(conversation.id)
 
     # ----------------------------------------------------------------- endpoints
     async def create(self, request: Request, store: ConversationStore) -> Response:

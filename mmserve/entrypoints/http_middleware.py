@@ -112,6 +112,24 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
+class ClosingStream(StreamingResponse):
+    """A streamed answer that calls ``on_close`` once it has ended, however it ended: sent
+    whole, the client gone, or its task cancelled before the body's first chunk, when the
+    body's generator, never started, runs no ``finally`` of its own."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], object] | None,
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.on_close is not None:
+                self.on_close()
+
+
 def store_endpoint(handler: Callable[[Request, Any], Awaitable[Response]],
                    store: Callable[[], Any], missing: Callable[[], ApiError]
                    ) -> Callable[[Request], Awaitable[Response]]:
