@@ -197,3 +197,32 @@ def test_a_shortfall_says_whose_memory_it_is():
     only_others = gpu_memory_shortfall(needed=90 * GiB, total=100 * GiB, free=5 * GiB,
                                        reserved=0, allocated=0, engines=[])
     assert "other processes hold 95.00 GiB" in only_others and "engine" not in only_others
+
+
+
+def test_one_caller_steps_an_engine_at_a_time(clip_llama):
+    """An engine a server's loop steps refuses the Python API's calls (their steps and
+    requests would mix with the server's), as one another call is stepping does; once the
+    server has stopped, the ``LLM`` works again."""
+    from starlette.testclient import TestClient
+
+    from mmserve.beam_search import BeamSearchParams
+    from mmserve.entrypoints.api_server import OpenAIServer
+    from mmserve.entrypoints.serve_args import ServerConfig
+
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    with LLM(clip_llama, dtype="float32", max_model_len=256) as llm:
+        expected = llm.generate("a fox", params)[0].token_ids
+        with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as http:
+            for call in (lambda: llm.generate("a fox", params), lambda: llm.embed("a fox"),
+                         lambda: llm.beam_search("a fox", BeamSearchParams(2, 3))):
+                with pytest.raises(RuntimeError, match="server's engine loop"):
+                    call()
+            answer = http.post("/v1/completions", json={"prompt": "a fox", "max_tokens": 3,
+                                                        "temperature": 0})
+            assert answer.status_code == 200, answer.text
+        with llm.engine.stepping("another thread's call"):
+            with pytest.raises(RuntimeError, match="another thread's call"):
+                llm.generate("a fox", params)
+        assert llm.generate("a fox", params)[0].token_ids == expected
+        assert_no_leaks(llm.engine)

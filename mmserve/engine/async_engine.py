@@ -587,10 +587,13 @@ class AsyncEngine(EngineClient):
 
     # ----------------------------------------------------------------- the thread
     def _run(self) -> None:
+        held = (self.engine.stepping("a server's engine loop (AsyncEngine)")
+                if isinstance(self.engine, LLMEngine) else contextlib.nullcontext())
         try:
-            step = self.engine.step if self._outputs is None else self.engine.core_step
-            run_steps(self.engine, self._commands, self._publish, step)
-        except BaseException as e:  # the engine is broken
+            with held:
+                step = self.engine.step if self._outputs is None else self.engine.core_step
+                run_steps(self.engine, self._commands, self._publish, step)
+        except BaseException as e:  # the engine is broken (or stepped by another caller)
             self._ended = True
             self._died(e)
             self._refuse_queued(f"the engine stopped: {e}")

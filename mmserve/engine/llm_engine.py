@@ -11,6 +11,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,9 @@ class LLMEngine:
 
     _closed = False  # set by close(); a class default so that a half-built engine closes too
     _froze = False  # start-up's objects were frozen out of the collector's walk (collector.py)
+
+    _stepped_by: str | None = None  # who steps the engine now (``stepping``)
+    _stepping_lock = threading.Lock()
 
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
         """``detokenize`` False: the engine core of a front end that detokenizes and makes
@@ -289,6 +293,24 @@ class LLMEngine:
         """The ``n`` completions of a request made by ``process_request``
         (``RequestMaker.fork``)."""
         return RequestMaker.fork(req, request_ids)
+
+    @contextlib.contextmanager
+    def stepping(self, who: str) -> Iterator[None]:
+        """Hold the engine's steps for ``who`` (a call of the Python API, a server's engine
+        loop) while the block runs. Two callers stepping one engine at once would mix their
+        steps and requests, so the second is refused with a ``RuntimeError`` that names the
+        first."""
+        with LLMEngine._stepping_lock:
+            if self._stepped_by is not None:
+                raise RuntimeError(
+                    f"this engine is being stepped by {self._stepped_by}, so {who} cannot "
+                    "step it meanwhile: send the requests through that, or make another "
+                    "engine (another LLM) for them")
+            self._stepped_by = who
+        try:
+            yield
+        finally:
+            self._stepped_by = None
 
     def next_request_id(self) -> str:
         """A request id no other request of this engine has been given."""

@@ -225,7 +225,8 @@ class LLM:
         beam, whose shared prefix, images included, the prefix cache keeps computed."""
         if isinstance(prompts, (dict, str)):
             prompts = [prompts]
-        return run_beam_search(self.engine, list(prompts), params, use_tqdm)
+        with self.engine.stepping("LLM.beam_search"):
+            return run_beam_search(self.engine, list(prompts), params, use_tqdm)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -250,9 +251,16 @@ class LLM:
     def _run(self, prompts: list[dict[str, Any] | str], params: list[SamplingParams],
              use_tqdm: bool) -> list[RequestOutput]:
         """Preprocess ``prompts`` ahead of the engine and step until every completion of
-        every one finished. Whatever stops the loop early (a bad prompt, an engine that died,
-        Ctrl-C) aborts the call's requests still in flight first, so the engine is left with
-        every KV block free and can be used again."""
+        every one finished, the engine's steps held for this call (a server stepping the
+        same engine, or another thread's call, refuses it: ``LLMEngine.stepping``). Whatever
+        stops the loop early (a bad prompt, an engine that died, Ctrl-C) aborts the call's
+        requests still in flight first, so the engine is left with every KV block free and
+        can be used again."""
+        with self.engine.stepping("this LLM's call"):
+            return self._run_held(prompts, params, use_tqdm)
+
+    def _run_held(self, prompts: list[dict[str, Any] | str], params: list[SamplingParams],
+                  use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         ids = [[engine.next_request_id() for _ in range(p.n)] for p in params]  # per prompt
         wanted = {rid for group in ids for rid in group}
