@@ -61,6 +61,7 @@ from mmserve.entrypoints.answers import (
     without_generated,
 )
 from mmserve.entrypoints.batch_api import BatchApi
+from mmserve.entrypoints.completion_store import StoredCompletionsApi
 from mmserve.entrypoints.conversations import Conversation, ConversationsApi
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.http_middleware import (
@@ -148,6 +149,9 @@ class OpenAIServer:
             config.responses_store_bytes, self._read_json,
             lambda messages: proto.parse_chat_request(
                 {"messages": messages, "max_tokens": 1}, self.max_model_len, self.max_images))
+        # Chat completions sent with ``store: true``, in as many bytes again.
+        self.stored_completions = StoredCompletionsApi(config.responses_store_bytes,
+                                                       self._read_json)
         # OpenAI's Files and Batch APIs: a batch's lines are posted to this server's app.
         self.batch_api = BatchApi(
             config.files_store_bytes, model=self.model,
@@ -281,12 +285,22 @@ class OpenAIServer:
                                       chat.params, chat.beam)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             return self._refused(e)
+        store = self.stored_completions.store
+        if chat.store and store is not None and request_id in store:
+            request_id = engine_id  # (a client's id that names a stored one: a suffix added)
         if chat.stream:
             return self._event_stream(
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
                           chat.continuous_usage, self._as_ids(chat.tokens_as_ids),
-                          chat.token_ids), on_close=lambda: self._abort(streams))
+                          chat.token_ids, on_whole=lambda outs: self._store_completion(
+                              self._completion_body(request_id, outs, chat), chat)),
+                on_close=lambda: self._abort(streams))
         return await self._complete(request, request_id, streams, chat)
+
+    def _store_completion(self, body: dict[str, Any], chat: proto.ChatRequest) -> None:
+        """Keep a finished answer whose request sent ``store: true``."""
+        if chat.store:
+            self.stored_completions.keep(body, chat.sent_messages, chat.metadata)
 
     # ----------------------------------------------------------------- responses
     async def responses(self, request: Request) -> Response:
@@ -782,6 +796,18 @@ class OpenAIServer:
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
             return outs
+        body = self._completion_body(request_id, outs, chat)
+        self._store_completion(body, chat)
+        large = LargeParts()
+        if chat.prompt_logprobs is not None:  # vLLM's: the prompt's, once (every choice's
+            body["prompt_logprobs"] = self._prompt_logprobs(  # is the same)
+                outs[0], large, chat.prompt_logprobs)
+        return large.response(body)
+
+    def _completion_body(self, request_id: str, outs: list[RequestOutput],
+                         chat: proto.ChatRequest) -> dict[str, Any]:
+        """The chat completion of ``outs``, each choice's whole output (without vLLM's
+        ``prompt_logprobs``, which a caller adds)."""
         choices = []
         tool_choice, as_ids = chat.tool_choice, self._as_ids(chat.tokens_as_ids)
         for i, out in enumerate(outs):
@@ -800,11 +826,7 @@ class OpenAIServer:
             body["prompt_token_ids"] = outs[0].prompt_token_ids
             for choice, out in zip(choices, outs, strict=True):
                 choice["token_ids"] = out.token_ids
-        large = LargeParts()
-        if chat.prompt_logprobs is not None:  # vLLM's: the prompt's, once (every choice's
-            body["prompt_logprobs"] = self._prompt_logprobs(  # is the same)
-                outs[0], large, chat.prompt_logprobs)
-        return large.response(body)
+        return body
 
     def _as_ids(self, tokens_as_ids: bool | None) -> bool:
         """Whether a request's log-probabilities name tokens "token_id:N"."""
@@ -821,14 +843,18 @@ class OpenAIServer:
 
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
                    tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False,
-                   as_ids: bool = False, token_ids: bool = False) -> AsyncIterator[str]:
+                   as_ids: bool = False, token_ids: bool = False,
+                   on_whole: Callable[[list[RequestOutput]], None] | None = None
+                   ) -> AsyncIterator[str]:
         """A chat answer's chunks: each choice's role first, with the choice's first output
         (as OpenAI and vLLM send it: a client that times the first chunk times the first
         token), then its text as it comes (or the tool calls read from it), in the order the
         choices produce it (``index`` says whose), the usage last when asked (and in every
         chunk, that choice's so far, with ``continuous_usage``). ``token_ids`` (vLLM's
         ``return_token_ids``): the prompt's token ids in each choice's first chunk, and in
-        each chunk of a choice the ids of its tokens since the one before."""
+        each chunk of a choice the ids of its tokens since the one before. ``on_whole``: told
+        of every choice's whole output once all have finished (not when the stream failed
+        or the client left)."""
         created = int(time.time())
         answers = [Answer() for _ in streams]
         readers = [tool_calls.reader_for(tool_choice, self.tool_parser) for _ in streams]
@@ -877,6 +903,8 @@ class OpenAIServer:
                         yield event(index, {}, reason, out=out)
                         finals[index] = answers[index].whole(out)
                 else:
+                    if on_whole is not None and None not in finals:
+                        on_whole(finals)
                     if include_usage:
                         yield event(0, None, usage=usage_of([[o for o in finals if o]]))
             yield "data: [DONE]\n\n"
@@ -1213,6 +1241,7 @@ class OpenAIServer:
             Route("/detokenize", self.detokenize, methods=["POST"]),
             *self.batch_api.routes(),
             *self.conversations.routes(),
+            *self.stored_completions.routes(),
             *chat_page.routes(),
         ]
         config = self.config

@@ -43,8 +43,7 @@ from mmserve.entrypoints.files_api import (
     expiry_of,
     in_thread,
 )
-from mmserve.entrypoints.openai_protocol import ApiError, bad_request, paged
-from mmserve.entrypoints.responses_protocol import metadata_of
+from mmserve.entrypoints.openai_protocol import ApiError, bad_request, metadata_of, paged
 from mmserve.entrypoints.run_batch import (
     LINE_OVERHEAD_BYTES,
     URLS,

@@ -31,9 +31,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mmserve.entrypoints.http_middleware import store_endpoint
-from mmserve.entrypoints.openai_protocol import ApiError, bad_request, paged
+from mmserve.entrypoints.openai_protocol import ApiError, bad_request, metadata_of, paged
 from mmserve.entrypoints.response_store import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, json_size
-from mmserve.entrypoints.responses_protocol import conversation_items, metadata_of, new_id
+from mmserve.entrypoints.responses_protocol import conversation_items, new_id
 
 MAX_NEW_ITEMS = 20  # items one request adds (OpenAI's)
 

@@ -77,6 +77,19 @@ def bad_page(e: ValueError) -> ApiError:
     return bad_request(f"{param}: {why}", param)
 
 
+def metadata_of(value: Any) -> dict[str, str]:
+    """OpenAI's ``metadata``: at most 16 string keys (64 characters) and values (512)."""
+    if value is None:
+        return {}
+    if not (isinstance(value, dict) and len(value) <= 16
+            and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                    for k, v in value.items())):
+        raise bad_request("'metadata' must be an object of at most 16 keys of up to 64 "
+                          "characters, with strings of up to 512 characters as values",
+                          "metadata")
+    return value
+
+
 @dataclass
 class ChatRequest:
     """A validated chat request. ``messages`` hold ``{"type": "image"}`` parts in place of
@@ -105,6 +118,11 @@ class ChatRequest:
     tokens_as_ids: bool | None = None
     # vLLM's return_token_ids: the prompt's token ids and each choice's generated ones.
     token_ids: bool = False
+    # OpenAI's stored completions: ``store`` keeps the answer, with ``metadata`` and the
+    # messages as they were sent (``sent_messages``, images' URLs in place).
+    store: bool = False
+    metadata: dict[str, str] = field(default_factory=dict)
+    sent_messages: list[dict[str, Any]] = field(default_factory=list)
 
 
 def parse_chat_request(body: Any, max_model_len: int, max_images: int,
@@ -148,7 +166,10 @@ def parse_chat_request(body: Any, max_model_len: int, max_images: int,
                        turn={**_turn(body), **_cache_salt(body), **_mm_kwargs(body)},
                        beam=beam, prompt_logprobs=prompt_logprobs,
                        tokens_as_ids=_get(body, "return_tokens_as_token_ids", bool, None),
-                       token_ids=_get(body, "return_token_ids", bool, False))
+                       token_ids=_get(body, "return_token_ids", bool, False),
+                       store=_get(body, "store", bool, False),
+                       metadata=metadata_of(body.get("metadata")),
+                       sent_messages=body["messages"])
 
 
 def _cache_salt(body: dict[str, Any]) -> dict[str, str]:

@@ -30,6 +30,7 @@ from mmserve.entrypoints.openai_protocol import (
     ApiError,
     ChatRequest,
     bad_request,
+    metadata_of,
     parse_chat_request,
 )
 from mmserve.errors import InvalidInputError
@@ -263,19 +264,6 @@ def _logprobs(body: dict[str, Any]) -> int | None:
         raise bad_request(f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}",
                           "top_logprobs")
     return (top or 0) if LOGPROBS_INCLUDE in include else None
-
-
-def metadata_of(value: Any) -> dict[str, str]:
-    """OpenAI's ``metadata``: at most 16 string keys (64 characters) and values (512)."""
-    if value is None:
-        return {}
-    if not (isinstance(value, dict) and len(value) <= 16
-            and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-                    for k, v in value.items())):
-        raise bad_request("'metadata' must be an object of at most 16 keys of up to 64 "
-                          "characters, with strings of up to 512 characters as values",
-                          "metadata")
-    return value
 
 
 def _messages(items: Any, instructions: Any, earlier: list[dict[str, Any]],

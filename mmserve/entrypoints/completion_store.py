@@ -1,0 +1,194 @@
+"""OpenAI's stored chat completions: a chat request sent with ``store: true`` is kept, its
+``metadata`` and messages with it, for the openai client's ``chat.completions`` calls:
+
+- ``GET /v1/chat/completions`` (``list``: by ``model`` and ``metadata[key]=value``, oldest
+  first unless ``order=desc``, ``limit`` up to 100, ``after``);
+- ``GET``/``POST``/``DELETE /v1/chat/completions/{id}`` (``retrieve``, ``update`` its
+  ``metadata``, ``delete``);
+- ``GET /v1/chat/completions/{id}/messages`` (``messages.list``: the request's messages, each
+  with an id of its own).
+
+Completions are kept in the server's memory, at most ``max_bytes`` of their JSON (messages,
+images' data URLs included); past it the oldest are forgotten first. Nothing outlives the
+process.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mmserve.entrypoints.http_middleware import store_endpoint
+from mmserve.entrypoints.openai_protocol import ApiError, bad_request, metadata_of, paged
+from mmserve.entrypoints.response_store import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, json_size
+
+
+@dataclass
+class StoredCompletion:
+    body: dict[str, Any]  # the chat.completion object, its ``metadata`` included
+    messages: list[dict[str, Any]]  # the request's, each with its ``id``
+    nbytes: int = 0
+
+
+class CompletionStore:
+    """Completion id -> ``StoredCompletion``, in the order they were stored, at most
+    ``max_bytes`` of JSON; the oldest forgotten first to make room."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, StoredCompletion] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, completion_id: str) -> bool:
+        return completion_id in self._entries
+
+    def put(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
+        """Keep a finished completion and the messages it answered, the oldest forgotten to
+        make room; False, none forgotten, where it cannot fit (or its id is kept already:
+        a client's id sent twice at once is stored once)."""
+        completion_id = body["id"]
+        messages = [_stored_message(message, f"{completion_id}-{i}")
+                    for i, message in enumerate(messages)]
+        stored = StoredCompletion(body, messages, json_size(body) + json_size(messages))
+        if completion_id in self._entries or stored.nbytes > self.max_bytes:
+            return False
+        while self.nbytes + stored.nbytes > self.max_bytes:
+            self.delete(next(iter(self._entries)))
+        self._entries[completion_id] = stored
+        self.nbytes += stored.nbytes
+        return True
+
+    def get(self, completion_id: str) -> StoredCompletion | None:
+        return self._entries.get(completion_id)
+
+    def delete(self, completion_id: str) -> bool:
+        stored = self._entries.pop(completion_id, None)
+        if stored is None:
+            return False
+        self.nbytes -= stored.nbytes
+        return True
+
+    def update(self, stored: StoredCompletion, metadata: dict[str, str]) -> bool:
+        """Replace the metadata; False where it does not fit beside the others."""
+        change = json_size(metadata) - json_size(stored.body["metadata"])
+        if self.nbytes + change > self.max_bytes:
+            return False
+        stored.body["metadata"] = metadata
+        stored.nbytes += change
+        self.nbytes += change
+        return True
+
+    def bodies(self, model: str | None, metadata: dict[str, str]) -> list[dict[str, Any]]:
+        """The completions kept, oldest first, of ``model`` (None: any) whose metadata holds
+        every pair of ``metadata``."""
+        return [stored.body for stored in self._entries.values()
+                if (model is None or stored.body["model"] == model)
+                and all(stored.body["metadata"].get(k) == v for k, v in metadata.items())]
+
+
+class StoredCompletionsApi:
+    """The stored chat completions' endpoints over a ``CompletionStore`` of ``max_bytes``
+    (none where it is 0: each endpoint then says how to have one); ``read_json``: the
+    server's bounded reading of a request's JSON body."""
+
+    def __init__(self, max_bytes: int, read_json: Callable[[Request], Awaitable[Any]]) -> None:
+        self.store = CompletionStore(max_bytes) if max_bytes > 0 else None
+        self.read_json = read_json
+
+    def routes(self) -> list[Route]:
+        base = "/v1/chat/completions/{completion_id}"
+        return [
+            Route("/v1/chat/completions", self._handle(self.list), methods=["GET"]),
+            Route(base, self._handle(self.retrieve), methods=["GET"]),
+            Route(base, self._handle(self.update), methods=["POST"]),
+            Route(base, self._handle(self.delete), methods=["DELETE"]),
+            Route(f"{base}/messages", self._handle(self.messages), methods=["GET"]),
+        ]
+
+    def keep(self, body: dict[str, Any], messages: list[dict[str, Any]],
+             metadata: dict[str, str]) -> None:
+        """Store a finished completion a request asked to store (where the server keeps
+        any): ``body`` with ``metadata``, and the request's ``messages``."""
+        if self.store is not None:
+            self.store.put({**body, "metadata": metadata}, messages)
+
+    # ----------------------------------------------------------------- endpoints
+    async def list(self, request: Request, store: CompletionStore) -> Response:
+        query = request.query_params
+        metadata = {key[len("metadata["):-1]: value for key, value in query.items()
+                    if key.startswith("metadata[") and key.endswith("]")}
+        bodies = store.bodies(query.get("model"), metadata)
+        return JSONResponse(paged(bodies, {"order": "asc", **query}, DEFAULT_LIST_LIMIT,
+                                  MAX_LIST_LIMIT, "stored chat completion"))
+
+    async def retrieve(self, request: Request, store: CompletionStore) -> Response:
+        return JSONResponse(self._stored(request, store).body)
+
+    async def update(self, request: Request, store: CompletionStore) -> Response:
+        body = await self.read_json(request)
+        if not isinstance(body, dict) or "metadata" not in body:
+            raise bad_request("send the completion's new 'metadata'", "metadata")
+        stored = self._stored(request, store)
+        if not store.update(stored, metadata_of(body["metadata"])):
+            raise ApiError(400, f"the new metadata does not fit the server's store of chat "
+                           f"completions ({store.max_bytes} bytes of JSON, "
+                           "--responses-store-mib)", "metadata")
+        return JSONResponse(stored.body)
+
+    async def delete(self, request: Request, store: CompletionStore) -> Response:
+        stored = self._stored(request, store)
+        store.delete(stored.body["id"])
+        return JSONResponse({"object": "chat.completion.deleted", "id": stored.body["id"],
+                             "deleted": True})
+
+    async def messages(self, request: Request, store: CompletionStore) -> Response:
+        stored = self._stored(request, store)
+        return JSONResponse(paged(stored.messages, {"order": "asc", **request.query_params},
+                                  DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, "message",
+                                  "in this chat completion"))
+
+    # ----------------------------------------------------------------- helpers
+    def _handle(self, handler: Callable[[Request, CompletionStore], Awaitable[Response]]
+                ) -> Callable[[Request], Awaitable[Response]]:
+        return store_endpoint(handler, lambda: self.store, _disabled)
+
+    @staticmethod
+    def _stored(request: Request, store: CompletionStore) -> StoredCompletion:
+        completion_id = request.path_params["completion_id"]
+        stored = store.get(completion_id)
+        if stored is None:
+            raise ApiError(404, f"no stored chat completion has the id "
+                           f"{completion_id[:64]!r} (a chat request is stored when it sends "
+                           "'store': true; they are kept in the server's memory while it "
+                           "runs, the oldest forgotten past --responses-store-mib)",
+                           "completion_id", code="not_found")
+        return stored
+
+
+def _stored_message(message: dict[str, Any], message_id: str) -> dict[str, Any]:
+    """A request's message as OpenAI lists a stored one: with its ``id``, and content sent
+    as parts in ``content_parts`` (``content`` then their text, joined by line breaks)."""
+    stored = {**message, "id": message_id}
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = [part.get("text", "") for part in content if part.get("type") == "text"]
+        stored["content"] = "\n".join(texts) if texts else None
+        stored["content_parts"] = content
+    return stored
+
+
+def _disabled() -> ApiError:
+    return ApiError(404, "this server stores no chat completions: start it with "
+                    "--responses-store-mib above 0.", code="stored_completions_disabled")
+
+
+__all__ = ["CompletionStore", "StoredCompletion", "StoredCompletionsApi"]
