@@ -393,6 +393,13 @@ def test_truncation_auto_drops_the_earliest_turns(served) -> None:
     assert made.truncation == "auto" and made.status == "incomplete"
     kept = chat_messages[:1] + chat_messages[start:]
     assert made.usage.input_tokens == _tokens(http, kept)
+    counted = client.responses.input_tokens.count(
+        model="tiny", instructions="Be brief.", input=turns, truncation="auto")
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == made.usage.input_tokens
+    untruncated = http.post("/v1/responses/input_tokens", json={
+        "model": "tiny", "instructions": "Be brief.", "input": turns})
+    assert untruncated.json()["input_tokens"] == _tokens(http, chat_messages)  # (> 512)
     assert made.output_text == _chat(http, kept, 6)["choices"][0]["message"]["content"]
     # What is stored is the request's input, whole.
     stored = http.get(f"/v1/responses/{made.id}/input_items", params={"order": "asc",
@@ -570,3 +577,43 @@ def test_input_item_pages() -> None:
     with pytest.raises(ApiError, match="limit") as e:
         input_items_page(items, {"limit": "101"})
     assert e.value.status == 400 and e.value.param == "limit"
+
+
+def test_input_tokens_counts_what_a_response_would_read(served, slow_steps) -> None:
+    """``POST /v1/responses/input_tokens`` counts a request's tokens as the response made of
+    it reads them (its usage's ``input_tokens``): images, tools, a stored response's chain
+    or a conversation's items before the input; a conversation alone; a conversation a
+    running response holds is read, not held."""
+    llm, http, client = served
+    image = {"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(make_image(3, (40, 30)))},
+        {"type": "input_text", "text": "what is this?"}]}
+    tool = {"type": "function", "name": "look", "parameters": {
+        "type": "object", "properties": {"what": {"type": "string"}}}}
+    first = client.responses.create(model="tiny", input=[image], tools=[tool],
+                                    max_output_tokens=3, temperature=0)
+    counted = client.responses.input_tokens.count(model="tiny", input=[image], tools=[tool])
+    assert counted.input_tokens == first.usage.input_tokens
+    follow = {"previous_response_id": first.id, "input": "and then?"}
+    counted = client.responses.input_tokens.count(model="tiny", **follow)
+    assert counted.input_tokens == client.responses.create(
+        model="tiny", max_output_tokens=3, **follow).usage.input_tokens
+
+    conversation = client.conversations.create(items=[image])
+    alone = client.responses.input_tokens.count(conversation=conversation.id)
+    running = client.responses.create(model="tiny", conversation=conversation.id,
+                                      input="go on", max_output_tokens=400, background=True)
+    counted = client.responses.input_tokens.count(conversation=conversation.id,
+                                                  input="go on")
+    assert alone.input_tokens < counted.input_tokens
+    client.responses.cancel(running.id)
+    made = client.responses.create(model="tiny", conversation=conversation.id,
+                                   input="go on", max_output_tokens=3)
+    assert made.usage.input_tokens == counted.input_tokens
+    for body, param in (({"input": "hi", "model": "other"}, "model"),
+                        ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+                        ({"conversation": "conv_missing"}, "conversation"),
+                        ({}, "input")):
+        resp = http.post("/v1/responses/input_tokens", json=body)
+        assert resp.status_code in (400, 404), resp.text
+        assert resp.json()["error"]["param"] == param, resp.text

@@ -247,18 +247,9 @@ class OpenAIServer:
             req = proto.parse_tokenize_request(await self._read_json(request), self.max_images,
                                                self.config.enable_mm_embeds)
             self._check_model(req.model)
-            if self._num_tokenizing >= MAX_TOKENIZE_WAITING:
-                raise QueueFullError(f"{MAX_TOKENIZE_WAITING} /tokenize requests are already "
-                                     "waiting; retry later.")
-            self._num_tokenizing += 1
-            try:
-                async with self._tokenizing:
-                    images = await asyncio.gather(*(self.media.load(url)
-                                                    for url in req.image_urls))
-                    ids = await self.engine.prompt_token_ids(
-                        {**req.prompt, "images": list(images)})
-            finally:
-                self._num_tokenizing -= 1
+            async with self._tokenizing_slot():
+                images = await asyncio.gather(*(self.media.load(url) for url in req.image_urls))
+                ids = await self.engine.prompt_token_ids({**req.prompt, "images": list(images)})
         except (ApiError, InvalidInputError, QueueFullError) as e:
             return error_response(_as_api_error(e))
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -320,23 +311,7 @@ class OpenAIServer:
         created = int(time.time())
         req = None
         try:
-            body = await self._read_json(request)
-            previous = body.get("previous_response_id") if isinstance(body, dict) else None
-            named = body.get("conversation") if isinstance(body, dict) else None
-            if previous is not None and named is not None:
-                raise proto.bad_request("send one of 'previous_response_id' and "
-                                        "'conversation': a response goes on from one of them",
-                                        "conversation")
-            earlier, conversation = None, None
-            if isinstance(previous, str):
-                earlier = self._conversation(previous)
-            if named is not None:
-                held.append(self.conversations.hold(named))
-                earlier, conversation = list(held[0].items), held[0].id
-            req = responses.parse_responses_request(
-                body, self.max_model_len, self.max_images, self.sampling_defaults,
-                self.tool_parser, earlier, can_store=self.response_store is not None,
-                conversation=conversation)
+            req = self._responses_request(await self._read_json(request), held)
             chat = req.chat
             self._check_model_and_room(chat.model)
             prompt = await self._prompt_of(chat)
@@ -382,6 +357,76 @@ class OpenAIServer:
         self._add_to_conversation(req, response)
         self._keep(req, response)
         return JSONResponse(response)
+
+    def _responses_request(self, body: Any, held: list[Conversation] | None,
+                           input_required: bool = True) -> responses.ResponsesRequest:
+        """A Responses API body checked, with the items it goes on from: the chain of the
+        stored response ``previous_response_id`` names, or the items of the conversation
+        ``conversation`` names, held for it in ``held`` (None: read, not held)."""
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        named = body.get("conversation") if isinstance(body, dict) else None
+        if previous is not None and named is not None:
+            raise proto.bad_request("send one of 'previous_response_id' and 'conversation': "
+                                    "a response goes on from one of them", "conversation")
+        earlier, conversation = None, None
+        if isinstance(previous, str):
+            earlier = self._conversation(previous)
+        if named is not None:
+            if held is None:
+                found = self.conversations.named(named)
+            else:
+                found = self.conversations.hold(named)
+                held.append(found)
+            earlier, conversation = list(found.items), found.id
+        return responses.parse_responses_request(
+            body, self.max_model_len, self.max_images, self.sampling_defaults,
+            self.tool_parser, earlier, can_store=self.response_store is not None,
+            conversation=conversation, input_required=input_required)
+
+    async def response_input_tokens(self, request: Request) -> Response:
+        """OpenAI's ``POST /v1/responses/input_tokens``: how many tokens a Responses API
+        request of this body would give the model (the conversation it goes on from, its
+        tools and images included; with ``truncation: "auto"``, what is left once its
+        earliest turns are dropped; without, all of it, however long), counted as the
+        request would be made, on the bounded tokenizing threads of ``/tokenize``."""
+        req = None
+        try:
+            req = self._responses_request(await self._read_json(request), None,
+                                          input_required=False)
+            self._check_model(req.chat.model)
+            async with self._tokenizing_slot():
+                prompt = await self._prompt_of(req.chat)
+                ids, too_long = None, None
+                try:
+                    ids = await self.engine.prompt_token_ids(prompt)
+                except PromptTooLongError as e:  # (text too long to tokenize at all)
+                    if not req.truncate:
+                        raise
+                    too_long = e
+                if req.truncate and (ids is None or len(ids) > self.max_model_len):
+                    too_long = too_long or PromptTooLongError(
+                        f"the input is {len(ids)} tokens (images included) but "
+                        f"max_model_len is {self.max_model_len}.", "input")
+                    ids = await self.engine.prompt_token_ids(
+                        await self._truncated(prompt, too_long))
+        except (ApiError, InvalidInputError, QueueFullError) as e:
+            err = _as_api_error(e)
+            return error_response(err if req is None else req.renamed(err))
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
+
+    @contextlib.asynccontextmanager
+    async def _tokenizing_slot(self) -> AsyncIterator[None]:
+        """A turn of the threads that count tokens for ``/tokenize`` and
+        ``/v1/responses/input_tokens``: a 503 past ``MAX_TOKENIZE_WAITING`` waiting."""
+        if self._num_tokenizing >= MAX_TOKENIZE_WAITING:
+            raise QueueFullError(f"{MAX_TOKENIZE_WAITING} requests to count tokens are "
+                                 "already waiting; retry later.")
+        self._num_tokenizing += 1
+        try:
+            async with self._tokenizing:
+                yield
+        finally:
+            self._num_tokenizing -= 1
 
     async def _truncated(self, prompt: dict[str, Any], error: PromptTooLongError
                          ) -> dict[str, Any]:
@@ -1222,6 +1267,7 @@ class OpenAIServer:
             *(Route(path, self.rerank, methods=["POST"])
               for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
             Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/input_tokens", self.response_input_tokens, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.get_response, methods=["GET"]),
             Route("/v1/responses/{response_id}", self.delete_response, methods=["DELETE"]),
             Route("/v1/responses/{response_id}/cancel", self.cancel_response,

@@ -191,16 +191,21 @@ class ConversationsApi:
             Route(items + "/{item_id}", self._handle(self.delete_item), methods=["DELETE"]),
         ]
 
-    def hold(self, value: Any) -> Conversation:
+    def named(self, value: Any) -> Conversation:
         """The conversation a Responses API request's ``conversation`` names (its id, or
-        ``{"id": ...}``), held for it until ``release``: a 404 where it is not kept, a 400
-        where it names none or another response holds it (OpenAI's ``conversation_locked``)."""
+        ``{"id": ...}``): a 404 where it is not kept, a 400 where it names none."""
         if isinstance(value, dict):
             value = value.get("id")
         if not isinstance(value, str):
             raise bad_request("'conversation' must be a conversation's id, or an object with "
                               "its 'id'", "conversation")
-        conversation = self._conversation(value, "conversation")
+        return self._conversation(value, "conversation")
+
+    def hold(self, value: Any) -> Conversation:
+        """The conversation ``value`` names (``named``), held for the request until
+        ``release``: a 400 where another response holds it (OpenAI's
+        ``conversation_locked``)."""
+        conversation = self.named(value)
         if not self.store.hold(conversation):
             raise ApiError(400, f"another response is running on conversation "
                            f"{conversation.id[:64]!r}: retry once it has ended (responses "

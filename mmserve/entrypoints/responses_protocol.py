@@ -73,12 +73,14 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
                             tool_parser: str | None = None,
                             earlier: list[dict[str, Any]] | None = None,
                             can_store: bool = False,
-                            conversation: str | None = None) -> ResponsesRequest:
+                            conversation: str | None = None,
+                            input_required: bool = True) -> ResponsesRequest:
     """Check a decoded JSON body of ``POST /v1/responses``; a 400 names the Responses API's
     field (``input[2].content[0]``, ``max_output_tokens``), not the chat request's.
     ``earlier``: the items of the stored conversation ``previous_response_id`` names, or of
     the ``conversation`` (its id) the body names, which go before ``input``; ``can_store``:
-    whether the server keeps responses."""
+    whether the server keeps responses; ``input_required`` false: ``input`` may be left out
+    (``POST /v1/responses/input_tokens`` counts a conversation alone)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     for name, why in _REFUSED.items():
@@ -95,9 +97,12 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
         raise bad_request("'truncation' must be \"auto\" (drop the conversation's earliest "
                           "turns where it does not fit) or \"disabled\" (the default)",
                           "truncation")
-    messages, where = _messages(body.get("input"), body.get("instructions"), earlier or [],
+    items = body.get("input")
+    if items is None and not input_required:
+        items = []
+    messages, where = _messages(items, body.get("instructions"), earlier or [],
                                 earlier_name="conversation" if conversation else
-                                "previous_response_id")
+                                "previous_response_id", required=input_required)
     metadata = metadata_of(body.get("metadata"))
     chat: dict[str, Any] = {"messages": messages}
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"),
@@ -135,7 +140,7 @@ def parse_responses_request(body: Any, max_model_len: int, max_images: int,
             "truncation": truncation or "disabled",
             "conversation": None if conversation is None else {"id": conversation}}
     return ResponsesRequest(parsed, echo, where, logprobs is not None, store,
-                            _input_items(body["input"]) if store or conversation else [],
+                            _input_items(items) if store or conversation else [],
                             background, previous, truncation == "auto", conversation)
 
 
@@ -267,11 +272,11 @@ def _logprobs(body: dict[str, Any]) -> int | None:
 
 
 def _messages(items: Any, instructions: Any, earlier: list[dict[str, Any]],
-              name: str = "input", earlier_name: str = "previous_response_id"
-              ) -> tuple[list[dict[str, Any]], list[str]]:
+              name: str = "input", earlier_name: str = "previous_response_id",
+              required: bool = True) -> tuple[list[dict[str, Any]], list[str]]:
     """``instructions``, the ``earlier`` conversation's items and ``items`` (the request's
     ``name``) as chat messages, and each message's field in the request (for errors; the
-    earlier ones are ``earlier_name``'s)."""
+    earlier ones are ``earlier_name``'s); ``required`` false: ``items`` may be empty."""
     messages: list[dict[str, Any]] = []
     where: list[str] = []
     if instructions is not None:
@@ -281,7 +286,7 @@ def _messages(items: Any, instructions: Any, earlier: list[dict[str, Any]],
         where.append("instructions")
     if isinstance(items, str):
         labelled = [(name, {"role": "user", "content": items})]
-    elif isinstance(items, list) and items:
+    elif isinstance(items, list) and (items or not required):
         labelled = [(f"{name}[{i}]", item) for i, item in enumerate(items)]
     else:
         raise bad_request(f"'{name}' must be a string or a non-empty list of items", name)
