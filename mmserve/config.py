@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -157,11 +158,16 @@ class EngineConfig:
         "first: fcfs (arrival order; the newest is preempted) or priority (a request's "
         "priority, lower first, then arrival; the lowest priority is preempted), as vLLM's",
         choices=SCHEDULING_POLICIES)
-    pooling_type: str = flag(
-        "last", "how an embedding (LLM.embed, /v1/embeddings) pools the prompt's final hidden "
+    pooling_type: str | None = flag(
+        None, "how an embedding (LLM.embed, /v1/embeddings) pools the prompt's final hidden "
         "states: last (its last token's), mean (every token's mean) or cls (its first "
         "token's), as vLLM's --pooler-config pooling_type; mean and cls compute every prompt "
-        "token (no prefix-cache hits for such requests)", choices=POOLING_TYPES)
+        "token (no prefix-cache hits for such requests). Default: what a sentence-transformers "
+        "checkpoint's modules.json declares, else last", choices=POOLING_TYPES)
+    normalize_embeddings: bool | None = flag(
+        None, "L2-normalize embeddings where a request does not say (LLM.embed's and "
+        "/v1/embeddings' normalize), as vLLM's --pooler-config normalize. Default: on, but "
+        "for a sentence-transformers checkpoint without a Normalize module")
     # KV cache.
     block_size: int = flag(16, "tokens per KV-cache block")
     enable_prefix_caching: bool = flag(
@@ -253,7 +259,7 @@ class EngineConfig:
         if self.mm_encoder_tp_mode not in ("data", "weights"):
             raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'weights', got "
                              f"{self.mm_encoder_tp_mode!r}.")
-        if self.pooling_type not in POOLING_TYPES:
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
                              f"{self.pooling_type!r}.")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
@@ -322,6 +328,71 @@ class EngineConfig:
 
     def replace(self, **changes: object) -> EngineConfig:
         return dataclasses.replace(self, **changes)
+
+
+def pooler_config_kwargs(value: str | dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``--pooler-config`` (JSON text, or its dict) as ``EngineConfig`` fields:
+    ``pooling_type`` ("LAST", "MEAN" or "CLS", any case) -> ``pooling_type``, ``normalize`` ->
+    ``normalize_embeddings``; other keys are refused, saying what is taken."""
+    try:
+        config = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        raise ValueError(f"pooler_config is not valid JSON ({e}); write it as vLLM's, e.g. "
+                         '\'{"pooling_type": "MEAN", "normalize": true}\'') from None
+    if not isinstance(config, dict):
+        raise ValueError("pooler_config must be a JSON object, e.g. "
+                         '{"pooling_type": "MEAN", "normalize": true}')
+    unknown = sorted(set(config) - {"pooling_type", "normalize"})
+    if unknown:
+        raise ValueError(f"pooler_config takes pooling_type and normalize; mmserve does not "
+                         f"take {', '.join(map(repr, unknown))}.")
+    kwargs: dict[str, Any] = {}
+    pooling = config.get("pooling_type")
+    if pooling is not None:
+        if not (isinstance(pooling, str) and pooling.lower() in POOLING_TYPES):
+            raise ValueError(f"pooler_config's pooling_type must be one of "
+                             f"{', '.join(t.upper() for t in POOLING_TYPES)}, got {pooling!r}.")
+        kwargs["pooling_type"] = pooling.lower()
+    if config.get("normalize") is not None:
+        if not isinstance(config["normalize"], bool):
+            raise ValueError("pooler_config's normalize must be true or false.")
+        kwargs["normalize_embeddings"] = config["normalize"]
+    return kwargs
+
+
+# sentence-transformers' pooling modes (its Pooling module's config.json) that are vLLM's
+# LAST, MEAN and CLS.
+_ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean",
+                     "pooling_mode_cls_token": "cls"}
+
+
+def checkpoint_pooling(model_dir: str) -> tuple[str | None, bool | None]:
+    """The pooling type and normalization a sentence-transformers checkpoint declares, as
+    vLLM reads them: its ``modules.json``'s Pooling module's mode, and whether a Normalize
+    module is among them; ``(None, None)`` for any other checkpoint, a None pooling type
+    where it declares a mode mmserve does not compute (which is logged)."""
+    path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(path):
+        return None, None
+    with open(path) as f:
+        modules = json.load(f)
+    kinds = {m.get("type"): m for m in modules if isinstance(m, dict)}
+    normalize = "sentence_transformers.models.Normalize" in kinds
+    pooling_module = kinds.get("sentence_transformers.models.Pooling")
+    if pooling_module is None:
+        return None, normalize
+    with open(os.path.join(model_dir, pooling_module.get("path", ""), "config.json")) as f:
+        modes = json.load(f)
+    chosen = [name for key, name in _ST_POOLING_MODES.items() if modes.get(key)]
+    others = sorted(k for k, on in modes.items()
+                    if k.startswith("pooling_mode_") and on and k not in _ST_POOLING_MODES)
+    if len(chosen) != 1 or others:
+        logging.getLogger(__name__).warning(
+            "the checkpoint's sentence-transformers pooling (%s) is not one mmserve computes "
+            "(last, mean or cls, alone): embeddings take the last token's state unless "
+            "--pooling-type says otherwise", ", ".join([*chosen, *others]) or "none")
+        return None, normalize
+    return chosen[0], normalize
 
 
 def require_model_dir(model: str) -> None:

@@ -7,14 +7,17 @@ base64), vLLM's chat form, and what it refuses; nothing leaks."""
 from __future__ import annotations
 
 import base64
+import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
+from mmserve.config import checkpoint_pooling
 from mmserve.errors import InvalidInputError
 from mmserve.processing.hf_processors import load_qwen2_vl_processor
 from mmserve.testing import build_tiny_checkpoint
@@ -165,6 +168,96 @@ def test_pooled_embeddings_are_transformers_through_chunks_and_preemption(
         (out,) = llm.embed(chats[0], normalize=False)
     torch.testing.assert_close(torch.tensor(out.outputs.embedding),
                                _reference(path, 2, cases[0][1], pooling), atol=ATOL, rtol=RTOL)
+
+
+def _sentence_transformers(model: str, folder: Path, mode: str | None,
+                           normalize: bool) -> str:
+    """``model``'s files linked into ``folder``, made a sentence-transformers checkpoint
+    too: its ``modules.json`` pooling by ``mode`` (one of the ``pooling_mode_*`` names' ends:
+    ``mean_tokens``, ``cls_token``, ``lasttoken``, ``max_tokens``; None: no Pooling module),
+    then a Normalize module where ``normalize``."""
+    folder.mkdir()
+    for name in os.listdir(model):
+        os.symlink(os.path.join(model, name), folder / name)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"}]
+    if mode is not None:
+        modules.append({"idx": 1, "name": "1", "path": "1_Pooling",
+                        "type": "sentence_transformers.models.Pooling"})
+        (folder / "1_Pooling").mkdir()
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 64, **{f"pooling_mode_{m}": m == mode for m in (
+                "mean_tokens", "cls_token", "lasttoken", "max_tokens")}}))
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+    return str(folder)
+
+
+def test_a_sentence_transformers_checkpoint_declares_its_pooling(
+        clip_llama: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cases = {("mean_tokens", False): ("mean", False), ("cls_token", True): ("cls", True),
+             ("lasttoken", True): ("last", True), (None, True): (None, True),
+             ("max_tokens", False): (None, False)}
+    for i, ((mode, normalize), expected) in enumerate(cases.items()):
+        path = _sentence_transformers(clip_llama, tmp_path / str(i), mode, normalize)
+        assert checkpoint_pooling(path) == expected
+    assert "max_tokens" in caplog.text  # (said, and embeddings take the last token's)
+    assert checkpoint_pooling(clip_llama) == (None, None)
+
+
+def test_the_engine_pools_as_its_checkpoint_declares_in_either_layout(
+        clip_llama: str, tmp_path: Path) -> None:
+    """A sentence-transformers checkpoint of mean pooling and no Normalize module embeds
+    each prompt as its tokens' mean, not normalized (where the request does not say), in
+    ``LLM.embed``, over HTTP and with the engine in a process of its own (whose front end
+    makes the requests); vLLM's ``pooler_config`` overrides it."""
+    from starlette.testclient import TestClient
+
+    from mmserve.entrypoints.api_server import OpenAIServer
+    from mmserve.entrypoints.serve_args import ServerConfig
+    from tests.test_engine_core_process import Core, collect, config_of
+
+    path = _sentence_transformers(clip_llama, tmp_path / "st", "mean_tokens", False)
+    chat = {"messages": _messages(1, "a picture"), "images": IMAGES[:1]}
+    mean = _reference(clip_llama, 1, "a picture", "mean")
+    with LLM(path, dtype="float32", max_model_len=256) as llm:
+        assert (llm.engine.config.pooling_type, llm.engine.config.normalize_embeddings) == (
+            "mean", False)
+        (out,) = llm.embed(chat)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), mean, atol=ATOL,
+                                   rtol=RTOL)
+        with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()) as http:
+            body = {"model": "tiny", "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": IMAGE_URL}},
+                {"type": "text", "text": "a picture"}]}]}
+            served = [http.post("/v1/embeddings", json={**body, **extra}).json()
+                      for extra in ({}, {"normalize": True})]
+        values = [torch.tensor(answer["data"][0]["embedding"]) for answer in served]
+        assert abs(values[0].norm().item() - mean.norm().item()) < 1e-3
+        assert abs(values[1].norm().item() - 1.0) < 1e-5
+    core = Core(config_of(path), "process")
+    try:
+        embed = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True)
+
+        async def main():
+            return await collect(await core.client.add_request("st", chat, embed))
+
+        torch.testing.assert_close(core.run(main()).embedding, mean, atol=ATOL, rtol=RTOL)
+    finally:
+        core.close()
+    with LLM(path, dtype="float32", max_model_len=256,
+             pooler_config='{"pooling_type": "CLS", "normalize": true}') as llm:
+        assert (llm.engine.config.pooling_type, llm.engine.config.normalize_embeddings) == (
+            "cls", True)
+    for bad, message in (({"pooling_type": "MAX"}, "one of LAST, MEAN, CLS"),
+                         ({"dimensions": 8}, "does not take 'dimensions'"),
+                         ("{not json", "not valid JSON")):
+        with pytest.raises(ValueError, match=message):
+            LLM(path, pooler_config=bad)
+    with pytest.raises(ValueError, match="disagree"):
+        LLM(path, pooler_config={"pooling_type": "MEAN"}, pooling_type="cls")
 
 
 def test_embeddings_from_tensor_parallel_workers(clip_llama: str) -> None:

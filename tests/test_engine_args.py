@@ -43,7 +43,7 @@ def subparser(command: str) -> argparse.ArgumentParser:
 
 
 # Switches whose default the engine decides (on for GPUs, off on the CPU): both spellings.
-AUTO_SWITCHES = {"async_scheduling"}
+AUTO_SWITCHES = {"async_scheduling", "normalize_embeddings"}
 
 
 def spelling(f: dataclasses.Field) -> list[str]:
@@ -92,6 +92,12 @@ def test_parsed_defaults_are_the_dataclass_defaults(command: str) -> None:
     (["--async-scheduling"], {"async_scheduling": True}),
     (["--no-async-scheduling"], {"async_scheduling": False}),
     (["--chat-template", "chat.jinja"], {"chat_template": "chat.jinja"}),
+    (["--pooling-type", "cls", "--no-normalize-embeddings"],
+     {"pooling_type": "cls", "normalize_embeddings": False}),
+    (["--pooler-config", '{"pooling_type": "MEAN", "normalize": true}'],
+     {"pooling_type": "mean", "normalize_embeddings": True}),
+    (["--pooler-config", '{"normalize": false}', "--pooling-type", "last"],
+     {"pooling_type": "last", "normalize_embeddings": False}),
     (["--chat-template", "{% for m in messages %}\n{{ m['role'] }}{% endfor %}"],
      {"chat_template": "{% for m in messages %}\n{{ m['role'] }}{% endfor %}"}),
 ])
@@ -111,6 +117,8 @@ def test_flags_round_trip_into_the_config(argv: list[str], expected: dict) -> No
     (["--limit-mm-per-prompt", '{"video": 1}'], "video is not supported"),
     (["--dtype", "int8"], "invalid choice: 'int8'"),
     (["--block-size", "x"], "invalid int value: 'x'"),
+    (["--pooler-config", '{"softmax": true}'], "does not take 'softmax'"),
+    (["--pooler-config", "MEAN"], "not valid JSON"),
 ])
 def test_bad_values_are_usage_errors(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as e:
@@ -152,3 +160,10 @@ def test_the_step_token_budget_is_larger_on_gpus(device: str, setting, expected:
 def test_async_scheduling_takes_only_a_switch_or_auto() -> None:
     with pytest.raises(ValueError, match="async_scheduling must be True, False or None"):
         EngineConfig(model="m", async_scheduling="auto")
+
+
+def test_pooler_config_and_a_flag_of_its_own_must_agree() -> None:
+    args = build_parser().parse_args(["serve", "--pooling-type", "cls", "--pooler-config",
+                                      '{"pooling_type": "MEAN"}'])
+    with pytest.raises(ValueError, match="--pooler-config and --pooling-type disagree"):
+        engine_kwargs(args)

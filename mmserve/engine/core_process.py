@@ -114,7 +114,8 @@ class EngineCoreClient(EngineClient):
             self.request_maker = RequestMaker(
                 processor, grammars, ready.config.max_model_len,
                 ready.config.limit_mm_per_prompt, ready.encoder_cache_tokens,
-                ready.release_threshold, ready.config.scheduling_policy)
+                ready.release_threshold, ready.config.scheduling_policy,
+                ready.config.pooling_type)
             super().__init__(ready.config, ready.stats, max_waiting, observer,
                              preprocess_workers, on_dead, processor.tokenizer)
         except BaseException:

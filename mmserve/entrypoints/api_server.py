@@ -1028,7 +1028,9 @@ class OpenAIServer:
         outs = await self._embed(request, engine_id, items, fields, req.params)
         if isinstance(outs, Response):
             return outs
-        data = [_embedding_values(embedding_of(out, req.normalize), req.as_base64)
+        normalize = (self.engine.config.normalize_embeddings if req.normalize is None
+                     else req.normalize)
+        data = [_embedding_values(embedding_of(out, normalize), req.as_base64)
                 for out in outs]
         return JSONResponse(shapes.embeddings(request_id, self.model, int(time.time()), data,
                                               sum(out.num_prompt_tokens for out in outs)))

@@ -12,7 +12,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, pooler_config_kwargs
 
 
 def engine_fields() -> list[dataclasses.Field]:
@@ -49,19 +49,38 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             help += " (default: %(default)s)"
         g.add_argument(option(f), dest=f.name, type=_reader(f), default=f.default,
                        choices=f.metadata["choices"], help=help)
+    g.add_argument("--pooler-config", type=_pooler_config, default=None,
+                   help="vLLM's spelling of --pooling-type and --[no-]normalize-embeddings: "
+                   '\'{"pooling_type": "MEAN", "normalize": true}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``EngineConfig`` keyword arguments (all but ``model``) from parsed flags."""
-    return {f.name: getattr(args, f.name) for f in engine_fields()}
+    """``EngineConfig`` keyword arguments (all but ``model``) from parsed flags, vLLM's
+    ``--pooler-config`` among them (a ``ValueError`` where it and a flag of its own
+    disagree)."""
+    kwargs = {f.name: getattr(args, f.name, f.default) for f in engine_fields()}
+    for name, value in (getattr(args, "pooler_config", None) or {}).items():
+        if kwargs[name] is not None and kwargs[name] != value:
+            raise ValueError(f"--pooler-config and --{name.replace('_', '-')} disagree; give "
+                             "one of them.")
+        kwargs[name] = value
+    return kwargs
+
+
+def _pooler_config(text: str) -> dict[str, Any]:
+    try:
+        return pooler_config_kwargs(text)
+    except ValueError as e:  # argparse shows this message as a usage error
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine flags of ``args`` that differ from their defaults, as command-line text: what
     a front door passes on to an ``mmserve serve`` it starts."""
     argv: list[str] = []
+    values = engine_kwargs(args)  # (--pooler-config's as the flags of its fields)
     for f in engine_fields():
-        value = getattr(args, f.name, f.default)
+        value = values[f.name]
         if value == f.default:
             continue
         if _is_auto_switch(f):

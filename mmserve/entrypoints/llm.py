@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mmserve.beam_search import BeamSearchOutput, BeamSearchParams
-from mmserve.config import EngineConfig
+from mmserve.config import EngineConfig, pooler_config_kwargs
 from mmserve.engine.beam_driver import run_beam_search
 from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.memory_plan import MemoryPlan
@@ -41,7 +41,9 @@ class LLM:
     Engine arguments are the fields of `mmserve.config.EngineConfig`, where each one's type,
     default and help are declared (the command line's flags are the same names with dashes);
     they follow vLLM's names, e.g. ``max_model_len`` and ``max_num_seqs`` (integers or
-    ``"auto"``, the default: sized by the memory plan) and ``limit_mm_per_prompt``.
+    ``"auto"``, the default: sized by the memory plan) and ``limit_mm_per_prompt``; vLLM's
+    ``pooler_config`` (a dict, or its JSON: ``{"pooling_type": "MEAN", "normalize": false}``)
+    stands for ``pooling_type`` and ``normalize_embeddings``.
 
     ``close()``, the end of a ``with LLM(...) as llm:`` block, or dropping the last reference
     gives back everything the engine took (weights, caches, CUDA graphs, the GPU allocator's
@@ -54,6 +56,11 @@ class LLM:
             from mmserve.demo.checkpoint import demo_model_path
 
             model = str(demo_model_path())
+        pooler_config = engine_args.pop("pooler_config", None)
+        if pooler_config is not None:
+            for name, value in pooler_config_kwargs(pooler_config).items():
+                if engine_args.setdefault(name, value) != value:
+                    raise ValueError(f"pooler_config and {name} disagree; give one of them.")
         config = EngineConfig(model=str(model), **engine_args)
         # The sampling defaults of the checkpoint's generation config and the chat template
         # (a bad file or template stops here, before the weights load).
@@ -144,7 +151,7 @@ class LLM:
     def embed(
         self,
         prompts: dict[str, Any] | str | Sequence[dict[str, Any] | str],
-        normalize: bool = True,
+        normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
     ) -> list[EmbeddingRequestOutput]:
@@ -152,7 +159,8 @@ class LLM:
         last token (last-token pooling, how embedding models built on a vision-language
         decoder, E5-V and VLM2Vec among them, read a prompt; the engine's ``pooling_type``
         may make it the mean of every token's, or the first token's), L2-normalized unless
-        ``normalize`` is false, in ``outputs.embedding``. Prompts as ``generate`` takes
+        ``normalize`` is false (None: the engine's ``normalize_embeddings``), in
+        ``outputs.embedding``. Prompts as ``generate`` takes
         them, images included; ``truncate_prompt_tokens`` as ``SamplingParams``'. Each is a
         request of one step's prefill (its sampled token is dropped), batched and cached as
         any other; one the engine fails on raises ``RuntimeError`` with the reason."""
@@ -161,7 +169,9 @@ class LLM:
                                 output_kind="final_only")
         outs = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput(
-            out.request_id, EmbeddingOutput(embedding_of(out, normalize).tolist()),
+            out.request_id, EmbeddingOutput(embedding_of(
+                out, self.engine.config.normalize_embeddings if normalize is None
+                else normalize).tolist()),
             out.prompt_token_ids or [], out.num_prompt_tokens) for out in outs]
 
     def score(

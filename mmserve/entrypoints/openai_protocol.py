@@ -309,7 +309,7 @@ class EmbeddingsRequest:
     params: SamplingParams
     model: str | None = None
     as_base64: bool = False
-    normalize: bool = True
+    normalize: bool | None = None  # None: the engine's normalize_embeddings
 
 
 def parse_embeddings_request(body: Any, max_model_len: int, max_images: int,
@@ -320,7 +320,7 @@ def parse_embeddings_request(body: Any, max_model_len: int, max_images: int,
     rendered as the chat endpoint renders it: how a vision-language embedding model such as
     E5-V or VLM2Vec is asked about an image); ``encoding_format`` ``float`` or ``base64``;
     ``dimensions`` only as the model's ``hidden_size`` (embeddings are not shortened);
-    vLLM's ``normalize`` (default true), ``truncate_prompt_tokens`` and ``priority``."""
+    vLLM's ``normalize`` (default: the engine's), ``truncate_prompt_tokens`` and ``priority``."""
     model = _model(body)
     if ("input" in body) == ("messages" in body):
         raise bad_request("send 'input' (text or token ids, OpenAI's) or 'messages' (a "
@@ -342,7 +342,7 @@ def parse_embeddings_request(body: Any, max_model_len: int, max_images: int,
                           "(the tokenizer's own for text, the chat template's for messages)",
                           "add_special_tokens")
     params = _embedding_params(body)
-    normalize = _get(body, "normalize", bool, True)
+    normalize = _get(body, "normalize", bool, None)
     as_base64 = encoding == "base64"
     if chat_form:
         chat = parse_chat_request(
