@@ -277,7 +277,10 @@ def test_a_held_conversation_is_not_forgotten_to_make_room() -> None:
     held = store.create({}, [item])
     assert held is not None and store.hold(held) and not store.hold(held)
     assert store.create({}, [item, {**item, "id": "msg_2"}]) is None  # (only by forgetting it)
+    assert store.held_in_the_way  # (a 503 to retry, not a 400 to send less)
     assert store.get(held.id) is held
+    assert store.create({}, [{**item, "content": "y" * 500}]) is None
+    assert not store.held_in_the_way  # (too large alone)
     store.release(held.id)
     assert store.create({}, [item, {**item, "id": "msg_2"}]) is not None
     assert store.get(held.id) is None and store.hold(held) is True  # (free again)
@@ -306,3 +309,52 @@ def test_a_stream_closed_before_its_first_event_still_ends_its_request() -> None
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
     asyncio.run(ClosingStream(events(), lambda: closed.append(True))(scope, receive, send))
     assert closed == [True] and started == []
+
+
+def test_a_streamed_response_lets_its_conversation_go_before_its_last_event(served) -> None:
+    """The conversation is released once the response's items are added, before the event
+    that says it completed reaches the client, so that the client's next turn is not
+    refused."""
+    import json
+
+    llm, http, client = served
+    store = llm.server.conversations.store
+    conversation = client.conversations.create()
+    body = json.dumps({"model": "tiny", "input": "hi", "max_output_tokens": 3,
+                       "temperature": 0, "stream": True,
+                       "conversation": conversation.id}).encode()
+    held_at: dict[str, bool] = {}
+
+    async def run() -> None:
+        import asyncio
+
+        sent, done = False, asyncio.Event()
+
+        async def receive():
+            nonlocal sent
+            if sent:
+                await done.wait()  # (the client stays until the answer is done)
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                done.set()
+            if message["type"] == "http.response.body":
+                for event in (b"response.created", b"response.completed",
+                              b"response.incomplete"):
+                    if b"event: " + event in message.get("body", b""):
+                        held_at[event.decode()] = conversation.id in store._held
+
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+                 "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/v1/responses", "raw_path": b"/v1/responses", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("test", 1), "server": ("testserver", 80), "state": {}}
+        await llm.server.app()(scope, receive, send)
+
+    http.portal.call(run)
+    assert held_at.pop("response.created") is True
+    assert list(held_at.values()) == [False], held_at  # (completed or incomplete)
+    assert conversation.id not in store._held

@@ -222,7 +222,17 @@ def test_one_caller_steps_an_engine_at_a_time(clip_llama):
                                                         "temperature": 0})
             assert answer.status_code == 200, answer.text
         with llm.engine.stepping("another thread's call"):
-            with pytest.raises(RuntimeError, match="another thread's call"):
+            with pytest.raises(RuntimeError, match="another thread's call, so an LLM call "
+                               "on thread 'MainThread'"):
                 llm.generate("a fox", params)
+            with pytest.raises(RuntimeError, match="another thread's call, so a server's"):
+                with TestClient(OpenAIServer(llm.engine, ServerConfig("tiny")).app()):
+                    pass
+        # A server whose start fails after its engine loop started gives the steps back.
+        server = OpenAIServer(llm.engine, ServerConfig("tiny"))
+        server.batch_api.start = lambda app: (_ for _ in ()).throw(OSError("no disk"))
+        with pytest.raises(OSError, match="no disk"):
+            with TestClient(server.app()):
+                pass
         assert llm.generate("a fox", params)[0].token_ids == expected
         assert_no_leaks(llm.engine)

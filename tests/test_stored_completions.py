@@ -5,6 +5,8 @@ requests without it are not kept; the store is bounded."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -70,7 +72,7 @@ def test_a_streamed_answer_is_stored_whole_and_unstored_ones_are_not(served) -> 
             texts[choice.index] += choice.delta.content or ""
     stored = client.chat.completions.retrieve(chunks[0].id)
     assert [c.message.content for c in stored.choices] == texts
-    assert stored.usage.completion_tokens > 0
+    assert stored.usage.completion_tokens > 0 and stored.created == chunks[0].created
 
     unstored = _chat(client, "not kept")
     with pytest.raises(openai.NotFoundError) as e:
@@ -92,14 +94,39 @@ def test_pages_go_on_after_the_last_id(served) -> None:
 
 
 def test_an_id_sent_twice_stores_two_completions(served) -> None:
-    _, http, _ = served
+    """A client's ``X-Request-Id`` names its stored completion, unless a stored one, or
+    one being answered (sent at the same time), has it: then the answer's id is its own."""
+    llm, http, _ = served
+    store = llm.server.stored_completions.store
     body = {"model": "tiny", "max_tokens": 2, "store": True,
             "messages": [{"role": "user", "content": "hi"}]}
     ids = [http.post("/v1/chat/completions", json=body,
                      headers={"X-Request-Id": "mine"}).json()["id"] for _ in range(2)]
     assert ids[0] == "chatcmpl-mine" and ids[1] != ids[0]
+    assert store.reserve("chatcmpl-twin")  # (as a request sent just before does)
+    for stream in (False, True):
+        answer = http.post("/v1/chat/completions", json={**body, "stream": stream},
+                           headers={"X-Request-Id": "twin"})
+        ids.append(answer.json()["id"] if not stream else
+                   json.loads(answer.text.split("\n")[0][len("data: "):])["id"])
+    store.unreserve("chatcmpl-twin")
+    assert "chatcmpl-twin" not in ids[2:] and len(set(ids)) == 4
     for completion_id in ids:
         assert http.get(f"/v1/chat/completions/{completion_id}").status_code == 200
+    assert not store._answering  # (every answer's id let go)
+
+
+def test_stored_messages_take_openai_shapes(served) -> None:
+    """An image sent as vLLM's bare-string ``image_url`` is listed in OpenAI's shape."""
+    _, http, client = served
+    answer = http.post("/v1/chat/completions", json={
+        "model": "tiny", "max_tokens": 2, "store": True, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": IMAGE},
+                                         {"type": "text", "text": "one"},
+                                         {"type": "text", "text": "two"}]}]}).json()
+    (message,) = client.chat.completions.messages.list(answer["id"]).data
+    assert message.content == "one\ntwo"
+    assert message.content_parts[0].image_url.url == IMAGE
 
 
 @pytest.mark.parametrize("field, value", [("store", "yes"), ("metadata", {"k": 5}),

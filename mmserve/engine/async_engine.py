@@ -544,9 +544,19 @@ class AsyncEngine(EngineClient):
         if self._loop_done is not None:
             raise RuntimeError("the engine loop is already started")
         self._loop = asyncio.get_running_loop()
-        if self._compute is None:
-            self._compute = ComputeThread()
-        self._loop_done = self._compute.submit(self._run)
+        # The engine's steps are this loop's from now on (an ``LLM`` call on it meanwhile is
+        # refused, and a call stepping it now refuses this start); ``_run`` gives them back.
+        steps = self.engine if isinstance(self.engine, LLMEngine) else None
+        if steps is not None:
+            steps.claim_steps("a server's engine loop (AsyncEngine)")
+        try:
+            if self._compute is None:
+                self._compute = ComputeThread()
+            self._loop_done = self._compute.submit(self._run)
+        except BaseException:
+            if steps is not None:
+                steps.release_steps()
+            raise
 
     async def shutdown(self) -> None:
         """Stop the engine loop after its current step; requests still in flight fail."""
@@ -587,17 +597,17 @@ class AsyncEngine(EngineClient):
 
     # ----------------------------------------------------------------- the thread
     def _run(self) -> None:
-        held = (self.engine.stepping("a server's engine loop (AsyncEngine)")
-                if isinstance(self.engine, LLMEngine) else contextlib.nullcontext())
         try:
-            with held:
-                step = self.engine.step if self._outputs is None else self.engine.core_step
-                run_steps(self.engine, self._commands, self._publish, step)
-        except BaseException as e:  # the engine is broken (or stepped by another caller)
+            step = self.engine.step if self._outputs is None else self.engine.core_step
+            run_steps(self.engine, self._commands, self._publish, step)
+        except BaseException as e:  # the engine is broken
             self._ended = True
             self._died(e)
             self._refuse_queued(f"the engine stopped: {e}")
             return
+        finally:
+            if isinstance(self.engine, LLMEngine):
+                self.engine.release_steps()
         self._ended = True
         self._post(self._fail_all, None)
         self._refuse_queued("the server is shutting down")

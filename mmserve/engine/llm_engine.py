@@ -302,10 +302,18 @@ class LLMEngine:
 
     @contextlib.contextmanager
     def stepping(self, who: str) -> Iterator[None]:
+        """Hold the engine's steps for ``who`` while the block runs (``claim_steps``)."""
+        self.claim_steps(who)
+        try:
+            yield
+        finally:
+            self.release_steps()
+
+    def claim_steps(self, who: str) -> None:
         """Hold the engine's steps for ``who`` (a call of the Python API, a server's engine
-        loop) while the block runs. Two callers stepping one engine at once would mix their
-        steps and requests, so the second is refused with a ``RuntimeError`` that names the
-        first."""
+        loop) until ``release_steps``. Two callers stepping one engine at once would mix
+        their steps and requests, so the second is refused with a ``RuntimeError`` that
+        names the first."""
         with LLMEngine._stepping_lock:
             if self._stepped_by is not None:
                 raise RuntimeError(
@@ -313,10 +321,9 @@ class LLMEngine:
                     "step it meanwhile: send the requests through that, or make another "
                     "engine (another LLM) for them")
             self._stepped_by = who
-        try:
-            yield
-        finally:
-            self._stepped_by = None
+
+    def release_steps(self) -> None:
+        self._stepped_by = None
 
     def next_request_id(self) -> str:
         """A request id no other request of this engine has been given."""

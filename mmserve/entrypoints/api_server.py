@@ -62,7 +62,7 @@ from mmserve.entrypoints.answers import (
 )
 from mmserve.entrypoints.batch_api import BatchApi
 from mmserve.entrypoints.completion_store import StoredCompletionsApi
-from mmserve.entrypoints.conversations import Conversation, ConversationsApi
+from mmserve.entrypoints.conversations import ConversationsApi
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.http_middleware import (
     ApiKeyMiddleware,
@@ -276,17 +276,28 @@ class OpenAIServer:
                                       chat.params, chat.beam)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             return self._refused(e)
-        store = self.stored_completions.store
-        if chat.store and store is not None and request_id in store:
-            request_id = engine_id  # (a client's id that names a stored one: a suffix added)
+        store = self.stored_completions.store if chat.store else None
+        if store is not None and not store.reserve(request_id):
+            # A client's id that names a stored completion, or one being answered: this
+            # one's is the engine's (the id with a suffix of its own).
+            request_id = engine_id
+            store.reserve(request_id)
+
+        def done() -> None:
+            self._abort(streams)
+            if store is not None:
+                store.unreserve(request_id)
         if chat.stream:
             return self._event_stream(
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
                           chat.continuous_usage, self._as_ids(chat.tokens_as_ids),
-                          chat.token_ids, on_whole=lambda outs: self._store_completion(
-                              self._completion_body(request_id, outs, chat), chat)),
-                on_close=lambda: self._abort(streams))
-        return await self._complete(request, request_id, streams, chat)
+                          chat.token_ids, on_whole=lambda outs, created: self._store_completion(
+                              self._completion_body(request_id, outs, chat, created), chat)),
+                on_close=done)
+        try:
+            return await self._complete(request, request_id, streams, chat)
+        finally:
+            done()
 
     def _store_completion(self, body: dict[str, Any], chat: proto.ChatRequest) -> None:
         """Keep a finished answer whose request sent ``store: true``."""
@@ -299,14 +310,14 @@ class OpenAIServer:
         amounts to, answered as a response object or its stream of events, or at once and
         run on (``background``); kept in the store where it asks (``store``). A request that
         names a conversation holds it until its answer ends, however it ends."""
-        held: list[Conversation] = []  # (emptied where the answer's end releases it)
-        try:
+        held: list[Callable[[], None]] = []  # its release (emptied where the answer's end
+        try:                                   # releases it)
             return await self._respond(request, held)
         finally:
-            for conversation in held:
-                self.conversations.release(conversation)
+            for release in held:
+                release()
 
-    async def _respond(self, request: Request, held: list[Conversation]) -> Response:
+    async def _respond(self, request: Request, held: list[Callable[[], None]]) -> Response:
         response_id, engine_id = request_ids_of(request, "resp_")
         created = int(time.time())
         req = None
@@ -338,15 +349,17 @@ class OpenAIServer:
             # once (``ResponseStore.put`` replaces nothing).
             response_id = engine_id
         events = responses.ResponseEvents(response_id, self.model, req.echo, created)
-        if req.background or chat.stream:  # the conversation is released once it ends
-            release = functools.partial(self.conversations.release,
-                                        held.pop() if held else None)
+        if req.background or chat.stream:  # the conversation is released once it is added
+            release = held[0] if held else _nothing  # to, or the answer ends otherwise
             if req.background:
-                return self._run_in_background(req, events, stream, reader, release)
-            return self._event_stream(self._response_events(
-                events, stream, reader, req,
-                on_final=lambda final: self._add_to_conversation(req, final)),
-                on_close=lambda: (self._abort([stream]), release()))
+                answer = self._run_in_background(req, events, stream, reader, release)
+            else:
+                answer = self._event_stream(self._response_events(
+                    events, stream, reader, req,
+                    on_final=lambda final: self._add_to_conversation(req, final, release)),
+                    on_close=lambda: (self._abort([stream]), release()))
+            held.clear()  # (handed over)
+            return answer
         outs = await self._final_outputs(request, [stream])
         if isinstance(outs, Response):
             return outs
@@ -358,11 +371,12 @@ class OpenAIServer:
         self._keep(req, response)
         return JSONResponse(response)
 
-    def _responses_request(self, body: Any, held: list[Conversation] | None,
+    def _responses_request(self, body: Any, held: list[Callable[[], None]] | None,
                            input_required: bool = True) -> responses.ResponsesRequest:
         """A Responses API body checked, with the items it goes on from: the chain of the
         stored response ``previous_response_id`` names, or the items of the conversation
-        ``conversation`` names, held for it in ``held`` (None: read, not held)."""
+        ``conversation`` names, held for it (its release put in ``held``; None: read, not
+        held)."""
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
         named = body.get("conversation") if isinstance(body, dict) else None
         if previous is not None and named is not None:
@@ -375,8 +389,8 @@ class OpenAIServer:
             if held is None:
                 found = self.conversations.named(named)
             else:
-                found = self.conversations.hold(named)
-                held.append(found)
+                found, release = self.conversations.hold(named)
+                held.append(release)
             earlier, conversation = list(found.items), found.id
         return responses.parse_responses_request(
             body, self.max_model_len, self.max_images, self.sampling_defaults,
@@ -491,9 +505,17 @@ class OpenAIServer:
                 response["store"] = False
 
     def _add_to_conversation(self, req: responses.ResponsesRequest,
-                             response: dict[str, Any]) -> None:
+                             response: dict[str, Any],
+                             release: Callable[[], None] = lambda: None) -> None:
         """A response that completed (or stopped at its token limit) adds its input and
-        output items to the conversation it names, if that is still kept."""
+        output items to the conversation it names, if that is still kept; then the
+        conversation is ``release``d (before the client hears that the response ended)."""
+        try:
+            self._add_items(req, response)
+        finally:
+            release()
+
+    def _add_items(self, req: responses.ResponsesRequest, response: dict[str, Any]) -> None:
         if req.conversation is None or response.get("status") not in ("completed",
                                                                       "incomplete"):
             return
@@ -532,7 +554,8 @@ class OpenAIServer:
             try:
                 async for event in self._response_events(
                         events, stream, reader, queued=True,
-                        on_final=lambda final: self._add_to_conversation(req, final)):
+                        on_final=lambda final: self._add_to_conversation(req, final,
+                                                                         release)):
                     store.record(entry, event)
             except Exception as e:  # noqa: BLE001 (a bug here must not leave it running)
                 logger.exception("background response %s failed", events.response_id)
@@ -850,9 +873,10 @@ class OpenAIServer:
         return large.response(body)
 
     def _completion_body(self, request_id: str, outs: list[RequestOutput],
-                         chat: proto.ChatRequest) -> dict[str, Any]:
+                         chat: proto.ChatRequest, created: int | None = None
+                         ) -> dict[str, Any]:
         """The chat completion of ``outs``, each choice's whole output (without vLLM's
-        ``prompt_logprobs``, which a caller adds)."""
+        ``prompt_logprobs``, which a caller adds), ``created`` then (None: now)."""
         choices = []
         tool_choice, as_ids = chat.tool_choice, self._as_ids(chat.tokens_as_ids)
         for i, out in enumerate(outs):
@@ -866,7 +890,7 @@ class OpenAIServer:
             choices.append(shapes.chat_choice(
                 i, content, tool_calls.finish_reason(out.finish_reason, tool_choice, reader),
                 logprobs, calls))
-        body = shapes.completion(request_id, self.model, choices, usage_of([outs]))
+        body = shapes.completion(request_id, self.model, choices, usage_of([outs]), created)
         if chat.token_ids:  # vLLM's return_token_ids
             body["prompt_token_ids"] = outs[0].prompt_token_ids
             for choice, out in zip(choices, outs, strict=True):
@@ -889,7 +913,7 @@ class OpenAIServer:
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
                    tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False,
                    as_ids: bool = False, token_ids: bool = False,
-                   on_whole: Callable[[list[RequestOutput]], None] | None = None
+                   on_whole: Callable[[list[RequestOutput], int], None] | None = None
                    ) -> AsyncIterator[str]:
         """A chat answer's chunks: each choice's role first, with the choice's first output
         (as OpenAI and vLLM send it: a client that times the first chunk times the first
@@ -898,8 +922,8 @@ class OpenAIServer:
         chunk, that choice's so far, with ``continuous_usage``). ``token_ids`` (vLLM's
         ``return_token_ids``): the prompt's token ids in each choice's first chunk, and in
         each chunk of a choice the ids of its tokens since the one before. ``on_whole``: told
-        of every choice's whole output once all have finished (not when the stream failed
-        or the client left)."""
+        of every choice's whole output, and the chunks' ``created``, once all have finished
+        (not when the stream failed or the client left)."""
         created = int(time.time())
         answers = [Answer() for _ in streams]
         readers = [tool_calls.reader_for(tool_choice, self.tool_parser) for _ in streams]
@@ -949,7 +973,7 @@ class OpenAIServer:
                         finals[index] = answers[index].whole(out)
                 else:
                     if on_whole is not None and None not in finals:
-                        on_whole(finals)
+                        on_whole(finals, created)
                     if include_usage:
                         yield event(0, None, usage=usage_of([[o for o in finals if o]]))
             yield "data: [DONE]\n\n"
@@ -1246,11 +1270,15 @@ class OpenAIServer:
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
             self.engine.start()
-            self.batch_api.start(app)
-            if self.batch_api.store is not None:  # images may name uploaded files
-                self.media.file_path = self.batch_api.files.image_path
-            # The event loop's tokenizer, copied off the loop before requests need it.
-            await asyncio.get_running_loop().run_in_executor(None, self._copy_tokenizer)
+            try:
+                self.batch_api.start(app)
+                if self.batch_api.store is not None:  # images may name uploaded files
+                    self.media.file_path = self.batch_api.files.image_path
+                # The event loop's tokenizer, copied off the loop before requests need it.
+                await asyncio.get_running_loop().run_in_executor(None, self._copy_tokenizer)
+            except BaseException:  # (the engine's loop gives its steps back)
+                await self.engine.shutdown()
+                raise
             logger.info("serving %r", self.model)
             yield
             # uvicorn has drained in-flight requests (SIGTERM) before this point; background
@@ -1309,6 +1337,10 @@ class OpenAIServer:
 def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     """The Starlette app serving ``engine``; the engine loop starts with the app's lifespan."""
     return OpenAIServer(engine, config).app()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _as_api_error(e: Exception) -> ApiError:

@@ -15,6 +15,7 @@ process.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from starlette.routing import Route
 from mmserve.entrypoints.http_middleware import store_endpoint
 from mmserve.entrypoints.openai_protocol import ApiError, bad_request, metadata_of, paged
 from mmserve.entrypoints.response_store import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, json_size
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,12 +47,25 @@ class CompletionStore:
         self.max_bytes = max_bytes
         self.nbytes = 0
         self._entries: OrderedDict[str, StoredCompletion] = OrderedDict()
+        self._answering: set[str] = set()  # ids of answers to be stored (``reserve``)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def __contains__(self, completion_id: str) -> bool:
         return completion_id in self._entries
+
+    def reserve(self, completion_id: str) -> bool:
+        """Keep ``completion_id`` for an answer being made (until ``unreserve``); False
+        where a stored completion or another answer has it: two clients that send one
+        ``X-Request-Id`` at once never share a stored completion."""
+        if completion_id in self._entries or completion_id in self._answering:
+            return False
+        self._answering.add(completion_id)
+        return True
+
+    def unreserve(self, completion_id: str) -> None:
+        self._answering.discard(completion_id)
 
     def put(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
         """Keep a finished completion and the messages it answered, the oldest forgotten to
@@ -118,8 +134,10 @@ class StoredCompletionsApi:
              metadata: dict[str, str]) -> None:
         """Store a finished completion a request asked to store (where the server keeps
         any): ``body`` with ``metadata``, and the request's ``messages``."""
-        if self.store is not None:
-            self.store.put({**body, "metadata": metadata}, messages)
+        if self.store is not None and not self.store.put({**body, "metadata": metadata},
+                                                          messages):
+            logger.warning("chat completion %s was not stored: it is larger than the store "
+                           "of chat completions (--responses-store-mib)", body["id"])
 
     # ----------------------------------------------------------------- endpoints
     async def list(self, request: Request, store: CompletionStore) -> Response:
@@ -176,14 +194,29 @@ class StoredCompletionsApi:
 
 def _stored_message(message: dict[str, Any], message_id: str) -> dict[str, Any]:
     """A request's message as OpenAI lists a stored one: with its ``id``, and content sent
-    as parts in ``content_parts`` (``content`` then their text, joined by line breaks)."""
+    as parts in ``content_parts`` (``content`` then their text, joined by line breaks),
+    each image part in OpenAI's shape (``{"image_url": {"url": ...}}``, however it was
+    sent); images sent as embeddings (vLLM's ``image_embeds`` parts) are left out."""
     stored = {**message, "id": message_id}
     content = message.get("content")
     if isinstance(content, list):
-        texts = [part.get("text", "") for part in content if part.get("type") == "text"]
+        parts = [_stored_part(part) for part in content]
+        parts = [part for part in parts if part is not None]
+        texts = [part["text"] for part in parts if part["type"] == "text"]
         stored["content"] = "\n".join(texts) if texts else None
-        stored["content_parts"] = content
+        stored["content_parts"] = parts
     return stored
+
+
+def _stored_part(part: dict[str, Any]) -> dict[str, Any] | None:
+    kind = part.get("type")
+    if kind == "image_url":
+        image = part.get("image_url")
+        return {"type": "image_url",
+                "image_url": image if isinstance(image, dict) else {"url": image}}
+    if kind == "image_embeds":
+        return None
+    return part  # text, and files (an uploaded image's ``file_id``)
 
 
 def _disabled() -> ApiError:

@@ -61,6 +61,7 @@ class ConversationStore:
         self.nbytes = 0
         self._entries: OrderedDict[str, Conversation] = OrderedDict()
         self._held: set[str] = set()  # conversations a running response will add to
+        self.held_in_the_way = False  # the last ``_fit`` refused for them
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -142,7 +143,11 @@ class ConversationStore:
         """Whether ``nbytes`` more fit, once the least recently used conversations but
         ``keep`` and those held are forgotten as need be (none is, where forgetting all of
         them would not do)."""
+        own = self._entries[keep].nbytes if keep in self._entries else 0
         kept = sum(self._entries[i].nbytes for i in self._held | {keep} if i in self._entries)
+        # Refused for the conversations running responses hold, not for its own size: a
+        # refusal that passes once they end.
+        self.held_in_the_way = kept + nbytes > self.max_bytes >= own + nbytes
         if kept + nbytes > self.max_bytes:
             return False
         for conversation_id in list(self._entries):
@@ -201,22 +206,25 @@ class ConversationsApi:
                               "its 'id'", "conversation")
         return self._conversation(value, "conversation")
 
-    def hold(self, value: Any) -> Conversation:
-        """The conversation ``value`` names (``named``), held for the request until
-        ``release``: a 400 where another response holds it (OpenAI's
-        ``conversation_locked``)."""
+    def hold(self, value: Any) -> tuple[Conversation, Callable[[], None]]:
+        """The conversation ``value`` names (``named``), held for the request, and the
+        function that lets it go (once, however often it is called: a later hold by another
+        request is never released by this one's): a 400 where another response holds it
+        (OpenAI's ``conversation_locked``)."""
         conversation = self.named(value)
-        if not self.store.hold(conversation):
+        store = self.store
+        assert store is not None  # (``named`` says there is none otherwise)
+        if not store.hold(conversation):
             raise ApiError(400, f"another response is running on conversation "
                            f"{conversation.id[:64]!r}: retry once it has ended (responses "
                            "that name one conversation run one at a time).", "conversation",
                            code="conversation_locked")
-        return conversation
+        held = [conversation.id]
 
-    def release(self, conversation: Conversation | None) -> None:
-        """Let other responses name the conversation ``hold`` gave (None: none held)."""
-        if conversation is not None and self.store is not None:
-            self.store.release(conversation.id)
+        def release() -> None:
+            while held:
+                store.release(held.pop())
+        return conversation, release
 
     # ----------------------------------------------------------------- endpoints
     async def create(self, request: Request, store: ConversationStore) -> Response:
@@ -318,6 +326,12 @@ def _disabled() -> ApiError:
 
 
 def _full(store: ConversationStore) -> ApiError:
+    if store.held_in_the_way:
+        return ApiError(503, "the store of conversations is taken by conversations that "
+                        "running responses hold, which are not forgotten to make room: retry "
+                        "once they end, or start the server with a larger --responses-store-mib.",
+                        type="server_overloaded", code="conversations_busy",
+                        headers={"Retry-After": "1"})
     return ApiError(400, f"the conversation does not fit the server's store of conversations "
                     f"({store.max_bytes} bytes of JSON, --responses-store-mib): send fewer or "
                     "smaller items, or start the server with a larger store.",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -235,7 +236,7 @@ class LLM:
         beam, whose shared prefix, images included, the prefix cache keeps computed."""
         if isinstance(prompts, (dict, str)):
             prompts = [prompts]
-        with self.engine.stepping("LLM.beam_search"):
+        with self.engine.stepping(_caller("LLM.beam_search")):
             return run_beam_search(self.engine, list(prompts), params, use_tqdm)
 
     def stats(self) -> dict[str, Any]:
@@ -266,7 +267,7 @@ class LLM:
         stops the loop early (a bad prompt, an engine that died, Ctrl-C) aborts the call's
         requests still in flight first, so the engine is left with every KV block free and
         can be used again."""
-        with self.engine.stepping("this LLM's call"):
+        with self.engine.stepping(_caller("an LLM call")):
             return self._run_held(prompts, params, use_tqdm)
 
     def _run_held(self, prompts: list[dict[str, Any] | str], params: list[SamplingParams],
@@ -294,6 +295,11 @@ class LLM:
             feed.close()
         feed.check_finished(done)
         return [_with_completions([done[rid] for rid in group]) for group in ids]
+
+
+def _caller(what: str) -> str:
+    """Who steps the engine, for the error another caller gets: ``what`` and its thread."""
+    return f"{what} on thread {threading.current_thread().name!r}"
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -59,9 +59,11 @@ def chat_choice(index: int, text: str | None, reason: str | None,
 
 
 def completion(request_id: str, model: str, choices: list[dict[str, Any]],
-               usage_counts: dict[str, Any]) -> dict[str, Any]:
-    """A chat completion; ``choices`` from ``chat_choice`` (``n`` of them)."""
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+               usage_counts: dict[str, Any], created: int | None = None) -> dict[str, Any]:
+    """A chat completion; ``choices`` from ``chat_choice`` (``n`` of them); ``created`` (None:
+    now)."""
+    return {"id": request_id, "object": "chat.completion",
+            "created": int(time.time()) if created is None else created,
             "model": model, "choices": choices, "usage": usage_counts}
 
 
