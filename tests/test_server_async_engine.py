@@ -89,7 +89,7 @@ class Recorder:
     def on_next_token(self, seconds: float) -> None:
         self.next += 1
 
-    def on_finished(self, reason: str, prompt: int, generated: int) -> None:
+    def on_finished(self, reason: str, prompt: int, generated: int, seconds: float) -> None:
         self.finished.append((reason, prompt, generated))
 
 

@@ -73,7 +73,7 @@ class RequestObserver(Protocol):
     def on_next_token(self, seconds_since_previous: float) -> None: ...
 
     def on_finished(self, finish_reason: str, num_prompt_tokens: int,
-                    num_generation_tokens: int) -> None: ...
+                    num_generation_tokens: int, seconds_since_arrival: float) -> None: ...
 
 
 @dataclass
@@ -380,7 +380,7 @@ class EngineClient:
             if self.observer is not None:
                 self.observer.on_first_token(now - stream.arrival_time)
                 self.observer.on_finished(out.finish_reason or "stop", out.num_prompt_tokens,
-                                          len(out.token_ids))
+                                          len(out.token_ids), now - stream.arrival_time)
 
     async def prompt_token_ids(self, prompt: dict[str, Any]) -> list[int]:
         """The token ids the model reads for ``prompt`` (its images' placeholders expanded),
@@ -413,7 +413,8 @@ class EngineClient:
             self._abort_in_engine(request_id)
             if self.observer is not None and stream.observed:
                 self.observer.on_finished("abort", stream.num_prompt_tokens,
-                                          stream.num_generation_tokens)
+                                          stream.num_generation_tokens,
+                                          time.monotonic() - stream.arrival_time)
 
     def _abort_in_engine(self, request_id: str) -> None:
         if self._outputs is not None:
@@ -485,7 +486,8 @@ class EngineClient:
                 del self._streams[out.request_id]
                 if self.observer is not None and stream.observed:
                     self.observer.on_finished(out.finish_reason or "stop", out.num_prompt_tokens,
-                                              stream.num_generation_tokens)
+                                              stream.num_generation_tokens,
+                                              now - stream.arrival_time)
             stream._queue.put_nowait(out)
 
     def _dispatch_core(self, core_outputs: list[CoreOutput], now: float) -> None:

@@ -2,7 +2,8 @@
 
 Request-level series (outcomes, tokens, latencies) are updated as requests progress; engine
 counters and gauges (cache usage, hits, preemptions) are read from the engine's stats snapshot
-at scrape time.
+at scrape time. The series vLLM also has are exported under its ``vllm:`` names too (``VLLM``
+below), so that dashboards and autoscalers written for a vLLM server read this one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,26 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
                 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1 to 5,000,000
+
+# mmserve's series that vLLM has too, and vLLM's names for them.
+VLLM = {
+    "mmserve_num_requests_running": "vllm:num_requests_running",
+    "mmserve_num_requests_waiting": "vllm:num_requests_waiting",
+    "mmserve_kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "mmserve_num_preemptions": "vllm:num_preemptions",
+    "mmserve_prefix_cache_queried_tokens": "vllm:prefix_cache_queries",
+    "mmserve_prefix_cache_hit_tokens": "vllm:prefix_cache_hits",
+    "mmserve_prompt_tokens": "vllm:prompt_tokens",
+    "mmserve_generation_tokens": "vllm:generation_tokens",
+    "mmserve_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "mmserve_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "mmserve_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "mmserve_request_prompt_tokens": "vllm:request_prompt_tokens",
+    "mmserve_request_generation_tokens": "vllm:request_generation_tokens",
+}
 
 
 class ServerMetrics:
@@ -27,28 +48,44 @@ class ServerMetrics:
 
     def __init__(self, model_name: str, engine_stats: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = {"model_name": model_name}
+        self._model_name = model_name
         self.requests = Counter(
             "mmserve_requests", "Chat requests by outcome: finish reason (stop, length, abort) "
             "or rejected (a 4xx answer) or error (a 5xx answer).",
             ["model_name", "status"], registry=self.registry)
-        self.prompt_tokens = Counter(
-            "mmserve_prompt_tokens", "Prompt tokens of finished requests, image placeholders "
-            "included.", ["model_name"], registry=self.registry).labels(**labels)
-        self.generation_tokens = Counter(
-            "mmserve_generation_tokens", "Generated tokens of finished requests.",
-            ["model_name"], registry=self.registry).labels(**labels)
-        self.ttft = Histogram(
-            "mmserve_time_to_first_token_seconds", "From arrival to the first generated token.",
-            ["model_name"], buckets=_TTFT_BUCKETS, registry=self.registry).labels(**labels)
-        self.itl = Histogram(
-            "mmserve_inter_token_latency_seconds", "Between consecutive generated tokens.",
-            ["model_name"], buckets=_ITL_BUCKETS, registry=self.registry).labels(**labels)
+        # vLLM's count of requests that finished (not those refused), by finish reason.
+        self.finished = Counter(
+            "vllm:request_success", "Requests that finished, by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        self.prompt_tokens = self._both(
+            Counter, "mmserve_prompt_tokens", "Prompt tokens of finished requests, image "
+            "placeholders included.")
+        self.generation_tokens = self._both(
+            Counter, "mmserve_generation_tokens", "Generated tokens of finished requests.")
+        self.ttft = self._both(
+            Histogram, "mmserve_time_to_first_token_seconds", "From arrival to the first "
+            "generated token.", buckets=_TTFT_BUCKETS)
+        self.itl = self._both(
+            Histogram, "mmserve_inter_token_latency_seconds", "Between consecutive generated "
+            "tokens.", buckets=_ITL_BUCKETS)
+        self.e2e = self._both(
+            Histogram, "mmserve_e2e_request_latency_seconds", "From arrival to the last "
+            "output, of finished requests.", buckets=_E2E_BUCKETS)
+        self.request_prompt_tokens = self._both(
+            Histogram, "mmserve_request_prompt_tokens", "Prompt tokens of each finished "
+            "request, image placeholders included.", buckets=_TOKEN_BUCKETS)
+        self.request_generation_tokens = self._both(
+            Histogram, "mmserve_request_generation_tokens", "Generated tokens of each finished "
+            "request.", buckets=_TOKEN_BUCKETS)
         self.responses = Counter(
             "mmserve_http_responses", "HTTP responses by status code, on every path.",
             ["model_name", "code"], registry=self.registry)
-        self._model_name = model_name
         self.registry.register(_EngineCollector(model_name, engine_stats))
+
+    def _both(self, kind: type, name: str, doc: str, **kwargs: Any) -> _Both:
+        """A series of this model under ``name`` and under vLLM's name for it."""
+        return _Both([kind(n, doc, ["model_name"], registry=self.registry, **kwargs).labels(
+            model_name=self._model_name) for n in (name, VLLM[name])])
 
     # RequestObserver hooks, called on the event loop.
     def on_first_token(self, seconds_since_arrival: float) -> None:
@@ -58,10 +95,14 @@ class ServerMetrics:
         self.itl.observe(seconds_since_previous)
 
     def on_finished(self, finish_reason: str, num_prompt_tokens: int,
-                    num_generation_tokens: int) -> None:
+                    num_generation_tokens: int, seconds_since_arrival: float) -> None:
         self.count(finish_reason)
+        self.finished.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
+        self.e2e.observe(seconds_since_arrival)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
 
     def count(self, status: str) -> None:
         self.requests.labels(model_name=self._model_name, status=status).inc()
@@ -71,6 +112,21 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Both:
+    """Two series that take the same values (mmserve's and vLLM's names)."""
+
+    def __init__(self, series: list[Any]) -> None:
+        self.series = series
+
+    def inc(self, amount: float = 1) -> None:
+        for one in self.series:
+            one.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for one in self.series:
+            one.observe(value)
 
 
 class _EngineCollector(Collector):
@@ -84,6 +140,17 @@ class _EngineCollector(Collector):
         return []  # dynamic: described by collect() at scrape time
 
     def collect(self) -> Iterator[Metric]:
+        """Each series, and again under vLLM's name where it has one."""
+        for metric in self._collect():
+            yield metric
+            twin = VLLM.get(metric.name)
+            if twin is not None:
+                renamed = Metric(twin, metric.documentation, metric.type)
+                renamed.samples = [sample._replace(name=twin + sample.name[len(metric.name):])
+                                   for sample in metric.samples]
+                yield renamed
+
+    def _collect(self) -> Iterator[Metric]:
         s = self.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
