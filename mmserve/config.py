@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -259,6 +258,9 @@ class EngineConfig:
         if self.mm_encoder_tp_mode not in ("data", "weights"):
             raise ValueError(f"mm_encoder_tp_mode must be 'data' or 'weights', got "
                              f"{self.mm_encoder_tp_mode!r}.")
+        if self.normalize_embeddings not in (None, True, False):
+            raise ValueError(f"normalize_embeddings must be true, false or None (as the "
+                             f"checkpoint says), got {self.normalize_embeddings!r}.")
         if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
                              f"{self.pooling_type!r}.")
@@ -367,32 +369,54 @@ _ST_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens
 
 
 def checkpoint_pooling(model_dir: str) -> tuple[str | None, bool | None]:
-    """The pooling type and normalization a sentence-transformers checkpoint declares, as
-    vLLM reads them: its ``modules.json``'s Pooling module's mode, and whether a Normalize
-    module is among them; ``(None, None)`` for any other checkpoint, a None pooling type
-    where it declares a mode mmserve does not compute (which is logged)."""
+    """The pooling mode and normalization a sentence-transformers checkpoint declares, as
+    vLLM reads them: its ``modules.json``'s Pooling module's mode (``last``, ``mean``,
+    ``cls``, or the ``pooling_mode_*`` name of another that mmserve does not compute), and
+    whether a Normalize module is among them; ``(None, None)`` for a checkpoint without a
+    Pooling module. A file that cannot be read so is a ``ValueError`` naming it."""
     path = os.path.join(model_dir, "modules.json")
     if not os.path.isfile(path):
         return None, None
-    with open(path) as f:
-        modules = json.load(f)
-    kinds = {m.get("type"): m for m in modules if isinstance(m, dict)}
+    try:
+        with open(path) as f:
+            modules = json.load(f)
+        kinds = {m.get("type"): m for m in modules if isinstance(m, dict)}
+        pooling_module = kinds.get("sentence_transformers.models.Pooling")
+        if pooling_module is None:
+            return None, None
+        path = os.path.join(model_dir, str(pooling_module.get("path") or ""), "config.json")
+        with open(path) as f:
+            modes = json.load(f)
+        chosen = [k for k, on in modes.items() if k.startswith("pooling_mode_") and on is True]
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} does not read as a sentence-transformers checkpoint's "
+                         f"({type(e).__name__}: {e}); mend it, or remove modules.json and set "
+                         "--pooling-type") from None
     normalize = "sentence_transformers.models.Normalize" in kinds
-    pooling_module = kinds.get("sentence_transformers.models.Pooling")
-    if pooling_module is None:
-        return None, normalize
-    with open(os.path.join(model_dir, pooling_module.get("path", ""), "config.json")) as f:
-        modes = json.load(f)
-    chosen = [name for key, name in _ST_POOLING_MODES.items() if modes.get(key)]
-    others = sorted(k for k, on in modes.items()
-                    if k.startswith("pooling_mode_") and on and k not in _ST_POOLING_MODES)
-    if len(chosen) != 1 or others:
-        logging.getLogger(__name__).warning(
-            "the checkpoint's sentence-transformers pooling (%s) is not one mmserve computes "
-            "(last, mean or cls, alone): embeddings take the last token's state unless "
-            "--pooling-type says otherwise", ", ".join([*chosen, *others]) or "none")
-        return None, normalize
-    return chosen[0], normalize
+    if len(chosen) != 1:
+        return ("+".join(chosen) or "pooling_mode_none"), normalize
+    return _ST_POOLING_MODES.get(chosen[0], chosen[0]), normalize
+
+
+def resolved_pooling(config: EngineConfig) -> tuple[str, bool]:
+    """An embedding's pooling type and default normalization: as ``config`` sets them, else
+    as a sentence-transformers checkpoint declares them (``checkpoint_pooling``), else the
+    last token's state, normalized. A declared mode mmserve does not compute is a
+    ``ValueError`` unless ``pooling_type`` is set."""
+    pooling, normalize = config.pooling_type, config.normalize_embeddings
+    if pooling is not None and normalize is not None:
+        return pooling, normalize
+    declared, declared_normalize = checkpoint_pooling(config.model)
+    if pooling is None:
+        if declared is not None and declared not in POOLING_TYPES:
+            raise ValueError(
+                f"the checkpoint's sentence-transformers pooling ({declared}, modules.json) is "
+                f"not one mmserve computes ({', '.join(POOLING_TYPES)}): set --pooling-type "
+                "(pooling_type) to embed another way")
+        pooling = declared or "last"
+    if normalize is None:
+        normalize = declared_normalize is not False
+    return pooling, normalize
 
 
 def require_model_dir(model: str) -> None:

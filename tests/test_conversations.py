@@ -358,3 +358,26 @@ def test_a_streamed_response_lets_its_conversation_go_before_its_last_event(serv
     assert held_at.pop("response.created") is True
     assert list(held_at.values()) == [False], held_at  # (completed or incomplete)
     assert conversation.id not in store._held
+
+
+def test_a_store_full_of_held_conversations_is_a_503_to_retry(clip_llama: str,
+                                                               monkeypatch) -> None:
+    """Where only conversations that running responses hold stand in the way, a new
+    conversation is a 503 with Retry-After (retry once they end), not a 400 to send less."""
+    with openai_app(clip_llama, server={"responses_store_bytes": 4000},
+                    max_model_len=512) as (llm, http, client):
+        slow_down_steps(llm.engine, 0.05, monkeypatch)
+        def metadata(n: int) -> dict:  # (bytes that cost no tokens)
+            return {f"k{i}": "v" * 500 for i in range(n)}
+
+        held = client.conversations.create(metadata=metadata(5))
+        running = client.responses.create(model="tiny", conversation=held.id, input="go",
+                                          max_output_tokens=200, temperature=0,
+                                          background=True)
+        busy = http.post("/v1/conversations", json={"metadata": metadata(4)})
+        assert busy.status_code == 503 and busy.headers["Retry-After"] == "1", busy.text
+        assert busy.json()["error"]["code"] == "conversations_busy"
+        too_large = http.post("/v1/conversations", json={"metadata": metadata(16)})
+        assert too_large.json()["error"]["code"] == "conversation_too_large"
+        client.responses.cancel(running.id)
+        assert http.post("/v1/conversations", json={"metadata": metadata(4)}).status_code == 200

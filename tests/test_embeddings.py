@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mmserve import LLM, SamplingParams
-from mmserve.config import checkpoint_pooling
+from mmserve.config import EngineConfig, checkpoint_pooling, resolved_pooling
 from mmserve.errors import InvalidInputError
 from mmserve.processing.hf_processors import load_qwen2_vl_processor
 from mmserve.testing import build_tiny_checkpoint
@@ -195,16 +195,27 @@ def _sentence_transformers(model: str, folder: Path, mode: str | None,
     return str(folder)
 
 
-def test_a_sentence_transformers_checkpoint_declares_its_pooling(
-        clip_llama: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_sentence_transformers_checkpoint_declares_its_pooling(clip_llama: str,
+                                                                 tmp_path: Path) -> None:
     cases = {("mean_tokens", False): ("mean", False), ("cls_token", True): ("cls", True),
-             ("lasttoken", True): ("last", True), (None, True): (None, True),
-             ("max_tokens", False): (None, False)}
+             ("lasttoken", True): ("last", True), (None, True): (None, None),
+             ("max_tokens", False): ("pooling_mode_max_tokens", False)}
     for i, ((mode, normalize), expected) in enumerate(cases.items()):
         path = _sentence_transformers(clip_llama, tmp_path / str(i), mode, normalize)
         assert checkpoint_pooling(path) == expected
-    assert "max_tokens" in caplog.text  # (said, and embeddings take the last token's)
     assert checkpoint_pooling(clip_llama) == (None, None)
+    # A mode mmserve does not compute stops the start, unless pooling_type is set; so does
+    # a file that does not read, named.
+    max_pooled = str(tmp_path / "4")
+    with pytest.raises(ValueError, match="pooling_mode_max_tokens.*set --pooling-type"):
+        resolved_pooling(EngineConfig(model=max_pooled))
+    assert resolved_pooling(EngineConfig(model=max_pooled, pooling_type="mean")) == (
+        "mean", False)
+    (tmp_path / "4" / "1_Pooling" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="1_Pooling/config.json does not read"):
+        checkpoint_pooling(max_pooled)
+    assert resolved_pooling(EngineConfig(model=max_pooled, pooling_type="cls",
+                                         normalize_embeddings=True)) == ("cls", True)
 
 
 def test_the_engine_pools_as_its_checkpoint_declares_in_either_layout(
@@ -258,6 +269,8 @@ def test_the_engine_pools_as_its_checkpoint_declares_in_either_layout(
             LLM(path, pooler_config=bad)
     with pytest.raises(ValueError, match="disagree"):
         LLM(path, pooler_config={"pooling_type": "MEAN"}, pooling_type="cls")
+    with pytest.raises(ValueError, match="normalize_embeddings must be"):
+        LLM(path, normalize_embeddings="no")
 
 
 def test_embeddings_from_tensor_parallel_workers(clip_llama: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.entrypoints.cli import build_parser
+from mmserve.entrypoints.cli import build_parser, main
 from mmserve.entrypoints.engine_args import engine_argv, engine_kwargs
 
 # Fields that are not flags: the model (each front door takes it its own way, always also as
@@ -167,3 +167,8 @@ def test_pooler_config_and_a_flag_of_its_own_must_agree() -> None:
                                       '{"pooling_type": "MEAN"}'])
     with pytest.raises(ValueError, match="--pooler-config and --pooling-type disagree"):
         engine_kwargs(args)
+    # On the command line, a usage error (exit 2) rather than a traceback, in every command.
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "m", "--pooling-type", "cls", "--pooler-config",
+              '{"pooling_type": "MEAN"}'])
+    assert e.value.code == 2

@@ -283,3 +283,20 @@ def test_random_responses_requests_answer_200_or_400(http: TestClient) -> None:
     assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > 10, statuses
     ok = http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 3})
     assert ok.status_code == 200 and ok.json()["usage"]["output_tokens"] == 3
+
+
+def test_input_tokens_count_tools_and_leave_generating_fields_unread(
+        client: openai.OpenAI, http: TestClient) -> None:
+    """The tools a template shows the model are counted (as the response made of the same
+    body reads them); the fields only generating reads are not checked by the count."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": CITY}]
+    bare = client.responses.input_tokens.count(model="tiny", input="weather in Paris?")
+    counted = client.responses.input_tokens.count(model="tiny", input="weather in Paris?",
+                                                  tools=tools)
+    made = client.responses.create(model="tiny", input="weather in Paris?", tools=tools,
+                                   max_output_tokens=2, temperature=0)
+    assert counted.input_tokens == made.usage.input_tokens > bare.input_tokens
+    resp = http.post("/v1/responses/input_tokens", json={
+        "model": "tiny", "input": "hi", "max_output_tokens": 0, "background": True,
+        "store": False, "stream": True, "temperature": 99})
+    assert resp.status_code == 200 and resp.json()["input_tokens"] > 0, resp.text

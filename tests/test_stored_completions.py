@@ -63,8 +63,15 @@ def test_a_stored_completion_is_retrieved_listed_updated_and_deleted(served) -> 
     assert answer.id not in [c.id for c in client.chat.completions.list(limit=100)]
 
 
-def test_a_streamed_answer_is_stored_whole_and_unstored_ones_are_not(served) -> None:
+def test_a_streamed_answer_is_stored_whole_and_unstored_ones_are_not(served,
+                                                                    monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from mmserve.entrypoints import openai_shapes
+
     _, _, client = served
+    # A body made at the end would say 0: the stored one keeps the stream's ``created``.
+    monkeypatch.setattr(openai_shapes, "time", SimpleNamespace(time=lambda: 0.0))
     chunks = list(_chat(client, "tell me", store=True, stream=True, n=2))
     texts = ["", ""]
     for chunk in chunks:
@@ -72,7 +79,7 @@ def test_a_streamed_answer_is_stored_whole_and_unstored_ones_are_not(served) -> 
             texts[choice.index] += choice.delta.content or ""
     stored = client.chat.completions.retrieve(chunks[0].id)
     assert [c.message.content for c in stored.choices] == texts
-    assert stored.usage.completion_tokens > 0 and stored.created == chunks[0].created
+    assert stored.usage.completion_tokens > 0 and stored.created == chunks[0].created > 0
 
     unstored = _chat(client, "not kept")
     with pytest.raises(openai.NotFoundError) as e:

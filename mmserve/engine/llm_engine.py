@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mmserve.config import EngineConfig, checkpoint_pooling, require_model_dir
+from mmserve.config import EngineConfig, require_model_dir, resolved_pooling
 from mmserve.engine.encoder_cache import KVLending
 from mmserve.engine.kv_cache_manager import KVCacheManager
 from mmserve.engine.memory_plan import InfeasiblePlanError, default_memory_utilization
@@ -104,6 +104,10 @@ class LLMEngine:
         from transformers import AutoConfig
 
         require_model_dir(config.model)
+        # An embedding's pooling and normalization, before anything loads: as set, else as
+        # a sentence-transformers checkpoint declares them, else the last token's, normalized.
+        pooling_type, normalize = resolved_pooling(config)
+        config = config.replace(pooling_type=pooling_type, normalize_embeddings=normalize)
         torch.manual_seed(config.seed)
         hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         dtype = config.torch_dtype
@@ -162,14 +166,8 @@ class LLMEngine:
         self.plan, self.encoder_budget = startup.plan, startup.encoder_budget
         for warning in self.plan.warnings:
             logger.warning("memory plan: %s", warning)
-        # An embedding's pooling and normalization: as set, else as a sentence-transformers
-        # checkpoint declares them, else its last token's state, normalized.
-        pooling, normalize = checkpoint_pooling(config.model)
-        self.config = config.replace(
-            max_model_len=self.plan.max_model_len, max_num_seqs=self.plan.max_num_seqs,
-            pooling_type=config.pooling_type or pooling or "last",
-            normalize_embeddings=(normalize is not False if config.normalize_embeddings is None
-                                  else config.normalize_embeddings))
+        self.config = config.replace(max_model_len=self.plan.max_model_len,
+                                     max_num_seqs=self.plan.max_num_seqs)
         on_runner_thread(self.runner.allocate_kv_cache, self.plan.num_blocks)
         if not config.enforce_eager:
             on_runner_thread(self.runner.capture_model, self.plan.max_num_seqs,
@@ -209,7 +207,7 @@ class LLMEngine:
         self.request_maker = RequestMaker(
             self.processor, self.grammars, self.plan.max_model_len, config.limit_mm_per_prompt,
             self.encoder_budget.cache_tokens, max(64 << 20, self.plan.activation_bytes),
-            config.scheduling_policy, self.config.pooling_type)
+            config.scheduling_policy, config.pooling_type)
         self._failed_steps_in_a_row = 0
         self._failing: set[str] = set()  # requests whose num_failed_steps is not 0
         self._dead: str | None = None

@@ -281,7 +281,8 @@ class OpenAIServer:
             # A client's id that names a stored completion, or one being answered: this
             # one's is the engine's (the id with a suffix of its own).
             request_id = engine_id
-            store.reserve(request_id)
+            reserved = store.reserve(request_id)
+            assert reserved  # (an engine id is this request's alone)
 
         def done() -> None:
             self._abort(streams)
@@ -405,8 +406,10 @@ class OpenAIServer:
         request would be made, on the bounded tokenizing threads of ``/tokenize``."""
         req = None
         try:
-            req = self._responses_request(await self._read_json(request), None,
-                                          input_required=False)
+            body = await self._read_json(request)
+            if isinstance(body, dict):  # (what generating alone reads is not checked here)
+                body = {k: v for k, v in body.items() if k in _COUNTED_FIELDS}
+            req = self._responses_request(body, None, input_required=False)
             self._check_model(req.chat.model)
             async with self._tokenizing_slot():
                 prompt = await self._prompt_of(req.chat)
@@ -415,7 +418,10 @@ class OpenAIServer:
                     ids = await self.engine.prompt_token_ids(prompt)
                 except PromptTooLongError as e:  # (text too long to tokenize at all)
                     if not req.truncate:
-                        raise
+                        raise PromptTooLongError(f"{e} Or send 'truncation': \"auto\" to "
+                                                 "count what is left without the "
+                                                 "conversation's earliest turns.",
+                                                 e.param) from None
                     too_long = e
                 if req.truncate and (ids is None or len(ids) > self.max_model_len):
                     too_long = too_long or PromptTooLongError(
@@ -1277,6 +1283,7 @@ class OpenAIServer:
                 # The event loop's tokenizer, copied off the loop before requests need it.
                 await asyncio.get_running_loop().run_in_executor(None, self._copy_tokenizer)
             except BaseException:  # (the engine's loop gives its steps back)
+                await self.batch_api.stop()
                 await self.engine.shutdown()
                 raise
             logger.info("serving %r", self.model)
@@ -1337,6 +1344,14 @@ class OpenAIServer:
 def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     """The Starlette app serving ``engine``; the engine loop starts with the app's lifespan."""
     return OpenAIServer(engine, config).app()
+
+
+# What OpenAI's POST /v1/responses/input_tokens takes (and ``model``); the Responses API's
+# other fields (sampling, storing, streaming) change no input token and are not read there.
+_COUNTED_FIELDS = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
+    "reasoning", "truncation", "conversation", "previous_response_id", "mm_processor_kwargs",
+    "cache_salt"})
 
 
 def _nothing() -> None:

@@ -83,7 +83,13 @@ def _run_batch(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "pooler_config"):  # a subcommand of the engine flags
+        try:
+            engine_kwargs(args)  # (flags that disagree: a usage error, as a bad value is)
+        except ValueError as e:
+            parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request (bench serve)
     return args.func(args)

@@ -60,7 +60,9 @@ class LLM:
         pooler_config = engine_args.pop("pooler_config", None)
         if pooler_config is not None:
             for name, value in pooler_config_kwargs(pooler_config).items():
-                if engine_args.setdefault(name, value) != value:
+                if engine_args.get(name) is None:
+                    engine_args[name] = value
+                elif engine_args[name] != value:
                     raise ValueError(f"pooler_config and {name} disagree; give one of them.")
         config = EngineConfig(model=str(model), **engine_args)
         # The sampling defaults of the checkpoint's generation config and the chat template
