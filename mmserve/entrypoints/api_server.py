@@ -86,6 +86,7 @@ from mmserve.entrypoints.response_store import (
 )
 from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
+from mmserve.entrypoints.uploads_api import UploadsApi
 from mmserve.errors import EngineDeadError, InvalidInputError, PromptTooLongError
 from mmserve.outputs import RequestOutput, cosine_scores, embedding_of
 from mmserve.sampling_params import SamplingParams
@@ -160,6 +161,8 @@ class OpenAIServer:
             by_priority=engine.config.scheduling_policy == "priority",
             api_key=config.api_key, read_json=self._read_json,
             broken=lambda: self.engine.error, engine_stats=self._stats)
+        # OpenAI's Uploads API: a file sent in parts, into the same store.
+        self.uploads = UploadsApi(self.batch_api.files, self._read_json)
 
         @functools.lru_cache(maxsize=1 << 16)
         def token_text(token_id: int) -> str:  # what a token stands for, for logprobs
@@ -1283,6 +1286,7 @@ class OpenAIServer:
                 # The event loop's tokenizer, copied off the loop before requests need it.
                 await asyncio.get_running_loop().run_in_executor(None, self._copy_tokenizer)
             except BaseException:  # (the engine's loop gives its steps back)
+                self.uploads.close()
                 await self.batch_api.stop()
                 await self.engine.shutdown()
                 raise
@@ -1292,6 +1296,7 @@ class OpenAIServer:
             # responses are not requests, and stop here.
             for task in list(self._background):
                 task.cancel()
+            self.uploads.close()
             await self.batch_api.stop()
             await self.engine.shutdown()
             self.media.close()
@@ -1323,6 +1328,7 @@ class OpenAIServer:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             *self.batch_api.routes(),
+            *self.uploads.routes(),
             *self.conversations.routes(),
             *self.stored_completions.routes(),
             *chat_page.routes(),

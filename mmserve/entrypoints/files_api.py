@@ -17,16 +17,16 @@ import asyncio
 import contextlib
 import os
 import shutil
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, BinaryIO
 
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mmserve.entrypoints.file_store import MAX_FILES, FileStore, StoredFile, StoreFull, shown
+from mmserve.entrypoints.file_store import MAX_FILES, FileStore, StoreFull, shown
 from mmserve.entrypoints.http_middleware import store_endpoint
 from mmserve.entrypoints.openai_protocol import ApiError, bad_request, paged
 from mmserve.errors import InvalidInputError
@@ -107,22 +107,50 @@ class FilesApi:
                            "longer needed.", code="too_many_files")
 
     async def upload(self, request: Request, store: FileStore) -> Response:
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise bad_request("upload the file as multipart/form-data, with the fields 'file' "
-                              "and 'purpose' ('batch', 'vision' or 'user_data'), as the "
-                              "openai client's files.create does.")
         self.check_file_count(store)
         cap = min(MAX_FILE_BYTES, store.room)
         too_big = ApiError(413, f"the file is over {cap} bytes: the most the file store takes "
                            f"now ({store.used} of {store.capacity} bytes used, "
                            f"--files-store-mib; an upload at most {MAX_FILE_BYTES}); split "
                            "it or delete files no longer needed.", code="file_too_large")
+        async with self.form(request, store, cap, too_big, "'file' and 'purpose' ('batch', "
+                             "'vision' or 'user_data'), as the openai client's files.create "
+                             "does") as form:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if purpose not in PURPOSES:
+                raise bad_request(f"'purpose' must be 'batch' (a batch's requests), or 'vision' "
+                                  f"or 'user_data' (images requests name by file_id), got "
+                                  f"{shown(purpose)}.", "purpose")
+            if not isinstance(upload, UploadFile):
+                raise bad_request("the form has no file: send it as the 'file' field.", "file")
+            expiry = expiry_of(form.get("expires_after[anchor]"),
+                               form.get("expires_after[seconds]"), "expires_after")
+            size = upload.size or 0
+            if size > cap:
+                raise too_big
+            file_id, path = store.new_path()
+            await copy_into(upload.file, path)
+            store.used += size  # (the form's hold is released as it closes)
+            name = os.path.basename(upload.filename or "") or "upload.jsonl"
+            stored = store.add(file_id, path, name[:255], purpose, size,
+                               DEFAULT_EXPIRY_S if expiry is None else expiry)
+        return JSONResponse(stored.body())
+
+    @contextlib.asynccontextmanager
+    async def form(self, request: Request, store: FileStore, cap: int, too_big: ApiError,
+                   fields: str) -> AsyncIterator[FormData]:
+        """A multipart upload's form (one file of at most ``cap`` bytes, else ``too_big``;
+        ``fields``: what the form should hold, for the error a body of another kind gets),
+        read within the upload's time. The bytes received are held in the store while the
+        form is read (Starlette spools it to a temporary file first) and until the block
+        ends, so that uploads at once cannot together take more than it has room for; a
+        body of known length holds its room at once."""
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise bad_request(f"upload the file as multipart/form-data, with the fields "
+                              f"{fields}.")
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > cap + FORM_OVERHEAD_BYTES:
             raise too_big
-        # The bytes received are held in the store while the form is read (Starlette spools
-        # it to a temporary file first), so that uploads at once cannot together take more
-        # than it has room for; a body of known length holds its room at once.
         held = 0
 
         def hold(size: int) -> None:
@@ -147,51 +175,25 @@ class FilesApi:
 
         try:
             hold(min(int(length), cap) if length.isdigit() else 0)
-            stored = await self._receive_upload(Request(request.scope, receive), store, cap,
-                                                too_big)
+            try:
+                form = await asyncio.wait_for(
+                    Request(request.scope, receive).form(max_files=1, max_fields=8),
+                    self.upload_timeout_s)
+            except HTTPException as e:  # the form could not be read
+                raise bad_request(f"the upload is not a form that can be read: "
+                                  f"{e.detail}") from None
+            except ClientDisconnect:
+                raise bad_request("the client disconnected while sending the file") from None
+            except asyncio.TimeoutError:
+                raise ApiError(408, f"the upload took longer than {self.upload_timeout_s:g} s "
+                               "(ten times --body-timeout); send it faster or split it.",
+                               code="request_timeout", headers={"Connection": "close"}) from None
+            try:
+                yield form
+            finally:
+                await form.close()
         finally:
             store.used -= held
-        return JSONResponse(stored.body())
-
-    async def _receive_upload(self, request: Request, store: FileStore, cap: int,
-                              too_big: ApiError) -> StoredFile:
-        try:
-            form = await asyncio.wait_for(request.form(max_files=1, max_fields=8),
-                                          self.upload_timeout_s)
-        except HTTPException as e:  # the form could not be read
-            raise bad_request(f"the upload is not a form that can be read: {e.detail}") from None
-        except ClientDisconnect:
-            raise bad_request("the client disconnected while sending the file") from None
-        except asyncio.TimeoutError:
-            raise ApiError(408, f"the upload took longer than {self.upload_timeout_s:g} s "
-                           "(ten times --body-timeout); send it faster or split it.",
-                           code="request_timeout", headers={"Connection": "close"}) from None
-        try:
-            upload, purpose = form.get("file"), form.get("purpose")
-            if purpose not in PURPOSES:
-                raise bad_request(f"'purpose' must be 'batch' (a batch's requests), or 'vision' "
-                                  f"or 'user_data' (images requests name by file_id), got "
-                                  f"{shown(purpose)}.", "purpose")
-            if not isinstance(upload, UploadFile):
-                raise bad_request("the form has no file: send it as the 'file' field.", "file")
-            expiry = expiry_of(form.get("expires_after[anchor]"),
-                             form.get("expires_after[seconds]"), "expires_after")
-            size = upload.size or 0
-            if size > cap:
-                raise too_big
-            file_id, path = store.new_path()
-            try:
-                await in_thread(_copy, upload.file, path)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-                raise
-            store.used += size  # (the upload's hold is released by the caller)
-            name = os.path.basename(upload.filename or "") or "upload.jsonl"
-            return store.add(file_id, path, name[:255], purpose, size,
-                             DEFAULT_EXPIRY_S if expiry is None else expiry)
-        finally:
-            await form.close()
 
     async def list_files(self, request: Request, store: FileStore) -> Response:
         query = dict(request.query_params)
@@ -238,6 +240,17 @@ def expiry_of(anchor: Any, seconds: Any, param: str) -> int | None:
         raise bad_request(f"'{param}' must have 'anchor' 'created_at' and 'seconds' from "
                           f"{MIN_EXPIRY_S} to {MAX_EXPIRY_S}.", param)
     return value
+
+
+async def copy_into(source: BinaryIO, path: str) -> None:
+    """Copy an uploaded file's bytes to ``path`` on a thread (nothing left there where it
+    fails)."""
+    try:
+        await in_thread(_copy, source, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
 
 
 def _copy(source: BinaryIO, path: str) -> None:
