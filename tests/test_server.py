@@ -28,7 +28,6 @@ import pytest
 from PIL import Image
 
 from mmserve import LLM, SamplingParams
-from mmserve.entrypoints.metrics import VLLM
 from tests.conftest import make_image
 
 IMAGES = [make_image(i, size) for i, size in enumerate([(40, 30), (64, 64), (23, 57), (32, 32)])]
@@ -447,18 +446,23 @@ def test_32_concurrent_streams_with_images(server: Server) -> None:
     assert sum(delta("vllm:request_success_total", finished_reason=r)
                for r in ("stop", "length")) == 32
     assert delta("vllm:generation_tokens_total") == generated
-    assert delta("vllm:prompt_tokens_total") == delta("mmserve_prompt_tokens_total")
+    assert delta("vllm:prompt_tokens_total") == delta("mmserve_prompt_tokens_total") > 0
+    assert delta("vllm:request_prompt_tokens_sum") == delta("mmserve_prompt_tokens_total")
     assert delta("vllm:request_generation_tokens_sum") == generated
     for name in ("vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
                  "vllm:request_prompt_tokens_count"):
         assert delta(name) == 32, name
     assert delta("vllm:inter_token_latency_seconds_count") == generated - 32
     assert 0 < delta("vllm:e2e_request_latency_seconds_sum") <= 32 * elapsed
-    for name in ("mmserve_num_preemptions_total", "mmserve_prefix_cache_hit_tokens_total",
-                 "mmserve_prefix_cache_queried_tokens_total", "mmserve_kv_cache_usage_perc",
-                 "mmserve_num_requests_running", "mmserve_num_requests_waiting"):
-        twin = VLLM[name.removesuffix("_total")] + ("_total" if name.endswith("_total") else "")
-        assert metric(after, twin) == metric(after, name), twin
+    for ours, theirs in (("mmserve_num_preemptions_total", "vllm:num_preemptions_total"),
+                         ("mmserve_prefix_cache_hit_tokens_total", "vllm:prefix_cache_hits_total"),
+                         ("mmserve_prefix_cache_queried_tokens_total",
+                          "vllm:prefix_cache_queries_total"),
+                         ("mmserve_kv_cache_usage_perc", "vllm:kv_cache_usage_perc"),
+                         ("mmserve_num_requests_running", "vllm:num_requests_running"),
+                         ("mmserve_num_requests_waiting", "vllm:num_requests_waiting")):
+        assert re.search(rf"^{theirs}{{", after, re.M), theirs
+        assert metric(after, theirs) == metric(after, ours), theirs
 
 
 def _long_request(stream: bool) -> dict:

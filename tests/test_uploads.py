@@ -128,3 +128,49 @@ def test_pending_uploads_are_bounded(served, monkeypatch) -> None:
         client.uploads.cancel(upload.id)
 
 
+
+
+def test_parts_sent_at_once_stay_within_the_upload(served, monkeypatch) -> None:
+    """Parts that arrive together may bring no more than the upload lacks, nor more parts
+    than it takes; those past it are refused, and the rest make the file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    llm, _, client = served
+    monkeypatch.setattr(uploads_api, "MAX_PARTS", 3)
+    size = 4096  # (a part's form adds a few hundred bytes: parts much larger than that)
+    upload = client.uploads.create(bytes=8 * size, filename="x.jsonl", mime_type="text/jsonl",
+                                   purpose="batch")
+
+    def send(i: int):
+        try:
+            return client.uploads.parts.create(upload.id, data=bytes([i]) * size)
+        except openai.APIStatusError as e:
+            return e.status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(send, range(8)))
+    parts = [a for a in answers if not isinstance(a, int)]
+    assert 1 <= len(parts) <= 3 and all(a in (409, 413) for a in answers if isinstance(a, int))
+    pending = llm.server.uploads.uploads[upload.id]
+    assert len(pending.parts) == len(parts) and pending.received == size * len(parts)
+    assert pending.arriving == pending.parts_arriving == 0
+    client.uploads.cancel(upload.id)
+    assert not _parts_on_disk(served)
+
+
+def test_an_upload_holding_the_whole_store_takes_its_parts(clip_llama: str) -> None:
+    with openai_app(clip_llama, server={"files_store_bytes": 1000},
+                    max_model_len=256) as (llm, _, client):
+        upload = client.uploads.create(bytes=1000, filename="x.jsonl", mime_type="text/jsonl",
+                                       purpose="batch")
+        parts = [client.uploads.parts.create(upload.id, data=bytes([i]) * 500)
+                 for i in range(2)]
+        with pytest.raises(openai.APIStatusError) as e:
+            client.uploads.parts.create(upload.id, data=b"!")
+        assert e.value.body["code"] == "part_too_large"
+        with pytest.raises(openai.BadRequestError) as e:
+            client.uploads.complete(upload.id, part_ids=[p.id for p in parts], md5="0" * 32)
+        assert "right order" in e.value.body["message"]
+        done = client.uploads.complete(upload.id, part_ids=[p.id for p in parts])
+        assert done.file.bytes == 1000
+        assert llm.server.batch_api.files.store.used == 1000

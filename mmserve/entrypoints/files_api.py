@@ -107,15 +107,15 @@ class FilesApi:
                            "longer needed.", code="too_many_files")
 
     async def upload(self, request: Request, store: FileStore) -> Response:
+        require_multipart(request, "'file' and 'purpose' ('batch', 'vision' or 'user_data'), "
+                          "as the openai client's files.create does")
         self.check_file_count(store)
         cap = min(MAX_FILE_BYTES, store.room)
         too_big = ApiError(413, f"the file is over {cap} bytes: the most the file store takes "
                            f"now ({store.used} of {store.capacity} bytes used, "
                            f"--files-store-mib; an upload at most {MAX_FILE_BYTES}); split "
                            "it or delete files no longer needed.", code="file_too_large")
-        async with self.form(request, store, cap, too_big, "'file' and 'purpose' ('batch', "
-                             "'vision' or 'user_data'), as the openai client's files.create "
-                             "does") as form:
+        async with self.form(request, store, cap, too_big) as form:
             upload, purpose = form.get("file"), form.get("purpose")
             if purpose not in PURPOSES:
                 raise bad_request(f"'purpose' must be 'batch' (a batch's requests), or 'vision' "
@@ -137,17 +137,13 @@ class FilesApi:
         return JSONResponse(stored.body())
 
     @contextlib.asynccontextmanager
-    async def form(self, request: Request, store: FileStore, cap: int, too_big: ApiError,
-                   fields: str) -> AsyncIterator[FormData]:
-        """A multipart upload's form (one file of at most ``cap`` bytes, else ``too_big``;
-        ``fields``: what the form should hold, for the error a body of another kind gets),
-        read within the upload's time. The bytes received are held in the store while the
-        form is read (Starlette spools it to a temporary file first) and until the block
-        ends, so that uploads at once cannot together take more than it has room for; a
-        body of known length holds its room at once."""
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise bad_request(f"upload the file as multipart/form-data, with the fields "
-                              f"{fields}.")
+    async def form(self, request: Request, store: FileStore | None, cap: int,
+                   too_big: ApiError) -> AsyncIterator[FormData]:
+        """A multipart upload's form (one file of at most ``cap`` bytes, else ``too_big``),
+        read within the upload's time. The bytes received are held in ``store`` (None: room
+        held already) while the form is read (Starlette spools it to a temporary file first)
+        and until the block ends, so that uploads at once cannot together take more than it
+        has room for; a body of known length holds its room at once."""
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > cap + FORM_OVERHEAD_BYTES:
             raise too_big
@@ -155,7 +151,7 @@ class FilesApi:
 
         def hold(size: int) -> None:
             nonlocal held
-            if size > held:
+            if store is not None and size > held:
                 try:
                     store.reserve(size - held)
                 except StoreFull:
@@ -193,7 +189,8 @@ class FilesApi:
             finally:
                 await form.close()
         finally:
-            store.used -= held
+            if store is not None:
+                store.used -= held
 
     async def list_files(self, request: Request, store: FileStore) -> Response:
         query = dict(request.query_params)
@@ -212,6 +209,12 @@ class FilesApi:
         stored, source = store.open(request.path_params["file_id"])
         return StreamingResponse(_chunks(source), media_type="application/octet-stream",
                                  headers={"Content-Length": str(stored.bytes)})
+
+
+def require_multipart(request: Request, fields: str) -> None:
+    """Refuse a body that is not a multipart form (``fields``: what it should hold)."""
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise bad_request(f"upload the file as multipart/form-data, with the fields {fields}.")
 
 
 async def in_thread(func: Callable[..., Any], *args: Any) -> Any:

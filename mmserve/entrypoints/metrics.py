@@ -25,6 +25,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))  # 1 to 5,000,000
 
+_VLLM_FINISH_REASONS = ("stop", "length", "abort")
 # mmserve's series that vLLM has too, and vLLM's names for them.
 VLLM = {
     "mmserve_num_requests_running": "vllm:num_requests_running",
@@ -53,10 +54,13 @@ class ServerMetrics:
             "mmserve_requests", "Chat requests by outcome: finish reason (stop, length, abort) "
             "or rejected (a 4xx answer) or error (a 5xx answer).",
             ["model_name", "status"], registry=self.registry)
-        # vLLM's count of requests that finished (not those refused), by finish reason.
+        # vLLM's count of requests that finished (not those refused, nor those a failed step
+        # ended), by finish reason, each from 0.
         self.finished = Counter(
             "vllm:request_success", "Requests that finished, by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry)
+        for reason in _VLLM_FINISH_REASONS:
+            self.finished.labels(model_name=model_name, finished_reason=reason)
         self.prompt_tokens = self._both(
             Counter, "mmserve_prompt_tokens", "Prompt tokens of finished requests, image "
             "placeholders included.")
@@ -97,12 +101,15 @@ class ServerMetrics:
     def on_finished(self, finish_reason: str, num_prompt_tokens: int,
                     num_generation_tokens: int, seconds_since_arrival: float) -> None:
         self.count(finish_reason)
-        self.finished.labels(model_name=self._model_name, finished_reason=finish_reason).inc()
+        if finish_reason in _VLLM_FINISH_REASONS:
+            self.finished.labels(model_name=self._model_name,
+                                 finished_reason=finish_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
-        self.e2e.observe(seconds_since_arrival)
-        self.request_prompt_tokens.observe(num_prompt_tokens)
-        self.request_generation_tokens.observe(num_generation_tokens)
+        if finish_reason != "abort":  # (a client gone: its prompt may not even be known)
+            self.e2e.observe(seconds_since_arrival)
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+            self.request_generation_tokens.observe(num_generation_tokens)
 
     def count(self, status: str) -> None:
         self.requests.labels(model_name=self._model_name, status=status).inc()

@@ -13,8 +13,10 @@
 
 An upload not completed within ``UPLOAD_LIFE_S`` expires as OpenAI's do: its parts are removed
 and its room given back. A file is at most ``files_api.MAX_FILE_BYTES``, as one sent whole.
-While the parts are put together the file grows as each part, copied into it, is removed, so
-the store's folder holds at most one part's bytes more than the upload holds.
+The upload's room holds its parts, those stored and those arriving (each part spooled while
+its form is read, then copied in; parts at once may together bring no more than the upload
+lacks). While the parts are put together the file grows as each part, copied into it, is
+removed, so the store's folder holds at most one part's bytes more than the upload holds.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from mmserve.entrypoints.files_api import (
     copy_into,
     expiry_of,
     in_thread,
+    require_multipart,
 )
 from mmserve.entrypoints.openai_protocol import ApiError, bad_request
 
@@ -65,6 +68,8 @@ class Upload:
     status: str = "pending"  # then "completed" or "cancelled" ("expired" once too late)
     parts: dict[str, tuple[str, int]] = field(default_factory=dict)  # id -> (path, size)
     received: int = 0
+    arriving: int = 0  # bytes the parts being received may still bring
+    parts_arriving: int = 0
     busy: bool = False  # being put together
     file: StoredFile | None = None
     timer: asyncio.TimerHandle | None = None
@@ -139,38 +144,46 @@ class UploadsApi:
         return JSONResponse(upload.body())
 
     async def add_part(self, request: Request, store: FileStore) -> Response:
+        require_multipart(request, "'data' (a part of the upload)")
         upload = self._pending(request)
-        if len(upload.parts) >= MAX_PARTS:
+        if len(upload.parts) + upload.parts_arriving >= MAX_PARTS:
             raise ApiError(409, f"an upload takes at most {MAX_PARTS} parts: send larger ones "
                            f"(up to {MAX_PART_BYTES} bytes).", code="too_many_parts")
-        cap = min(MAX_PART_BYTES, upload.bytes - upload.received)
-        too_big = ApiError(413, f"the part is over {cap} bytes: a part is at most "
+        # A part may bring what the upload still lacks, less what parts arriving at the same
+        # time may bring: the upload's room, held since it was made, holds them all.
+        left = upload.bytes - upload.received - upload.arriving
+        length = request.headers.get("content-length", "")
+        claim = min(MAX_PART_BYTES, left, int(length) if length.isdigit() else left)
+        too_big = ApiError(413, f"the part is over {max(claim, 0)} bytes: a part is at most "
                            f"{MAX_PART_BYTES}, and the parts together at most the upload's "
-                           f"{upload.bytes} bytes ({upload.received} received).",
-                           code="part_too_large")
-        async with self.files.form(request, store, cap, too_big,
-                                   "'data' (a part of the upload)") as form:
-            data = form.get("data")
-            if not isinstance(data, UploadFile):
-                raise bad_request("the form has no part: send it as the 'data' field.", "data")
-            size = data.size or 0
-            if size > min(cap, upload.bytes - upload.received):  # (parts sent at once)
-                raise too_big
-            part_id, path = f"part_{uuid.uuid4().hex}", os.path.join(
-                store.folder, f"{upload.id}-{len(upload.parts)}-{uuid.uuid4().hex[:8]}")
-            upload.received += size  # (held while it is copied: parts at once add up)
-            try:
+                           f"{upload.bytes} bytes ({upload.received} received, "
+                           f"{upload.arriving} arriving).", code="part_too_large")
+        if claim <= 0:
+            raise too_big
+        upload.arriving += claim
+        upload.parts_arriving += 1
+        try:
+            async with self.files.form(request, None, claim, too_big) as form:
+                data = form.get("data")
+                if not isinstance(data, UploadFile):
+                    raise bad_request("the form has no part: send it as the 'data' field.",
+                                      "data")
+                size = data.size or 0
+                if size > claim:
+                    raise too_big
+                part_id, path = f"part_{uuid.uuid4().hex}", os.path.join(
+                    store.folder, f"{upload.id}-{uuid.uuid4().hex}")
                 await copy_into(data.file, path)
-            except BaseException:
-                upload.received -= size
-                raise
+        finally:
+            upload.arriving -= claim
+            upload.parts_arriving -= 1
         if self.uploads.get(upload.id) is not upload or upload.busy:  # ended meanwhile
-            upload.received -= size
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             raise bad_request(f"the upload {shown(upload.id)} ended while the part came "
                               f"({upload.status}).", "upload_id")
         upload.parts[part_id] = (path, size)
+        upload.received += size
         return JSONResponse({"id": part_id, "object": "upload.part",
                              "created_at": int(time.time()), "upload_id": upload.id})
 
@@ -190,23 +203,30 @@ class UploadsApi:
         md5 = body.get("md5")
         if md5 is not None and not isinstance(md5, str):
             raise bad_request("'md5' must be the file's MD5 checksum, in hexadecimal", "md5")
+        self.files.check_file_count(store)  # (the file it makes)
         paths = [upload.parts[p][0] for p in part_ids]
+        file_id, path = store.new_path()
         upload.busy = True
         try:
             if md5 and await in_thread(_md5, paths) != md5.lower():
-                raise bad_request("the parts' MD5 checksum is not 'md5': send the parts "
-                                  "again, or complete with the checksum they have.", "md5")
-            file_id, path = store.new_path()
-            try:
-                await in_thread(_join, paths, path)
-            except OSError as e:  # (its parts are partly gone: the upload cannot go on)
                 upload.busy = False
-                self._end(upload, store, "cancelled")
+                raise bad_request("the parts' MD5 checksum is not 'md5': complete with the "
+                                  "parts in their right order, or cancel the upload and send "
+                                  "the file again.", "md5")
+            await in_thread(_join, paths, path)
+        except ApiError:
+            raise
+        except BaseException as e:  # (its parts may be partly gone: the upload cannot go on)
+            upload.busy = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            self._end(upload, store, "cancelled")
+            if isinstance(e, OSError):
                 raise ApiError(500, f"the parts could not be put together ({e}); the upload "
                                "is cancelled: upload the file again.",
                                code="upload_failed") from None
-        finally:
-            upload.busy = False
+            raise
+        upload.busy = False
         # The upload's held bytes are the file's now; the parts not listed are dropped.
         upload.file = store.add(file_id, path, upload.filename, upload.purpose, upload.bytes,
                                 upload.file_expiry_s)
