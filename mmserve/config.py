@@ -390,8 +390,8 @@ def checkpoint_pooling(model_dir: str) -> tuple[str | None, bool | None]:
         chosen = [k for k, on in modes.items() if k.startswith("pooling_mode_") and on is True]
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"{path} does not read as a sentence-transformers checkpoint's "
-                         f"({type(e).__name__}: {e}); mend it, or remove modules.json and set "
-                         "--pooling-type") from None
+                         f"({type(e).__name__}: {e}): mend it, remove modules.json, or set both "
+                         "--pooling-type and --[no-]normalize-embeddings") from None
     normalize = "sentence_transformers.models.Normalize" in kinds
     if len(chosen) != 1:
         return ("+".join(chosen) or "pooling_mode_none"), normalize

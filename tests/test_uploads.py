@@ -174,3 +174,18 @@ def test_an_upload_holding_the_whole_store_takes_its_parts(clip_llama: str) -> N
         done = client.uploads.complete(upload.id, part_ids=[p.id for p in parts])
         assert done.file.bytes == 1000
         assert llm.server.batch_api.files.store.used == 1000
+
+
+def test_parts_that_fill_the_upload_exactly_arrive_together(served) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, _, client = served
+    size = 4096
+    upload = client.uploads.create(bytes=3 * size, filename="x.jsonl",
+                                   mime_type="text/jsonl", purpose="batch")
+    with ThreadPoolExecutor(3) as pool:
+        parts = list(pool.map(lambda i: client.uploads.parts.create(
+            upload.id, data=bytes([i]) * size), range(3)))
+    done = client.uploads.complete(upload.id, part_ids=[p.id for p in parts])
+    assert done.status == "completed" and done.file.bytes == 3 * size
+    client.files.delete(done.file.id)

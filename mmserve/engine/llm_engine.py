@@ -82,7 +82,7 @@ class LLMEngine:
     _closed = False  # set by close(); a class default so that a half-built engine closes too
     _froze = False  # start-up's objects were frozen out of the collector's walk (collector.py)
 
-    _stepped_by: str | None = None  # who steps the engine now (``stepping``)
+    _stepped_by: str | None = None  # who steps the engine now (``claim_steps``)
     _stepping_lock = threading.Lock()
 
     def __init__(self, config: EngineConfig, detokenize: bool = True) -> None:
@@ -321,6 +321,7 @@ class LLMEngine:
             self._stepped_by = who
 
     def release_steps(self) -> None:
+        """Let go of the claim ``claim_steps`` made (called by whoever made it)."""
         self._stepped_by = None
 
     def next_request_id(self) -> str:

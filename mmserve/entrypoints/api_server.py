@@ -95,6 +95,11 @@ from mmserve.worker.compute_thread import ComputeThread
 
 logger = logging.getLogger(__name__)
 
+
+def _nothing() -> None:
+    pass
+
+
 # Where a request's decoded body is kept once read (``invocations`` reads it first).
 _READ_BODY = "mmserve.read_body"
 # /tokenize requests processed at once, and processed or waiting.
@@ -515,7 +520,7 @@ class OpenAIServer:
 
     def _add_to_conversation(self, req: responses.ResponsesRequest,
                              response: dict[str, Any],
-                             release: Callable[[], None] = lambda: None) -> None:
+                             release: Callable[[], None] = _nothing) -> None:
         """A response that completed (or stopped at its token limit) adds its input and
         output items to the conversation it names, if that is still kept; then the
         conversation is ``release``d (before the client hears that the response ended)."""
@@ -1352,16 +1357,13 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> Starlette:
     return OpenAIServer(engine, config).app()
 
 
-# What OpenAI's POST /v1/responses/input_tokens takes (and ``model``); the Responses API's
-# other fields (sampling, storing, streaming) change no input token and are not read there.
+# OpenAI's fields of POST /v1/responses/input_tokens, and vLLM's mm_processor_kwargs and
+# cache_salt; the Responses API's other fields (sampling, storing, streaming) change no
+# input token and are not read there.
 _COUNTED_FIELDS = frozenset({
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
     "reasoning", "truncation", "conversation", "previous_response_id", "mm_processor_kwargs",
     "cache_salt"})
-
-
-def _nothing() -> None:
-    pass
 
 
 def _as_api_error(e: Exception) -> ApiError:

@@ -69,8 +69,8 @@ class CompletionStore:
 
     def put(self, body: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
         """Keep a finished completion and the messages it answered, the oldest forgotten to
-        make room; False, none forgotten, where it cannot fit (or its id is kept already:
-        a client's id sent twice at once is stored once)."""
+        make room; False, none forgotten, where it is larger than the store (or its id is
+        kept already, which ``reserve`` rules out)."""
         completion_id = body["id"]
         messages = [_stored_message(message, f"{completion_id}-{i}")
                     for i, message in enumerate(messages)]
@@ -94,10 +94,16 @@ class CompletionStore:
         return True
 
     def update(self, stored: StoredCompletion, metadata: dict[str, str]) -> bool:
-        """Replace the metadata; False where it does not fit beside the others."""
+        """Replace the metadata, the oldest others forgotten to make room; False, none
+        forgotten, where it would not fit even alone."""
         change = json_size(metadata) - json_size(stored.body["metadata"])
-        if self.nbytes + change > self.max_bytes:
+        if stored.nbytes + change > self.max_bytes:
             return False
+        for completion_id in list(self._entries):
+            if self.nbytes + change <= self.max_bytes:
+                break
+            if completion_id != stored.body["id"]:
+                self.delete(completion_id)
         stored.body["metadata"] = metadata
         stored.nbytes += change
         self.nbytes += change
@@ -159,7 +165,7 @@ class StoredCompletionsApi:
         if not store.update(stored, metadata_of(body["metadata"])):
             raise ApiError(400, f"the new metadata does not fit the server's store of chat "
                            f"completions ({store.max_bytes} bytes of JSON, "
-                           "--responses-store-mib)", "metadata")
+                           "--responses-store-mib)", "metadata", code="completion_too_large")
         return JSONResponse(stored.body)
 
     async def delete(self, request: Request, store: CompletionStore) -> Response:
@@ -188,7 +194,7 @@ class StoredCompletionsApi:
                            f"{completion_id[:64]!r} (a chat request is stored when it sends "
                            "'store': true; they are kept in the server's memory while it "
                            "runs, the oldest forgotten past --responses-store-mib)",
-                           "completion_id", code="not_found")
+                           "completion_id", code="completion_not_found")
         return stored
 
 

@@ -14,8 +14,8 @@ history again.
   it is not forgotten to make room.
 
 Conversations live in the server's memory, at most ``max_bytes`` of their items' JSON; past it
-the conversations used longest ago are forgotten first, as stored responses are. Nothing
-outlives the process.
+the conversations used longest ago are forgotten first, as stored responses are, but not those
+a running response holds. Nothing outlives the process.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class Conversation:
 
 class ConversationStore:
     """Conversation id -> ``Conversation``, least recently used first, at most ``max_bytes``
-    of JSON (metadata and items)."""
+    of JSON (metadata and items); those running responses hold (``hold``) are not forgotten
+    to make room."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes

@@ -1,7 +1,7 @@
 """The engine flags, derived from ``EngineConfig``'s fields: every front door (``caption``,
 ``serve``, ``plan``, ``bench``) adds them with ``add_engine_args`` and builds its config with
 ``engine_kwargs``. A setting is declared once, on its field (``config.flag``); nothing here
-names one."""
+names one, but vLLM's ``--pooler-config``, read into two of them."""
 
 from __future__ import annotations
 

@@ -53,6 +53,8 @@ class FilesApi:
         self.store: FileStore | None = None  # made by ``start``
         self.upload_timeout_s = body_timeout_s * UPLOAD_TIMEOUT_FACTOR
         self.pending_outputs = pending_outputs
+        # Uploads sent in parts and not completed yet (``uploads_api.py`` sets it).
+        self.pending_uploads: Callable[[], int] = lambda: 0
 
     def start(self) -> None:
         if self.capacity > 0:
@@ -78,8 +80,8 @@ class FilesApi:
         """``handler(request, store)`` as an endpoint: its ``ApiError`` as OpenAI's error
         body; without a store, a 404 that says how to have one."""
         return store_endpoint(handler, lambda: self.store, lambda: ApiError(
-            404, "this server keeps no files, so it runs no batches: start it with "
-            "--files-store-mib above 0.", code="files_disabled"))
+            404, "this server keeps no files, so it takes no uploads and runs no batches: "
+            "start it with --files-store-mib above 0.", code="files_disabled"))
 
     def image_path(self, file_id: str) -> str:
         """Where an uploaded image a request names is; an ``InvalidInputError`` where no
@@ -100,11 +102,12 @@ class FilesApi:
         """Refuse ``new`` files more where the store, with the outputs batches not finished
         yet will keep (``pending_outputs``), would hold more than ``MAX_FILES``."""
         store.sweep()
-        pending = self.pending_outputs()
+        pending = self.pending_outputs() + self.pending_uploads()
         if len(store.files) + pending + new > MAX_FILES:
             raise ApiError(409, f"the server keeps at most {MAX_FILES} files, counting the "
-                           f"outputs of batches still running ({pending}); delete files no "
-                           "longer needed.", code="too_many_files")
+                           f"outputs of batches still running and the uploads pending "
+                           f"({pending}); delete files no longer needed.",
+                           code="too_many_files")
 
     async def upload(self, request: Request, store: FileStore) -> Response:
         require_multipart(request, "'file' and 'purpose' ('batch', 'vision' or 'user_data'), "

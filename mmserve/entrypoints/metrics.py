@@ -106,7 +106,7 @@ class ServerMetrics:
                                  finished_reason=finish_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_generation_tokens)
-        if finish_reason != "abort":  # (a client gone: its prompt may not even be known)
+        if finish_reason in ("stop", "length"):  # (not a client gone, nor a failed step)
             self.e2e.observe(seconds_since_arrival)
             self.request_prompt_tokens.observe(num_prompt_tokens)
             self.request_generation_tokens.observe(num_generation_tokens)

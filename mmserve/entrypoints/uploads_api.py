@@ -51,6 +51,7 @@ from mmserve.entrypoints.files_api import (
 from mmserve.entrypoints.openai_protocol import ApiError, bad_request
 
 MAX_PART_BYTES = 64 * 1024 * 1024  # as OpenAI's
+PART_FRAMING_BYTES = 1024  # at most, around a part's bytes in its multipart form
 MAX_PARTS = 1000  # of one upload
 MAX_PENDING_UPLOADS = 64
 UPLOAD_LIFE_S = 3600  # an upload not completed within an hour expires, as OpenAI's
@@ -92,6 +93,7 @@ class UploadsApi:
         self.files = files
         self.read_json = read_json
         self.uploads: dict[str, Upload] = {}  # pending ones
+        files.pending_uploads = lambda: len(self.uploads)  # (each counts as the file it makes)
 
     def routes(self) -> list[Route]:
         base = "/v1/uploads/{upload_id}"
@@ -129,7 +131,7 @@ class UploadsApi:
         if len(self.uploads) >= MAX_PENDING_UPLOADS:
             raise ApiError(409, f"{MAX_PENDING_UPLOADS} uploads are pending already: complete "
                            "or cancel one first.", code="too_many_uploads")
-        self.files.check_file_count(store, new=len(self.uploads) + 1)
+        self.files.check_file_count(store)  # (a pending upload counts as its file)
         try:
             store.reserve(size)
         except StoreFull as e:
@@ -150,38 +152,47 @@ class UploadsApi:
             raise ApiError(409, f"an upload takes at most {MAX_PARTS} parts: send larger ones "
                            f"(up to {MAX_PART_BYTES} bytes).", code="too_many_parts")
         # A part may bring what the upload still lacks, less what parts arriving at the same
-        # time may bring: the upload's room, held since it was made, holds them all.
+        # time may bring: the upload's room, held since it was made, holds them all. Each
+        # claims its length less its form's framing while its form is read (so parts that
+        # fill the upload exactly all fit), then what it brought.
         left = upload.bytes - upload.received - upload.arriving
         length = request.headers.get("content-length", "")
-        claim = min(MAX_PART_BYTES, left, int(length) if length.isdigit() else left)
-        too_big = ApiError(413, f"the part is over {max(claim, 0)} bytes: a part is at most "
-                           f"{MAX_PART_BYTES}, and the parts together at most the upload's "
-                           f"{upload.bytes} bytes ({upload.received} received, "
-                           f"{upload.arriving} arriving).", code="part_too_large")
-        if claim <= 0:
-            raise too_big
+        estimate = int(length) - PART_FRAMING_BYTES if length.isdigit() else left
+        claim = max(0, min(MAX_PART_BYTES, left, estimate))
+
+        def too_big(room: int) -> ApiError:
+            return ApiError(413, f"the part is over {max(room, 0)} bytes: a part is at most "
+                            f"{MAX_PART_BYTES}, and the parts together at most the upload's "
+                            f"{upload.bytes} bytes ({upload.received} received, "
+                            f"{upload.arriving} arriving).", code="part_too_large")
+        if left <= 0:
+            raise too_big(left)
         upload.arriving += claim
         upload.parts_arriving += 1
         try:
-            async with self.files.form(request, None, claim, too_big) as form:
+            async with self.files.form(request, None, claim, too_big(claim)) as form:
                 data = form.get("data")
                 if not isinstance(data, UploadFile):
                     raise bad_request("the form has no part: send it as the 'data' field.",
                                       "data")
                 size = data.size or 0
-                if size > claim:
-                    raise too_big
+                room = min(MAX_PART_BYTES,
+                           upload.bytes - upload.received - (upload.arriving - claim))
+                if size > room:
+                    raise too_big(room)
+                upload.arriving += size - claim
+                claim = size
                 part_id, path = f"part_{uuid.uuid4().hex}", os.path.join(
                     store.folder, f"{upload.id}-{uuid.uuid4().hex}")
                 await copy_into(data.file, path)
         finally:
             upload.arriving -= claim
             upload.parts_arriving -= 1
-        if self.uploads.get(upload.id) is not upload or upload.busy:  # ended meanwhile
+        refusal = self._refusal(upload.id, upload)  # (it ended, or is being completed)
+        if refusal is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            raise bad_request(f"the upload {shown(upload.id)} ended while the part came "
-                              f"({upload.status}).", "upload_id")
+            raise refusal
         upload.parts[part_id] = (path, size)
         upload.received += size
         return JSONResponse({"id": part_id, "object": "upload.part",
@@ -203,20 +214,26 @@ class UploadsApi:
         md5 = body.get("md5")
         if md5 is not None and not isinstance(md5, str):
             raise bad_request("'md5' must be the file's MD5 checksum, in hexadecimal", "md5")
-        self.files.check_file_count(store)  # (the file it makes)
+        self.files.check_file_count(store, new=0)  # (the file it makes, counted as pending)
         paths = [upload.parts[p][0] for p in part_ids]
+        upload.busy = True
+        try:
+            checksum = await in_thread(_md5, paths) if md5 else None
+        except OSError as e:
+            raise ApiError(500, f"the parts could not be read ({e}).",
+                           code="upload_failed") from None
+        finally:
+            upload.busy = False
+        if checksum is not None and checksum != md5.lower():
+            raise bad_request("the parts' MD5 checksum is not 'md5': complete with the parts "
+                              "in their right order, or cancel the upload and send the file "
+                              "again.", "md5")
+        self._pending(request)  # (still: it may have ended while the checksum was made)
         file_id, path = store.new_path()
         upload.busy = True
         try:
-            if md5 and await in_thread(_md5, paths) != md5.lower():
-                upload.busy = False
-                raise bad_request("the parts' MD5 checksum is not 'md5': complete with the "
-                                  "parts in their right order, or cancel the upload and send "
-                                  "the file again.", "md5")
             await in_thread(_join, paths, path)
-        except ApiError:
-            raise
-        except BaseException as e:  # (its parts may be partly gone: the upload cannot go on)
+        except BaseException as e:  # (its parts are partly gone: the upload cannot go on)
             upload.busy = False
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -240,17 +257,25 @@ class UploadsApi:
 
     # ----------------------------------------------------------------- helpers
     def _pending(self, request: Request) -> Upload:
+        """The pending upload the path names; a 404 where there is none, a 409 while it is
+        being completed."""
         upload_id = request.path_params["upload_id"]
         upload = self.uploads.get(upload_id)
-        if upload is None:
-            raise ApiError(404, f"no pending upload has the id {shown(upload_id)} (an upload "
-                           "ends once completed or cancelled, and expires an hour after it "
-                           "was made).",
-                           "upload_id", code="upload_not_found")
-        if upload.busy:
-            raise ApiError(409, f"the upload {shown(upload_id)} is being completed.",
-                           "upload_id", code="upload_busy")
+        refusal = self._refusal(upload_id, upload)
+        if refusal is not None:
+            raise refusal
+        assert upload is not None
         return upload
+
+    def _refusal(self, upload_id: str, upload: Upload | None) -> ApiError | None:
+        if upload is None or self.uploads.get(upload_id) is not upload:
+            return ApiError(404, f"no pending upload has the id {shown(upload_id)} (an upload "
+                            "ends once completed or cancelled, and expires an hour after it "
+                            "was made).", "upload_id", code="upload_not_found")
+        if upload.busy:
+            return ApiError(409, f"the upload {shown(upload_id)} is being completed.",
+                            "upload_id", code="upload_busy")
+        return None
 
     async def _body(self, request: Request) -> dict[str, Any]:
         body = await self.read_json(request)
