@@ -297,11 +297,13 @@ class OpenAIServer:
             if store is not None:
                 store.unreserve(request_id)
         if chat.stream:
+            def keep(outs: list[RequestOutput], created: int) -> None:
+                self._store_completion(self._completion_body(request_id, outs, chat, created),
+                                       chat)
             return self._event_stream(
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
                           chat.continuous_usage, self._as_ids(chat.tokens_as_ids),
-                          chat.token_ids, on_whole=lambda outs, created: self._store_completion(
-                              self._completion_body(request_id, outs, chat, created), chat)),
+                          chat.token_ids, on_whole=keep if store is not None else None),
                 on_close=done)
         try:
             return await self._complete(request, request_id, streams, chat)

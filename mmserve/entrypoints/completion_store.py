@@ -16,7 +16,6 @@ process.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,12 @@ from starlette.routing import Route
 
 from mmserve.entrypoints.http_middleware import store_endpoint
 from mmserve.entrypoints.openai_protocol import ApiError, bad_request, metadata_of, paged
-from mmserve.entrypoints.response_store import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, json_size
+from mmserve.entrypoints.response_store import (
+    DEFAULT_LIST_LIMIT,
+    MAX_LIST_LIMIT,
+    BoundedStore,
+    json_size,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +43,13 @@ class StoredCompletion:
     nbytes: int = 0
 
 
-class CompletionStore:
+class CompletionStore(BoundedStore):
     """Completion id -> ``StoredCompletion``, in the order they were stored, at most
     ``max_bytes`` of JSON; the oldest forgotten first to make room."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._entries: OrderedDict[str, StoredCompletion] = OrderedDict()
+        super().__init__(max_bytes)
         self._answering: set[str] = set()  # ids of answers to be stored (``reserve``)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, completion_id: str) -> bool:
-        return completion_id in self._entries
 
     def reserve(self, completion_id: str) -> bool:
         """Keep ``completion_id`` for an answer being made (until ``unreserve``); False
@@ -75,38 +71,22 @@ class CompletionStore:
         messages = [_stored_message(message, f"{completion_id}-{i}")
                     for i, message in enumerate(messages)]
         stored = StoredCompletion(body, messages, json_size(body) + json_size(messages))
-        if completion_id in self._entries or stored.nbytes > self.max_bytes:
+        if completion_id in self._entries or not self._fit(stored.nbytes, None):
             return False
-        while self.nbytes + stored.nbytes > self.max_bytes:
-            self.delete(next(iter(self._entries)))
-        self._entries[completion_id] = stored
-        self.nbytes += stored.nbytes
+        self._add(completion_id, stored)
         return True
 
     def get(self, completion_id: str) -> StoredCompletion | None:
         return self._entries.get(completion_id)
 
-    def delete(self, completion_id: str) -> bool:
-        stored = self._entries.pop(completion_id, None)
-        if stored is None:
-            return False
-        self.nbytes -= stored.nbytes
-        return True
-
     def update(self, stored: StoredCompletion, metadata: dict[str, str]) -> bool:
         """Replace the metadata, the oldest others forgotten to make room; False, none
         forgotten, where it would not fit even alone."""
         change = json_size(metadata) - json_size(stored.body["metadata"])
-        if stored.nbytes + change > self.max_bytes:
+        if not self._fit(change, stored.body["id"]):
             return False
-        for completion_id in list(self._entries):
-            if self.nbytes + change <= self.max_bytes:
-                break
-            if completion_id != stored.body["id"]:
-                self.delete(completion_id)
         stored.body["metadata"] = metadata
-        stored.nbytes += change
-        self.nbytes += change
+        self._resize(stored, change)
         return True
 
     def bodies(self, model: str | None, metadata: dict[str, str]) -> list[dict[str, Any]]:

@@ -21,7 +21,6 @@ a running response holds. Nothing outlives the process.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +31,12 @@ from starlette.routing import Route
 
 from mmserve.entrypoints.http_middleware import store_endpoint
 from mmserve.entrypoints.openai_protocol import ApiError, bad_request, metadata_of, paged
-from mmserve.entrypoints.response_store import DEFAULT_LIST_LIMIT, MAX_LIST_LIMIT, json_size
+from mmserve.entrypoints.response_store import (
+    DEFAULT_LIST_LIMIT,
+    MAX_LIST_LIMIT,
+    BoundedStore,
+    json_size,
+)
 from mmserve.entrypoints.responses_protocol import conversation_items, new_id
 
 MAX_NEW_ITEMS = 20  # items one request adds (OpenAI's)
@@ -52,20 +56,15 @@ class Conversation:
                 "metadata": self.metadata}
 
 
-class ConversationStore:
+class ConversationStore(BoundedStore):
     """Conversation id -> ``Conversation``, least recently used first, at most ``max_bytes``
     of JSON (metadata and items); those running responses hold (``hold``) are not forgotten
     to make room."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.nbytes = 0
-        self._entries: OrderedDict[str, Conversation] = OrderedDict()
+        super().__init__(max_bytes)
         self._held: set[str] = set()  # conversations a running response will add to
         self.held_in_the_way = False  # the last ``_fit`` refused for them
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def create(self, metadata: dict[str, str], items: list[dict[str, Any]]
                ) -> Conversation | None:
@@ -76,8 +75,7 @@ class ConversationStore:
         conversation.nbytes = json_size(metadata) + sum(map(json_size, items))
         if not self._fit(conversation.nbytes, None):
             return None
-        self._entries[conversation.id] = conversation
-        self.nbytes += conversation.nbytes
+        self._add(conversation.id, conversation)
         return conversation
 
     def get(self, conversation_id: str) -> Conversation | None:
@@ -86,13 +84,6 @@ class ConversationStore:
         if conversation is not None:
             self._entries.move_to_end(conversation_id)
         return conversation
-
-    def delete(self, conversation_id: str) -> bool:
-        conversation = self._entries.pop(conversation_id, None)
-        if conversation is None:
-            return False
-        self.nbytes -= conversation.nbytes
-        return True
 
     def hold(self, conversation: Conversation) -> bool:
         """Hold the conversation for a response that will add to it (never forgotten to make
@@ -116,8 +107,7 @@ class ConversationStore:
                 nbytes, conversation.id):
             return False
         conversation.items += items
-        conversation.nbytes += nbytes
-        self.nbytes += nbytes
+        self._resize(conversation, nbytes)
         return True
 
     def update(self, conversation: Conversation, metadata: dict[str, str]) -> bool:
@@ -126,37 +116,27 @@ class ConversationStore:
         if not self._fit(change, conversation.id):
             return False
         conversation.metadata = metadata
-        conversation.nbytes += change
-        self.nbytes += change
+        self._resize(conversation, change)
         return True
 
     def remove_item(self, conversation: Conversation, item_id: str) -> bool:
         for i, item in enumerate(conversation.items):
             if item.get("id") == item_id:
                 del conversation.items[i]
-                nbytes = json_size(item)
-                conversation.nbytes -= nbytes
-                self.nbytes -= nbytes
+                self._resize(conversation, -json_size(item))
                 return True
         return False
 
+    def _pinned(self) -> set[str]:
+        return self._held
+
     def _fit(self, nbytes: int, keep: str | None) -> bool:
-        """Whether ``nbytes`` more fit, once the least recently used conversations but
-        ``keep`` and those held are forgotten as need be (none is, where forgetting all of
-        them would not do)."""
-        own = self._entries[keep].nbytes if keep in self._entries else 0
-        kept = sum(self._entries[i].nbytes for i in self._held | {keep} if i in self._entries)
+        fits = super()._fit(nbytes, keep)
         # Refused for the conversations running responses hold, not for its own size: a
         # refusal that passes once they end.
-        self.held_in_the_way = kept + nbytes > self.max_bytes >= own + nbytes
-        if kept + nbytes > self.max_bytes:
-            return False
-        for conversation_id in list(self._entries):
-            if self.nbytes + nbytes <= self.max_bytes:
-                break
-            if conversation_id != keep and conversation_id not in self._held:
-                self.delete(conversation_id)
-        return self.nbytes + nbytes <= self.max_bytes
+        own = self._entries[keep].nbytes if keep in self._entries else 0
+        self.held_in_the_way = not fits and own + nbytes <= self.max_bytes
+        return fits
 
 
 def _with_own_ids(ids: set[str], items: list[dict[str, Any]]) -> list[dict[str, Any]]:

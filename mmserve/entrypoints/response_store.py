@@ -263,5 +263,54 @@ class ResponseStore:
                     return
 
 
+class BoundedStore:
+    """Entries by id, oldest (or least recently used, where the subclass moves them) first,
+    each with its ``nbytes`` of JSON, at most ``max_bytes`` together; ``_fit`` forgets the
+    first ones to make room, but those ``_pinned`` names."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, Any] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def delete(self, key: str) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self.nbytes -= entry.nbytes
+        return True
+
+    def _add(self, key: str, entry: Any) -> None:
+        self._entries[key] = entry
+        self.nbytes += entry.nbytes
+
+    def _resize(self, entry: Any, change: int) -> None:
+        entry.nbytes += change
+        self.nbytes += change
+
+    def _pinned(self) -> set[str]:
+        return set()
+
+    def _fit(self, nbytes: int, keep: str | None) -> bool:
+        """Whether ``nbytes`` more fit, once the first entries but ``keep`` and the pinned
+        are forgotten as need be (none is, where forgetting all of them would not do)."""
+        pinned = self._pinned() | {keep}
+        kept = sum(self._entries[key].nbytes for key in pinned if key in self._entries)
+        if kept + nbytes > self.max_bytes:
+            return False
+        for key in list(self._entries):
+            if self.nbytes + nbytes <= self.max_bytes:
+                break
+            if key not in pinned:
+                self.delete(key)
+        return self.nbytes + nbytes <= self.max_bytes
+
+
 def json_size(value: Any) -> int:
     return len(json.dumps(value, separators=(",", ":")))
