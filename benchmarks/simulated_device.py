@@ -107,7 +107,7 @@ def simulate(engine: LLMEngine, device: SimulatedDevice, cuda_inputs: bool = Fal
         runner._attention_metadata = CUDAModelRunner._attention_metadata.__get__(runner)
 
     def forward(positions: torch.Tensor, embeds: torch.Tensor, meta,
-                output_rows=None) -> torch.Tensor:
+                output_rows=None, lora=None) -> torch.Tensor:
         if cuda_inputs and meta.padded:  # a decode batch that replays a graph
             CUDAModelRunner.fill_graph_inputs(runner, positions, embeds, meta)
         launched.append(device.launch())

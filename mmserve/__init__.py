@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from mmserve.config import EngineConfig
     from mmserve.entrypoints.llm import LLM
     from mmserve.inputs import ImageEmbeds
+    from mmserve.lora_request import LoRARequest
     from mmserve.outputs import EmbeddingRequestOutput, RequestOutput
     from mmserve.sampling_params import SamplingParams
 
@@ -24,12 +25,13 @@ _EXPORTS = {
     "EngineConfig": "mmserve.config",
     "ImageEmbeds": "mmserve.inputs",
     "LLM": "mmserve.entrypoints.llm",
+    "LoRARequest": "mmserve.lora_request",
     "RequestOutput": "mmserve.outputs",
     "SamplingParams": "mmserve.sampling_params",
 }
 
 __all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "EmbeddingRequestOutput",
-           "EngineConfig", "ImageEmbeds", "RequestOutput", "SamplingParams"]
+           "EngineConfig", "ImageEmbeds", "LoRARequest", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -167,6 +167,14 @@ class EngineConfig:
         None, "L2-normalize embeddings where a request does not say (LLM.embed's and "
         "/v1/embeddings' normalize), as vLLM's --pooler-config normalize. Default: on, but "
         "for a sentence-transformers checkpoint without a Normalize module")
+    # LoRA adapters (models/lora.py).
+    enable_lora: bool = flag(
+        False, "run requests with LoRA adapters (PEFT's format, on the language model's "
+        "projections): LLM.generate's lora_request, the server's --lora-modules")
+    max_loras: int = flag(
+        1, "LoRA adapters held at once, each in a slot of its own that the memory plan "
+        "counts: requests of more adapters than this wait until a slot's requests end")
+    max_lora_rank: int = flag(16, "the highest rank of an adapter the slots hold")
     # KV cache.
     block_size: int = flag(16, "tokens per KV-cache block")
     enable_prefix_caching: bool = flag(
@@ -245,8 +253,14 @@ class EngineConfig:
 
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "kv_cache_memory", "encoder_cache_size", "max_image_pixels", "cpu_threads",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "max_loras", "max_lora_rank"):
             positive(name, getattr(self, name))
+        if self.enable_lora and (self.tensor_parallel_size > 1
+                                 or self.distributed_executor_backend == "mp"):
+            raise ValueError("enable_lora runs the model in the engine's process for now: "
+                             "tensor parallelism and worker processes (tensor_parallel_size "
+                             "above 1, distributed_executor_backend='mp') with LoRA adapters "
+                             "are not supported (merge the adapter into the weights instead).")
         ranks = self.tensor_parallel_size
         if self.distributed_executor_backend not in ("auto", "uni", "mp"):
             raise ValueError(f"distributed_executor_backend must be 'auto', 'uni' or 'mp', got "

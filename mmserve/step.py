@@ -67,6 +67,7 @@ class ScheduledRequest:
     # first (``num_prompt_tokens`` of them), from which the runner counts them afresh.
     known_token_ids: list[int] | None = None
     num_prompt_tokens: int = 0
+    lora_slot: int = -1  # the LoRA adapter slot its rows compute with (-1: none)
 
 
 @dataclass
@@ -86,18 +87,20 @@ class DecodeRows:
     # size): row -> ids, from index ``blocks_from[row]`` of the request's table.
     new_blocks: dict[int, list[int]] = field(default_factory=dict)
     position_rows: int = 1  # rows of the model's positions (3 for M-RoPE)
+    lora_slots: list[int] = field(default_factory=list)  # each one's, as ScheduledRequest's
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
     def append(self, request_id: str, token_id: int, start_pos: int, position: int,
-               sampling_params: SamplingParams, blocks_from: int) -> None:
+               sampling_params: SamplingParams, blocks_from: int, lora_slot: int = -1) -> None:
         self.request_ids.append(request_id)
         self.token_ids.append(token_id)
         self.start_pos.append(start_pos)
         self.positions.append(position)
         self.sampling_params.append(sampling_params)
         self.blocks_from.append(blocks_from)
+        self.lora_slots.append(lora_slot)
 
     def select(self, rows: list[int]) -> DecodeRows:
         """These rows alone, in this order."""
@@ -106,7 +109,7 @@ class DecodeRows:
             [self.start_pos[i] for i in rows], [self.positions[i] for i in rows],
             [self.sampling_params[i] for i in rows], [self.blocks_from[i] for i in rows],
             {j: self.new_blocks[i] for j, i in enumerate(rows) if i in self.new_blocks},
-            self.position_rows)
+            self.position_rows, [self.lora_slots[i] for i in rows] if self.lora_slots else [])
 
     def request(self, row: int) -> ScheduledRequest:
         """The row as a ``ScheduledRequest`` (for tests and rare paths: a failed step's
@@ -117,7 +120,8 @@ class DecodeRows:
             start_pos=self.start_pos[row], block_ids=list(self.new_blocks.get(row, ())),
             blocks_from=self.blocks_from[row], image_slices=[], sample=True,
             sampling_params=self.sampling_params[row],
-            positions=[[position] for _ in range(self.position_rows)])
+            positions=[[position] for _ in range(self.position_rows)],
+            lora_slot=self.lora_slots[row] if self.lora_slots else -1)
 
 
 @dataclass
@@ -137,6 +141,12 @@ class SchedulerOutput:
     encoder_restores: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     encoder_spills: dict[str, list[int]] = field(default_factory=dict)
     finished_request_ids: list[str] = field(default_factory=list)
+    # The LoRA adapter each slot the step's rows use must hold: slot -> (name, id, folder);
+    # the runner reads one into a slot that holds another first. ``loads_lora``: an adapter
+    # takes a slot anew here (no step is scheduled ahead of it: a read that fails fails its
+    # requests, which a step after must not build on).
+    lora_adapters: dict[int, tuple[str, int, str]] = field(default_factory=dict)
+    loads_lora: bool = False
     # Scheduled while the step before it still ran (asynchronous scheduling): a request that
     # step failed for has nothing to continue from here.
     ahead: bool = False
@@ -213,7 +223,8 @@ class ModelOutput:
     ``embeddings`` the last prompt token's hidden state, for requests that asked.
     ``errors``: requests the step failed for, with the reason; their tokens were not
     computed. ``failed_images``: hashes scheduled for encoding whose embeddings do not exist
-    (their encoding failed). ``times``: where the runner's time went in this step.
+    (their encoding failed). ``lora_failures``: requests whose LoRA adapter did not load, with
+    why (to fail, never to retry). ``times``: where the runner's time went in this step.
     """
 
     sampled: dict[str, int] = field(default_factory=dict)
@@ -222,6 +233,7 @@ class ModelOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     failed_images: list[str] = field(default_factory=list)
+    lora_failures: dict[str, str] = field(default_factory=dict)
     times: StepTimes = field(default_factory=StepTimes)
     # The final hidden state of the last prompt token (float32, on the CPU) of each request
     # that sampled its first token here and asked for it (``SamplingParams.return_embedding``).

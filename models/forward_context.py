@@ -46,6 +46,7 @@ class ForwardContext:
     meta: Any  # the metadata type the backend reads
     attention: AttentionBackend
     output_rows: OutputRows | None = None  # None: every row's hidden state leaves the pass
+    lora: Any = None  # the rows of each LoRA adapter's slot (models/lora.py: LoRARows)
 
 
 _current: ForwardContext | None = None
@@ -54,12 +55,12 @@ _current: ForwardContext | None = None
 @contextmanager
 def forward_context(
     meta: Any, attention: AttentionBackend = paged_attention,
-    output_rows: OutputRows | None = None,
+    output_rows: OutputRows | None = None, lora: Any = None,
 ) -> Iterator[None]:
     global _current
     if _current is not None:
         raise RuntimeError("forward_context is already active; forward passes do not nest")
-    _current = ForwardContext(meta, attention, output_rows)
+    _current = ForwardContext(meta, attention, output_rows, lora)
     try:
         yield
     finally:

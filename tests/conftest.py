@@ -121,6 +121,9 @@ def assert_no_leaks(engine) -> None:
     assert len(engine.output_processor or ()) == 0 and not engine._prompt_logprobs
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
     assert stats["encoder_cache_referenced_entries"] == 0, stats
+    scheduler = getattr(engine, "scheduler", None)
+    if getattr(scheduler, "lora_slots", None) is not None:  # no LoRA slot held by anyone
+        assert scheduler.lora_slots.users == [0] * len(scheduler.lora_slots.users)
     # A runner in this process forgets a request's token history in the step after it
     # finished, which sends its id: only those waiting for that step, or sent in a step
     # still in flight (scheduled ahead, on the runner's thread), are left.

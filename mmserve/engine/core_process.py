@@ -49,6 +49,7 @@ from typing import Any
 
 from mmserve.config import EngineConfig, require_model_dir
 from mmserve.engine.async_engine import EngineClient, RequestObserver
+from mmserve.engine.lora import lora_checker
 from mmserve.engine.output_processor import CoreOutput
 from mmserve.engine.request import Request
 from mmserve.engine.request_maker import RequestMaker, processor_and_grammars
@@ -115,7 +116,7 @@ class EngineCoreClient(EngineClient):
                 processor, grammars, ready.config.max_model_len,
                 ready.config.limit_mm_per_prompt, ready.encoder_cache_tokens,
                 ready.release_threshold, ready.config.scheduling_policy,
-                ready.config.pooling_type)
+                ready.config.pooling_type, lora_checker(ready.config, hf_config))
             super().__init__(ready.config, ready.stats, max_waiting, observer,
                              preprocess_workers, on_dead, processor.tokenizer)
         except BaseException:

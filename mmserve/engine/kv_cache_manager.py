@@ -13,10 +13,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def hash_block(parent: bytes | str | None, token_ids: list[int], extra: tuple) -> bytes:
+def hash_block(parent: bytes | str | tuple | None, token_ids: list[int],
+               extra: tuple) -> bytes:
     """A full block's content hash: chained to its parent (the first block's: the request's
-    ``cache_salt``, if any), so equal hashes mean equal prefixes."""
+    ``cache_salt`` and LoRA adapter, if any), so equal hashes mean equal prefixes."""
     return hashlib.sha256(pickle.dumps((parent, tuple(token_ids), extra))).digest()
+
+
+def _first_parent(req: Request) -> str | tuple | None:
+    """What a request's first block is chained to: its salt, and its adapter (whose keys and
+    values differ from the base model's), as a tuple that no salt (a string) equals."""
+    if req.lora_request is None:
+        return req.cache_salt
+    return ("lora", req.cache_salt, *req.lora_request.identity)
 
 
 class KVCacheManager:
@@ -40,8 +49,8 @@ class KVCacheManager:
         A block's hash covers its token ids and, for every image overlapping it, the image's
         content hash and the block's offset into the image: placeholder ids are the same for
         every image, so the tokens alone would make two different pictures collide. The first
-        block's parent is the request's ``cache_salt``, so that only requests of the same
-        salt share blocks.
+        block's parent is the request's ``cache_salt`` and LoRA adapter, so that only requests
+        of the same salt and adapter share blocks.
         """
         bs = self.block_size
         hashes = req.block_hashes
@@ -50,7 +59,7 @@ class KVCacheManager:
             end = start + bs
             extra = tuple((img.hash, start - img.offset) for img in req.images
                           if img.offset < end and img.end > start)
-            parent = hashes[-1] if hashes else req.cache_salt
+            parent = hashes[-1] if hashes else _first_parent(req)
             hashes.append(hash_block(parent, req.all_token_ids[start:end], extra))
         return hashes[:num_full_blocks]
 

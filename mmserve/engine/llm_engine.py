@@ -20,6 +20,7 @@ import torch
 from mmserve.config import EngineConfig, require_model_dir, resolved_pooling
 from mmserve.engine.encoder_cache import KVLending
 from mmserve.engine.kv_cache_manager import KVCacheManager
+from mmserve.engine.lora import LoRASlots, lora_checker
 from mmserve.engine.memory_plan import InfeasiblePlanError, default_memory_utilization
 from mmserve.engine.output_processor import CoreOutput, OutputProcessor
 from mmserve.engine.profile_batch import ProfileBatch
@@ -147,8 +148,9 @@ class LLMEngine:
             self.model = None
             weights_bytes = self.runner.weights_bytes
         else:
-            self.model, weights_bytes = on_runner_thread(runner_cls.load_model, config.model,
-                                                         hf_config, dtype)
+            self.model, weights_bytes = on_runner_thread(
+                runner_cls.load_model, config.model, hf_config, dtype,
+                (config.max_loras, config.max_lora_rank) if config.enable_lora else None)
             # No KV cache until the plan sizes it.
             self.runner = on_runner_thread(runner_cls, self.model, 0, config.block_size, dtype,
                                            config.seed)
@@ -190,6 +192,7 @@ class LLMEngine:
                       take_prefix_blocks=self.plan.encoder_displaces_prefix)
             if self.plan.encoder_borrowing else None,
             queue_aware_eviction=config.encoder_cache_eviction == "queue-aware",
+            lora_slots=LoRASlots(config.max_loras) if config.enable_lora else None,
         )
         # Text, stop strings and the requests' outputs (output_processor.py).
         self.output_processor = (OutputProcessor(self.processor.tokenizer) if detokenize
@@ -207,7 +210,7 @@ class LLMEngine:
         self.request_maker = RequestMaker(
             self.processor, self.grammars, self.plan.max_model_len, config.limit_mm_per_prompt,
             self.encoder_budget.cache_tokens, max(64 << 20, self.plan.activation_bytes),
-            config.scheduling_policy, config.pooling_type)
+            config.scheduling_policy, config.pooling_type, lora_checker(config, hf_config))
         self._failed_steps_in_a_row = 0
         self._failing: set[str] = set()  # requests whose num_failed_steps is not 0
         self._dead: str | None = None
@@ -538,13 +541,15 @@ class LLMEngine:
         flight, its requests that sample there given ``PENDING_TOKEN``s. Not while a request
         with a grammar samples there (its next bitmask needs that token), nor while the step
         in flight encodes images (an image that fails must not be used, spilled or hit by
-        the next step), nor after a failure: the step after is then scheduled once the step
-        in flight is collected."""
+        the next step) or loads a LoRA adapter, nor after a failure: the step after is then
+        scheduled once the step in flight is collected."""
         if self._steps is None or len(self._submitted) != 1 or self._stale:
             return  # (after a failure, the step in flight is partly void: wait for it)
         in_flight = self._submitted[0][0]
         if in_flight.images_to_encode:
             return  # which of its images fail to encode decides what may use or spill them
+        if in_flight.loads_lora:
+            return  # an adapter that fails to load fails its requests: none may build on them
         pending = frozenset(in_flight.sampling_ids())
         if self._matchers and any(rid in self._matchers for rid in pending):
             return
@@ -577,6 +582,7 @@ class LLMEngine:
             scheduler_output = scheduler_output.without(stale)
         self._note_prompt_logprobs(result)
         failed = (self._fail_dead_ends(scheduler_output, result)
+                  + self._fail_lora_failures(result)
                   + self._handle_failures(scheduler_output, result))
         if self._submitted:  # the step after, scheduled ahead: void for requests whose
             # token it computes from did not come, or whose step here failed or is redone
@@ -627,6 +633,19 @@ class LLMEngine:
                     "refers to itself never ends)")
                 mask = None
             sched.token_bitmask = mask
+
+    def _fail_lora_failures(self, result: ModelOutput) -> list[Request]:
+        """Fail the requests whose LoRA adapter did not load (not retried, nor counted as a
+        failed step: the adapter's files are at fault, not the device; the runner reads it
+        again for the next step that runs it)."""
+        failed = []
+        for rid, reason in result.lora_failures.items():
+            req = self.scheduler.requests.get(rid)
+            if req is not None and not req.finished:
+                self.scheduler.fail_request(rid, reason)
+                failed.append(req)
+        self.num_failed_requests += len(failed)
+        return failed
 
     def _fail_dead_ends(self, scheduler_output: SchedulerOutput,
                         result: ModelOutput) -> list[Request]:

@@ -84,6 +84,8 @@ class PlanInputs:
     # Ranks of tensor parallelism: every figure above is one rank's (its GPU, or its share of
     # the RAM; its weights, activations, KV heads and encoder cache).
     tensor_parallel_size: int = 1
+    # Of weights_bytes, the LoRA adapters' slots (enable_lora: max_loras of max_lora_rank).
+    lora_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class MemoryPlan:
     encoder_flops_per_byte: float = 0.0
     prefill_flops_per_byte: float = 0.0
     tensor_parallel_size: int = 1  # > 1: every figure is one rank's
+    lora_bytes: int = 0  # of weights_bytes, the LoRA adapters' slots
 
     @property
     def encoder_displaces_prefix(self) -> bool:
@@ -181,7 +184,9 @@ class MemoryPlan:
             f"memory plan on {self.device}{per_rank}: budget {_size(self.budget_bytes)} = "
             f"{self.gpu_memory_utilization:g} x {_size(self.memory_bytes)} {base}"
             f"{est('memory_bytes')}",
-            f"  weights           {_size(self.weights_bytes):>11}{est('weights_bytes')}",
+            f"  weights           {_size(self.weights_bytes):>11}{est('weights_bytes')}"
+            + (f" (LoRA adapters' slots {_size(self.lora_bytes)} of it)"
+               if self.lora_bytes else ""),
             f"  peak activations  {_size(self.activation_bytes):>11}"
             f"{est('activation_bytes')}: {self.activation_method}",
             f"  encoder reserve   {_size(self.encoder_cache_bytes):>11}: "
@@ -297,6 +302,7 @@ def plan_memory(inp: PlanInputs) -> MemoryPlan:
         encoder_flops_per_byte=inp.encoder_flops_per_byte,
         prefill_flops_per_byte=inp.prefill_flops_per_byte,
         tensor_parallel_size=inp.tensor_parallel_size,
+        lora_bytes=inp.lora_bytes,
         estimated=inp.estimated,
         warnings=tuple(warnings),
     )

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from mmserve.inputs import ImageInput
+from mmserve.lora_request import LoRARequest
 from mmserve.sampling_params import SamplingParams
 
 
@@ -57,6 +58,7 @@ class Request:
         prompt_positions: np.ndarray | None = None,
         decode_offset: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """``prompt_positions``: the prompt's rope positions, ``[rows, len(prompt_token_ids)]``
         (from processing; None means LLaMA's counter, one row of ``arange``), and
@@ -64,9 +66,12 @@ class Request:
         in every row. ``eos_token_id``: the token, or tokens, that end it (unless
         ``ignore_eos``). ``cache_salt`` (vLLM's): the prefix cache's blocks of this request
         are found only by requests of the same salt (its images' hashes are salted too, so
-        are their encoder outputs)."""
+        are their encoder outputs). ``lora_request``: the LoRA adapter its decoder runs with
+        (its prefix-cache blocks are that adapter's alone)."""
         self.request_id = request_id
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
+        self.lora_slot = -1  # the runner's slot of its adapter while it runs (LoRASlots)
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from mmserve.config import EngineConfig
+from mmserve.engine.lora import LoRAChecker, prompt_lora
 from mmserve.engine.request import Request
 from mmserve.engine.structured_output import GrammarCompiler
 from mmserve.errors import InvalidInputError, PromptTooLongError
@@ -41,8 +42,9 @@ class RequestMaker:
     def __init__(self, processor: InputProcessor, grammars: GrammarCompiler, max_model_len: int,
                  limit_mm_per_prompt: dict[str, int], encoder_cache_tokens: int,
                  release_threshold: int, scheduling_policy: str = "fcfs",
-                 pooling_type: str = "last") -> None:
+                 pooling_type: str = "last", lora: LoRAChecker | None = None) -> None:
         self.processor = processor
+        self.lora = lora  # None: the engine runs no LoRA adapter
         self.scheduling_policy = scheduling_policy
         self.pooling_type = pooling_type  # an embedding's (``SamplingParams.pooling``)
         self.grammars = grammars
@@ -58,6 +60,14 @@ class RequestMaker:
         """Validate and tokenize a prompt into a ``Request``; ``InvalidInputError`` saying what
         to change."""
         salt = cache_salt(prompt)
+        lora = prompt_lora(prompt)
+        if lora is not None:
+            if self.lora is None:
+                raise InvalidInputError(
+                    f"this request runs with LoRA adapter {lora.lora_name!r}, but the engine "
+                    "was started without LoRA; start it with enable_lora (--enable-lora).",
+                    param="lora_request")
+            self.lora.check(lora)  # off the stepping thread: its files' headers
         if params.return_embedding and params.pooling != self.pooling_type:
             params = dataclasses.replace(params, pooling=self.pooling_type)
         keep_last = params.truncate_prompt_tokens
@@ -129,7 +139,8 @@ class RequestMaker:
         req = Request(request_id, processed.token_ids, params, images,
                       eos_token_id=self.processor.eos_token_ids, arrival_time=time.time(),
                       prompt_positions=processed.positions,
-                      decode_offset=processed.decode_offset, cache_salt=salt)
+                      decode_offset=processed.decode_offset, cache_salt=salt,
+                      lora_request=lora)
         req.grammar = grammar
         return req
 
@@ -148,7 +159,8 @@ class RequestMaker:
             child = Request(request_id, req.prompt_token_ids, params.child(i), req.images,
                             eos_token_id=req.eos_token_ids, arrival_time=req.arrival_time,
                             prompt_positions=req.prompt_positions,
-                            decode_offset=req.decode_offset, cache_salt=req.cache_salt)
+                            decode_offset=req.decode_offset, cache_salt=req.cache_salt,
+                            lora_request=req.lora_request)
             child.grammar = req.grammar
             children.append(child)
         return children
@@ -169,7 +181,7 @@ class RequestMaker:
         return Request(request_id, [*req.prompt_token_ids, *tokens], params, req.images,
                        eos_token_id=req.eos_token_ids, arrival_time=req.arrival_time,
                        prompt_positions=positions, decode_offset=req.decode_offset,
-                       cache_salt=req.cache_salt)
+                       cache_salt=req.cache_salt, lora_request=req.lora_request)
 
     def _note_preprocessing(self, peak_bytes: int) -> None:
         self.preprocess_peak_bytes = max(self.preprocess_peak_bytes, peak_bytes)

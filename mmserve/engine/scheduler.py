@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from mmserve.engine.encoder_cache import EncoderBudget, EncoderCacheManager, KVLending
 from mmserve.engine.kv_cache_manager import KVCacheManager
+from mmserve.engine.lora import LoRASlots
 from mmserve.engine.request import Request, RequestStatus
 from mmserve.step import (
     PENDING_TOKEN,
@@ -52,11 +53,14 @@ class Scheduler:
         lending: KVLending | None = None,
         queue_aware_eviction: bool = True,
         clock: Callable[[], float] = time.time,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
         """``lending``: how encoder outputs fit in the KV cache's blocks, to let them borrow
         free ones (None: they never do). ``queue_aware_eviction``: cached image embeddings
         that waiting requests show are evicted last (else plain LRU). ``clock``: the time of
-        requests' ``arrival_time``."""
+        requests' ``arrival_time``. ``lora_slots``: the runner's LoRA adapter slots (None: no
+        request has an adapter); a request whose adapter has none waits in the queue."""
+        self.lora_slots = lora_slots
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len
@@ -125,12 +129,19 @@ class Scheduler:
         # A failed step may have left the request's blocks half written: never share them.
         self.kv_cache.free(req, keep_cached=status != RequestStatus.FINISHED_ERROR)
         self.encoder_cache.release_all(req)
+        self._release_lora(req)
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
+
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = -1
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req)
         self.encoder_cache.release_all(req)
+        self._release_lora(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.images_checked_at = -1
@@ -294,6 +305,9 @@ class Scheduler:
         while (admit and self.waiting and token_budget > 0 and not short
                and len(self.running) < self.max_num_seqs):
             req = self.waiting[0]
+            lora = req.lora_request
+            if lora is not None and not self.lora_slots.available(lora):
+                break  # every adapter slot is in use: it waits for one to be given back
             # Prompt logprobs, and an embedding pooled over the prompt, need every prompt
             # position computed, cached or not.
             params = req.sampling_params
@@ -308,6 +322,9 @@ class Scheduler:
                     self.encoder_cache.release(req, idx)
                 break
             self.waiting.popleft()
+            if lora is not None:
+                req.lora_slot, load = self.lora_slots.acquire(lora)
+                out.loads_lora = out.loads_lora or load
             self._start_running(req)
             req.status = RequestStatus.RUNNING
             req.num_blocks_sent = 0  # new blocks (after a preemption too): send them all
@@ -324,6 +341,8 @@ class Scheduler:
 
         decodes, num_blocks = out.decodes, self.kv_cache.num_blocks
         for req, num_new, total in scheduled:
+            if req.lora_slot >= 0:
+                out.lora_adapters[req.lora_slot] = req.lora_request.identity
             start = req.num_computed_tokens
             assert num_new > 0, f"scheduled {num_new} tokens for {req}"
             if (num_new == 1 and start + 1 == total and start >= req.num_prompt_tokens
@@ -339,7 +358,8 @@ class Scheduler:
                 decodes.position_rows = req.position_rows
                 decodes.append(req.request_id, req.all_token_ids[start]
                                if start < len(req.all_token_ids) else PENDING_TOKEN,
-                               start, start + req.decode_offset, req.sampling_params, sent)
+                               start, start + req.decode_offset, req.sampling_params, sent,
+                               req.lora_slot)
                 req.num_computed_tokens = total
                 continue
             token_ids = req.all_token_ids[start:start + num_new]
@@ -366,6 +386,7 @@ class Scheduler:
                                                          req.num_prompt_tokens)]),
                 known_token_ids=known,
                 num_prompt_tokens=req.num_prompt_tokens,
+                lora_slot=req.lora_slot,
             ))
             # Tokens count as computed once scheduled: steps run in the order scheduled.
             req.num_computed_tokens += num_new

@@ -26,6 +26,7 @@ from mmserve.engine.memory_plan import (
     plan_memory,
 )
 from mmserve.engine.profile_batch import ProfileBatch, profile_batch_for
+from mmserve.models.lora import attach_lora, lora_slot_bytes
 from mmserve.processing.family import MultiModalFamily
 from mmserve.worker import cpu_threads, memory_profiler
 from mmserve.worker.dry_run import (
@@ -124,6 +125,8 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
     ranks, split_encoder = config.tensor_parallel_size, config.mm_encoder_tp_mode == "weights"
     # Rank 0's shapes: sizes, dry runs, FLOPs.
     model = meta_model(hf_config, dtype, ranks, split_encoder)
+    if config.enable_lora:  # its slots are weights; its deltas, activations
+        attach_lora(model, config.max_loras, config.max_lora_rank)
     if weights_bytes is None:
         weights_bytes = memory_profiler.tensor_bytes(model)
         if device != "cpu":
@@ -220,4 +223,6 @@ def plan_inputs(
         single_user_mode=config.single_user_mode,
         min_model_len=tokens_per_image + 1 if config.limit_mm_per_prompt else 1,
         estimated=estimated,
+        lora_bytes=(lora_slot_bytes(text, config.torch_dtype, config.max_loras,
+                                    config.max_lora_rank) if config.enable_lora else 0),
     )

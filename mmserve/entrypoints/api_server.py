@@ -88,6 +88,7 @@ from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.entrypoints.uploads_api import UploadsApi
 from mmserve.errors import EngineDeadError, InvalidInputError, PromptTooLongError
+from mmserve.lora_request import LoRARequest
 from mmserve.outputs import RequestOutput, cosine_scores, embedding_of
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import TokenLogprobs
@@ -122,6 +123,9 @@ class OpenAIServer:
         self.config = config
         self.model = config.served_model_name  # the id answers report
         self.model_names = (self.model, *config.model_aliases)  # the ids requests may name
+        # LoRA adapters requests name as their model (vLLM's --lora-modules), by name.
+        self.loras = {name: LoRARequest(name, i, path)
+                      for i, (name, path) in enumerate(config.lora_modules, 1)}
         self.max_model_len = engine.config.max_model_len
         self.max_images = engine.config.limit_mm_per_prompt
         self.sampling_defaults = (sampling_defaults(engine.config) if defaults is None
@@ -204,8 +208,15 @@ class OpenAIServer:
         return JSONResponse({"status": "engine loop not running"}, status_code=503)
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse(shapes.model_list(self.model_names, self.created,
-                                              self.max_model_len))
+        listed = shapes.model_list(self.model_names, self.created, self.max_model_len)
+        listed["data"] += [self._adapter_card(name) for name in self.loras]
+        return JSONResponse(listed)
+
+    def _adapter_card(self, name: str) -> dict[str, Any]:
+        """A LoRA adapter as vLLM lists it: its path the ``root``, the model its
+        ``parent``."""
+        return shapes.model_card(name, self.created, self.max_model_len,
+                                 root=self.loras[name].lora_path, parent=self.model)
 
     async def retrieve_model(self, request: Request) -> Response:
         """OpenAI's ``GET /v1/models/{id}`` (the client's ``models.retrieve``): the served
@@ -215,6 +226,8 @@ class OpenAIServer:
             self._check_model(model)
         except ApiError as e:
             return error_response(e)
+        if model in self.loras:
+            return JSONResponse(self._adapter_card(model))
         return JSONResponse(shapes.model_card(model, self.created, self.max_model_len,
                                               root=self.model))
 
@@ -303,7 +316,8 @@ class OpenAIServer:
             return self._event_stream(
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
                           chat.continuous_usage, self._as_ids(chat.tokens_as_ids),
-                          chat.token_ids, on_whole=keep if store is not None else None),
+                          chat.token_ids, on_whole=keep if store is not None else None,
+                          model=self._answer_model(chat.model)),
                 on_close=done)
         try:
             return await self._complete(request, request_id, streams, chat)
@@ -359,7 +373,8 @@ class OpenAIServer:
             # engine's (the id with a suffix of its own). One sent twice at once is stored
             # once (``ResponseStore.put`` replaces nothing).
             response_id = engine_id
-        events = responses.ResponseEvents(response_id, self.model, req.echo, created)
+        events = responses.ResponseEvents(response_id, self._answer_model(chat.model),
+                                          req.echo, created)
         if req.background or chat.stream:  # the conversation is released once it is added
             release = held[0] if held else _nothing  # to, or the answer ends otherwise
             if req.background:
@@ -771,7 +786,7 @@ class OpenAIServer:
         prompt = {"messages": chat.messages, "images": list(images), **chat.turn}
         if chat.tools is not None:
             prompt["tools"] = chat.tools
-        return prompt
+        return self._with_lora(prompt, chat.model)
 
     async def _parse(self, request: Request) -> proto.ChatRequest:
         chat = proto.parse_chat_request(await self._read_json(request), self.max_model_len,
@@ -803,10 +818,20 @@ class OpenAIServer:
                 f"(--max-queue {self.engine.max_waiting}); retry later.")
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            names = " or ".join(repr(name) for name in self.model_names)
+        if model is not None and model not in self.model_names and model not in self.loras:
+            names = " or ".join(repr(name) for name in (*self.model_names, *self.loras))
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                            f"{names}.", param="model", code="model_not_found")
+
+    def _answer_model(self, model: str | None) -> str:
+        """The model an answer names: the LoRA adapter the request named, else the
+        served model's first name."""
+        return model if model in self.loras else self.model
+
+    def _with_lora(self, prompt: dict[str, Any], model: str | None) -> dict[str, Any]:
+        """The engine's prompt, running with the LoRA adapter ``model`` names, if any."""
+        lora = self.loras.get(model) if model is not None else None
+        return prompt if lora is None else {**prompt, "lora_request": lora}
 
     async def _read_body(self, request: Request) -> bytes:
         cap = self.config.max_request_body_bytes
@@ -906,7 +931,8 @@ class OpenAIServer:
             choices.append(shapes.chat_choice(
                 i, content, tool_calls.finish_reason(out.finish_reason, tool_choice, reader),
                 logprobs, calls))
-        body = shapes.completion(request_id, self.model, choices, usage_of([outs]), created)
+        body = shapes.completion(request_id, self._answer_model(chat.model), choices,
+                                 usage_of([outs]), created)
         if chat.token_ids:  # vLLM's return_token_ids
             body["prompt_token_ids"] = outs[0].prompt_token_ids
             for choice, out in zip(choices, outs, strict=True):
@@ -929,8 +955,8 @@ class OpenAIServer:
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
                    tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False,
                    as_ids: bool = False, token_ids: bool = False,
-                   on_whole: Callable[[list[RequestOutput], int], None] | None = None
-                   ) -> AsyncIterator[str]:
+                   on_whole: Callable[[list[RequestOutput], int], None] | None = None,
+                   model: str | None = None) -> AsyncIterator[str]:
         """A chat answer's chunks: each choice's role first, with the choice's first output
         (as OpenAI and vLLM send it: a client that times the first chunk times the first
         token), then its text as it comes (or the tool calls read from it), in the order the
@@ -939,8 +965,10 @@ class OpenAIServer:
         ``return_token_ids``): the prompt's token ids in each choice's first chunk, and in
         each chunk of a choice the ids of its tokens since the one before. ``on_whole``: told
         of every choice's whole output, and the chunks' ``created``, once all have finished
-        (not when the stream failed or the client left)."""
+        (not when the stream failed or the client left). ``model``: the one chunks name (by
+        default the served model's first name)."""
         created = int(time.time())
+        model = model or self.model
         answers = [Answer() for _ in streams]
         readers = [tool_calls.reader_for(tool_choice, self.tool_parser) for _ in streams]
         prompt_ids: list[int] | None = None  # the prompt's, for the next chunk to carry
@@ -955,7 +983,7 @@ class OpenAIServer:
                     logprobs = shapes.logprobs_content(ids, entries, self._token_text, as_ids)
             if continuous_usage and delta is not None and usage is None:
                 usage = answers[index].usage_so_far()
-            body = shapes.chunk(rid, self.model, created, delta, reason, include_usage, usage,
+            body = shapes.chunk(rid, model, created, delta, reason, include_usage, usage,
                                 logprobs, index)
             if token_ids and delta is not None:
                 body["choices"][0]["token_ids"] = ids
@@ -1065,14 +1093,15 @@ class OpenAIServer:
         else:
             items = req.prompts
             fields = ["input"] if len(items) == 1 else [f"input[{i}]" for i in range(len(items))]
-        outs = await self._embed(request, engine_id, items, fields, req.params)
+        outs = await self._embed(request, engine_id, items, fields, req.params, req.model)
         if isinstance(outs, Response):
             return outs
         normalize = (self.engine.config.normalize_embeddings if req.normalize is None
                      else req.normalize)
         data = [_embedding_values(embedding_of(out, normalize), req.as_base64)
                 for out in outs]
-        return JSONResponse(shapes.embeddings(request_id, self.model, int(time.time()), data,
+        return JSONResponse(shapes.embeddings(request_id, self._answer_model(req.model),
+                                              int(time.time()), data,
                                               sum(out.num_prompt_tokens for out in outs)))
 
     async def score(self, request: Request) -> Response:
@@ -1080,9 +1109,9 @@ class OpenAIServer:
         scored = await self._scored(request, "score-", proto.parse_score_request)
         if isinstance(scored, Response):
             return scored
-        request_id, _, scores, tokens = scored
-        return JSONResponse(shapes.scores(request_id, self.model, int(time.time()), scores,
-                                          tokens))
+        request_id, req, scores, tokens = scored
+        return JSONResponse(shapes.scores(request_id, self._answer_model(req.model),
+                                          int(time.time()), scores, tokens))
 
     async def rerank(self, request: Request) -> Response:
         """vLLM's (Jina's, Cohere's) ``POST /rerank`` over embeddings: the documents by the
@@ -1091,7 +1120,8 @@ class OpenAIServer:
         if isinstance(scored, Response):
             return scored
         request_id, req, scores, tokens = scored
-        return JSONResponse(shapes.reranked(request_id, self.model, req.documents, scores,
+        return JSONResponse(shapes.reranked(request_id, self._answer_model(req.model),
+                                            req.documents, scores,
                                             req.top_n, tokens))
 
     async def _scored(self, request: Request, prefix: str, parse: Any
@@ -1105,7 +1135,8 @@ class OpenAIServer:
             self._check_model_and_room(req.model)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             return self._refused(e)
-        outs = await self._embed(request, engine_id, req.items, req.fields, req.params)
+        outs = await self._embed(request, engine_id, req.items, req.fields, req.params,
+                                 req.model)
         if isinstance(outs, Response):
             return outs
         return (request_id, req, cosine_scores([embedding_of(out) for out in outs], req.pairs),
@@ -1113,10 +1144,11 @@ class OpenAIServer:
 
     async def _embed(self, request: Request, engine_id: str,
                      items: list[dict[str, Any] | proto.ChatRequest], fields: list[str],
-                     params: SamplingParams) -> list[RequestOutput] | Response:
+                     params: SamplingParams, model: str | None = None
+                     ) -> list[RequestOutput] | Response:
         """Each item's embedding request (a prompt, or a chat whose images are fetched
-        here), answered whole; a refusal names the item's field (``fields``), and the items
-        added before it are aborted."""
+        here; with the LoRA adapter ``model`` names), answered whole; a refusal names the
+        item's field (``fields``), and the items added before it are aborted."""
         streams: list[RequestStream] = []
         try:
             for i, item in enumerate(items):
@@ -1124,7 +1156,8 @@ class OpenAIServer:
                     self._abort(streams)
                     return Response(status_code=499)
                 try:
-                    prompt = item if isinstance(item, dict) else await self._prompt_of(item)
+                    prompt = self._with_lora(
+                        item if isinstance(item, dict) else await self._prompt_of(item), model)
                     streams += await self.engine.add_completions([f"{engine_id}-{i}"], prompt,
                                                                  params)
                 except (ApiError, InvalidInputError) as e:  # named as this endpoint's field
@@ -1157,7 +1190,8 @@ class OpenAIServer:
             n = req.params.n
             for i, prompt in enumerate(req.prompts):  # choice p * n + j: prompt p's j-th
                 streams += await self._add([f"{engine_id}-{i * n + j}" for j in range(n)],
-                                           prompt, req.params, req.beam)
+                                           self._with_lora(prompt, req.model), req.params,
+                                           req.beam)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             return self._refused(e, streams)  # (the prompts added before the one refused)
         echoes = None
@@ -1169,7 +1203,8 @@ class OpenAIServer:
             return self._event_stream(
                 self._completion_sse(request_id, streams, req.include_usage, n, echoes,
                                      req.prompt_only, req.continuous_usage,
-                                     self._as_ids(req.tokens_as_ids), req.token_ids),
+                                     self._as_ids(req.tokens_as_ids), req.token_ids,
+                                     self._answer_model(req.model)),
                 on_close=lambda: self._abort(streams))
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
@@ -1197,7 +1232,8 @@ class OpenAIServer:
             if req.prompt_logprobs is not None:
                 choices[-1]["prompt_logprobs"] = self._prompt_logprobs(first, large,
                                                                        req.prompt_logprobs)
-        return large.response(shapes.text_completion(request_id, self.model, choices,
+        return large.response(shapes.text_completion(request_id, self._answer_model(req.model),
+                                                     choices,
                                                      usage_of(per_prompt(outs, n))))
 
     def _completion_logprobs(self, ids: list[int], entries: list[TokenLogprobs | None],
@@ -1223,8 +1259,8 @@ class OpenAIServer:
     async def _completion_sse(self, rid: str, streams: list[RequestStream],
                               include_usage: bool, n: int, echoes: list[str] | None = None,
                               prompt_only: bool = False, continuous_usage: bool = False,
-                              as_ids: bool = False, token_ids: bool = False
-                              ) -> AsyncIterator[str]:
+                              as_ids: bool = False, token_ids: bool = False,
+                              model: str | None = None) -> AsyncIterator[str]:
         """The choices' streams merged into one, each chunk one choice's new text (``index``
         says which), after a chunk of each choice's prompt where ``echoes`` has them (with
         ``prompt_only``, nothing generated follows); the usage of them all last when asked
@@ -1235,7 +1271,8 @@ class OpenAIServer:
         created = int(time.time())
 
         def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
-            body = shapes.completion_chunk(rid, self.model, created, choice, include_usage,
+            body = shapes.completion_chunk(rid, model or self.model, created, choice,
+                                           include_usage,
                                            usage)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
@@ -1371,6 +1408,10 @@ _COUNTED_FIELDS = frozenset({
 def _as_api_error(e: Exception) -> ApiError:
     if isinstance(e, ApiError):
         return e
+    if isinstance(e, InvalidInputError) and e.param == "lora_request":
+        # (the server's own --lora-modules adapter: nothing the client sent)
+        return ApiError(500, f"the model's LoRA adapter cannot run: {e}", param="model",
+                        type="server_error", code="adapter_unavailable")
     if isinstance(e, InvalidInputError):
         return proto.bad_request(str(e), e.param)
     if isinstance(e, QueueFullError):

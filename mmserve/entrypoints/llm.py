@@ -19,6 +19,7 @@ from mmserve.engine.llm_engine import LLMEngine
 from mmserve.engine.memory_plan import MemoryPlan
 from mmserve.engine.prompt_feed import PromptFeed
 from mmserve.entrypoints.generation_config import sampling_defaults
+from mmserve.lora_request import LoRARequest
 from mmserve.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -83,10 +84,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. ``priority``:
         each prompt's, as vLLM's (lower first; an engine of ``scheduling_policy="priority"``
-        only), in place of its parameters' ``priority``.
+        only), in place of its parameters' ``priority``. ``lora_request``: the LoRA adapter
+        the prompts run with (an engine of ``enable_lora``), or each prompt's (None: the
+        model's own weights), as vLLM's.
 
         A prompt is ``{"prompt": str, "images": [...]}`` (text in the model's own format, one
         image token per image) or ``{"messages": [...], "images": [...]}`` in OpenAI chat form;
@@ -119,7 +123,7 @@ class LLM:
                 raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
             params = [replace(p, priority=level) for p, level in zip(params, priority,
                                                                      strict=True)]
-        return self._run(prompts, params, use_tqdm)
+        return self._run(_with_loras(prompts, lora_request), params, use_tqdm)
 
     def chat(
         self,
@@ -132,6 +136,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations; ``tools``: the
         functions (OpenAI's ``tools``) the chat template shows the model. As vLLM's: the
@@ -141,7 +146,7 @@ class LLM:
         ``chat_template_kwargs``: more variables for the template; ``mm_processor_kwargs``:
         image-processor settings for these prompts' images over the engine's (Qwen2-VL's
         ``min_pixels`` and ``max_pixels``, up to the engine's), as a prompt's own key of that
-        name is in ``generate``."""
+        name is in ``generate``; ``lora_request`` as ``generate``'s."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [{"messages": conv, "images": images or [],
                     "add_generation_prompt": add_generation_prompt,
@@ -149,7 +154,8 @@ class LLM:
                     "chat_template_kwargs": chat_template_kwargs,
                     "mm_processor_kwargs": mm_processor_kwargs,
                     **({} if tools is None else {"tools": tools})} for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def embed(
         self,
@@ -157,6 +163,7 @@ class LLM:
         normalize: bool | None = None,
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding, as vLLM's ``LLM.embed``: the final hidden state of its
         last token (last-token pooling, how embedding models built on a vision-language
@@ -166,11 +173,12 @@ class LLM:
         ``outputs.embedding``. Prompts as ``generate`` takes
         them, images included; ``truncate_prompt_tokens`` as ``SamplingParams``'. Each is a
         request of one step's prefill (its sampled token is dropped), batched and cached as
-        any other; one the engine fails on raises ``RuntimeError`` with the reason."""
+        any other; one the engine fails on raises ``RuntimeError`` with the reason.
+        ``lora_request`` as ``generate``'s."""
         params = SamplingParams(max_tokens=1, temperature=0.0, return_embedding=True,
                                 truncate_prompt_tokens=truncate_prompt_tokens,
                                 output_kind="final_only")
-        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [EmbeddingRequestOutput(
             out.request_id, EmbeddingOutput(embedding_of(
                 out, self.engine.config.normalize_embeddings if normalize is None
@@ -183,18 +191,20 @@ class LLM:
         text_2: dict[str, Any] | str | Sequence[dict[str, Any] | str],
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score`` for an embedding model: the cosine similarity of the
         embeddings (``embed``) of one ``text_1`` and each ``text_2``, or of each ``text_1``
         and its ``text_2`` (as many of both); prompts as ``generate`` takes them, images
         included (an image scored against captions). Each output's ``request_id`` names
         the pair's two requests, and its ``prompt_token_ids`` are theirs one after the
-        other."""
+        other. ``lora_request``: the LoRA adapter every prompt runs with."""
         left = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)
         right = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
         pairs = score_pairs(len(left), len(right))
         outs = self.embed(left + right, normalize=False,
-                          truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+                          truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                          lora_request=lora_request)
         values = cosine_scores([torch.tensor(o.outputs.embedding) for o in outs], pairs)
         return [ScoringRequestOutput(f"{outs[a].request_id}_{outs[b].request_id}",
                                      ScoringOutput(value),
@@ -208,38 +218,45 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         beam_width: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[str]:
         """Caption any number of images as one batch, with a progress bar. ``beam_width``:
         each caption the best sequence of a beam search that wide (``beam_search``), of at
-        most ``sampling_params.max_tokens`` tokens."""
+        most ``sampling_params.max_tokens`` tokens. ``lora_request``: the LoRA adapter that
+        captions (a captioner fine-tuned as an adapter)."""
         params = sampling_params or SamplingParams(max_tokens=64, temperature=0.0)
         prompts = [{"messages": [{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": prompt}]}], "images": [image]}
             for image in images]
         if beam_width is not None:
             searched = self.beam_search(prompts, BeamSearchParams(
-                beam_width=beam_width, max_tokens=params.max_tokens), use_tqdm=use_tqdm)
+                beam_width=beam_width, max_tokens=params.max_tokens), use_tqdm=use_tqdm,
+                lora_request=lora_request)
             for out in searched:
                 if out.error is not None:
                     raise RuntimeError(f"a caption's beam search failed: {out.error}")
             return [out.sequences[0].text for out in searched]
-        return [out.text for out in self.generate(prompts, params, use_tqdm=use_tqdm)]
+        return [out.text for out in self.generate(prompts, params, use_tqdm=use_tqdm,
+                                                  lora_request=lora_request)]
 
     def beam_search(
         self,
         prompts: dict[str, Any] | str | Sequence[dict[str, Any] | str],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """Beam search every prompt (the same prompts as ``generate``'s); outputs come back
         in input order, each with ``params.beam_width`` sequences, best first. The search is
         transformers' ``generate(num_beams=..., do_sample=False)``, step for step
         (``mmserve.beam_search``): each step runs one request of one token per running
-        beam, whose shared prefix, images included, the prefix cache keeps computed."""
+        beam, whose shared prefix, images included, the prefix cache keeps computed.
+        ``lora_request`` as ``generate``'s."""
         if isinstance(prompts, (dict, str)):
             prompts = [prompts]
+        prompts = _with_loras(list(prompts), lora_request)
         with self.engine.stepping(_caller("LLM.beam_search")):
-            return run_beam_search(self.engine, list(prompts), params, use_tqdm)
+            return run_beam_search(self.engine, prompts, params, use_tqdm)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
@@ -302,6 +319,27 @@ class LLM:
 def _caller(what: str) -> str:
     """Who steps the engine, for the error another caller gets: ``what`` and its thread."""
     return f"{what} on thread {threading.current_thread().name!r}"
+
+
+def _with_loras(prompts: list[dict[str, Any] | str],
+                lora_request: LoRARequest | Sequence[LoRARequest | None] | None
+                ) -> list[dict[str, Any] | str]:
+    """The prompts, each running with its LoRA adapter (the engine reads a prompt's
+    ``lora_request``): ``lora_request`` for all, or one (or None) each."""
+    if lora_request is None:
+        return prompts
+    loras = ([lora_request] * len(prompts) if isinstance(lora_request, LoRARequest)
+             else list(lora_request))
+    if len(loras) != len(prompts):
+        raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+    with_loras = []
+    for prompt, lora in zip(prompts, loras, strict=True):
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest or None, got "
+                            f"{type(lora).__name__}")
+        with_loras.append(prompt if lora is None else {
+            **({"prompt": prompt} if isinstance(prompt, str) else prompt), "lora_request": lora})
+    return with_loras
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

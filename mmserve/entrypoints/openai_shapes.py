@@ -174,11 +174,12 @@ def completion_chunk(request_id: str, model: str, created: int,
 
 
 def model_card(model: str, created: int, max_model_len: int,
-               root: str | None = None) -> dict[str, Any]:
+               root: str | None = None, parent: str | None = None) -> dict[str, Any]:
     """The served model under one of its ids, as ``GET /v1/models`` lists it and ``GET
-    /v1/models/{id}`` gives it; ``root``: the id answers report (this one by default)."""
+    /v1/models/{id}`` gives it; ``root``: the id answers report (this one by default).
+    ``parent``: for a LoRA adapter (``root`` its path), the model it adapts (vLLM's)."""
     return {"id": model, "object": "model", "created": created, "owned_by": "mmserve",
-            "root": root or model, "max_model_len": max_model_len}
+            "root": root or model, "parent": parent, "max_model_len": max_model_len}
 
 
 def model_list(models: Sequence[str], created: int, max_model_len: int) -> dict[str, Any]:

@@ -59,10 +59,20 @@ class ServerConfig:
     # The Files API's files (uploads: batch inputs and images; batches' outputs), at most
     # this many bytes on disk (0: no Files or Batch API).
     files_store_bytes: int = 1024 * 1024 * 1024
+    # LoRA adapters requests may name as their model: (name, the adapter's folder), vLLM's
+    # --lora-modules (the engine runs them: enable_lora).
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.served_model_name or not all(self.model_aliases):
             raise ValueError("served model names must not be empty.")
+        names = [name for name, _ in self.lora_modules]
+        for name in names:
+            if not name or name in (self.served_model_name, *self.model_aliases):
+                raise ValueError(f"--lora-modules names an adapter {name!r}: give each a "
+                                 "name of its own, not empty and not the model's.")
+            if names.count(name) > 1:
+                raise ValueError(f"--lora-modules names {name!r} twice.")
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}.")
         if self.responses_store_bytes < 0:
@@ -130,6 +140,35 @@ def _check_tls_files(certfile: str, keyfile: str | None, ca_certs: str | None) -
             raise ValueError(f"--ssl-ca-certs {ca_certs}: {e}.") from None
 
 
+def lora_modules_flag(values: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules``' adapters as (name, folder), from vLLM's forms: ``name=path`` or
+    a JSON object of ``name`` and ``path`` (and ``base_model_name``, which is not read: the
+    adapters adapt the one model served). ``ValueError`` for a malformed one or a folder that
+    is not there."""
+    modules = []
+    for value in values or ():
+        if value.startswith("{"):
+            try:
+                spec = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules {value!r} is not JSON: {e}") from None
+            if (not isinstance(spec, dict) or not isinstance(spec.get("name"), str)
+                    or not isinstance(spec.get("path"), str)
+                    or not set(spec) <= {"name", "path", "base_model_name"}):
+                raise ValueError(f"--lora-modules {value!r}: a JSON adapter is an object of "
+                                 'a "name" and a "path" (and vLLM\'s "base_model_name").')
+            name, path = spec["name"], spec["path"]
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules {value!r}: write each adapter as name=path.")
+        if not os.path.isdir(path):
+            raise ValueError(f"--lora-modules {name}={path}: no such folder (a PEFT "
+                             "adapter's, holding adapter_config.json).")
+        modules.append((name, path))
+    return tuple(modules)
+
+
 def list_flag(values: list[str] | None, default: tuple[str, ...]) -> tuple[str, ...]:
     """A list flag's values (``default`` where it was not given), from each time it was
     given: vLLM's JSON list (``'["*"]'``), or values separated by commas. ``ValueError``
@@ -191,6 +230,10 @@ def _add_front_door_args(p: argparse.ArgumentParser) -> None:
                    help='name tokens "token_id:N" in log-probabilities, for clients that '
                    "want the ids the model picked (a request's return_tokens_as_token_ids "
                    "overrides it)")
+    p.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT's folders) requests name as their model, as "
+                   'vLLM takes them: name=path, or JSON \'{"name": ..., "path": ...}\'; '
+                   "needs --enable-lora")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)

@@ -19,7 +19,7 @@ from mmserve.engine.llm_engine import LLMEngine
 from mmserve.entrypoints.api_server import OpenAIServer
 from mmserve.entrypoints.generation_config import sampling_defaults
 from mmserve.entrypoints.media import MediaPolicy
-from mmserve.entrypoints.serve_args import ServerConfig, list_flag
+from mmserve.entrypoints.serve_args import ServerConfig, list_flag, lora_modules_flag
 from mmserve.worker.compute_thread import ComputeThread
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,14 @@ def front_door_config(args: argparse.Namespace, model: str, **own: Any) -> Serve
     """The settings ``serve`` and ``run-batch`` share, from their flags; ``own``: the
     command's own (``serve``'s HTTP settings)."""
     names = served_model_names(args, model)
+    lora_modules = lora_modules_flag(args.lora_modules)
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules serves LoRA adapters: start with --enable-lora too "
+                         "(and --max-loras N for N adapters running at once).")
+    if lora_modules:  # checked against the model before its weights load
+        from mmserve.engine.lora import check_adapters
+
+        check_adapters(model, lora_modules, args.max_lora_rank)
     return ServerConfig(
         served_model_name=names[0], model_aliases=names[1:],
         max_request_body_bytes=args.max_request_body_bytes,
@@ -85,6 +93,7 @@ def front_door_config(args: argparse.Namespace, model: str, **own: Any) -> Serve
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_mm_embeds=args.enable_mm_embeds,
+        lora_modules=lora_modules,
         **own)
 
 

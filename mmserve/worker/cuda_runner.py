@@ -95,11 +95,12 @@ class CUDAModelRunner(ModelRunner):
         torch.cuda.empty_cache()
 
     @classmethod
-    def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
+    def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype,
+                   lora: tuple[int, int] | None = None) -> tuple[nn.Module, int]:
         """Load onto the GPU; the weight bytes are what the CUDA allocator gained meanwhile."""
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        model, _ = super().load_model(model_dir, hf_config, dtype)
+        model, _ = super().load_model(model_dir, hf_config, dtype, lora)
         torch.cuda.synchronize()
         weight_bytes = torch.cuda.memory_allocated() - before
         logger.info("model weights take %.3f GiB on %s", weight_bytes / 2**30,
@@ -141,13 +142,15 @@ class CUDAModelRunner(ModelRunner):
 
     # ------------------------------------------------------------ forward
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta,
-                 output_rows: OutputRows | None = None) -> torch.Tensor:
+                 output_rows: OutputRows | None = None, lora=None) -> torch.Tensor:
         graph = None
-        # (A step with output rows has prompt rows: never a graph's decode-only batch.)
-        if meta.max_query_len == 1 and meta.block_tables.shape[1] == self.max_blocks_per_seq:
+        # (A step with output rows has prompt rows: never a graph's decode-only batch. The
+        # graphs hold no adapter: a step where rows run with one runs eagerly.)
+        if (lora is None and meta.max_query_len == 1
+                and meta.block_tables.shape[1] == self.max_blocks_per_seq):
             graph = self.graphs.get(meta.num_seqs)  # _prepare_inputs padded to this size
         if graph is None:
-            with forward_context(meta, self.attention, output_rows):
+            with forward_context(meta, self.attention, output_rows, lora):
                 return self.model(positions, embeds)
         self.fill_graph_inputs(positions, embeds, meta)
         graph.replay()

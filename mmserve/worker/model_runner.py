@@ -35,6 +35,7 @@ from mmserve.kernels.transfer import (
 )
 from mmserve.models import parallel
 from mmserve.models.forward_context import AttentionBackend, OutputRows, forward_context
+from mmserve.models.lora import LoRARows, attach_lora, read_adapter
 from mmserve.models.parallel import CollectiveError
 from mmserve.profiling import phase
 from mmserve.sampling_params import SamplingParams
@@ -220,6 +221,12 @@ class ModelRunner:
         self._failed: set[str] = set()  # the requests the last step failed for
         # Set while someone measures how long the device computes (``busy_timer.py``).
         self.busy_timer: BusyTimer | None = None
+        # The LoRA adapters' slots (``attach_lora``; None without), and the adapter each
+        # holds (``SchedulerOutput.lora_adapters``' identities; None: none, or one that did
+        # not load).
+        self.lora = getattr(model, "lora", None)
+        self._slot_adapters: list[tuple[str, int, str] | None] = (
+            [None] * self.lora.max_loras if self.lora is not None else [])
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -265,6 +272,10 @@ class ModelRunner:
         if len(self.token_history):
             self.token_history.drop(scheduler_output.finished_request_ids)
         out = ModelOutput()
+        if scheduler_output.lora_adapters:
+            failed = self._load_loras(scheduler_output.lora_adapters)
+            if failed:
+                scheduler_output = self._without_failed_loras(scheduler_output, failed, out)
         scheduler_output = self._fill_pending(scheduler_output, out)
         self._assign_images(scheduler_output)
         deferred: list[Deferred] | None = (
@@ -301,6 +312,67 @@ class ModelRunner:
                              _reason(e), exc_info=e)
         return StepResult(self._note_failed(
             self._with_failed_images(scheduler_output, out)), [])
+
+    def _load_loras(self, adapters: Mapping[int, tuple[str, int, str]]) -> dict[int, str]:
+        """Read each adapter the step needs into its slot where the slot holds another;
+        one that does not read leaves its slot empty (read again by the next step that needs
+        it). Returns the slots it failed for, with why."""
+        text_config = self.model.config.text_config
+        failed = {}
+        for slot, adapter in adapters.items():
+            if self._slot_adapters[slot] == adapter:
+                continue
+            name, _, path = adapter
+            self._slot_adapters[slot] = None
+            try:
+                self.lora.load(slot, read_adapter(name, path, text_config, self.lora.max_rank,
+                                                  self.dtype))
+                self._slot_adapters[slot] = adapter
+            except Exception as e:  # noqa: BLE001 (its requests fail with why; others run)
+                self.lora.clear(slot)
+                failed[slot] = str(e)
+                logger.error("LoRA adapter %r did not load: %s", name, e)
+        return failed
+
+    def _without_failed_loras(self, scheduler_output: SchedulerOutput, failed: dict[int, str],
+                              out: ModelOutput) -> SchedulerOutput:
+        """The step less the requests whose adapter did not load (``failed``: slot -> why),
+        each failed with why (``lora_failures``)."""
+        decodes = scheduler_output.decodes
+        rows = list(zip(decodes.request_ids, decodes.lora_slots or [-1] * len(decodes),
+                        strict=True))
+        rows += [(r.request_id, r.lora_slot) for r in scheduler_output.chunks]
+        dropped = {rid: failed[slot] for rid, slot in rows if slot in failed}
+        if not dropped:
+            return scheduler_output
+        out.lora_failures.update(dropped)
+        return scheduler_output.without(set(dropped))
+
+    def _lora_rows(self, decodes: DecodeRows, chunks: list[ScheduledRequest], num_rows: int,
+                   sampled: list[ScheduledRequest], output_rows: OutputRows | None
+                   ) -> LoRARows | None:
+        """The step's rows by adapter slot (None: no row runs with an adapter)."""
+        row_slots = list(decodes.lora_slots) if decodes.lora_slots else [-1] * len(decodes)
+        for r in chunks:
+            row_slots += [r.lora_slot] * len(r.token_ids)
+        if max(row_slots, default=-1) < 0:
+            return None
+
+        def groups(slots: list[int], total: int) -> list[tuple[int, torch.Tensor | None]]:
+            found: dict[int, list[int]] = {}
+            for i, slot in enumerate(slots):
+                if slot >= 0:
+                    found.setdefault(slot, []).append(i)
+            if len(found) == 1 and len(next(iter(found.values()))) == total:
+                return [(next(iter(found)), None)]  # all rows (no padding rows) run with it
+            return [(slot, to_device(int_tensor(rows), self.device))
+                    for slot, rows in found.items()]
+
+        full = groups(row_slots, num_rows)
+        if output_rows is None:
+            return LoRARows(num_rows, full)
+        out_slots = row_slots[:len(decodes)] + [r.lora_slot for r in sampled]
+        return LoRARows(num_rows, full, len(out_slots), groups(out_slots, len(out_slots)))
 
     def _note_sampled(self, where: dict[str, tuple[torch.Tensor, int]]) -> None:
         """A step's attempt has succeeded: remember where each request's token is (the next
@@ -438,10 +510,12 @@ class ModelRunner:
             params = decodes.sampling_params + [r.sampling_params for r in sampled]
             output_rows = self._output_rows(chunks, decodes, sampled, ids, sample_rows,
                                             num_rows, meta)
+            lora = (self._lora_rows(decodes, chunks, input_ids.shape[0], sampled, output_rows)
+                    if self.lora is not None else None)
         t2 = time.perf_counter()
         times.prepare += t2 - t1
         with self._phase("forward"):
-            hidden = self._forward(positions, embeds, meta, output_rows)
+            hidden = self._forward(positions, embeds, meta, output_rows, lora=lora)
             if output_rows is not None:
                 _check_output_rows(hidden, output_rows)
             rows = (hidden if output_rows is not None else hidden[sample_rows]) if ids else None
@@ -630,10 +704,12 @@ class ModelRunner:
         return PromptLogprobs(found)
 
     def _forward(self, positions: torch.Tensor, embeds: torch.Tensor, meta,
-                 output_rows: OutputRows | None = None) -> torch.Tensor:
+                 output_rows: OutputRows | None = None,
+                 lora: LoRARows | None = None) -> torch.Tensor:
         """The decoder pass over the flat batch: every row's hidden state, or those of
-        ``output_rows`` alone; device runners swap the attention backend."""
-        with forward_context(meta, self.attention, output_rows):
+        ``output_rows`` alone, each row with its LoRA adapter's (``lora``); device runners
+        swap the attention backend."""
+        with forward_context(meta, self.attention, output_rows, lora):
             return self.model(positions, embeds)
 
     def _output_rows(self, chunks: list[ScheduledRequest], decodes: DecodeRows,
@@ -658,11 +734,16 @@ class ModelRunner:
                           functools.partial(self.write_kv, slot_mapping=meta.slot_mapping))
 
     @classmethod
-    def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
-        """The checkpoint's model on this runner's device, and the bytes its weights take."""
+    def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype,
+                   lora: tuple[int, int] | None = None) -> tuple[nn.Module, int]:
+        """The checkpoint's model on this runner's device, and the bytes its weights take
+        (those of its LoRA slots included: ``lora`` is ``(max_loras, max_lora_rank)``)."""
         from mmserve.models.loader import load_model
 
-        model = load_model(model_dir, hf_config, dtype).to(cls.device)
+        model = load_model(model_dir, hf_config, dtype)
+        if lora is not None:
+            attach_lora(model, *lora)
+        model = model.to(cls.device)
         tensors = [*model.parameters(), *model.buffers()]
         return model, sum(t.numel() * t.element_size() for t in tensors)
 
@@ -976,7 +1057,12 @@ class ModelRunner:
                 input_ids, positions, meta, sample_rows, _ = self._prepare_inputs(
                     batch.decodes, batch.chunks)
                 embeds = self._embed(input_ids, batch.chunks, len(batch.decodes))
-                hidden = self._forward(positions, embeds, meta)
+                # Every row with an adapter that changes every projection: the most a
+                # step's adapters add.
+                lora = None if self.lora is None else LoRARows(input_ids.shape[0], [(
+                    0, torch.arange(input_ids.shape[0], device=input_ids.device))])
+                with nullcontext() if self.lora is None else self.lora.profiling():
+                    hidden = self._forward(positions, embeds, meta, lora=lora)
                 self.model.compute_logits(hidden[sample_rows])
         finally:
             for h in batch.images_to_encode:
@@ -993,11 +1079,12 @@ class CPUModelRunner(ModelRunner):
     device = torch.device("cpu")
 
     @classmethod
-    def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype) -> tuple[nn.Module, int]:
+    def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype,
+                   lora: tuple[int, int] | None = None) -> tuple[nn.Module, int]:
         """The model, with its linear layers' weights packed once for the path's matmul
         (``cpu_ops.pack_linear_layers``: oneDNN's, or a compiled kernel's; the vision tower's,
         which only multiplies prompt-sized inputs, may take another than the decoder's)."""
-        model, weight_bytes = super().load_model(model_dir, hf_config, dtype)
+        model, weight_bytes = super().load_model(model_dir, hf_config, dtype, lora)
         pack_linear_layers(model, prompt_only=model.encoder_modules())
         return model, weight_bytes
 

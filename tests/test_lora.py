@@ -1,0 +1,409 @@
+"""LoRA adapters: greedy float32 output equals transformers' generate() on the checkpoint with
+the adapter merged into its weights, token for token, for requests of several adapters and
+none in one batch (LLaVA with Llama and Qwen2 decoders, Qwen2-VL's M-RoPE); through chunked
+prefill, preemption, asynchronous scheduling and more adapters than slots; prefix-cache blocks
+kept to their adapter; adapters that cannot run refused with what to change; the server's
+``--lora-modules`` (the adapter named as the model) and the memory plan's slots."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+
+import pytest
+import torch
+
+from mmserve import LLM, EngineConfig, LoRARequest, SamplingParams
+from mmserve.errors import InvalidInputError
+from mmserve.models.lora import lora_slot_bytes
+from mmserve.processing.hf_processors import load_qwen2_vl_processor
+from mmserve.testing import build_tiny_checkpoint
+from mmserve.testing.lora import build_lora_adapter, merge_lora
+from mmserve.testing.oracle import hf_greedy_generate, load_hf_processor
+from tests.conftest import assert_no_leaks, generate_all_at_once, make_image, openai_app
+from tests.test_parity import _kv_bytes_per_token
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+IMAGES = [make_image(i, size) for i, size in enumerate([(48, 40), (64, 64), (23, 57)])]
+TEXTS = ["describe the picture please", "what colour is the square on the left side?",
+         "tell me a long story about a red fox who lives near the river, with many words"]
+
+
+def _prompt(i: int, image: bool = True) -> dict:
+    content = ([{"type": "image"}] if image else []) + [{"type": "text", "text": TEXTS[i]}]
+    return {"messages": [{"role": "user", "content": content}],
+            "images": [IMAGES[i]] if image else []}
+
+
+PROMPTS = [_prompt(0), _prompt(1), _prompt(2, image=False)]
+
+
+@functools.cache
+def _template(path: str):
+    return load_hf_processor(path) if "qwen2_vl" not in path else load_qwen2_vl_processor(path)
+
+
+def reference(path: str, prompt: dict, max_tokens: int = MAX_TOKENS) -> list[int]:
+    text = _template(path).apply_chat_template(prompt["messages"], add_generation_prompt=True,
+                                              tokenize=False)
+    return hf_greedy_generate(path, text, prompt["images"], max_tokens)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoints: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """For each decoder: the checkpoint, two adapters (one of every projection; one of some,
+    with rsLoRA and a rank of its own for one target) and the checkpoint with each merged."""
+    root = tmp_path_factory.mktemp("lora")
+    paths = {"clip-llama": checkpoints["clip-llama"],
+             "siglip-qwen2": checkpoints["siglip-qwen2"],
+             "qwen2_vl": str(build_tiny_checkpoint("qwen2_vl", root / "qwen2_vl",
+                                                   layout="transformers"))}
+    found = {}
+    for name, path in paths.items():
+        a = build_lora_adapter(path, root / f"{name}-a", rank=4, alpha=8, seed=1)
+        b = build_lora_adapter(path, root / f"{name}-b", rank=8, alpha=4, seed=2,
+                               targets=("q_proj", "v_proj", "down_proj"), use_rslora=True,
+                               rank_pattern={"down_proj": 2})
+        found[name] = {
+            "base": path,
+            "a": (LoRARequest("a", 1, str(a)), merge_lora(path, a, root / f"{name}-merged-a")),
+            "b": (LoRARequest("b", 2, str(b)), merge_lora(path, b, root / f"{name}-merged-b")),
+        }
+    return found
+
+
+def _expected(model: dict, adapters: list[str | None],
+              max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    return [reference(str(model["base"] if a is None else model[a][1]), p, max_tokens)
+            for p, a in zip(PROMPTS * 2, adapters, strict=True)]
+
+
+def _loras(model: dict, adapters: list[str | None]) -> list[LoRARequest | None]:
+    return [None if a is None else model[a][0] for a in adapters]
+
+
+# Every prompt with each adapter and without, interleaved in one batch.
+MIXED = ["a", None, "b", "b", "a", None]
+
+
+@pytest.mark.parametrize("name", ["clip-llama", "siglip-qwen2", "qwen2_vl"])
+def test_adapters_in_one_batch_equal_transformers_with_them_merged(models, name) -> None:
+    model = models[name]
+    expected = _expected(model, MIXED)
+    # Each adapter changes the answers (else the comparison proves little).
+    assert expected[0] != expected[3] and expected[2] != expected[5]
+    with LLM(model["base"], dtype="float32", max_model_len=512, enable_lora=True,
+             max_loras=2) as llm:
+        outs = llm.generate(PROMPTS * 2, GREEDY, lora_request=_loras(model, MIXED))
+        assert [o.token_ids for o in outs] == expected
+        assert_no_leaks(llm.engine)
+
+
+@pytest.mark.parametrize("settings", [
+    # Prompts split into chunks of 16 tokens (an image's placeholders across steps).
+    {"max_num_batched_tokens": 16, "max_loras": 2},
+    # One slot for two adapters: requests wait for the other adapter's to end.
+    {"max_loras": 1},
+    # The next step scheduled while one computes.
+    {"max_loras": 2, "async_scheduling": True},
+], ids=["chunked", "one-slot", "async"])
+def test_adapters_through_chunks_waits_and_asynchronous_steps(models, settings) -> None:
+    model = models["clip-llama"]
+    with LLM(model["base"], dtype="float32", max_model_len=512, enable_lora=True,
+             **settings) as llm:
+        outs = llm.generate(PROMPTS * 2, GREEDY, lora_request=_loras(model, MIXED))
+        assert [o.token_ids for o in outs] == _expected(model, MIXED)
+        assert_no_leaks(llm.engine)
+
+
+def test_preempted_requests_take_their_adapter_again(models) -> None:
+    """A KV cache of 8 blocks: requests are preempted and recomputed, each taking its
+    adapter's slot again, and give the same tokens."""
+    model = models["clip-llama"]
+    with LLM(model["base"], dtype="float32", block_size=16, max_model_len=128, max_num_seqs=6,
+             enable_lora=True, max_loras=2, async_scheduling=False,
+             kv_cache_memory=8 * 16 * _kv_bytes_per_token(model["base"]),
+             enable_prefix_caching=False) as llm:
+        assert llm.engine.plan.num_blocks == 8
+        prompts = [p if a is None else {**p, "lora_request": model[a][0]}
+                   for p, a in zip(PROMPTS * 2, MIXED, strict=True)]
+        outs = generate_all_at_once(llm, prompts, SamplingParams(max_tokens=32,
+                                                                 temperature=0.0))
+        assert llm.stats()["num_preemptions"] > 0
+        assert [o.token_ids for o in outs] == _expected(model, MIXED, 32)
+        assert_no_leaks(llm.engine)
+
+
+def test_prefix_cache_blocks_stay_with_their_adapter(models) -> None:
+    model = models["clip-llama"]
+    lora = model["a"][0]
+    with LLM(model["base"], dtype="float32", max_model_len=512, enable_lora=True) as llm:
+        def run(adapter: LoRARequest | None) -> tuple[list[int], int]:
+            out = llm.generate([PROMPTS[0]], GREEDY, lora_request=adapter)[0]
+            return out.token_ids, out.num_cached_tokens
+
+        base, cached = run(None)
+        assert cached == 0
+        first, cached_first = run(lora)
+        again, cached_again = run(lora)
+        base_again, cached_base = run(None)
+        assert cached_first == 0 and cached_again > 0 and cached_base > 0
+        assert first == again != base == base_again
+        # The image's encoder output is the model's whatever the adapter: encoded once.
+        assert llm.engine.stats()["encoder_items_computed"] == 1
+        # No salt of the model's own requests names the adapter's blocks, whatever it holds.
+        for salt in ("\0".join(("lora", str(lora.lora_int_id), lora.lora_name, lora.lora_path)),
+                     repr(("lora", None, *lora.identity))):
+            out = llm.generate([{**PROMPTS[0], "cache_salt": salt}], GREEDY)[0]
+            assert (out.token_ids, out.num_cached_tokens) == (base, 0)
+        assert_no_leaks(llm.engine)
+
+
+def _broken_adapters(model: dict, tmp_path) -> dict[str, tuple[str, str]]:
+    """Adapters that cannot run on ``model``: name -> (folder, what its refusal says)."""
+    from safetensors.torch import load_file, save_file
+
+    good = model["a"][0].lora_path
+
+    def copy(name: str, **config) -> str:
+        path = tmp_path / name
+        shutil.copytree(good, path)
+        file = path / "adapter_config.json"
+        file.write_text(json.dumps({**json.loads(file.read_text()), **config}))
+        return str(path)
+
+    def edited(name: str, edit) -> str:
+        path = tmp_path / name
+        shutil.copytree(good, path)
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+        edit(tensors, next(k for k in tensors if "layers.0.self_attn.q_proj.lora_A" in k))
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        return str(path)
+
+    def renamed(old: str, new: str):
+        return lambda tensors, key: tensors.__setitem__(key.replace(old, new), tensors.pop(key))
+
+    return {
+        "missing": (str(tmp_path / "nowhere"), "no adapter_config.json"),
+        "dora": (copy("dora", use_dora=True), "DoRA adapters are not supported"),
+        "bias": (copy("bias", bias="all"), "bias='all' adapters are not supported"),
+        "vision": (edited("vision", renamed("language_model.model.",
+                                            "vision_tower.vision_model.encoder.")),
+                   "which mmserve does not adapt"),
+        "shape": (edited("shape", lambda tensors, key: tensors.__setitem__(
+            key, tensors[key][:, :32].contiguous())), "it is another model's"),
+        "layer": (edited("layer", renamed("layers.0.", "layers.7.")),
+                  "changes layer 7, but the model has 2"),
+        "half": (edited("half", lambda tensors, key: tensors.pop(key)),
+                 "without its other half"),
+        "rank": (model["b"][0].lora_path, "above max_lora_rank=4"),
+    }
+
+
+def test_adapters_that_cannot_run_are_refused_saying_why(models, tmp_path) -> None:
+    model = models["clip-llama"]
+    with LLM(model["base"], dtype="float32", max_model_len=512, enable_lora=True,
+             max_lora_rank=4) as llm:
+        cases = _broken_adapters(model, tmp_path)
+        for i, (path, message) in enumerate(cases.values()):
+            with pytest.raises(InvalidInputError, match=message) as caught:
+                llm.generate([PROMPTS[0]], GREEDY, lora_request=LoRARequest("x", 10 + i, path))
+            assert caught.value.param == "lora_request"
+        # The engine serves on, the good adapter too.
+        out = llm.generate([PROMPTS[0]], GREEDY, lora_request=model["a"][0])[0]
+        assert out.token_ids == _expected(model, ["a"] + [None] * 5)[0]
+        assert_no_leaks(llm.engine)
+    with LLM(model["base"], dtype="float32", max_model_len=512) as llm:
+        with pytest.raises(InvalidInputError, match="started without LoRA"):
+            llm.generate([PROMPTS[0]], GREEDY, lora_request=model["a"][0])
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(model=model["base"], enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(InvalidInputError, match="lora_int_id"):
+        LoRARequest("a", 0, model["a"][0].lora_path)
+
+
+def test_an_adapter_gone_before_it_loads_fails_its_requests_alone(models, tmp_path) -> None:
+    """Checked when its request was made, then removed before its first step: its requests
+    fail with why, the others run."""
+    model = models["clip-llama"]
+    moved = tmp_path / "moved"
+    shutil.copytree(model["a"][0].lora_path, moved)
+    lora = LoRARequest("moved", 5, str(moved))
+    with LLM(model["base"], dtype="float32", max_model_len=512, enable_lora=True,
+             max_loras=2) as llm:
+        engine = llm.engine
+        doomed = engine.add_request({**PROMPTS[0], "lora_request": lora}, GREEDY)
+        fine = engine.add_request({**PROMPTS[1], "lora_request": model["b"][0]}, GREEDY)
+        plain = engine.add_request(PROMPTS[2], GREEDY)
+        shutil.rmtree(moved)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert done[doomed].finish_reason == "error" and "moved" in done[doomed].error
+        expected = _expected(model, ["a", "b", None, None, None, None])
+        assert [done[fine].token_ids, done[plain].token_ids] == expected[1:3]
+        assert_no_leaks(engine)
+        # Its files back: its next request reads it again, into a slot of its own.
+        shutil.copytree(model["a"][0].lora_path, moved)
+        out = llm.generate([PROMPTS[0]], GREEDY, lora_request=lora)[0]
+        assert out.outputs[0].finish_reason == "length" and out.token_ids == expected[0]
+        assert_no_leaks(engine)
+
+
+def test_the_memory_plan_counts_the_slots(models) -> None:
+    model = models["clip-llama"]
+    with LLM(model["base"], dtype="float32", max_model_len=512) as plain, \
+            LLM(model["base"], dtype="float32", max_model_len=512, enable_lora=True,
+                max_loras=3, max_lora_rank=8) as lora:
+        import torch
+
+        slots = lora_slot_bytes(lora.engine.hf_config.text_config, torch.float32, 3, 8)
+        assert slots > 0
+        assert lora.engine.weights_bytes - plain.engine.weights_bytes == slots
+        assert lora.engine.plan.weights_bytes == lora.engine.weights_bytes
+        assert lora.engine.plan.lora_bytes == slots and plain.engine.plan.lora_bytes == 0
+        assert "LoRA adapters' slots" in lora.engine.plan.summary()
+
+
+def test_the_server_serves_its_lora_modules_as_models(models) -> None:
+    model = models["clip-llama"]
+    lora = model["a"][0]
+    with openai_app(model["base"], {"lora_modules": (("sql", lora.lora_path),)},
+                    max_model_len=512, enable_lora=True) as (llm, http, client):
+        listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+        assert listed["sql"]["parent"] == "tiny" and listed["sql"]["root"] == lora.lora_path
+        assert listed["tiny"]["parent"] is None
+        assert http.get("/v1/models/sql").json()["parent"] == "tiny"
+        answer = client.chat.completions.create(
+            model="sql", messages=[{"role": "user", "content": TEXTS[1]}], max_tokens=MAX_TOKENS,
+            temperature=0, extra_body={"return_token_ids": True})
+        text_only = {"messages": [{"role": "user", "content": [{"type": "text",
+                                                                 "text": TEXTS[1]}]}],
+                     "images": []}
+        want = reference(str(model["a"][1]), text_only)
+        assert answer.model == "sql" and answer.choices[0].token_ids == want
+        assert want != reference(model["base"], text_only)  # the adapter's own
+        response = client.responses.create(model="sql", input=TEXTS[1], temperature=0,
+                                           max_output_tokens=MAX_TOKENS)
+        assert response.model == "sql"
+        assert response.output_text == answer.choices[0].message.content
+        embedded = {name: client.embeddings.create(model=name, input=TEXTS[1])
+                    for name in ("sql", "tiny")}
+        assert embedded["sql"].model == "sql"
+        assert embedded["sql"].data[0].embedding != embedded["tiny"].data[0].embedding
+        # A content item (a chat turn) against a text: both embedded with the adapter, as
+        # the embeddings endpoint gives them.
+        content = [{"type": "text", "text": TEXTS[1]}]
+        for name in ("sql", "tiny"):
+            scored = http.post("/score", json={"model": name, "text_1": [{"content": content}],
+                                               "text_2": [TEXTS[2]]}).json()
+            chat, text = (torch.tensor(http.post("/v1/embeddings", json={
+                "model": name, **body}).json()["data"][0]["embedding"]) for body in (
+                    {"messages": [{"role": "user", "content": content}]}, {"input": TEXTS[2]}))
+            assert scored["model"] == name
+            assert scored["data"][0]["score"] == pytest.approx(
+                torch.cosine_similarity(chat, text, dim=0).item(), abs=1e-5)
+        base = client.completions.create(model="tiny", prompt=TEXTS[2], max_tokens=4,
+                                         temperature=0)
+        adapted = client.completions.create(model="sql", prompt=TEXTS[2], max_tokens=4,
+                                            temperature=0, stream=True)
+        chunks = list(adapted)
+        assert base.model == "tiny" and {c.model for c in chunks} == {"sql"}
+        assert "".join(c.choices[0].text for c in chunks if c.choices) != base.choices[0].text
+        missing = http.post("/v1/chat/completions", json={
+            "model": "nope", "messages": [{"role": "user", "content": "hi"}]})
+        assert missing.status_code == 404 and "'sql'" in missing.json()["error"]["message"]
+
+
+def test_adapters_cross_to_an_engine_process(models) -> None:
+    """``--engine-process``: the front end checks a request's adapter, the core loads it into
+    a slot and runs it, as in one process."""
+    from tests.test_engine_core_process import Core, collect, config_of
+
+    model = models["clip-llama"]
+    core = Core(config_of(model["base"], max_model_len=512, enable_lora=True, max_loras=2))
+    try:
+        async def main() -> list[list[int]]:
+            streams = [await core.client.add_request(
+                f"r{i}", p if a is None else {**p, "lora_request": model[a][0]}, GREEDY)
+                for i, (p, a) in enumerate(zip(PROMPTS * 2, MIXED, strict=True))]
+            return [(await collect(s)).token_ids for s in streams]
+
+        assert core.run(main()) == _expected(model, MIXED)
+        with pytest.raises(InvalidInputError, match="no adapter_config.json"):
+            core.run(core.client.add_request("bad", {**PROMPTS[0], "lora_request": LoRARequest(
+                "x", 9, str(models["clip-llama"]["base"]))}, GREEDY))
+    finally:
+        core.close()
+
+
+def test_beam_search_captions_and_embeddings_take_an_adapter(models) -> None:
+    """``LLM.beam_search`` (its rounds' requests, each a prompt and the beam's tokens, keep
+    the adapter) equals transformers' beam search on the merged checkpoint; ``caption`` and
+    ``embed`` run with the adapter too."""
+    from mmserve import BeamSearchParams
+    from mmserve.testing.oracle import hf_beam_search
+
+    model = models["clip-llama"]
+    lora, merged = model["a"]
+    prompt = PROMPTS[0]
+    text = _template(model["base"]).apply_chat_template(
+        prompt["messages"], add_generation_prompt=True, tokenize=False)
+    want = [tokens for tokens, _ in hf_beam_search(str(merged), text, prompt["images"], 2, 6)]
+    with LLM(model["base"], dtype="float32", max_model_len=512, enable_lora=True) as llm:
+        searched = llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=6),
+                                   lora_request=lora)[0]
+        assert searched.error is None
+        assert [seq.token_ids for seq in searched.sequences] == want
+        caption = llm.caption([IMAGES[0]], TEXTS[0], GREEDY, use_tqdm=False,
+                              lora_request=lora)[0]
+        assert caption == llm.generate([prompt], GREEDY, lora_request=lora)[0].text
+        assert caption != llm.caption([IMAGES[0]], TEXTS[0], GREEDY, use_tqdm=False)[0]
+        adapted, plain = (llm.embed([TEXTS[1]], lora_request=r)[0].outputs.embedding
+                          for r in (lora, None))
+        assert adapted != plain
+        assert_no_leaks(llm.engine)
+
+
+def test_lora_modules_flags_as_vllm_takes_them(models, tmp_path, capsys) -> None:
+    from mmserve.entrypoints.cli import build_parser, main
+    from mmserve.entrypoints.serve_command import front_door_config
+
+    model = models["clip-llama"]
+    a, b = model["a"][0].lora_path, model["b"][0].lora_path
+    args = build_parser().parse_args([
+        "serve", model["base"], "--enable-lora", "--lora-modules", f"sql={a}",
+        json.dumps({"name": "ocr", "path": b, "base_model_name": "x"})])
+    assert front_door_config(args, model["base"]).lora_modules == (("sql", a), ("ocr", b))
+    refused = [  # (engine flags, --lora-modules values, what the refusal says)
+        ((), (f"sql={a}",), "start with --enable-lora too"),
+        (("--enable-lora",), ("sql",), "write each adapter as name=path"),
+        (("--enable-lora",), (f"sql={tmp_path}/none",), "no such folder"),
+        (("--enable-lora",), ('{"name": "sql"}',), 'a JSON adapter is an object of a "name"'),
+        (("--enable-lora",), (f"sql={a}", f"sql={b}"), "names 'sql' twice"),
+        (("--enable-lora", "--max-lora-rank", "4"), (f"sql={b}",), "above max_lora_rank=4"),
+    ]
+    for engine, modules, message in refused:
+        assert main(["serve", model["base"], *engine, "--lora-modules", *modules]) == 2
+        assert message in capsys.readouterr().err, modules
+
+
+def test_a_served_adapter_gone_is_the_servers_error(models, tmp_path) -> None:
+    """An adapter of ``--lora-modules`` whose folder is gone: the request is a 500 naming the
+    adapter (nothing the client sent is wrong), and the model's own requests run on."""
+    model = models["clip-llama"]
+    gone = tmp_path / "gone"
+    shutil.copytree(model["a"][0].lora_path, gone)
+    with openai_app(model["base"], {"lora_modules": (("sql", str(gone)),)},
+                    max_model_len=512, enable_lora=True) as (_, http, _client):
+        shutil.rmtree(gone)
+        chat = {"messages": [{"role": "user", "content": TEXTS[1]}], "max_tokens": 2}
+        refused = http.post("/v1/chat/completions", json={"model": "sql", **chat})
+        assert refused.status_code == 500
+        error = refused.json()["error"]
+        assert error["code"] == "adapter_unavailable" and "'sql'" in error["message"]
+        assert http.post("/v1/chat/completions", json={"model": "tiny", **chat}).status_code == 200
