@@ -390,6 +390,8 @@ def test_lora_modules_flags_as_vllm_takes_them(models, tmp_path, capsys) -> None
     for engine, modules, message in refused:
         assert main(["serve", model["base"], *engine, "--lora-modules", *modules]) == 2
         assert message in capsys.readouterr().err, modules
+    assert main(["serve", model["base"], "--allow-runtime-lora-updating"]) == 2
+    assert "start with --enable-lora too" in capsys.readouterr().err
 
 
 def test_a_served_adapter_gone_is_the_servers_error(models, tmp_path) -> None:
@@ -407,3 +409,43 @@ def test_a_served_adapter_gone_is_the_servers_error(models, tmp_path) -> None:
         error = refused.json()["error"]
         assert error["code"] == "adapter_unavailable" and "'sql'" in error["message"]
         assert http.post("/v1/chat/completions", json={"model": "tiny", **chat}).status_code == 200
+
+
+def test_adapters_loaded_and_unloaded_at_run_time(models, tmp_path) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, with
+    --allow-runtime-lora-updating: a loaded adapter is a model from then on (checked against
+    the checkpoint first), an unloaded one no longer; both refused where not allowed."""
+    model = models["clip-llama"]
+    lora, merged = model["a"]
+    chat = {"messages": [{"role": "user", "content": TEXTS[1]}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "return_token_ids": True}
+    text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": TEXTS[1]}]}],
+                 "images": []}
+    with openai_app(model["base"], {"allow_runtime_lora_updating": True},
+                    max_model_len=512, enable_lora=True) as (_, http, _client):
+        load = {"lora_name": "ocr", "lora_path": lora.lora_path}
+        added = http.post("/v1/load_lora_adapter", json=load)
+        assert added.status_code == 200 and "'ocr' added" in added.text
+        assert "ocr" in {m["id"] for m in http.get("/v1/models").json()["data"]}
+        answer = http.post("/v1/chat/completions", json={"model": "ocr", **chat}).json()
+        assert answer["model"] == "ocr"
+        assert answer["choices"][0]["token_ids"] == reference(str(merged), text_only)
+        refusals = [
+            (load, 400, "loaded already"),
+            ({"lora_name": "tiny", "lora_path": lora.lora_path}, 400, "loaded already"),
+            ({"lora_name": "x", "lora_path": str(tmp_path)}, 400, "no adapter_config.json"),
+            ({"lora_name": "x"}, 400, "lora_path must be"),
+            ({"lora_path": lora.lora_path}, 400, "lora_name must be"),
+        ]
+        for body, status, message in refusals:
+            refused = http.post("/v1/load_lora_adapter", json=body)
+            assert (refused.status_code, message in refused.json()["error"]["message"]) == (
+                status, True), body
+        removed = http.post("/v1/unload_lora_adapter", json={"lora_name": "ocr"})
+        assert removed.status_code == 200 and "'ocr' removed" in removed.text
+        assert http.post("/v1/chat/completions", json={"model": "ocr", **chat}).status_code == 404
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "ocr"}).status_code == 404
+    with openai_app(model["base"], max_model_len=512, enable_lora=True) as (_, http, _client):
+        off = http.post("/v1/load_lora_adapter", json=load)
+        assert off.status_code == 404
+        assert "--allow-runtime-lora-updating" in off.json()["error"]["message"]

@@ -62,16 +62,14 @@ def lora_checker(config: EngineConfig, hf_config) -> LoRAChecker | None:
 
 
 def check_adapters(model: str, adapters: Sequence[tuple[str, str]], max_rank: int) -> None:
-    """``ValueError`` naming the first of ``adapters`` (name, folder) that cannot run on the
-    checkpoint at ``model`` (a server's --lora-modules, before the weights load)."""
+    """``AdapterError`` naming the first of ``adapters`` (name, folder) that cannot run on
+    the checkpoint at ``model`` (a server's --lora-modules before the weights load, or one it
+    is asked to load)."""
     from transformers import AutoConfig
 
     text_config = AutoConfig.from_pretrained(model, local_files_only=True).text_config
     for name, path in adapters:
-        try:
-            read_adapter(name, path, text_config, max_rank)
-        except AdapterError as e:
-            raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+        read_adapter(name, path, text_config, max_rank)
 
 
 class LoRASlots:

@@ -28,6 +28,7 @@ import base64
 import contextlib
 import copy
 import functools
+import itertools
 import json
 import logging
 import time
@@ -40,13 +41,14 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 import mmserve
 from mmserve.beam_search import BeamSearchParams
 from mmserve.engine.async_engine import AsyncEngine, EngineClient, QueueFullError, RequestStream
 from mmserve.engine.llm_engine import LLMEngine
+from mmserve.engine.lora import check_adapters
 from mmserve.entrypoints import chat_page, tool_calls
 from mmserve.entrypoints import openai_protocol as proto
 from mmserve.entrypoints import openai_shapes as shapes
@@ -89,6 +91,7 @@ from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.entrypoints.uploads_api import UploadsApi
 from mmserve.errors import EngineDeadError, InvalidInputError, PromptTooLongError
 from mmserve.lora_request import LoRARequest
+from mmserve.models.lora import AdapterError
 from mmserve.outputs import RequestOutput, cosine_scores, embedding_of
 from mmserve.sampling_params import SamplingParams
 from mmserve.step import TokenLogprobs
@@ -106,6 +109,8 @@ _READ_BODY = "mmserve.read_body"
 # /tokenize requests processed at once, and processed or waiting.
 MAX_TOKENIZING = 4
 MAX_TOKENIZE_WAITING = 64
+# LoRA adapters a server names, those loaded at run time included.
+MAX_SERVED_ADAPTERS = 256
 
 
 class OpenAIServer:
@@ -126,6 +131,7 @@ class OpenAIServer:
         # LoRA adapters requests name as their model (vLLM's --lora-modules), by name.
         self.loras = {name: LoRARequest(name, i, path)
                       for i, (name, path) in enumerate(config.lora_modules, 1)}
+        self._lora_ids = itertools.count(len(self.loras) + 1)  # those loaded at run time
         self.max_model_len = engine.config.max_model_len
         self.max_images = engine.config.limit_mm_per_prompt
         self.sampling_defaults = (sampling_defaults(engine.config) if defaults is None
@@ -211,6 +217,68 @@ class OpenAIServer:
         listed = shapes.model_list(self.model_names, self.created, self.max_model_len)
         listed["data"] += [self._adapter_card(name) for name in self.loras]
         return JSONResponse(listed)
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/load_lora_adapter`` (``--allow-runtime-lora-updating``):
+        ``{"lora_name", "lora_path"}`` served from now on as a model of that name, once the
+        adapter is checked against the checkpoint (off the event loop)."""
+        try:
+            name, path = self._lora_update(await self._read_json(request), "lora_path")
+            if name in self.loras or name in self.model_names:
+                raise proto.bad_request(f"the LoRA adapter {name!r} is loaded already (or is "
+                                        "the model's name); unload it first, or pick another "
+                                        "name.", "lora_name")
+            if len(self.loras) >= MAX_SERVED_ADAPTERS:
+                raise proto.bad_request(f"{MAX_SERVED_ADAPTERS} LoRA adapters are served "
+                                        "already; unload one first.", "lora_name")
+            if not isinstance(path, str) or not path:
+                raise proto.bad_request("lora_path must be the adapter's folder.", "lora_path")
+            config = self.engine.config
+            try:
+                await asyncio.to_thread(check_adapters, config.model, [(name, path)],
+                                        config.max_lora_rank)
+            except AdapterError as e:
+                raise proto.bad_request(str(e), "lora_path") from None
+            if name in self.loras:  # (loaded by a request sent at once)
+                raise proto.bad_request(f"the LoRA adapter {name!r} is loaded already.",
+                                        "lora_name")
+        except ApiError as e:
+            return error_response(e)
+        self.loras[name] = LoRARequest(name, next(self._lora_ids), path)
+        logger.info("serving LoRA adapter %r from %s", name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's ``POST /v1/unload_lora_adapter``: ``{"lora_name"}`` no longer served
+        (requests running with it finish with it)."""
+        try:
+            name, _ = self._lora_update(await self._read_json(request))
+            if name not in self.loras:
+                raise ApiError(404, f"no LoRA adapter {name!r} is served.", param="lora_name",
+                               code="model_not_found")
+        except ApiError as e:
+            return error_response(e)
+        del self.loras[name]
+        logger.info("no longer serving LoRA adapter %r", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def _lora_update(self, body: Any, *fields: str) -> tuple[str, Any]:
+        """A runtime LoRA update's ``lora_name`` (and the first of ``fields``), checked: the
+        server must allow it and run adapters."""
+        if not self.config.allow_runtime_lora_updating:
+            raise ApiError(404, "runtime LoRA updating is off: start the server with "
+                           "--allow-runtime-lora-updating (and --enable-lora).",
+                           code="not_found")
+        if not self.engine.config.enable_lora:
+            raise proto.bad_request("the engine runs no LoRA adapters: start it with "
+                                    "--enable-lora.")
+        if not isinstance(body, dict):
+            raise proto.bad_request("the body must be a JSON object with lora_name.")
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise proto.bad_request("lora_name must be a name of 1 to 256 characters.",
+                                    "lora_name")
+        return name, body.get(fields[0]) if fields else None
 
     def _adapter_card(self, name: str) -> dict[str, Any]:
         """A LoRA adapter as vLLM lists it: its path the ``root``, the model its
@@ -1361,6 +1429,8 @@ class OpenAIServer:
             Route("/v1/responses/{response_id}/input_items", self.response_input_items,
                   methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"]),
+            Route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"]),
             # An id may hold slashes (a checkpoint's path, an organization's name).
             Route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),

@@ -62,6 +62,8 @@ class ServerConfig:
     # LoRA adapters requests may name as their model: (name, the adapter's folder), vLLM's
     # --lora-modules (the engine runs them: enable_lora).
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # vLLM's runtime LoRA updating: /v1/load_lora_adapter and /v1/unload_lora_adapter.
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_name or not all(self.model_aliases):
@@ -234,6 +236,13 @@ def _add_front_door_args(p: argparse.ArgumentParser) -> None:
                    help="LoRA adapters (PEFT's folders) requests name as their model, as "
                    'vLLM takes them: name=path, or JSON \'{"name": ..., "path": ...}\'; '
                    "needs --enable-lora")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower()
+                   in ("1", "true"),
+                   help="serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter, "
+                   "which load and drop adapters by name at run time (any folder the server "
+                   "can read: for trusted clients only; default: on where vLLM's "
+                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING is true); needs --enable-lora")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)

@@ -75,13 +75,18 @@ def front_door_config(args: argparse.Namespace, model: str, **own: Any) -> Serve
     command's own (``serve``'s HTTP settings)."""
     names = served_model_names(args, model)
     lora_modules = lora_modules_flag(args.lora_modules)
-    if lora_modules and not args.enable_lora:
-        raise ValueError("--lora-modules serves LoRA adapters: start with --enable-lora too "
-                         "(and --max-loras N for N adapters running at once).")
+    if (lora_modules or args.allow_runtime_lora_updating) and not args.enable_lora:
+        raise ValueError(f"{'--lora-modules' if lora_modules else '--allow-runtime-lora-updating'}"
+                         " serves LoRA adapters: start with --enable-lora too (and --max-loras "
+                         "N for N adapters running at once).")
     if lora_modules:  # checked against the model before its weights load
         from mmserve.engine.lora import check_adapters
+        from mmserve.models.lora import AdapterError
 
-        check_adapters(model, lora_modules, args.max_lora_rank)
+        try:
+            check_adapters(model, lora_modules, args.max_lora_rank)
+        except AdapterError as e:
+            raise ValueError(f"--lora-modules: {e}") from None
     return ServerConfig(
         served_model_name=names[0], model_aliases=names[1:],
         max_request_body_bytes=args.max_request_body_bytes,
@@ -94,6 +99,7 @@ def front_door_config(args: argparse.Namespace, model: str, **own: Any) -> Serve
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_mm_embeds=args.enable_mm_embeds,
         lora_modules=lora_modules,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         **own)
 
 
