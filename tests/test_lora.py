@@ -224,15 +224,17 @@ def test_adapters_that_cannot_run_are_refused_saying_why(models, tmp_path) -> No
         LoRARequest("a", 0, model["a"][0].lora_path)
 
 
-def test_an_adapter_gone_before_it_loads_fails_its_requests_alone(models, tmp_path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-step", "ahead"])
+def test_an_adapter_gone_before_it_loads_fails_its_requests_alone(models, tmp_path,
+                                                                  async_scheduling) -> None:
     """Checked when its request was made, then removed before its first step: its requests
-    fail with why, the others run."""
+    fail with why (not retried), the others run; its files back, it is read again."""
     model = models["clip-llama"]
     moved = tmp_path / "moved"
     shutil.copytree(model["a"][0].lora_path, moved)
     lora = LoRARequest("moved", 5, str(moved))
     with LLM(model["base"], dtype="float32", max_model_len=512, enable_lora=True,
-             max_loras=2) as llm:
+             max_loras=2, async_scheduling=async_scheduling) as llm:
         engine = llm.engine
         doomed = engine.add_request({**PROMPTS[0], "lora_request": lora}, GREEDY)
         fine = engine.add_request({**PROMPTS[1], "lora_request": model["b"][0]}, GREEDY)
@@ -286,6 +288,12 @@ def test_the_server_serves_its_lora_modules_as_models(models) -> None:
                      "images": []}
         want = reference(str(model["a"][1]), text_only)
         assert answer.model == "sql" and answer.choices[0].token_ids == want
+        streamed = list(client.chat.completions.create(
+            model="sql", messages=[{"role": "user", "content": TEXTS[1]}],
+            max_tokens=MAX_TOKENS, temperature=0, stream=True))
+        assert {c.model for c in streamed} == {"sql"}
+        assert "".join(c.choices[0].delta.content or "" for c in streamed
+                       if c.choices) == answer.choices[0].message.content
         assert want != reference(model["base"], text_only)  # the adapter's own
         response = client.responses.create(model="sql", input=TEXTS[1], temperature=0,
                                            max_output_tokens=MAX_TOKENS)
@@ -395,19 +403,26 @@ def test_lora_modules_flags_as_vllm_takes_them(models, tmp_path, capsys) -> None
 
 
 def test_a_served_adapter_gone_is_the_servers_error(models, tmp_path) -> None:
-    """An adapter of ``--lora-modules`` whose folder is gone: the request is a 500 naming the
-    adapter (nothing the client sent is wrong), and the model's own requests run on."""
+    """An adapter of ``--lora-modules`` whose folder is gone (after requests ran with it):
+    its requests are a 500 naming it on every endpoint (nothing the client sent is wrong),
+    and the model's own requests run on."""
     model = models["clip-llama"]
     gone = tmp_path / "gone"
     shutil.copytree(model["a"][0].lora_path, gone)
     with openai_app(model["base"], {"lora_modules": (("sql", str(gone)),)},
                     max_model_len=512, enable_lora=True) as (_, http, _client):
-        shutil.rmtree(gone)
         chat = {"messages": [{"role": "user", "content": TEXTS[1]}], "max_tokens": 2}
+        assert http.post("/v1/chat/completions", json={"model": "sql", **chat}).status_code == 200
+        shutil.rmtree(gone)  # (after its first requests passed their check)
         refused = http.post("/v1/chat/completions", json={"model": "sql", **chat})
         assert refused.status_code == 500
         error = refused.json()["error"]
         assert error["code"] == "adapter_unavailable" and "'sql'" in error["message"]
+        for path, body in (("/v1/embeddings", {"input": ["a", "b"]}),
+                           ("/score", {"text_1": "a", "text_2": ["b"]})):
+            refused = http.post(path, json={"model": "sql", **body})
+            assert (refused.status_code, refused.json()["error"]["code"]) == (
+                500, "adapter_unavailable"), path
         assert http.post("/v1/chat/completions", json={"model": "tiny", **chat}).status_code == 200
 
 

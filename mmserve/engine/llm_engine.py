@@ -576,7 +576,7 @@ class LLMEngine:
         stale, self._stale = self._stale, set()
         if stale:  # their step before failed: what this one did for them is void
             for found in (result.sampled, result.errors, result.logprobs,
-                          result.prompt_logprobs, result.embeddings):
+                          result.prompt_logprobs, result.embeddings, result.lora_failures):
                 for rid in stale:
                     found.pop(rid, None)
             scheduler_output = scheduler_output.without(stale)
@@ -636,11 +636,13 @@ class LLMEngine:
 
     def _fail_lora_failures(self, result: ModelOutput) -> list[Request]:
         """Fail the requests whose LoRA adapter did not load (not retried, nor counted as a
-        failed step: the adapter's files are at fault, not the device; the runner reads it
-        again for the next step that runs it)."""
+        failed step: the adapter's files are at fault, not the device). Its slot is forgotten,
+        so that its next request loads it anew (no step is scheduled ahead of that one)."""
         failed = []
         for rid, reason in result.lora_failures.items():
             req = self.scheduler.requests.get(rid)
+            if req is not None and req.lora_slot >= 0:  # (held until the request is freed)
+                self.scheduler.lora_slots.forget(req.lora_slot)
             if req is not None and not req.finished:
                 self.scheduler.fail_request(rid, reason)
                 failed.append(req)
@@ -903,6 +905,8 @@ def _void_ahead(step: SchedulerOutput, result: ModelOutput) -> set[str]:
     """The requests of ``step``, scheduled ahead of the step that gave ``result``, whose work
     there is void: that step failed for them, or gave no token for them to continue from."""
     errors, sampled = result.errors, result.sampled
+    if result.lora_failures:  # (failed outright: nothing to continue from)
+        errors = {**errors, **result.lora_failures}
     decodes = step.decodes
     void = {rid for rid, token in zip(decodes.request_ids, decodes.token_ids, strict=True)
             if token == PENDING_TOKEN and rid not in sampled}

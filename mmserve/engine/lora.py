@@ -4,6 +4,7 @@ requests (``LoRASlots``), which the scheduler asks before it admits a request.""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from typing import Any
 from mmserve.config import EngineConfig
 from mmserve.errors import InvalidInputError
 from mmserve.lora_request import LoRARequest
-from mmserve.models.lora import AdapterError, read_adapter
+from mmserve.models.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterError, read_adapter
 
 # Adapters whose check passed, remembered so that their files' headers are not read again
 # for every request.
@@ -29,29 +30,42 @@ def prompt_lora(prompt: dict[str, Any] | str) -> LoRARequest | None:
 
 
 class LoRAChecker:
-    """Checks an adapter against the model before its first request runs: its config, and its
-    tensors' names and shapes from the file's header (``models/lora.py``'s ``read_adapter``
-    without the data). Thread-safe: a server makes requests on several threads."""
+    """Checks a request's adapter against the model when the request is made: its config,
+    and its tensors' names and shapes from the file's header (``models/lora.py``'s
+    ``read_adapter`` without the data); an adapter whose files are as they were when it last
+    passed is not read again. Thread-safe: a server makes requests on several threads."""
 
     def __init__(self, text_config, max_rank: int) -> None:
         self.text_config = text_config
         self.max_rank = max_rank
-        self._passed: OrderedDict[LoRARequest, None] = OrderedDict()
+        self._passed: OrderedDict[tuple, None] = OrderedDict()
         self._lock = threading.Lock()
 
     def check(self, lora: LoRARequest) -> None:
+        key = (lora, _stamp(lora.lora_path))
         with self._lock:
-            if lora in self._passed:
-                self._passed.move_to_end(lora)
+            if key in self._passed:
+                self._passed.move_to_end(key)
                 return
         try:
             read_adapter(lora.lora_name, lora.lora_path, self.text_config, self.max_rank)
         except AdapterError as e:
             raise InvalidInputError(str(e), param="lora_request") from e
+        if key[1] is None:
+            return  # (files that were not there a moment ago: checked again next time)
         with self._lock:
-            self._passed[lora] = None
+            self._passed[key] = None
             while len(self._passed) > _CHECKED_ADAPTERS:
                 self._passed.popitem(last=False)
+
+
+def _stamp(folder: str) -> tuple | None:
+    """When and how large an adapter's two files are (None: one is not there)."""
+    try:
+        return tuple((s.st_mtime_ns, s.st_size) for s in (
+            os.stat(os.path.join(folder, name)) for name in (CONFIG_FILE, WEIGHTS_FILE)))
+    except OSError:
+        return None
 
 
 def lora_checker(config: EngineConfig, hf_config) -> LoRAChecker | None:
@@ -109,6 +123,11 @@ class LoRASlots:
             self.adapters[slot] = lora
         self.users[slot] += 1
         return slot, load
+
+    def forget(self, slot: int) -> None:
+        """The runner could not load the slot's adapter: the next request of it takes a slot
+        anew and loads it (this one is free once its requests have failed)."""
+        self.adapters[slot] = None
 
     def release(self, slot: int) -> None:
         self.users[slot] -= 1

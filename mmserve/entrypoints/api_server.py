@@ -239,9 +239,10 @@ class OpenAIServer:
                                         config.max_lora_rank)
             except AdapterError as e:
                 raise proto.bad_request(str(e), "lora_path") from None
-            if name in self.loras:  # (loaded by a request sent at once)
-                raise proto.bad_request(f"the LoRA adapter {name!r} is loaded already.",
-                                        "lora_name")
+            if name in self.loras or len(self.loras) >= MAX_SERVED_ADAPTERS:
+                raise proto.bad_request(  # (loaded by requests sent at once)
+                    f"the LoRA adapter {name!r} is loaded already, or "
+                    f"{MAX_SERVED_ADAPTERS} are; unload one first.", "lora_name")
         except ApiError as e:
             return error_response(e)
         self.loras[name] = LoRARequest(name, next(self._lora_ids), path)
@@ -385,7 +386,7 @@ class OpenAIServer:
                 self._sse(request_id, streams, chat.include_usage, chat.tool_choice,
                           chat.continuous_usage, self._as_ids(chat.tokens_as_ids),
                           chat.token_ids, on_whole=keep if store is not None else None,
-                          model=self._answer_model(chat.model)),
+                          model=self._answer_model(chat.lora)),
                 on_close=done)
         try:
             return await self._complete(request, request_id, streams, chat)
@@ -417,7 +418,7 @@ class OpenAIServer:
         try:
             req = self._responses_request(await self._read_json(request), held)
             chat = req.chat
-            self._check_model_and_room(chat.model)
+            chat.lora = self._check_model_and_room(chat.model)
             prompt = await self._prompt_of(chat)
             try:
                 (stream,) = await self.engine.add_completions([engine_id], prompt, chat.params)
@@ -441,7 +442,7 @@ class OpenAIServer:
             # engine's (the id with a suffix of its own). One sent twice at once is stored
             # once (``ResponseStore.put`` replaces nothing).
             response_id = engine_id
-        events = responses.ResponseEvents(response_id, self._answer_model(chat.model),
+        events = responses.ResponseEvents(response_id, self._answer_model(chat.lora),
                                           req.echo, created)
         if req.background or chat.stream:  # the conversation is released once it is added
             release = held[0] if held else _nothing  # to, or the answer ends otherwise
@@ -503,7 +504,7 @@ class OpenAIServer:
             if isinstance(body, dict):  # (what generating alone reads is not checked here)
                 body = {k: v for k, v in body.items() if k in _COUNTED_FIELDS}
             req = self._responses_request(body, None, input_required=False)
-            self._check_model(req.chat.model)
+            req.chat.lora = self._check_model(req.chat.model)
             async with self._tokenizing_slot():
                 prompt = await self._prompt_of(req.chat)
                 ids, too_long = None, None
@@ -854,13 +855,13 @@ class OpenAIServer:
         prompt = {"messages": chat.messages, "images": list(images), **chat.turn}
         if chat.tools is not None:
             prompt["tools"] = chat.tools
-        return self._with_lora(prompt, chat.model)
+        return self._with_lora(prompt, chat.lora)
 
     async def _parse(self, request: Request) -> proto.ChatRequest:
         chat = proto.parse_chat_request(await self._read_json(request), self.max_model_len,
                                         self.max_images, self.sampling_defaults,
                                         self.tool_parser, self.config.enable_mm_embeds)
-        self._check_model_and_room(chat.model)  # before fetching images
+        chat.lora = self._check_model_and_room(chat.model)  # before fetching images
         return chat
 
     async def _read_json(self, request: Request) -> Any:
@@ -878,27 +879,31 @@ class OpenAIServer:
             raise proto.bad_request("the request body has a number with thousands of digits; "
                                     "send numbers of ordinary size.") from None
 
-    def _check_model_and_room(self, model: str | None) -> None:
-        self._check_model(model)
+    def _check_model_and_room(self, model: str | None) -> LoRARequest | None:
+        lora = self._check_model(model)
         if not self.engine.has_room():  # add_request checks again
             raise QueueFullError(
                 f"{self.engine.max_waiting} requests are already waiting for a slot "
                 f"(--max-queue {self.engine.max_waiting}); retry later.")
+        return lora
 
-    def _check_model(self, model: str | None) -> None:
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """``ApiError`` 404 for a model this server does not serve; else the LoRA adapter
+        it names (None: the model's own weights), resolved once for the request."""
         if model is not None and model not in self.model_names and model not in self.loras:
             names = " or ".join(repr(name) for name in (*self.model_names, *self.loras))
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                            f"{names}.", param="model", code="model_not_found")
+        return self.loras.get(model) if model is not None else None
 
-    def _answer_model(self, model: str | None) -> str:
-        """The model an answer names: the LoRA adapter the request named, else the
-        served model's first name."""
-        return model if model in self.loras else self.model
+    def _answer_model(self, lora: LoRARequest | None) -> str:
+        """The model an answer names: the request's LoRA adapter, else the served model's
+        first name."""
+        return self.model if lora is None else lora.lora_name
 
-    def _with_lora(self, prompt: dict[str, Any], model: str | None) -> dict[str, Any]:
-        """The engine's prompt, running with the LoRA adapter ``model`` names, if any."""
-        lora = self.loras.get(model) if model is not None else None
+    @staticmethod
+    def _with_lora(prompt: dict[str, Any], lora: LoRARequest | None) -> dict[str, Any]:
+        """The engine's prompt, running with ``lora`` where there is one."""
         return prompt if lora is None else {**prompt, "lora_request": lora}
 
     async def _read_body(self, request: Request) -> bytes:
@@ -999,7 +1004,7 @@ class OpenAIServer:
             choices.append(shapes.chat_choice(
                 i, content, tool_calls.finish_reason(out.finish_reason, tool_choice, reader),
                 logprobs, calls))
-        body = shapes.completion(request_id, self._answer_model(chat.model), choices,
+        body = shapes.completion(request_id, self._answer_model(chat.lora), choices,
                                  usage_of([outs]), created)
         if chat.token_ids:  # vLLM's return_token_ids
             body["prompt_token_ids"] = outs[0].prompt_token_ids
@@ -1153,7 +1158,7 @@ class OpenAIServer:
             req = proto.parse_embeddings_request(
                 await self._read_json(request), self.max_model_len, self.max_images,
                 self.engine.processor.hidden_size, self.config.enable_mm_embeds)
-            self._check_model_and_room(req.model)
+            lora = self._check_model_and_room(req.model)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             return self._refused(e)
         if req.chat is not None:
@@ -1161,14 +1166,14 @@ class OpenAIServer:
         else:
             items = req.prompts
             fields = ["input"] if len(items) == 1 else [f"input[{i}]" for i in range(len(items))]
-        outs = await self._embed(request, engine_id, items, fields, req.params, req.model)
+        outs = await self._embed(request, engine_id, items, fields, req.params, lora)
         if isinstance(outs, Response):
             return outs
         normalize = (self.engine.config.normalize_embeddings if req.normalize is None
                      else req.normalize)
         data = [_embedding_values(embedding_of(out, normalize), req.as_base64)
                 for out in outs]
-        return JSONResponse(shapes.embeddings(request_id, self._answer_model(req.model),
+        return JSONResponse(shapes.embeddings(request_id, self._answer_model(lora),
                                               int(time.time()), data,
                                               sum(out.num_prompt_tokens for out in outs)))
 
@@ -1177,8 +1182,8 @@ class OpenAIServer:
         scored = await self._scored(request, "score-", proto.parse_score_request)
         if isinstance(scored, Response):
             return scored
-        request_id, req, scores, tokens = scored
-        return JSONResponse(shapes.scores(request_id, self._answer_model(req.model),
+        request_id, req, scores, tokens, model = scored
+        return JSONResponse(shapes.scores(request_id, model,
                                           int(time.time()), scores, tokens))
 
     async def rerank(self, request: Request) -> Response:
@@ -1187,36 +1192,35 @@ class OpenAIServer:
         scored = await self._scored(request, "rerank-", proto.parse_rerank_request)
         if isinstance(scored, Response):
             return scored
-        request_id, req, scores, tokens = scored
-        return JSONResponse(shapes.reranked(request_id, self._answer_model(req.model),
+        request_id, req, scores, tokens, model = scored
+        return JSONResponse(shapes.reranked(request_id, model,
                                             req.documents, scores,
                                             req.top_n, tokens))
 
     async def _scored(self, request: Request, prefix: str, parse: Any
-                      ) -> tuple[str, proto.ScoreRequest, list[float], int] | Response:
-        """A score or rerank request's id, the request, its pairs' scores and the prompt
-        tokens of its items (each embedded once)."""
+                      ) -> tuple[str, proto.ScoreRequest, list[float], int, str] | Response:
+        """A score or rerank request's id, the request, its pairs' scores, the prompt
+        tokens of its items (each embedded once) and the model the answer names."""
         request_id, engine_id = request_ids_of(request, prefix)
         try:
             req = parse(await self._read_json(request), self.max_model_len, self.max_images,
                         self.config.enable_mm_embeds)
-            self._check_model_and_room(req.model)
+            lora = self._check_model_and_room(req.model)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             return self._refused(e)
-        outs = await self._embed(request, engine_id, req.items, req.fields, req.params,
-                                 req.model)
+        outs = await self._embed(request, engine_id, req.items, req.fields, req.params, lora)
         if isinstance(outs, Response):
             return outs
         return (request_id, req, cosine_scores([embedding_of(out) for out in outs], req.pairs),
-                sum(out.num_prompt_tokens for out in outs))
+                sum(out.num_prompt_tokens for out in outs), self._answer_model(lora))
 
     async def _embed(self, request: Request, engine_id: str,
                      items: list[dict[str, Any] | proto.ChatRequest], fields: list[str],
-                     params: SamplingParams, model: str | None = None
+                     params: SamplingParams, lora: LoRARequest | None = None
                      ) -> list[RequestOutput] | Response:
         """Each item's embedding request (a prompt, or a chat whose images are fetched
-        here; with the LoRA adapter ``model`` names), answered whole; a refusal names the
-        item's field (``fields``), and the items added before it are aborted."""
+        here; with the LoRA adapter ``lora``), answered whole; a refusal names the item's
+        field (``fields``), and the items added before it are aborted."""
         streams: list[RequestStream] = []
         try:
             for i, item in enumerate(items):
@@ -1225,7 +1229,7 @@ class OpenAIServer:
                     return Response(status_code=499)
                 try:
                     prompt = self._with_lora(
-                        item if isinstance(item, dict) else await self._prompt_of(item), model)
+                        item if isinstance(item, dict) else await self._prompt_of(item), lora)
                     streams += await self.engine.add_completions([f"{engine_id}-{i}"], prompt,
                                                                  params)
                 except (ApiError, InvalidInputError) as e:  # named as this endpoint's field
@@ -1254,11 +1258,11 @@ class OpenAIServer:
         try:
             req = proto.parse_completion_request(await self._read_json(request),
                                                  self.max_model_len, self.sampling_defaults)
-            self._check_model_and_room(req.model)
+            lora = self._check_model_and_room(req.model)
             n = req.params.n
             for i, prompt in enumerate(req.prompts):  # choice p * n + j: prompt p's j-th
                 streams += await self._add([f"{engine_id}-{i * n + j}" for j in range(n)],
-                                           self._with_lora(prompt, req.model), req.params,
+                                           self._with_lora(prompt, lora), req.params,
                                            req.beam)
         except (ApiError, InvalidInputError, QueueFullError, EngineDeadError) as e:
             return self._refused(e, streams)  # (the prompts added before the one refused)
@@ -1272,7 +1276,7 @@ class OpenAIServer:
                 self._completion_sse(request_id, streams, req.include_usage, n, echoes,
                                      req.prompt_only, req.continuous_usage,
                                      self._as_ids(req.tokens_as_ids), req.token_ids,
-                                     self._answer_model(req.model)),
+                                     self._answer_model(lora)),
                 on_close=lambda: self._abort(streams))
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
@@ -1300,7 +1304,7 @@ class OpenAIServer:
             if req.prompt_logprobs is not None:
                 choices[-1]["prompt_logprobs"] = self._prompt_logprobs(first, large,
                                                                        req.prompt_logprobs)
-        return large.response(shapes.text_completion(request_id, self._answer_model(req.model),
+        return large.response(shapes.text_completion(request_id, self._answer_model(lora),
                                                      choices,
                                                      usage_of(per_prompt(outs, n))))
 
@@ -1494,7 +1498,8 @@ def _in_field(param: str | None, field: str) -> str | None:
     """An embedding item's error's ``param`` as the endpoint's ``field`` for the item: the
     engine names a prompt's ``prompt`` (or ``messages``, ``images``), and a chat item's
     ``messages[0]...`` (vLLM's ``{"content": [...]}`` items are one user message)."""
-    if field == "messages" or param in ("truncate_prompt_tokens", "priority", "request_id"):
+    if field == "messages" or param in ("truncate_prompt_tokens", "priority", "request_id",
+                                        "lora_request"):
         return param
     if param is not None and param.startswith("messages[0]"):
         return field + param[len("messages[0]"):]

@@ -21,6 +21,7 @@ from mmserve.entrypoints.media import FilePart
 from mmserve.entrypoints.openai_shapes import list_page
 from mmserve.entrypoints.tool_calls import ToolChoice
 from mmserve.errors import InvalidInputError
+from mmserve.lora_request import LoRARequest
 from mmserve.outputs import score_pairs
 from mmserve.processing.chat_template import template_kwargs
 from mmserve.processing.chat_tools import template_tool_calls
@@ -123,6 +124,9 @@ class ChatRequest:
     store: bool = False
     metadata: dict[str, str] = field(default_factory=dict)
     sent_messages: list[dict[str, Any]] = field(default_factory=list)
+    # The LoRA adapter ``model`` names, resolved once, when the server checks the model (an
+    # adapter unloaded or loaded anew meanwhile changes nothing of this request).
+    lora: LoRARequest | None = None
 
 
 def parse_chat_request(body: Any, max_model_len: int, max_images: int,

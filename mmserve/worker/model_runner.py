@@ -465,7 +465,7 @@ class ModelRunner:
         """Remember the requests the step failed for (a step scheduled ahead of this one
         skips them), and forget where their tokens are. Failures a deferred step's tokens show
         later (``StepResult``) are the engine's to handle."""
-        self._failed = set(out.errors)
+        self._failed = set(out.errors).union(out.lora_failures)
         for rid in self._failed:
             self.last_sampled.pop(rid, None)
         return out
