@@ -255,12 +255,6 @@ class EngineConfig:
                      "kv_cache_memory", "encoder_cache_size", "max_image_pixels", "cpu_threads",
                      "tensor_parallel_size", "max_loras", "max_lora_rank"):
             positive(name, getattr(self, name))
-        if self.enable_lora and (self.tensor_parallel_size > 1
-                                 or self.distributed_executor_backend == "mp"):
-            raise ValueError("enable_lora runs the model in the engine's process for now: "
-                             "tensor parallelism and worker processes (tensor_parallel_size "
-                             "above 1, distributed_executor_backend='mp') with LoRA adapters "
-                             "are not supported (merge the adapter into the weights instead).")
         ranks = self.tensor_parallel_size
         if self.distributed_executor_backend not in ("auto", "uni", "mp"):
             raise ValueError(f"distributed_executor_backend must be 'auto', 'uni' or 'mp', got "

@@ -32,6 +32,7 @@ from torch import nn
 
 from mmserve.models.forward_context import get_forward_context
 from mmserve.models.layers import MergedLinear
+from mmserve.models.parallel import Window
 
 # The checkpoint projections an adapter may change: name -> (the decoder layer's module, the
 # wrapped layer's attribute).
@@ -211,6 +212,17 @@ class LoRALinear(nn.Module):
         super().__init__()
         shards = (base.shards if isinstance(base, MergedLinear)
                   else {"": base.out_features})
+        # Under tensor parallelism, the part of an adapter's tensors this rank holds: each
+        # shard's output rows of ``B`` (a column-parallel layer's), or the input columns of
+        # ``A`` (a row-parallel layer's, whose partial sums the caller all-reduces with the
+        # base layer's). Read off the base layer before a CPU kernel replaces it.
+        windows = dict(getattr(base, "shard_windows", {}))
+        weight = getattr(base, "checkpoint_windows", {}).get("weight")
+        if weight is not None and weight.dim == 0:
+            windows[""] = weight
+        self.output_windows: list[Window | None] = [windows.get(name) for name in shards]
+        self.input_window: Window | None = (
+            weight if weight is not None and weight.dim == 1 else None)
         self.base = base
         self.max_rank = max_rank
         self.shard_names = list(shards)
@@ -258,6 +270,10 @@ class LoRALinear(nn.Module):
             if shard not in shards:
                 continue
             a, b = shards[shard]
+            if self.input_window is not None:
+                a = self.input_window.read(a)
+            if self.output_windows[i] is not None:
+                b = self.output_windows[i].read(b)
             self.lora_a[slot, i * r:i * r + a.shape[0]].copy_(a)
             b_slot[:, :b.shape[1]].copy_(b)
             active.append(i)
@@ -330,9 +346,7 @@ def attach_lora(model: nn.Module, max_loras: int, max_rank: int) -> LoRAState:
     return state
 
 
-def lora_slot_bytes(text_config, dtype: torch.dtype, max_loras: int, max_rank: int) -> int:
-    """The memory ``attach_lora``'s slots take on a model of ``text_config``."""
-    shapes = target_shapes(text_config)
-    per_layer = sum(max_rank * (in_f + out_f) for in_f, out_f in shapes.values())
-    return (per_layer * text_config.num_hidden_layers * max_loras
-            * torch.empty((), dtype=dtype).element_size())
+def adapter_slot_bytes(model: nn.Module) -> int:
+    """The memory ``attach_lora``'s slots take in ``model`` (this rank's share of them)."""
+    return sum(b.numel() * b.element_size() for m in model.modules()
+               if isinstance(m, LoRALinear) for b in m.buffers(recurse=False))

@@ -14,9 +14,9 @@ import shutil
 import pytest
 import torch
 
-from mmserve import LLM, EngineConfig, LoRARequest, SamplingParams
+from mmserve import LLM, LoRARequest, SamplingParams
 from mmserve.errors import InvalidInputError
-from mmserve.models.lora import lora_slot_bytes
+from mmserve.models.lora import LoRARows, attach_lora, read_adapter, target_shapes
 from mmserve.processing.hf_processors import load_qwen2_vl_processor
 from mmserve.testing import build_tiny_checkpoint
 from mmserve.testing.lora import build_lora_adapter, merge_lora
@@ -218,8 +218,6 @@ def test_adapters_that_cannot_run_are_refused_saying_why(models, tmp_path) -> No
     with LLM(model["base"], dtype="float32", max_model_len=512) as llm:
         with pytest.raises(InvalidInputError, match="started without LoRA"):
             llm.generate([PROMPTS[0]], GREEDY, lora_request=model["a"][0])
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(model=model["base"], enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(InvalidInputError, match="lora_int_id"):
         LoRARequest("a", 0, model["a"][0].lora_path)
 
@@ -261,10 +259,10 @@ def test_the_memory_plan_counts_the_slots(models) -> None:
     with LLM(model["base"], dtype="float32", max_model_len=512) as plain, \
             LLM(model["base"], dtype="float32", max_model_len=512, enable_lora=True,
                 max_loras=3, max_lora_rank=8) as lora:
-        import torch
-
-        slots = lora_slot_bytes(lora.engine.hf_config.text_config, torch.float32, 3, 8)
-        assert slots > 0
+        # Each decoder layer's seven projections, A and B of rank 8 in each of 3 slots.
+        text = lora.engine.hf_config.text_config
+        slots = 3 * 8 * 4 * text.num_hidden_layers * sum(
+            i + o for i, o in target_shapes(text).values())
         assert lora.engine.weights_bytes - plain.engine.weights_bytes == slots
         assert lora.engine.plan.weights_bytes == lora.engine.weights_bytes
         assert lora.engine.plan.lora_bytes == slots and plain.engine.plan.lora_bytes == 0
@@ -464,3 +462,68 @@ def test_adapters_loaded_and_unloaded_at_run_time(models, tmp_path) -> None:
         off = http.post("/v1/load_lora_adapter", json=load)
         assert off.status_code == 404
         assert "--allow-runtime-lora-updating" in off.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("name", ["clip-llama", "qwen2_vl"])
+def test_each_rank_holds_its_share_of_an_adapter(models, name) -> None:
+    """Under tensor parallelism each rank's slots hold its rows of a column-parallel layer's
+    ``B`` (each shard's: q, k, v; gate, up) and its columns of a row-parallel layer's ``A``:
+    each rank's output is its rows of the whole layer's, and the row-parallel layers' partial
+    sums add up (as the all-reduce adds them) to the whole layer's output."""
+    from transformers import AutoConfig
+
+    from mmserve.models import loader, parallel
+    from mmserve.models.forward_context import forward_context
+
+    path = models[name]["base"]
+    config = AutoConfig.from_pretrained(path)
+    hidden = config.text_config.hidden_size
+    adapter = read_adapter("a", models[name]["a"][0].lora_path, config.text_config, 8,
+                           torch.float32)
+    torch.manual_seed(0)
+    x, o_in = torch.randn(5, hidden), torch.randn(5, hidden)
+    down_in = torch.randn(5, config.text_config.intermediate_size)
+
+    def run(rank: int, size: int) -> tuple[dict, dict[str, torch.Tensor]]:
+        with parallel.tensor_parallel(rank, size):
+            model = loader.load_model(path, config, torch.float32)
+        layer = attach_lora(model, 2, 8).layers[0]
+        model.lora.load(1, adapter)
+
+        def share(full: torch.Tensor, module) -> torch.Tensor:
+            window = module.input_window
+            return full if window is None else full.narrow(1, window.start, window.length)
+
+        with torch.inference_mode(), forward_context(None, None, None,
+                                                     LoRARows(5, [(1, None)])):
+            return layer, {"qkv_proj": layer["qkv_proj"](x),
+                           "gate_up_proj": layer["gate_up_proj"](x),
+                           "o_proj": layer["o_proj"](share(o_in, layer["o_proj"])),
+                           "down_proj": layer["down_proj"](share(down_in, layer["down_proj"]))}
+
+    _, whole = run(0, 1)
+    ranks = [run(rank, 2) for rank in range(2)]
+    for key in ("o_proj", "down_proj"):
+        assert torch.allclose(ranks[0][1][key] + ranks[1][1][key], whole[key], atol=1e-5)
+    whole_layer = run(0, 1)[0]
+    for key in ("qkv_proj", "gate_up_proj"):
+        columns = whole_layer[key].columns
+        for layer, outputs in ranks:
+            want = torch.cat([whole[key][:, cols].narrow(1, w.start, w.length)
+                              for cols, w in zip(columns, layer[key].output_windows,
+                                                 strict=True)], dim=1)
+            assert torch.allclose(outputs[key], want, atol=1e-5), key
+
+
+@pytest.mark.slow
+def test_two_ranks_run_adapters_as_transformers_merged(models) -> None:
+    """Tensor parallelism of two worker processes: each reads its share of every adapter, and
+    the batch of two adapters and none gives transformers' tokens on the merged
+    checkpoints."""
+    model = models["clip-llama"]
+    with LLM(model["base"], dtype="float32", max_model_len=512, enable_lora=True,
+             max_loras=2, tensor_parallel_size=2) as llm:
+        outs = llm.generate(PROMPTS * 2, GREEDY, lora_request=_loras(model, MIXED))
+        assert [o.token_ids for o in outs] == _expected(model, MIXED)
+        assert llm.engine.plan.lora_bytes > 0
+        assert_no_leaks(llm.engine)

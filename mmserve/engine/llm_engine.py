@@ -124,7 +124,8 @@ class LLMEngine:
             self.runner = MultiprocExecutor(WorkerSpec(
                 config.model, device, dtype, config.block_size, config.seed,
                 config.cpu_threads if isinstance(config.cpu_threads, int) else None,
-                config.tensor_parallel_size, config.worker_timeout, split_encoder))
+                config.tensor_parallel_size, config.worker_timeout, split_encoder,
+                (config.max_loras, config.max_lora_rank) if config.enable_lora else None))
         self.processor, self.grammars = processor_and_grammars(config, hf_config)
         self._matchers = Matchers()  # the constrained requests' grammar state
         # Requests of the step being built whose grammar allows no next token: failed when

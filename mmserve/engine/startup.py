@@ -26,7 +26,7 @@ from mmserve.engine.memory_plan import (
     plan_memory,
 )
 from mmserve.engine.profile_batch import ProfileBatch, profile_batch_for
-from mmserve.models.lora import attach_lora, lora_slot_bytes
+from mmserve.models.lora import adapter_slot_bytes, attach_lora
 from mmserve.processing.family import MultiModalFamily
 from mmserve.worker import cpu_threads, memory_profiler
 from mmserve.worker.dry_run import (
@@ -127,6 +127,7 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
     model = meta_model(hf_config, dtype, ranks, split_encoder)
     if config.enable_lora:  # its slots are weights; its deltas, activations
         attach_lora(model, config.max_loras, config.max_lora_rank)
+    adapters_bytes = adapter_slot_bytes(model)  # (rank 0's share)
     if weights_bytes is None:
         weights_bytes = memory_profiler.tensor_bytes(model)
         if device != "cpu":
@@ -147,7 +148,7 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
     method += (f" ({step.num_scheduled_tokens} tokens, {step.num_requests} sequences, "
                f"{len(step.images_to_encode)} images)")
     inputs = plan_inputs(config, hf_config, device, memory_bytes, weights_bytes, peak, method,
-                         budget, estimated=tuple(sorted(marked)))
+                         budget, estimated=tuple(sorted(marked)), lora_bytes=adapters_bytes)
     if config.encoder_cache_borrowing and config.limit_mm_per_prompt:
         text = hf_config.text_config
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
@@ -192,6 +193,7 @@ def plan_inputs(
     activation_method: str,
     encoder_budget: EncoderBudget,
     estimated: tuple[str, ...] = (),
+    lora_bytes: int = 0,
 ) -> PlanInputs:
     """PlanInputs from the engine settings, the checkpoint's config and the measured sizes."""
     text = hf_config.text_config
@@ -223,6 +225,5 @@ def plan_inputs(
         single_user_mode=config.single_user_mode,
         min_model_len=tokens_per_image + 1 if config.limit_mm_per_prompt else 1,
         estimated=estimated,
-        lora_bytes=(lora_slot_bytes(text, config.torch_dtype, config.max_loras,
-                                    config.max_lora_rank) if config.enable_lora else 0),
+        lora_bytes=lora_bytes,
     )

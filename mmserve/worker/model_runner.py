@@ -318,10 +318,11 @@ class ModelRunner:
         one that does not read leaves its slot empty (read again by the next step that needs
         it). Returns the slots it failed for, with why."""
         text_config = self.model.config.text_config
-        failed = {}
+        failed, read = {}, False
         for slot, adapter in adapters.items():
             if self._slot_adapters[slot] == adapter:
                 continue
+            read = True
             name, _, path = adapter
             self._slot_adapters[slot] = None
             try:
@@ -332,6 +333,16 @@ class ModelRunner:
                 self.lora.clear(slot)
                 failed[slot] = str(e)
                 logger.error("LoRA adapter %r did not load: %s", name, e)
+        if read and parallel.tp_size() > 1:
+            # Every rank drops the same requests, whichever rank's read failed: their steps'
+            # collectives must pair up. (Every rank reads in the same steps: they hold the
+            # same adapters, told by the same steps.)
+            for slot, reason in {k: v for ranks in parallel.gather_objects(failed)
+                                 for k, v in ranks.items()}.items():
+                if slot not in failed:
+                    self.lora.clear(slot)
+                    self._slot_adapters[slot] = None
+                    failed[slot] = reason
         return failed
 
     def _without_failed_loras(self, scheduler_output: SchedulerOutput, failed: dict[int, str],
