@@ -464,12 +464,14 @@ def test_adapters_loaded_and_unloaded_at_run_time(models, tmp_path) -> None:
         assert "--allow-runtime-lora-updating" in off.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("name", ["clip-llama", "qwen2_vl"])
-def test_each_rank_holds_its_share_of_an_adapter(models, name) -> None:
+@pytest.mark.parametrize(("name", "size"), [("clip-llama", 2), ("qwen2_vl", 2),
+                                           ("clip-llama", 4)])
+def test_each_rank_holds_its_share_of_an_adapter(models, name, size) -> None:
     """Under tensor parallelism each rank's slots hold its rows of a column-parallel layer's
-    ``B`` (each shard's: q, k, v; gate, up) and its columns of a row-parallel layer's ``A``:
-    each rank's output is its rows of the whole layer's, and the row-parallel layers' partial
-    sums add up (as the all-reduce adds them) to the whole layer's output."""
+    ``B`` (each shard's: q, k, v; gate, up; four ranks of two KV heads: k and v replicated)
+    and its columns of a row-parallel layer's ``A``: each rank's output is its rows of the
+    whole layer's, and the row-parallel layers' partial sums add up (as the all-reduce adds
+    them) to the whole layer's output."""
     from transformers import AutoConfig
 
     from mmserve.models import loader, parallel
@@ -502,9 +504,9 @@ def test_each_rank_holds_its_share_of_an_adapter(models, name) -> None:
                            "down_proj": layer["down_proj"](share(down_in, layer["down_proj"]))}
 
     _, whole = run(0, 1)
-    ranks = [run(rank, 2) for rank in range(2)]
+    ranks = [run(rank, size) for rank in range(size)]
     for key in ("o_proj", "down_proj"):
-        assert torch.allclose(ranks[0][1][key] + ranks[1][1][key], whole[key], atol=1e-5)
+        assert torch.allclose(sum(outputs[key] for _, outputs in ranks), whole[key], atol=1e-5)
     whole_layer = run(0, 1)[0]
     for key in ("qkv_proj", "gate_up_proj"):
         columns = whole_layer[key].columns
