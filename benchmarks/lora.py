@@ -5,9 +5,9 @@ half with each of two (``max_loras=2``), in one run, on the same machine and che
 Each request is a chat turn with a distinct image (new ones each round, prefix caching off, so
 every prompt is computed) and ``--max-tokens`` greedy output tokens (end tokens ignored). The
 adapters are random, of ``--rank`` on every projection of the decoder (q, k, v, o, gate, up,
-down): the most an adapter of that rank computes. Each round runs every configuration once;
-the report gives each one's output tokens per second and its ratio to the engine without LoRA
-in the same round.
+down): the most an adapter of that rank computes. Each round runs every configuration once,
+in an order rotated from round to round (none always first or last); the report gives each
+one's output tokens per second and its ratio to the engine without LoRA in the same round.
 
     python benchmarks/lora.py                         # the bench checkpoint, float32
     python benchmarks/lora.py --rank 64 --rounds 3
@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
                                                     max_lora_rank=args.rank, **common) as lora:
             for round_ in range(args.rounds + 1):  # the first warms both engines up
                 rates = {}
-                for name, (with_lora, loras) in runs.items():
+                names = list(runs)
+                turn = round_ % len(names)
+                for name in names[turn:] + names[:turn]:
+                    with_lora, loras = runs[name]
                     prompts = [{"messages": [{"role": "user", "content": [
                         {"type": "image"},
                         {"type": "text", "text": f"Image {i}: what is in it?"}]}],
@@ -75,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 base = rates["no LoRA engine"]
                 print(f"round {round_}: " + "; ".join(
-                    f"{name} {rate:7.1f} out tok/s ({rate / base:.2f}x)"
-                    for name, rate in rates.items()))
+                    f"{name} {rates[name]:7.1f} out tok/s ({rates[name] / base:.2f}x)"
+                    for name in runs))
     return 0
 
 

@@ -14,6 +14,9 @@ gate/up, o and down) in a ``LoRALinear`` that holds ``max_loras`` slots: ``A``
 until an adapter is loaded into a slot (its rank padded with zeros, ``scaling`` folded into
 ``B``). A step's rows are grouped by slot (``LoRARows``, in the forward context); each group
 adds ``(x A^T) B^T`` to its rows' outputs, after the base layer (packed or not) computed them.
+Under tensor parallelism a rank's slots hold its share, as the base layer's windows say: its
+rows of ``B`` in a column-parallel layer, its columns of ``A`` in a row-parallel one (whose
+partial sums the all-reduce adds with the base layer's).
 """
 
 from __future__ import annotations
@@ -254,8 +257,8 @@ class LoRALinear(nn.Module):
                 cols = self.columns[i]
                 if index is None:  # into the output's columns, in place (no delta tensor)
                     y[:, cols].addmm_(xa_i, b_t)
-                else:
-                    y[index, cols] += xa_i @ b_t
+                else:  # added into its rows in one pass (no gather of theirs first)
+                    y[:, cols].index_add_(0, index, xa_i @ b_t)
         return y
 
     def set_slot(self, slot: int, shards: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
