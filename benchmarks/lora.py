@@ -1,13 +1,15 @@
-"""LoRA adapters: what they cost. The same requests through an engine without LoRA, and through
-one started with ``enable_lora`` running them without an adapter, all with one adapter, and
-half with each of two (``max_loras=2``), in one run, on the same machine and checkpoint.
+"""LoRA adapters: what they cost. Requests of one shape through an engine without LoRA, and
+through one started with ``enable_lora`` running them without an adapter, all with one
+adapter, and half with each of two (``max_loras=2``), in one run, on the same machine and
+checkpoint.
 
-Each request is a chat turn with a distinct image (new ones each round, prefix caching off, so
-every prompt is computed) and ``--max-tokens`` greedy output tokens (end tokens ignored). The
-adapters are random, of ``--rank`` on every projection of the decoder (q, k, v, o, gate, up,
-down): the most an adapter of that rank computes. Each round runs every configuration once,
-in an order rotated from round to round (none always first or last); the report gives each
-one's output tokens per second and its ratio to the engine without LoRA in the same round.
+Each request is a chat turn with a distinct image (new ones for every run, prefix caching off,
+so that every prompt is computed and no encoder output is found) and ``--max-tokens`` greedy
+output tokens (end tokens ignored). The adapters are random, of ``--rank`` on every projection
+of the decoder (q, k, v, o, gate, up, down): the most an adapter of that rank computes. Each
+round runs every configuration once, in an order rotated from round to round (none always
+first or last); the report gives each one's output tokens per second and its ratio to the
+engine without LoRA in the same round.
 
     python benchmarks/lora.py                         # the bench checkpoint, float32
     python benchmarks/lora.py --rank 64 --rounds 3
@@ -73,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                     start = time.perf_counter()
                     outs = llm.generate(prompts, params, lora_request=loras)
                     seconds = time.perf_counter() - start
-                    rates[name] = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+                    for out in outs:  # (a request that failed would only look fast)
+                        assert out.outputs[0].finish_reason == "length", out.outputs[0].error
+                    rates[name] = n * args.max_tokens / seconds
                 if round_ == 0:
                     continue
                 base = rates["no LoRA engine"]

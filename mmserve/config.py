@@ -309,6 +309,11 @@ class EngineConfig:
                                else CPU_BATCHED_TOKENS)
 
     @property
+    def lora_slots(self) -> tuple[int, int] | None:
+        """The model's LoRA slots, ``(max_loras, max_lora_rank)``; None without LoRA."""
+        return (self.max_loras, self.max_lora_rank) if self.enable_lora else None
+
+    @property
     def worker_processes(self) -> bool:
         """Whether the model runs in worker processes (``MultiprocExecutor``)."""
         return self.distributed_executor_backend == "mp" or self.tensor_parallel_size > 1

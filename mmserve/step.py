@@ -109,7 +109,7 @@ class DecodeRows:
             [self.start_pos[i] for i in rows], [self.positions[i] for i in rows],
             [self.sampling_params[i] for i in rows], [self.blocks_from[i] for i in rows],
             {j: self.new_blocks[i] for j, i in enumerate(rows) if i in self.new_blocks},
-            self.position_rows, [self.lora_slots[i] for i in rows] if self.lora_slots else [])
+            self.position_rows, [self.lora_slots[i] for i in rows])
 
     def request(self, row: int) -> ScheduledRequest:
         """The row as a ``ScheduledRequest`` (for tests and rare paths: a failed step's
@@ -121,7 +121,7 @@ class DecodeRows:
             blocks_from=self.blocks_from[row], image_slices=[], sample=True,
             sampling_params=self.sampling_params[row],
             positions=[[position] for _ in range(self.position_rows)],
-            lora_slot=self.lora_slots[row] if self.lora_slots else -1)
+            lora_slot=self.lora_slots[row])
 
 
 @dataclass

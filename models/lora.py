@@ -60,10 +60,9 @@ class AdapterError(ValueError):
 
 @dataclass
 class Adapter:
-    """An adapter read for a model: ``weights[(layer, target)] = (A, B)``, ``B`` scaled."""
+    """An adapter read for a model: ``weights[(layer, target)] = (A, B)``, ``B`` scaled
+    (none where only its files' headers were read)."""
 
-    name: str
-    rank: int
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -92,7 +91,7 @@ def read_adapter(name: str, path: str | Path, text_config, max_rank: int,
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdapterError(f"LoRA adapter {name!r}: adapter_config.json's r must be a "
                            f"positive integer, got {rank!r}.")
-    alpha = config.get("lora_alpha", rank)
+    alpha = config.get("lora_alpha", 8)  # (PEFT's default)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise AdapterError(f"LoRA adapter {name!r}: lora_alpha must be a number, got "
                            f"{alpha!r}.")
@@ -130,7 +129,6 @@ def read_adapter(name: str, path: str | Path, text_config, max_rank: int,
                                        f"the model has {num_layers}; it is another model's.")
                 found.setdefault((layer, m["target"]), {})[m["ab"]] = f.get_slice(key)
             weights = {}
-            max_r = 0
             for (layer, target), pair in sorted(found.items()):
                 if set(pair) != {"A", "B"}:
                     raise AdapterError(f"LoRA adapter {name!r}: layer {layer}'s {target} has "
@@ -146,7 +144,6 @@ def read_adapter(name: str, path: str | Path, text_config, max_rank: int,
                 if r > max_rank:
                     raise AdapterError(f"LoRA adapter {name!r} has rank {r}, above "
                                        f"max_lora_rank={max_rank}; raise --max-lora-rank.")
-                max_r = max(max_r, r)
                 if dtype is None:
                     continue
                 # PEFT's scaling: alpha over the rank (its square root with rsLoRA), the
@@ -165,7 +162,7 @@ def read_adapter(name: str, path: str | Path, text_config, max_rank: int,
                            f"safetensors ({e}).") from e
     if not found:
         raise AdapterError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights.")
-    return Adapter(name, max_r, weights)
+    return Adapter(weights)
 
 
 def _adapter_config(name: str, folder: Path) -> dict:
@@ -219,10 +216,8 @@ class LoRALinear(nn.Module):
         # shard's output rows of ``B`` (a column-parallel layer's), or the input columns of
         # ``A`` (a row-parallel layer's, whose partial sums the caller all-reduces with the
         # base layer's). Read off the base layer before a CPU kernel replaces it.
-        windows = dict(getattr(base, "shard_windows", {}))
+        windows = getattr(base, "shard_windows", {})
         weight = getattr(base, "checkpoint_windows", {}).get("weight")
-        if weight is not None and weight.dim == 0:
-            windows[""] = weight
         self.output_windows: list[Window | None] = [windows.get(name) for name in shards]
         self.input_window: Window | None = (
             weight if weight is not None and weight.dim == 1 else None)

@@ -125,7 +125,7 @@ class LLMEngine:
                 config.model, device, dtype, config.block_size, config.seed,
                 config.cpu_threads if isinstance(config.cpu_threads, int) else None,
                 config.tensor_parallel_size, config.worker_timeout, split_encoder,
-                (config.max_loras, config.max_lora_rank) if config.enable_lora else None))
+                config.lora_slots))
         self.processor, self.grammars = processor_and_grammars(config, hf_config)
         self._matchers = Matchers()  # the constrained requests' grammar state
         # Requests of the step being built whose grammar allows no next token: failed when
@@ -150,8 +150,7 @@ class LLMEngine:
             weights_bytes = self.runner.weights_bytes
         else:
             self.model, weights_bytes = on_runner_thread(
-                runner_cls.load_model, config.model, hf_config, dtype,
-                (config.max_loras, config.max_lora_rank) if config.enable_lora else None)
+                runner_cls.load_model, config.model, hf_config, dtype, config.lora_slots)
             # No KV cache until the plan sizes it.
             self.runner = on_runner_thread(runner_cls, self.model, 0, config.block_size, dtype,
                                            config.seed)

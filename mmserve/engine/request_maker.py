@@ -44,7 +44,7 @@ class RequestMaker:
                  release_threshold: int, scheduling_policy: str = "fcfs",
                  pooling_type: str = "last", lora: LoRAChecker | None = None) -> None:
         self.processor = processor
-        self.lora = lora  # None: the engine runs no LoRA adapter
+        self.lora_checker = lora  # None: the engine runs no LoRA adapter
         self.scheduling_policy = scheduling_policy
         self.pooling_type = pooling_type  # an embedding's (``SamplingParams.pooling``)
         self.grammars = grammars
@@ -62,12 +62,12 @@ class RequestMaker:
         salt = cache_salt(prompt)
         lora = prompt_lora(prompt)
         if lora is not None:
-            if self.lora is None:
+            if self.lora_checker is None:
                 raise InvalidInputError(
                     f"this request runs with LoRA adapter {lora.lora_name!r}, but the engine "
                     "was started without LoRA; start it with enable_lora (--enable-lora).",
                     param="lora_request")
-            self.lora.check(lora)  # off the stepping thread: its files' headers
+            self.lora_checker.check(lora)  # off the stepping thread: its files' headers
         if params.return_embedding and params.pooling != self.pooling_type:
             params = dataclasses.replace(params, pooling=self.pooling_type)
         keep_last = params.truncate_prompt_tokens

@@ -125,8 +125,8 @@ def _plan(config: EngineConfig, hf_config, family: MultiModalFamily, device: str
     ranks, split_encoder = config.tensor_parallel_size, config.mm_encoder_tp_mode == "weights"
     # Rank 0's shapes: sizes, dry runs, FLOPs.
     model = meta_model(hf_config, dtype, ranks, split_encoder)
-    if config.enable_lora:  # its slots are weights; its deltas, activations
-        attach_lora(model, config.max_loras, config.max_lora_rank)
+    if config.lora_slots is not None:  # its slots are weights; its deltas, activations
+        attach_lora(model, *config.lora_slots)
     adapters_bytes = adapter_slot_bytes(model)  # (rank 0's share)
     if weights_bytes is None:
         weights_bytes = memory_profiler.tensor_bytes(model)

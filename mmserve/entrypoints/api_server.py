@@ -224,13 +224,7 @@ class OpenAIServer:
         adapter is checked against the checkpoint (off the event loop)."""
         try:
             name, path = self._lora_update(await self._read_json(request), "lora_path")
-            if name in self.loras or name in self.model_names:
-                raise proto.bad_request(f"the LoRA adapter {name!r} is loaded already (or is "
-                                        "the model's name); unload it first, or pick another "
-                                        "name.", "lora_name")
-            if len(self.loras) >= MAX_SERVED_ADAPTERS:
-                raise proto.bad_request(f"{MAX_SERVED_ADAPTERS} LoRA adapters are served "
-                                        "already; unload one first.", "lora_name")
+            self._check_adapter_name_free(name)
             if not isinstance(path, str) or not path:
                 raise proto.bad_request("lora_path must be the adapter's folder.", "lora_path")
             config = self.engine.config
@@ -239,10 +233,7 @@ class OpenAIServer:
                                         config.max_lora_rank)
             except AdapterError as e:
                 raise proto.bad_request(str(e), "lora_path") from None
-            if name in self.loras or len(self.loras) >= MAX_SERVED_ADAPTERS:
-                raise proto.bad_request(  # (loaded by requests sent at once)
-                    f"the LoRA adapter {name!r} is loaded already, or "
-                    f"{MAX_SERVED_ADAPTERS} are; unload one first.", "lora_name")
+            self._check_adapter_name_free(name)  # again: (loads sent at once)
         except ApiError as e:
             return error_response(e)
         self.loras[name] = LoRARequest(name, next(self._lora_ids), path)
@@ -263,9 +254,19 @@ class OpenAIServer:
         logger.info("no longer serving LoRA adapter %r", name)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
-    def _lora_update(self, body: Any, *fields: str) -> tuple[str, Any]:
-        """A runtime LoRA update's ``lora_name`` (and the first of ``fields``), checked: the
-        server must allow it and run adapters."""
+    def _check_adapter_name_free(self, name: str) -> None:
+        """A 400 unless ``name`` may name one more adapter loaded at run time."""
+        if name in self.loras or name in self.model_names:
+            raise proto.bad_request(f"the LoRA adapter {name!r} is loaded already (or is the "
+                                    "model's name); unload it first, or pick another name.",
+                                    "lora_name")
+        if len(self.loras) >= MAX_SERVED_ADAPTERS:
+            raise proto.bad_request(f"{MAX_SERVED_ADAPTERS} LoRA adapters are served already; "
+                                    "unload one first.", "lora_name")
+
+    def _lora_update(self, body: Any, path_field: str | None = None) -> tuple[str, Any]:
+        """A runtime LoRA update's ``lora_name`` (and its ``path_field``'s value), checked:
+        the server must allow it and run adapters."""
         if not self.config.allow_runtime_lora_updating:
             raise ApiError(404, "runtime LoRA updating is off: start the server with "
                            "--allow-runtime-lora-updating (and --enable-lora).",
@@ -279,7 +280,7 @@ class OpenAIServer:
         if not isinstance(name, str) or not name or len(name) > 256:
             raise proto.bad_request("lora_name must be a name of 1 to 256 characters.",
                                     "lora_name")
-        return name, body.get(fields[0]) if fields else None
+        return name, body.get(path_field) if path_field else None
 
     def _adapter_card(self, name: str) -> dict[str, Any]:
         """A LoRA adapter as vLLM lists it: its path the ``root``, the model its
@@ -1028,8 +1029,8 @@ class OpenAIServer:
     async def _sse(self, rid: str, streams: list[RequestStream], include_usage: bool,
                    tool_choice: tool_calls.ToolChoice, continuous_usage: bool = False,
                    as_ids: bool = False, token_ids: bool = False,
-                   on_whole: Callable[[list[RequestOutput], int], None] | None = None,
-                   model: str | None = None) -> AsyncIterator[str]:
+                   on_whole: Callable[[list[RequestOutput], int], None] | None = None, *,
+                   model: str) -> AsyncIterator[str]:
         """A chat answer's chunks: each choice's role first, with the choice's first output
         (as OpenAI and vLLM send it: a client that times the first chunk times the first
         token), then its text as it comes (or the tool calls read from it), in the order the
@@ -1038,10 +1039,8 @@ class OpenAIServer:
         ``return_token_ids``): the prompt's token ids in each choice's first chunk, and in
         each chunk of a choice the ids of its tokens since the one before. ``on_whole``: told
         of every choice's whole output, and the chunks' ``created``, once all have finished
-        (not when the stream failed or the client left). ``model``: the one chunks name (by
-        default the served model's first name)."""
+        (not when the stream failed or the client left). ``model``: the one chunks name."""
         created = int(time.time())
-        model = model or self.model
         answers = [Answer() for _ in streams]
         readers = [tool_calls.reader_for(tool_choice, self.tool_parser) for _ in streams]
         prompt_ids: list[int] | None = None  # the prompt's, for the next chunk to carry
@@ -1182,7 +1181,7 @@ class OpenAIServer:
         scored = await self._scored(request, "score-", proto.parse_score_request)
         if isinstance(scored, Response):
             return scored
-        request_id, req, scores, tokens, model = scored
+        request_id, _, scores, tokens, model = scored
         return JSONResponse(shapes.scores(request_id, model,
                                           int(time.time()), scores, tokens))
 
@@ -1276,7 +1275,7 @@ class OpenAIServer:
                 self._completion_sse(request_id, streams, req.include_usage, n, echoes,
                                      req.prompt_only, req.continuous_usage,
                                      self._as_ids(req.tokens_as_ids), req.token_ids,
-                                     self._answer_model(lora)),
+                                     model=self._answer_model(lora)),
                 on_close=lambda: self._abort(streams))
         outs = await self._final_outputs(request, streams)
         if isinstance(outs, Response):
@@ -1331,8 +1330,8 @@ class OpenAIServer:
     async def _completion_sse(self, rid: str, streams: list[RequestStream],
                               include_usage: bool, n: int, echoes: list[str] | None = None,
                               prompt_only: bool = False, continuous_usage: bool = False,
-                              as_ids: bool = False, token_ids: bool = False,
-                              model: str | None = None) -> AsyncIterator[str]:
+                              as_ids: bool = False, token_ids: bool = False, *,
+                              model: str) -> AsyncIterator[str]:
         """The choices' streams merged into one, each chunk one choice's new text (``index``
         says which), after a chunk of each choice's prompt where ``echoes`` has them (with
         ``prompt_only``, nothing generated follows); the usage of them all last when asked
@@ -1343,7 +1342,7 @@ class OpenAIServer:
         created = int(time.time())
 
         def event(choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> str:
-            body = shapes.completion_chunk(rid, model or self.model, created, choice,
+            body = shapes.completion_chunk(rid, model, created, choice,
                                            include_usage,
                                            usage)
             return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"

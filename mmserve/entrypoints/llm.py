@@ -325,21 +325,17 @@ def _with_loras(prompts: list[dict[str, Any] | str],
                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None
                 ) -> list[dict[str, Any] | str]:
     """The prompts, each running with its LoRA adapter (the engine reads a prompt's
-    ``lora_request``): ``lora_request`` for all, or one (or None) each."""
+    ``lora_request``, and refuses what is no ``LoRARequest``): ``lora_request`` for all, or
+    one (or None) each."""
     if lora_request is None:
         return prompts
     loras = ([lora_request] * len(prompts) if isinstance(lora_request, LoRARequest)
              else list(lora_request))
     if len(loras) != len(prompts):
         raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
-    with_loras = []
-    for prompt, lora in zip(prompts, loras, strict=True):
-        if lora is not None and not isinstance(lora, LoRARequest):
-            raise TypeError(f"lora_request must be a LoRARequest or None, got "
-                            f"{type(lora).__name__}")
-        with_loras.append(prompt if lora is None else {
-            **({"prompt": prompt} if isinstance(prompt, str) else prompt), "lora_request": lora})
-    return with_loras
+    return [prompt if lora is None else {
+        **({"prompt": prompt} if isinstance(prompt, str) else prompt), "lora_request": lora}
+        for prompt, lora in zip(prompts, loras, strict=True)]
 
 
 def _final_only(params: SamplingParams) -> SamplingParams:

@@ -40,12 +40,11 @@ def _projection_weights(checkpoint: pathlib.Path) -> dict[str, tuple[str, list[i
 def build_lora_adapter(
     checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], *, rank: int = 4,
     alpha: float = 8.0, targets: Sequence[str] = ALL_TARGETS, seed: int = 0,
-    std: float = 0.2, use_rslora: bool = False, layers: Sequence[int] | None = None,
-    rank_pattern: dict[str, int] | None = None,
+    std: float = 0.2, use_rslora: bool = False, rank_pattern: dict[str, int] | None = None,
 ) -> pathlib.Path:
     """A random LoRA adapter of ``checkpoint``'s language model in PEFT's format: ``lora_A``
-    and ``lora_B`` (both random, so that it changes the output) for ``targets`` of ``layers``
-    (all by default), keys as PEFT saves them (``base_model.model.<module>.lora_A.weight``),
+    and ``lora_B`` (both random, so that it changes the output) for ``targets`` of every
+    layer, keys as PEFT saves them (``base_model.model.<module>.lora_A.weight``),
     ``rank_pattern`` giving some targets a rank of their own."""
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -53,8 +52,7 @@ def build_lora_adapter(
     tensors = {}
     for module, (target, (out_f, in_f)) in sorted(_projection_weights(
             pathlib.Path(checkpoint)).items()):
-        layer = int(_WEIGHT.match(module + ".weight")["layer"])
-        if target not in targets or (layers is not None and layer not in layers):
+        if target not in targets:
             continue
         r = (rank_pattern or {}).get(target, rank)
         tensors[f"base_model.model.{module}.lora_A.weight"] = (
@@ -74,12 +72,15 @@ def build_lora_adapter(
 def merge_lora(checkpoint: str | os.PathLike[str], adapter: str | os.PathLike[str],
                out: str | os.PathLike[str]) -> pathlib.Path:
     """A copy of ``checkpoint`` whose weights have ``adapter`` merged in, as PEFT's
-    ``merge_and_unload`` computes it (float32): what the adapted model is, for transformers."""
+    ``merge_and_unload`` computes it (float32): what the adapted model is, for transformers.
+    A ``ValueError`` for adapter tensors that change no weight of the checkpoint (else the
+    oracle would be the model's own weights there)."""
     checkpoint, adapter, out = (pathlib.Path(p) for p in (checkpoint, adapter, out))
     shutil.copytree(checkpoint, out, dirs_exist_ok=True)
     config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
     with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
         lora = {key: f.get_tensor(key) for key in f.keys()}
+    merged_keys: set[str] = set()
     for file in sorted(out.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             weights = {key: f.get_tensor(key) for key in f.keys()}
@@ -90,10 +91,16 @@ def merge_lora(checkpoint: str | os.PathLike[str], adapter: str | os.PathLike[st
             if a is None:
                 continue
             b = lora[f"base_model.model.{module}.lora_B.weight"]
-            r = a.shape[0]
-            scaling = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
+            merged_keys |= {f"base_model.model.{module}.lora_{ab}.weight" for ab in "AB"}
+            r = config.get("rank_pattern", {}).get(key.split(".")[-2], config["r"])
+            assert a.shape[0] == r, f"{module}: lora_A has rank {a.shape[0]}, the config {r}"
+            alpha = config.get("lora_alpha", 8)
+            scaling = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
             merged = weight.to(torch.float32) + scaling * (b.to(torch.float32)
                                                            @ a.to(torch.float32))
             weights[key] = merged.to(weight.dtype)
         save_file(weights, str(file), metadata=metadata)
+    if set(lora) - merged_keys:
+        raise ValueError(f"{adapter}: {sorted(set(lora) - merged_keys)[:3]} change no weight "
+                         f"of {checkpoint}")
     return out

@@ -96,11 +96,11 @@ class CUDAModelRunner(ModelRunner):
 
     @classmethod
     def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype,
-                   lora: tuple[int, int] | None = None) -> tuple[nn.Module, int]:
+                   lora_slots: tuple[int, int] | None = None) -> tuple[nn.Module, int]:
         """Load onto the GPU; the weight bytes are what the CUDA allocator gained meanwhile."""
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
-        model, _ = super().load_model(model_dir, hf_config, dtype, lora)
+        model, _ = super().load_model(model_dir, hf_config, dtype, lora_slots)
         torch.cuda.synchronize()
         weight_bytes = torch.cuda.memory_allocated() - before
         logger.info("model weights take %.3f GiB on %s", weight_bytes / 2**30,

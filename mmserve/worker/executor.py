@@ -78,7 +78,7 @@ class WorkerSpec:
     size: int
     timeout: float  # seconds a call (or a collective inside it) may take
     split_encoder: bool = False  # the vision tower split across ranks (else data-parallel)
-    lora: tuple[int, int] | None = None  # LoRA slots: (max_loras, max_lora_rank), or none
+    lora_slots: tuple[int, int] | None = None  # (max_loras, max_lora_rank), or no LoRA
 
 
 class ParamsMemo:
@@ -538,7 +538,7 @@ def _start(spec: WorkerSpec, rank: int, port: int):
     parallel.init_tensor_parallel(rank, spec.size, group, spec.split_encoder)
     hf_config = AutoConfig.from_pretrained(spec.model, local_files_only=True)
     runner_cls = runner_class(spec.device)
-    model, weights_bytes = runner_cls.load_model(spec.model, hf_config, spec.dtype, spec.lora)
+    model, weights_bytes = runner_cls.load_model(spec.model, hf_config, spec.dtype, spec.lora_slots)
     runner = runner_cls(model, 0, spec.block_size, spec.dtype, spec.seed)
     runner.weights_bytes = weights_bytes
     if spec.device == "cpu":

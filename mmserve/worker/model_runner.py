@@ -224,9 +224,9 @@ class ModelRunner:
         # The LoRA adapters' slots (``attach_lora``; None without), and the adapter each
         # holds (``SchedulerOutput.lora_adapters``' identities; None: none, or one that did
         # not load).
-        self.lora = getattr(model, "lora", None)
+        self.lora_state = getattr(model, "lora", None)
         self._slot_adapters: list[tuple[str, int, str] | None] = (
-            [None] * self.lora.max_loras if self.lora is not None else [])
+            [None] * self.lora_state.max_loras if self.lora_state is not None else [])
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -326,11 +326,11 @@ class ModelRunner:
             name, _, path = adapter
             self._slot_adapters[slot] = None
             try:
-                self.lora.load(slot, read_adapter(name, path, text_config, self.lora.max_rank,
-                                                  self.dtype))
+                self.lora_state.load(slot, read_adapter(name, path, text_config,
+                                                        self.lora_state.max_rank, self.dtype))
                 self._slot_adapters[slot] = adapter
             except Exception as e:  # noqa: BLE001 (its requests fail with why; others run)
-                self.lora.clear(slot)
+                self.lora_state.clear(slot)
                 failed[slot] = str(e)
                 logger.error("LoRA adapter %r did not load: %s", name, e)
         if read and parallel.tp_size() > 1:
@@ -340,7 +340,7 @@ class ModelRunner:
             for slot, reason in {k: v for ranks in parallel.gather_objects(failed)
                                  for k, v in ranks.items()}.items():
                 if slot not in failed:
-                    self.lora.clear(slot)
+                    self.lora_state.clear(slot)
                     self._slot_adapters[slot] = None
                     failed[slot] = reason
         return failed
@@ -350,8 +350,7 @@ class ModelRunner:
         """The step less the requests whose adapter did not load (``failed``: slot -> why),
         each failed with why (``lora_failures``)."""
         decodes = scheduler_output.decodes
-        rows = list(zip(decodes.request_ids, decodes.lora_slots or [-1] * len(decodes),
-                        strict=True))
+        rows = list(zip(decodes.request_ids, decodes.lora_slots, strict=True))
         rows += [(r.request_id, r.lora_slot) for r in scheduler_output.chunks]
         dropped = {rid: failed[slot] for rid, slot in rows if slot in failed}
         if not dropped:
@@ -363,7 +362,7 @@ class ModelRunner:
                    sampled: list[ScheduledRequest], output_rows: OutputRows | None
                    ) -> LoRARows | None:
         """The step's rows by adapter slot (None: no row runs with an adapter)."""
-        row_slots = list(decodes.lora_slots) if decodes.lora_slots else [-1] * len(decodes)
+        row_slots = list(decodes.lora_slots)
         for r in chunks:
             row_slots += [r.lora_slot] * len(r.token_ids)
         if max(row_slots, default=-1) < 0:
@@ -522,7 +521,7 @@ class ModelRunner:
             output_rows = self._output_rows(chunks, decodes, sampled, ids, sample_rows,
                                             num_rows, meta)
             lora = (self._lora_rows(decodes, chunks, input_ids.shape[0], sampled, output_rows)
-                    if self.lora is not None else None)
+                    if self.lora_state is not None else None)
         t2 = time.perf_counter()
         times.prepare += t2 - t1
         with self._phase("forward"):
@@ -746,14 +745,15 @@ class ModelRunner:
 
     @classmethod
     def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype,
-                   lora: tuple[int, int] | None = None) -> tuple[nn.Module, int]:
+                   lora_slots: tuple[int, int] | None = None) -> tuple[nn.Module, int]:
         """The checkpoint's model on this runner's device, and the bytes its weights take
-        (those of its LoRA slots included: ``lora`` is ``(max_loras, max_lora_rank)``)."""
+        (those of its LoRA slots included: ``lora_slots`` is ``(max_loras,
+        max_lora_rank)``, ``EngineConfig.lora_slots``)."""
         from mmserve.models.loader import load_model
 
         model = load_model(model_dir, hf_config, dtype)
-        if lora is not None:
-            attach_lora(model, *lora)
+        if lora_slots is not None:
+            attach_lora(model, *lora_slots)
         model = model.to(cls.device)
         tensors = [*model.parameters(), *model.buffers()]
         return model, sum(t.numel() * t.element_size() for t in tensors)
@@ -1070,9 +1070,10 @@ class ModelRunner:
                 embeds = self._embed(input_ids, batch.chunks, len(batch.decodes))
                 # Every row with an adapter that changes every projection: the most a
                 # step's adapters add.
-                lora = None if self.lora is None else LoRARows(input_ids.shape[0], [(
+                state = self.lora_state
+                lora = None if state is None else LoRARows(input_ids.shape[0], [(
                     0, torch.arange(input_ids.shape[0], device=input_ids.device))])
-                with nullcontext() if self.lora is None else self.lora.profiling():
+                with nullcontext() if state is None else state.profiling():
                     hidden = self._forward(positions, embeds, meta, lora=lora)
                 self.model.compute_logits(hidden[sample_rows])
         finally:
@@ -1091,11 +1092,11 @@ class CPUModelRunner(ModelRunner):
 
     @classmethod
     def load_model(cls, model_dir: str, hf_config, dtype: torch.dtype,
-                   lora: tuple[int, int] | None = None) -> tuple[nn.Module, int]:
+                   lora_slots: tuple[int, int] | None = None) -> tuple[nn.Module, int]:
         """The model, with its linear layers' weights packed once for the path's matmul
         (``cpu_ops.pack_linear_layers``: oneDNN's, or a compiled kernel's; the vision tower's,
         which only multiplies prompt-sized inputs, may take another than the decoder's)."""
-        model, weight_bytes = super().load_model(model_dir, hf_config, dtype, lora)
+        model, weight_bytes = super().load_model(model_dir, hf_config, dtype, lora_slots)
         pack_linear_layers(model, prompt_only=model.encoder_modules())
         return model, weight_bytes
 
