@@ -22,6 +22,12 @@ class PromptTooLongError(InvalidInputError):
         return type(self), (str(self), self.param)
 
 
+class AdapterUnavailableError(InvalidInputError):
+    """A request's LoRA adapter that cannot run (its files, its config, another model's
+    shapes), saying why: the caller's input in the Python API; a server's own adapter's fault
+    where the request only named it."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine cannot serve any more (its steps keep failing for requests that had run
     fine, or it was shut down); in-flight requests cannot finish."""

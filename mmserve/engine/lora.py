@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mmserve.config import EngineConfig
-from mmserve.errors import InvalidInputError
+from mmserve.errors import AdapterUnavailableError, InvalidInputError
 from mmserve.lora_request import LoRARequest
 from mmserve.models.lora import CONFIG_FILE, WEIGHTS_FILE, AdapterError, read_adapter
 
@@ -50,7 +50,7 @@ class LoRAChecker:
         try:
             read_adapter(lora.lora_name, lora.lora_path, self.text_config, self.max_rank)
         except AdapterError as e:
-            raise InvalidInputError(str(e), param="lora_request") from e
+            raise AdapterUnavailableError(str(e), param="lora_request") from e
         if key[1] is None:
             return  # (files that were not there a moment ago: checked again next time)
         with self._lock:

@@ -89,7 +89,12 @@ from mmserve.entrypoints.response_store import (
 from mmserve.entrypoints.serve_args import ServerConfig
 from mmserve.entrypoints.tool_call_readers import merge
 from mmserve.entrypoints.uploads_api import UploadsApi
-from mmserve.errors import EngineDeadError, InvalidInputError, PromptTooLongError
+from mmserve.errors import (
+    AdapterUnavailableError,
+    EngineDeadError,
+    InvalidInputError,
+    PromptTooLongError,
+)
 from mmserve.lora_request import LoRARequest
 from mmserve.models.lora import AdapterError
 from mmserve.outputs import RequestOutput, cosine_scores, embedding_of
@@ -1481,8 +1486,8 @@ _COUNTED_FIELDS = frozenset({
 def _as_api_error(e: Exception) -> ApiError:
     if isinstance(e, ApiError):
         return e
-    if isinstance(e, InvalidInputError) and e.param == "lora_request":
-        # (the server's own --lora-modules adapter: nothing the client sent)
+    if isinstance(e, AdapterUnavailableError):
+        # (the server's own adapter, which the request named: nothing the client sent)
         return ApiError(500, f"the model's LoRA adapter cannot run: {e}", param="model",
                         type="server_error", code="adapter_unavailable")
     if isinstance(e, InvalidInputError):
@@ -1497,8 +1502,7 @@ def _in_field(param: str | None, field: str) -> str | None:
     """An embedding item's error's ``param`` as the endpoint's ``field`` for the item: the
     engine names a prompt's ``prompt`` (or ``messages``, ``images``), and a chat item's
     ``messages[0]...`` (vLLM's ``{"content": [...]}`` items are one user message)."""
-    if field == "messages" or param in ("truncate_prompt_tokens", "priority", "request_id",
-                                        "lora_request"):
+    if field == "messages" or param in ("truncate_prompt_tokens", "priority", "request_id"):
         return param
     if param is not None and param.startswith("messages[0]"):
         return field + param[len("messages[0]"):]
